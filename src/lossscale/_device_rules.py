@@ -1,0 +1,166 @@
+"""The policies' update rules on device tensors: no host sync, CUDA-graph friendly (in-place updates).
+
+Each function here is the tensor form of a pure rule in :mod:`lossscale.policy`; the tests drive both
+forms with the same random flag sequences and assert the states agree bitwise. Keep them in step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .policy import DynamicPolicy, ScaleState, StaticPolicy
+
+# Layout of the int64 counter vector: one tensor, so the shared bookkeeping is a handful of kernels
+# whatever the number of counters, and the whole vector can be copied to the host in one transfer.
+STEPS, SKIPPED, INF_STEPS, NAN_STEPS, STREAK, STREAK_NAN, HYSTERESIS = range(7)
+_N_COUNTERS = 7
+
+
+class DeviceState:
+    """A policy state held as device tensors (the scaler's source of truth once training starts).
+
+    Attributes:
+        scale: float32 0-dim tensor, as torch's GradScaler keeps it (so ``loss * scale`` is bitwise
+            the same).
+        growth_tracker: int32 0-dim tensor, torch's dtype, so ``torch._amp_update_scale_`` can run on it.
+        counters: int64 vector, see the index constants above.
+        streak_start_scale: float32 0-dim tensor, the scale when the current overflow streak began.
+    """
+
+    def __init__(self, state: ScaleState, device: torch.device):
+        self.scale = torch.full((), state.scale, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.full((), state.growth_tracker, dtype=torch.int32, device=device)
+        values = [0] * _N_COUNTERS
+        values[STEPS], values[SKIPPED] = state.steps, state.skipped_steps
+        values[INF_STEPS], values[NAN_STEPS] = state.inf_steps, state.nan_steps
+        values[STREAK], values[STREAK_NAN] = state.overflow_streak, state.streak_nan_steps
+        values[HYSTERESIS] = state.hysteresis_tracker
+        self.counters = torch.tensor(values, dtype=torch.int64, device=device)
+        self.streak_start_scale = torch.full((), state.streak_start_scale, dtype=torch.float32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives."""
+        return self.scale.device
+
+    def snapshot(self) -> torch.Tensor:
+        """Every field packed in one float64 vector, for a single device-to-host copy.
+
+        float64 holds the float32 scales and any counter below 2**53 exactly.
+        """
+        return torch.cat(
+            [
+                torch.stack([self.scale, self.streak_start_scale]).double(),
+                self.growth_tracker.double().reshape(1),
+                self.counters.double(),
+            ]
+        )
+
+    @staticmethod
+    def from_snapshot(values) -> ScaleState:
+        """The pure :class:`ScaleState` for a host copy of :meth:`snapshot` (a list of floats)."""
+        c = [int(v) for v in values[3:]]
+        return ScaleState(
+            scale=float(values[0]),
+            streak_start_scale=float(values[1]),
+            growth_tracker=int(values[2]),
+            steps=c[STEPS],
+            skipped_steps=c[SKIPPED],
+            inf_steps=c[INF_STEPS],
+            nan_steps=c[NAN_STEPS],
+            overflow_streak=c[STREAK],
+            streak_nan_steps=c[STREAK_NAN],
+            hysteresis_tracker=c[HYSTERESIS],
+        )
+
+    def to_state(self) -> ScaleState:
+        """The pure state. Syncs host and device (one transfer)."""
+        return self.from_snapshot(self.snapshot().tolist())
+
+
+def count_(st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor) -> None:
+    """The shared bookkeeping alone (counters and streak), for an iteration whose scale is set by hand."""
+    overflow = (found_inf > 0).to(torch.int64)
+    _count_(st, overflow, (found_nan > 0).to(torch.int64) * overflow)
+
+
+def _count_(st: DeviceState, overflow: torch.Tensor, nan: torch.Tensor) -> None:
+    """Shared bookkeeping (policy._count) on device. ``overflow``/``nan``: int64 0/1 0-dim tensors."""
+    # The streak starts at this iteration's scale when the previous streak length was 0.
+    starts = overflow * (st.counters[STREAK] == 0)
+    st.streak_start_scale.copy_(torch.where(starts.bool(), st.scale, st.streak_start_scale))
+    one = torch.ones_like(overflow)
+    st.counters[:STREAK_NAN + 1].add_(torch.stack([one, overflow, overflow - nan, nan, one, nan]))
+    st.counters[STREAK:STREAK_NAN + 1].mul_(overflow)  # a clean step ends the streak
+
+
+def dynamic_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor) -> None:
+    """:meth:`DynamicPolicy.update` on device tensors, in place.
+
+    ``found_inf`` / ``found_nan``: float32 0-dim tensors on ``st.device``, > 0 meaning true (torch's
+    convention: found_inf is a sum of per-device flags).
+    """
+    overflow = (found_inf > 0).to(torch.int64)
+    nan = (found_nan > 0).to(torch.int64) * overflow
+    _count_(st, overflow, nan)
+    hyst = st.counters[HYSTERESIS]
+    if policy.hysteresis == 1:
+        # Hysteresis 1 backs off on every overflow, which is torch's own fused kernel: use it, so the
+        # torch-compatible configuration is torch's arithmetic by construction (and one kernel, not ten).
+        torch._amp_update_scale_(
+            st.scale, st.growth_tracker, found_inf, policy.growth_factor, policy.backoff_factor, policy.growth_interval
+        )
+        if policy.min_scale is not None or policy.max_scale is not None:
+            # The bounds as a clamp after the kernel equal the pure rule because the scale always
+            # starts inside them: only a backoff can cross min and only a growth can cross max.
+            st.scale.clamp_(policy.min_scale, policy.max_scale)
+        # After a clean step the tracker is 0 only if this step grew the scale (interval >= 1).
+        refill = (st.growth_tracker == 0) if not policy.consecutive_hysteresis else torch.ones_like(hyst, dtype=torch.bool)
+        hyst.copy_(torch.where(overflow.bool(), torch.zeros_like(hyst), torch.where(refill, policy.hysteresis, hyst)))
+        return
+    ov = overflow.bool()
+    spent = (hyst - 1).clamp_min(0)
+    backoff = ov & (spent == 0)
+    tracker = st.growth_tracker + 1
+    grow = ~ov & (tracker >= policy.growth_interval)
+    # Multiply in float64 and round once to float32, as torch's kernel does
+    # (static_cast<float>(scale * factor) with double factors).
+    down = (st.scale.double() * policy.backoff_factor).float()
+    if policy.min_scale is not None:
+        down = down.clamp_min(policy.min_scale)
+    up = (st.scale.double() * policy.growth_factor).float()
+    up_ok = grow & torch.isfinite(up)
+    if policy.max_scale is not None:
+        up = up.clamp_max(policy.max_scale)
+    st.scale.copy_(torch.where(backoff, down, torch.where(up_ok, up, st.scale)))
+    st.growth_tracker.copy_(torch.where(ov | grow, torch.zeros_like(tracker), tracker))
+    keep = torch.full_like(hyst, policy.hysteresis) if policy.consecutive_hysteresis else hyst
+    hyst.copy_(torch.where(ov, spent, torch.where(grow, torch.full_like(hyst, policy.hysteresis), keep)))
+
+
+def static_update_(policy: StaticPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor) -> None:
+    """:meth:`StaticPolicy.update` on device tensors, in place: counters only."""
+    overflow = (found_inf > 0).to(torch.int64)
+    nan = (found_nan > 0).to(torch.int64) * overflow
+    _count_(st, overflow, nan)
+    st.growth_tracker.add_(1).mul_((1 - overflow).to(torch.int32))
+
+
+_RULES = {DynamicPolicy: dynamic_update_, StaticPolicy: static_update_}
+
+
+def register_rule(policy_type, rule) -> None:
+    """Register the device form of a new policy type (its pure form is the policy's ``update``)."""
+    _RULES[policy_type] = rule
+
+
+def device_update_(policy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor, **extra) -> None:
+    """Dispatch to the device rule of ``policy``'s type."""
+    try:
+        rule = _RULES[type(policy)]
+    except KeyError:
+        raise TypeError(
+            f"no device rule for policy type {type(policy).__name__}; register one with "
+            "lossscale._device_rules.register_rule."
+        ) from None
+    rule(policy, st, found_inf, found_nan, **extra)

@@ -1,0 +1,79 @@
+"""Tiny models and a twin-run harness shared by the scaler tests (kept tiny: CPU fp16 is slow)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def tiny_mlp(seed: int = 0, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> torch.nn.Module:
+    """A two-layer MLP with FP32 parameters (FP32 master weights under autocast)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+
+
+def batch(step: int, n: int = 8, d_in: int = 8, d_out: int = 4):
+    """A deterministic batch for ``step``."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, d_in, generator=g), torch.randint(0, d_out, (n,), generator=g)
+
+
+def make_optimizer(kind: str, params):
+    """SGD with momentum, Adam (foreach) or fused Adam."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3, foreach=True)
+    if kind == "fused_adam":
+        return torch.optim.Adam(params, lr=1e-3, fused=True)
+    raise ValueError(kind)
+
+
+def backward(model, scaler, step: int, loss_mult: float = 1.0):
+    """Forward under fp16 autocast and a scaled backward."""
+    x, y = batch(step)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(model(x), y) * loss_mult
+    scaler.scale(loss).backward()
+    return loss
+
+
+def inject(model, step: int, rate: float, seed: int = 0) -> str:
+    """Plant an inf or a NaN in one gradient with probability ``rate``; returns "", "inf" or "nan"."""
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    if torch.rand((), generator=g).item() >= rate:
+        return ""
+    params = [p for p in model.parameters() if p.grad is not None]
+    p = params[int(torch.randint(0, len(params), (), generator=g))]
+    kind = "nan" if torch.rand((), generator=g).item() < 0.5 else "inf"
+    idx = int(torch.randint(0, p.grad.numel(), (), generator=g))
+    p.grad.view(-1)[idx] = float("nan") if kind == "nan" else float("inf")
+    return kind
+
+
+def twins(seed: int = 0):
+    """Two bitwise-identical models."""
+    a = tiny_mlp(seed)
+    return a, copy.deepcopy(a)
+
+
+def states_equal(opt_a, opt_b) -> bool:
+    """Optimizer states equal bitwise (every tensor with torch.equal)."""
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    if sa.keys() != sb.keys():
+        return False
+    for k in sa:
+        for name in sa[k]:
+            va, vb = sa[k][name], sb[k][name]
+            if isinstance(va, torch.Tensor):
+                if not torch.equal(va, vb):
+                    return False
+            elif va != vb:
+                return False
+    return True
+
+
+def params_equal(a, b) -> bool:
+    """Parameters equal bitwise."""
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -1,0 +1,72 @@
+"""Differential tests: lossscale.GradScaler configured like torch is bitwise torch.amp.GradScaler("cpu")."""
+
+import pytest
+import torch
+
+import lossscale
+from _models import backward, inject, make_optimizer, params_equal, states_equal, twins
+
+TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "fused_adam"])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bitwise_identical_to_torch(kind, clip, seed):
+    model_t, model_l = twins(seed)
+    opt_t, opt_l = make_optimizer(kind, model_t.parameters()), make_optimizer(kind, model_l.parameters())
+    cfg = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ref = torch.amp.GradScaler("cpu", **cfg)
+    ours = lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE)
+    # loss_mult lifts gradients so the 2**16 start overflows in fp16 now and then, besides injections.
+    for step in range(40):
+        for model, opt, scaler in ((model_t, opt_t, ref), (model_l, opt_l, ours)):
+            opt.zero_grad(set_to_none=True)
+            backward(model, scaler, step, loss_mult=4.0)
+            inject(model, step, rate=0.2, seed=seed)
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+        assert ref.get_scale() == ours.get_scale(), step
+        assert ref._get_growth_tracker() == ours._get_growth_tracker(), step
+        assert params_equal(model_t, model_l), step
+        assert states_equal(opt_t, opt_l), step
+    assert ours.skipped_steps > 0  # the run exercised the skip path
+
+
+def test_scale_trajectory_matches_torch_under_random_flags():
+    # Drive both scalers with forced inf at random iterations and a mix of factors; compare every scale.
+    g = torch.Generator().manual_seed(5)
+    for growth, backoff, interval in [(2.0, 0.5, 1), (4.0, 0.25, 2), (1.5, 0.7, 3)]:
+        p_t = torch.nn.Parameter(torch.ones(3))
+        p_l = torch.nn.Parameter(torch.ones(3))
+        opt_t, opt_l = torch.optim.SGD([p_t], lr=0.1), torch.optim.SGD([p_l], lr=0.1)
+        ref = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=growth, backoff_factor=backoff,
+                                   growth_interval=interval)
+        with pytest.warns(UserWarning, match="power of two"):
+            ours = lossscale.GradScaler(init_scale=1000.0, growth_factor=growth, backoff_factor=backoff,
+                                        growth_interval=interval, **TORCH_LIKE)
+        for _ in range(60):
+            bad = torch.rand((), generator=g).item() < 0.3
+            for p, opt, s in ((p_t, opt_t, ref), (p_l, opt_l, ours)):
+                opt.zero_grad()
+                s.scale(p.sum()).backward()
+                if bad:
+                    p.grad[0] = float("inf")
+                s.step(opt)
+                s.update()
+            assert ref.get_scale() == ours.get_scale()
+            assert torch.equal(p_t, p_l)
+
+
+def test_state_dict_is_torch_loadable_and_torch_state_loads():
+    ours = lossscale.GradScaler(init_scale=2.0**10, growth_interval=7, **TORCH_LIKE)
+    ref = torch.amp.GradScaler("cpu")
+    ref.load_state_dict(ours.state_dict())
+    assert ref.get_scale() == 2.0**10 and ref.get_growth_interval() == 7
+    ref2 = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=5)
+    ours2 = lossscale.GradScaler(**TORCH_LIKE)
+    ours2.load_state_dict(ref2.state_dict())
+    assert ours2.get_scale() == 2.0**12 and ours2.get_growth_interval() == 5
