@@ -352,20 +352,27 @@ def diagnose(policy: Policy, state: ScaleState) -> str:
         f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"
         + (f" (min_scale={policy.min_scale:g})." if getattr(policy, "min_scale", None) is not None else ".")
     ]
-    if nan and (nan == streak or state.streak_start_scale > state.scale * 4):
+    if nan and streak > 1 and state.streak_start_scale != state.scale:
         lines.append(
-            "NaN persists while the scale changed: the scale is not the cause. NaN comes from the model "
-            "or data: 0/0, log or sqrt of a negative or zero, inf - inf (e.g. an overflowed fp16 "
-            "activation), NaN already in the weights or inputs, or a learning rate that diverged. "
-            "Find it with torch.autograd.set_detect_anomaly(True) or scaler.overflow_report()."
+            f"NaN persisted while the scale fell {state.streak_start_scale / state.scale:g}x: the scale is "
+            "not the cause (a smaller scale cures inf, never NaN). NaN comes from the model or data: 0/0, "
+            "log or sqrt of a negative or zero, inf - inf (e.g. an overflowed fp16 activation), NaN "
+            "already in the weights or inputs, or a learning rate that diverged. Find it with "
+            "torch.autograd.set_detect_anomaly(True)."
+        )
+    elif nan:
+        lines.append(
+            "NaN at the smallest scale the policy allows: lowering the scale cannot cure a NaN. Look for "
+            "0/0, log or sqrt of a negative or zero, inf - inf (an overflowed fp16 activation), or NaN "
+            "already in the weights or inputs (torch.autograd.set_detect_anomaly(True) finds the op)."
         )
     else:
         lines.append(
-            "Gradients overflow even at a small scale: the overflow is in the fp16 forward/backward "
-            "itself (an activation or gradient above 65504), not in the scaling. Fixes: keep that layer "
-            "in fp32 (autocast(enabled=False) around it, or a softmax/norm in fp32), lower the learning "
-            "rate or clip gradients, check the inputs for extreme values, or train in bf16 "
-            "(GradScaler.passthrough())."
+            "Gradients overflow even at the smallest scale allowed: the overflow is in the fp16 "
+            "forward/backward itself (an activation or gradient above 65504), not in the scaling. Fixes: "
+            "keep that layer in fp32 (autocast(enabled=False) around it, or a softmax/norm in fp32), "
+            "lower the learning rate or clip gradients, check the inputs for extreme values, or train in "
+            "bf16 (GradScaler.passthrough()). If the overflows are rare and isolated, lower min_scale."
         )
     lines.append("scaler.overflow_report() names the parameters that held inf and NaN on the last skipped step.")
     return "\n".join(lines)

@@ -1,0 +1,381 @@
+"""GradScaler beyond torch parity: skips, fault injection, checkpoints, errors, diagnosis, extras."""
+
+import copy
+import pickle
+import random
+import warnings
+
+import pytest
+import torch
+
+import lossscale
+from _models import backward, batch, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
+
+
+def snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "fused_adam"])
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_skipped_step_leaves_parameters_and_optimizer_state_untouched(kind, bad):
+    model = tiny_mlp()
+    opt = make_optimizer(kind, model.parameters())
+    scaler = lossscale.GradScaler()
+    for step in range(3):  # warm the optimizer state (momentum, exp_avg, step count)
+        opt.zero_grad()
+        backward(model, scaler, step)
+        scaler.step(opt)
+        scaler.update()
+    params, state = snapshot(model, opt)
+    opt.zero_grad()
+    backward(model, scaler, 3)
+    next(model.parameters()).grad[0, 0] = float(bad)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    after = opt.state_dict()["state"]
+    for k, entry in state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[k][name])), (k, name)
+    counters = scaler.counters()
+    assert counters[f"{bad}_steps"] == 1 and counters["skipped_steps"] == 1
+    report = scaler.overflow_report()
+    assert report[bad] and not report["nan" if bad == "inf" else "inf"]
+
+
+def test_fault_injection_2000_steps():
+    model = tiny_mlp(1)
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = lossscale.GradScaler(model=model)
+    injected = skipped = wrong = 0
+    for step in range(2000):
+        opt.zero_grad(set_to_none=True)
+        backward(model, scaler, step % 50)
+        kind = inject(model, step, rate=0.05, seed=3)
+        scaler.step(opt)
+        scaler.update()
+        injected += bool(kind)
+        skipped += scaler.last_step_skipped
+        wrong += scaler.last_step_skipped != bool(kind)
+        if kind:
+            assert scaler.overflow_report()[kind], step
+    assert wrong == 0  # every injected step skipped, no clean step skipped
+    assert skipped == injected > 50
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    c = scaler.counters()
+    assert c["skipped_steps"] == injected and c["steps"] == 2000
+    assert c["inf_steps"] + c["nan_steps"] == injected and c["inf_steps"] > 0 and c["nan_steps"] > 0
+
+
+@pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
+def test_checkpoint_continuation_is_bitwise_identical(kind, tmp_path):
+    rng = random.Random(kind)
+    save_at = rng.randrange(5, 25)
+    model, _ = twins(2)
+    opt = make_optimizer(kind, model.parameters())
+    scaler = lossscale.GradScaler(init_scale=2.0**18, growth_interval=4, hysteresis=2, min_scale=2.0**-4)
+
+    def iteration(m, o, s, step):
+        o.zero_grad()
+        backward(m, s, step, loss_mult=8.0)
+        inject(m, step, rate=0.2, seed=7)
+        s.step(o)
+        s.update()
+
+    for step in range(save_at):
+        iteration(model, opt, scaler, step)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, path)
+    ckpt = torch.load(path, weights_only=True)  # the state dict is plain Python: weights_only works
+    model2 = tiny_mlp(99)
+    opt2 = make_optimizer(kind, model2.parameters())
+    scaler2 = lossscale.GradScaler()  # different config: the checkpoint's config wins
+    scaler2.load_state_dict(ckpt["scaler"])  # before the first scale(): must work
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    for step in range(save_at, save_at + 20):
+        iteration(model, opt, scaler, step)
+        iteration(model2, opt2, scaler2, step)
+        assert scaler.get_scale() == scaler2.get_scale()
+        assert params_equal(model, model2) and states_equal(opt, opt2)
+    assert scaler.state_dict() == scaler2.state_dict()
+
+
+def test_state_dict_round_trip_covers_every_field():
+    # jmp's bug: a round trip that forgets a field silently resets it. Make every field non-default.
+    scaler = lossscale.GradScaler(init_scale=2.0**5, growth_factor=4.0, backoff_factor=0.25, growth_interval=9,
+                                  hysteresis=3, consecutive_hysteresis=True, min_scale=2.0**-3,
+                                  max_scale=2.0**20, on_stuck="ignore", max_consecutive_skips=7)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for bad in (True, False, True, True):
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        if bad:
+            p.grad[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+    sd = scaler.state_dict()
+    other = lossscale.GradScaler()
+    other.load_state_dict(sd)
+    assert other.state_dict() == sd
+    assert other.policy == scaler.policy
+    assert sd["state"]["nan_steps"] == 3 and sd["state"]["hysteresis_tracker"] == 1
+    assert pickle.loads(pickle.dumps(scaler)).state_dict() == sd
+
+
+def test_bad_call_orders_raise_and_change_nothing():
+    model = tiny_mlp()
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = lossscale.GradScaler()
+    for call in (lambda: scaler.step(opt), lambda: scaler.unscale_(opt), lambda: scaler.update()):
+        with pytest.raises(RuntimeError, match="scale\\(loss\\)"):
+            call()
+    backward(model, scaler, 0)
+    with pytest.raises(RuntimeError, match="step\\(optimizer\\)"):
+        scaler.update()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    before = scaler.state_dict()
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaler.step(opt, closure=lambda: 0)
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=-1.0)
+    with pytest.raises(ValueError, match="max_scale"):
+        scaler.update(new_scale=2.0**30)
+    assert scaler.state_dict() == before
+    scaler.update()
+    assert scaler.state_dict()["state"]["steps"] == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(growth_factor=0.9), "growth_factor"),
+    (dict(backoff_factor=2.0), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(policy="fancy"), "policy"),
+    (dict(policy=lossscale.StaticPolicy(), init_scale=4.0), "init_scale"),
+    (dict(device=3), "device"),
+    (dict(on_stuck="maybe"), "on_stuck"),
+])
+def test_bad_scaler_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lossscale.GradScaler(**kwargs)
+
+
+def test_setters_validate_and_keep_state():
+    scaler = lossscale.GradScaler()
+    with pytest.raises(ValueError, match="growth_factor"):
+        scaler.set_growth_factor(1.0)
+    assert scaler.get_growth_factor() == 2.0
+    scaler.set_growth_interval(10)
+    scaler.set_backoff_factor(0.25)
+    assert (scaler.get_growth_interval(), scaler.get_backoff_factor()) == (10, 0.25)
+
+
+def test_bad_state_dicts_raise_and_change_nothing():
+    scaler = lossscale.GradScaler(init_scale=2.0**8)
+    with pytest.raises(RuntimeError, match="empty"):
+        scaler.load_state_dict({})
+    with pytest.raises(ValueError, match="missing"):
+        scaler.load_state_dict({"scale": 1.0})
+    bad = lossscale.GradScaler().state_dict()
+    bad["lossscale_version"] = 99
+    with pytest.raises(ValueError, match="version"):
+        scaler.load_state_dict(bad)
+    torch_sd = torch.amp.GradScaler("cpu", init_scale=0.25).state_dict()
+    with pytest.raises(ValueError, match="min_scale"):
+        scaler.load_state_dict(torch_sd)  # below this scaler's min_scale=1
+    assert scaler.get_scale() == 2.0**8
+
+
+def test_fp16_parameters_with_plain_optimizer_name_the_parameters_and_fixes():
+    model = tiny_mlp().half()
+    scaler = lossscale.GradScaler(model=model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0)
+    scaler.scale(torch.nn.functional.cross_entropy(model(x.half()), y)).backward()
+    with pytest.raises(ValueError, match=r"0\.weight.*autocast"):
+        scaler.step(opt)
+
+
+def test_stuck_at_min_scale_raises_with_nan_diagnosis():
+    scaler = lossscale.GradScaler(init_scale=4.0, min_scale=1.0, on_stuck="raise")
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with pytest.raises(RuntimeError, match="NaN persisted") as err:
+        for _ in range(10):
+            opt.zero_grad()
+            scaler.scale(p.sum()).backward()
+            p.grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+    assert "not the cause" in str(err.value)
+    assert scaler.get_scale() == 1.0
+
+
+def test_stuck_inf_warns_once_per_streak():
+    scaler = lossscale.GradScaler(init_scale=2.0, min_scale=1.0)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+
+    def it(bad):
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        if bad:
+            p.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for bad in [True] * 6 + [False] + [True] * 3:
+            it(bad)
+    stuck = [w for w in rec if "overflow" in str(w.message)]
+    assert len(stuck) == 2  # one per streak
+    assert "fp32" in str(stuck[0].message)
+
+
+def test_last_step_skipped_and_scheduler_do_not_advance_on_skips():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = lossscale.GradScaler()
+    advanced = []
+    for bad in (False, True, False):
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        if bad:
+            p.grad[1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.last_step_skipped == bad
+        advanced.append(scaler.step_scheduler(sched))
+    assert advanced == [True, False, True]
+    assert sched.last_epoch == 2 and scaler.skipped_steps == 1
+
+
+def test_fused_path_skip_awareness_reads_device_flag():
+    model = tiny_mlp()
+    opt = make_optimizer("fused_adam", model.parameters())
+    scaler = lossscale.GradScaler()
+    backward(model, scaler, 0)
+    model[0].bias.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.overflow_report()["inf"]
+
+
+def test_several_optimizers_and_losses_per_iteration():
+    a, b = tiny_mlp(0), tiny_mlp(1)
+    oa, ob = make_optimizer("sgd", a.parameters()), make_optimizer("adam", b.parameters())
+    ta, tb = copy.deepcopy(a), copy.deepcopy(b)
+    toa, tob = make_optimizer("sgd", ta.parameters()), make_optimizer("adam", tb.parameters())
+    ours = lossscale.GradScaler(min_scale=None, max_scale=None, growth_interval=2)
+    ref = torch.amp.GradScaler("cpu", growth_interval=2)
+    for step in range(6):
+        for (ma, mb, o1, o2, s) in ((a, b, oa, ob, ours), (ta, tb, toa, tob, ref)):
+            o1.zero_grad(), o2.zero_grad()
+            x, y = batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                l1 = torch.nn.functional.cross_entropy(ma(x), y)
+                l2 = torch.nn.functional.cross_entropy(mb(x), y)
+            s.scale(l1).backward(retain_graph=True)
+            s.scale(l2).backward()
+            if step == 3:
+                next(mb.parameters()).grad[0, 0] = float("inf")
+            s.step(o1)
+            s.step(o2)
+            s.update()
+        assert ours.get_scale() == ref.get_scale()
+        assert params_equal(a, ta) and params_equal(b, tb)
+
+
+def test_gradient_accumulation_matches_torch():
+    m1, m2 = twins(4)
+    o1, o2 = make_optimizer("sgd", m1.parameters()), make_optimizer("sgd", m2.parameters())
+    ours, ref = lossscale.GradScaler(min_scale=None, max_scale=None), torch.amp.GradScaler("cpu")
+    for step in range(4):
+        for m, o, s in ((m1, o1, ours), (m2, o2, ref)):
+            o.zero_grad()
+            for micro in range(3):
+                x, y = batch(10 * step + micro)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.cross_entropy(m(x), y) / 3
+                s.scale(loss).backward()
+            s.step(o)
+            s.update()
+    assert params_equal(m1, m2)
+
+
+def test_scale_nested_outputs_and_device_inference():
+    scaler = lossscale.GradScaler(init_scale=4.0)
+    out = scaler.scale({"a": torch.ones(2), "b": [torch.ones(1), (torch.ones(3),)]})
+    assert torch.equal(out["a"], torch.full((2,), 4.0)) and torch.equal(out["b"][1][0], torch.full((3,), 4.0))
+    assert scaler._get_scale_async().device.type == "cpu"
+    with pytest.raises(ValueError, match="scale\\(\\) takes"):
+        scaler.scale([torch.ones(1), "x"])
+    wrong = lossscale.GradScaler(device="cuda") if torch.cuda.is_available() else None
+    if wrong is not None:
+        with pytest.raises(ValueError, match="device"):
+            wrong.scale(torch.ones(1))
+
+
+def test_passthrough_for_bf16_skips_nonfinite_without_scaling():
+    model = tiny_mlp().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lossscale.GradScaler.passthrough()
+    x, y = batch(0)
+    loss = torch.nn.functional.cross_entropy(model(x.bfloat16()), y)
+    assert torch.equal(scaler.scale(loss), loss)
+    loss_scaled = scaler.scale(loss)
+    loss_scaled.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped and scaler.get_scale() == 1.0
+    # the gradients were not rewritten (no unscale pass at scale 1)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x.bfloat16()), y)).backward()
+    model[2].weight.grad[0, 0] = float("nan")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_disabled_scaler_is_a_no_op():
+    scaler = lossscale.GradScaler(enabled=False)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    loss = p.sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+    assert torch.equal(p.detach(), torch.zeros(2))
+
+
+def test_update_with_new_scale_like_torch():
+    ours = lossscale.GradScaler(min_scale=None, max_scale=None)
+    ref = torch.amp.GradScaler("cpu")
+    for s in (ours, ref):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=1.0)
+        s.scale(p.sum()).backward()
+        s.step(opt)
+        s.update(new_scale=8.0)
+        s.scale(p.sum())
+        s.update(new_scale=torch.tensor(16.0))
+    assert ours.get_scale() == ref.get_scale() == 16.0
+    assert ours._get_growth_tracker() == ref._get_growth_tracker()
