@@ -50,7 +50,7 @@ class OptState(enum.Enum):
 class _OptimizerRecord:
     """What one iteration learned about one optimizer's gradients."""
 
-    __slots__ = ("stage", "found_inf", "found_nan", "host_found", "amax_vectors", "params")
+    __slots__ = ("stage", "found_inf", "found_nan", "host_found", "amax_vectors", "params", "amax")
 
     def __init__(self):
         self.stage = OptState.READY
@@ -59,6 +59,7 @@ class _OptimizerRecord:
         self.host_found: Optional[bool] = None  # known on the host only where a sync already happened
         self.amax_vectors: List[torch.Tensor] = []  # per-parameter max|g|, only on the overflow path
         self.params: List[torch.Tensor] = []
+        self.amax: Optional[torch.Tensor] = None  # max|g| of the scaled gradients, for needs_amax policies
 
 
 def _policy_from_kwargs(policy, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
@@ -336,19 +337,21 @@ class GradScaler:
         passthrough = isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0
         grads = self._gather(optimizer, allow_half=not unscale or passthrough)
         groups = _kernels.group_grads(grads)
+        needs_amax = getattr(self._policy, "needs_amax", False)  # e.g. AdaptivePolicy
         if self._telemetry is not None:
             self._telemetry.observe(self, optimizer, rec.params, grads)
         if unscale and not passthrough:
             # Inverse in float64, like torch: a float32 reciprocal could be off by one ulp for a
             # non-power-of-two scale on some compilers.
             inv_scale = st.scale.double().reciprocal().float()
-            if sync:
+            if sync and not needs_amax:
                 found = torch.zeros((), dtype=torch.float32, device=st.device)
                 per_device = _kernels.check_and_unscale_(groups, inv_scale, found)
                 found_inf = self._combine(per_device.values(), st.device)
                 found_nan = torch.zeros_like(found_inf)
             else:
-                # No sync allowed: learn inf vs NaN from a read-only amax pass, then torch's kernel.
+                # No sync allowed, or the policy needs the amax: learn inf vs NaN (and the amax) from a
+                # read-only amax pass, then torch's kernel.
                 vectors, amax = _kernels.amax_per_tensor(groups, st.device)
                 found_inf, found_nan = _kernels.flags_from_amax(amax)
                 _kernels.check_and_unscale_(groups, inv_scale, torch.zeros_like(found_inf))
@@ -358,6 +361,9 @@ class GradScaler:
             found_inf, found_nan = _kernels.flags_from_amax(amax)
             rec.amax_vectors = vectors
         found_inf, found_nan = self._reduce_flags(found_inf, found_nan)
+        if needs_amax:
+            # Every rank must feed the policy the same amax, or their scales drift apart (MAX too).
+            rec.amax = self._reduce_flags(amax, torch.zeros_like(amax))[0]
         rec.found_inf = {st.device: found_inf}
         rec.found_nan = found_nan
         if sync:
@@ -479,6 +485,10 @@ class GradScaler:
                     st.scale.clamp_(lo, hi)
             else:
                 st.scale.fill_(new_scale)
+        elif getattr(self._policy, "needs_amax", False):
+            amaxes = [r.amax for r in records if r.amax is not None]
+            amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
+            device_update_(self._policy, st, found_inf, found_nan, amax=amax)
         else:
             device_update_(self._policy, st, found_inf, found_nan)
         any_host_overflow = any(r.host_found for r in records)
