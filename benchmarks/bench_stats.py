@@ -1,0 +1,157 @@
+"""Cost of ``lossscale.stats.grad_stats`` relative to a memcpy of the same bytes.
+
+For each size (1M, 10M, 50M float32 elements), layout (one tensor, or the same elements as 200
+tensors) and thread setting (``torch.set_num_threads(1)`` and torch's default), it times,
+interleaved, repeat after repeat:
+
+* ``copy_``: ``dst.copy_(src)`` of one preallocated buffer of the same bytes (a pure memcpy);
+* ``clone``: ``src.clone()`` (allocation + first touch of fresh pages + memcpy);
+* ``grad_stats``: ``grad_stats(tensors, scale=1024.0).flushed`` -- reading a figure forces the
+  whole computation (on CPU it is synchronous anyway).
+
+It reports the median of each and the ratios, prints a markdown table and writes
+``benchmarks/results/stats.json`` and ``stats.md``.  The goal is ``grad_stats <= 1.0x copy_``.
+
+    python benchmarks/bench_stats.py            # full run, ~3-5 minutes on 2 cores
+    python benchmarks/bench_stats.py --quick    # 1M and 10M only, fewer repeats
+
+This is a benchmark, not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
+
+from lossscale.stats import grad_stats  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _median_ms(samples):
+    return statistics.median(samples) * 1e3
+
+
+def bench_one(numel: int, pieces: int, dtype: torch.dtype, repeats: int, budget_s: float):
+    gen = torch.Generator().manual_seed(0)
+    # Gradient-like values: normal times a log-uniform magnitude, a few zeros.
+    flat = torch.randn(numel, generator=gen) * torch.exp2(torch.empty(numel).uniform_(-30, -5, generator=gen))
+    flat[::97] = 0.0
+    flat = flat.to(dtype)
+    tensors = list(flat.chunk(pieces)) if pieces > 1 else [flat]
+    tensors = [t.clone() for t in tensors]  # separate allocations, as real gradients are
+    del flat
+    src = torch.empty(numel, dtype=dtype).normal_()
+    dst = torch.empty_like(src)
+
+    cases = {
+        "copy_": lambda: dst.copy_(src),
+        "clone": lambda: src.clone(),
+        "grad_stats": lambda: grad_stats(tensors, scale=1024.0).flushed,
+    }
+    for fn in cases.values():  # warm-up: caches, allocator, page tables
+        fn()
+    samples = {k: [] for k in cases}
+    start = time.perf_counter()
+    done = 0
+    for _ in range(repeats):
+        for name, fn in cases.items():  # interleaved, so drifts in machine load hit all alike
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+        done += 1
+        if time.perf_counter() - start > budget_s and done >= 3:
+            break
+    med = {k: _median_ms(v) for k, v in samples.items()}
+    return {
+        "numel": numel,
+        "tensors": pieces,
+        "dtype": str(dtype).replace("torch.", ""),
+        "repeats": done,
+        "copy_ms": med["copy_"],
+        "clone_ms": med["clone"],
+        "grad_stats_ms": med["grad_stats"],
+        "ratio_vs_copy": med["grad_stats"] / med["copy_"],
+        "ratio_vs_clone": med["grad_stats"] / med["clone"],
+        "ns_per_element": med["grad_stats"] * 1e6 / numel,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1M and 10M only, fewer repeats")
+    args = ap.parse_args(argv)
+
+    default_threads = torch.get_num_threads()
+    sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 50_000_000]
+    configs = [(n, p, torch.float32) for n in sizes for p in (1, 200)]
+    configs.append((10_000_000, 1, torch.float16))  # the 16-bit path, for comparison
+    repeats = {1_000_000: 41, 10_000_000: 15, 50_000_000: 7}
+    budget = {1_000_000: 6.0, 10_000_000: 12.0, 50_000_000: 25.0}
+    if args.quick:
+        repeats = {k: max(5, v // 3) for k, v in repeats.items()}
+
+    rows = []
+    for threads in sorted({1, default_threads}):
+        torch.set_num_threads(threads)
+        for numel, pieces, dtype in configs:
+            r = bench_one(numel, pieces, dtype, repeats[numel], budget[numel])
+            r["threads"] = threads
+            rows.append(r)
+            print(
+                f"threads={threads} numel={numel:>10,} tensors={pieces:>3} {r['dtype']:>7}: "
+                f"copy_ {r['copy_ms']:7.2f} ms  clone {r['clone_ms']:7.2f} ms  "
+                f"grad_stats {r['grad_stats_ms']:7.2f} ms  = {r['ratio_vs_copy']:.2f}x copy_, "
+                f"{r['ratio_vs_clone']:.2f}x clone",
+                flush=True,
+            )
+    torch.set_num_threads(default_threads)
+
+    md = [
+        "| threads | elements | tensors | dtype | copy_ ms | clone ms | grad_stats ms | x copy_ | x clone | ns/elem |",
+        "|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        md.append(
+            f"| {r['threads']} | {r['numel']:,} | {r['tensors']} | {r['dtype']} | {r['copy_ms']:.2f} | "
+            f"{r['clone_ms']:.2f} | {r['grad_stats_ms']:.2f} | {r['ratio_vs_copy']:.2f} | "
+            f"{r['ratio_vs_clone']:.2f} | {r['ns_per_element']:.2f} |"
+        )
+    table = "\n".join(md)
+    print()
+    print(table)
+
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "default_threads": default_threads,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "quick": args.quick,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "stats.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (RESULTS / "stats.md").write_text(
+        "# grad_stats vs memcpy\n\n"
+        "Median wall time; `x copy_` is grad_stats / `dst.copy_(src)` of the same bytes, "
+        "`x clone` is grad_stats / `src.clone()`. grad_stats includes reading one figure.\n\n"
+        f"torch {meta['torch']}, {meta['cpu_count']} CPUs, load average at the end "
+        f"{meta['load_average']}.\n\n" + table + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,753 @@
+"""Gradient statistics: how many values a format would flush, keep, or overflow, at any scale.
+
+:func:`grad_stats` reads a list of gradients once and returns a :class:`GradStats`: exact counts
+of what storing ``x * scale`` in a format (fp16 by default) would do to every element, plus a
+histogram from which :meth:`GradStats.at` answers the same question for another scale without
+touching the gradients again.  :func:`recommend_scale` turns that into a loss scale.
+
+How it works (the whole algorithm)::
+
+    # Every input is a float32 value (fp16 and bf16 values are float32 values too), and the
+    # order of non-negative float32 values is the order of their bit patterns read as integers.
+    # So "what does the cast of x * scale do" is decided by where A = bits(|x|) falls among
+    # three integer boundaries, found once per (format, scale) by binary search with an exact
+    # pure-Python model of torch's cast:
+    #     B1 = first A that survives (not flushed), B2 = first A that rounds to a normal number,
+    #     B3 = first A that overflows.
+    # Each A is binned by (exponent field, class), class = how many of four mantissa
+    # thresholds T its mantissa reaches, with T = {1} + the mantissas of B1, B2, B3:
+    for x in gradients:
+        A = bits(x) & 0x7FFFFFFF                      # |x|
+        field, mantissa = A >> 23, A & 0x7FFFFF
+        hist[5 * field + sum(mantissa >= t for t in T)] += 1
+    # Every boundary is the start of a bin, so each bin lies wholly inside one category and
+    # summing bins per category gives exact counts.  The threshold 1 separates 0 from fp32
+    # subnormals, inf from NaN, and exact powers of two from the rest (the fp16 flush tie).
+    # Fewer than four distinct thresholds leave some classes empty (the slot holds 2^23).
+
+At another scale ``s2`` the boundaries move; :meth:`GradStats.at` recomputes them and sums the
+bins again.  A bin that a new boundary cuts in two ("straddles") cannot be split without the
+data: its count goes to the side of its lower end and into ``error_bound``, so every count
+figure of ``stats.at(s2)`` is within ``error_bound`` of a fresh measurement at ``s2``.  When
+``s2 / scale`` is a power of two, the boundaries move by whole binades and stay on bin edges,
+so ``error_bound`` is 0 and ``at`` is exact, for every format, as long as the boundaries stay
+inside float32's normal range (``|x| >= 2^-126``; for fp16 and fp8 that means scales up to
+about 2^100; bf16 and fp32 share float32's exponent range, so their underflow boundaries are
+float32 subnormals at scales near 1 and exactness there holds only when no input lands in a
+cut bin).  ``error_bound`` says which case you are in.
+
+Cost: one read of the gradients.  They are processed in chunks small enough to stay in cache
+(on CPU, 2^19 elements), a dozen cheap integer operations and one histogram per chunk; fp16
+and bf16 inputs are histogrammed by their 16-bit pattern directly (one mask and one count per
+chunk, the per-pattern counts mapped to bins at the end).  Many small tensors are packed into
+one chunk by ``torch._foreach_copy_`` instead of a Python loop of kernels each.  Nothing is
+read back to the host: the histogram and ``amax`` stay device tensors inside the
+:class:`GradStats`, and **reading a figure syncs host and device** (once; the figures are
+then cached).
+
+>>> import torch
+>>> from lossscale.stats import grad_stats, recommend_scale
+>>> g = torch.tensor([2.0**-26, 2.0**-25, 2.0**-24, 1.0, 70000.0, 0.0])
+>>> s = grad_stats([g], scale=1.0, fmt="fp16")
+>>> (s.zeros, s.flushed, s.subnormal, s.overflow)
+(1, 2, 1, 1)
+>>> s.at(2.0**10).flushed      # scaled by 1024, the tiny ones survive...
+0
+>>> s.at(2.0**10).overflow     # ...and 1.0 * 1024 still fits, 70000 * 1024 does not
+1
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import math
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import formats
+from .formats import FloatFormat
+
+__all__ = ["GradStats", "ScaleRecommendation", "grad_stats", "recommend_scale", "NUM_BINS"]
+
+# ----- binning --------------------------------------------------------------------------------
+
+_MANT_BITS = 23
+_MANT_ONE = 1 << _MANT_BITS  # one binade in bit-pattern units
+_F32_INF_BITS = 0x7F800000
+_NUM_FIELDS = 256  # float32 exponent field values; 255 holds inf and NaN
+_NUM_THRESHOLDS = 4
+_NUM_CLASSES = _NUM_THRESHOLDS + 1
+#: Length of :attr:`GradStats.hist`: (exponent field, mantissa class) pairs.
+NUM_BINS = _NUM_FIELDS * _NUM_CLASSES
+
+# Category rows of the bin -> category matrix, in magnitude order, plus the straddle row.
+_ZERO, _FLUSHED, _SUBNORMAL, _NORMAL, _OVERFLOW, _INF, _NAN, _STRADDLE = range(8)
+_NUM_ROWS = 8
+_RANK = {"zero": 0, "flushed": 0, "subnormal": 1, "normal": 2, "overflow": 3}
+
+_CPU_CHUNK = 1 << 19  # 2 MiB of float32: the working buffers stay in L2/L3 between operations
+_DEVICE_CHUNK = 1 << 22  # accelerators: large enough that kernel launches are negligible
+
+# Tests flip this to run the accelerator code path (index_add_ instead of bincount) on CPU.
+_FORCE_INDEX_ADD = False
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _f32_from_bits(a: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", a))[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _boundaries(fmt: FloatFormat, scale: float) -> Tuple[int, int, int]:
+    """``(B1, B2, B3)``: the first float32 bit patterns |x| that survive / are normal / overflow.
+
+    Exact by construction: a binary search over all positive float32 patterns, judged by
+    :func:`lossscale.formats.classify` of ``x * scale`` in float64 rounded via float32 -- the
+    path ``(x.double() * scale).to(dtype)`` takes in torch.  The category only ever grows with
+    |x| (multiplication by a positive scale and rounding are monotone), so the search is valid.
+    A boundary no finite input reaches is reported as the inf pattern.
+    """
+
+    def rank(a: int) -> int:
+        return _RANK[formats.classify(fmt, _f32_from_bits(a) * scale, via_fp32=True)]
+
+    out = []
+    for level in (1, 2, 3):
+        lo, hi = 1, _F32_INF_BITS
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if rank(mid) >= level:
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(lo)
+    return tuple(out)  # type: ignore[return-value]
+
+
+def _thresholds_for(bounds: Sequence[int]) -> Tuple[int, ...]:
+    """The four mantissa thresholds that put every boundary on a bin edge.
+
+    1 is always one of them (it separates 0, inf and exact powers of two from their bin-mates).
+    A boundary at a binade start (mantissa 0) is already an edge and needs no threshold.
+    Unused slots hold ``2^23``, which no mantissa reaches: their classes stay empty and the
+    kernel skips them (3 fewer passes over the chunk each).  For fp16 at a power-of-two scale
+    only three are used: 1, ``2^23 - 2^13`` and ``2^23 - 2^12``.
+    """
+    ts = sorted({1} | {b & (_MANT_ONE - 1) for b in bounds if b & (_MANT_ONE - 1)})
+    return tuple(ts + [_MANT_ONE] * (_NUM_THRESHOLDS - len(ts)))
+
+
+@functools.lru_cache(maxsize=256)
+def _category_matrix(thresholds: Tuple[int, ...], bounds: Tuple[int, int, int]) -> torch.Tensor:
+    """``W[row, bin]``: 1 where bin belongs to category ``row``; row 7 marks straddling bins.
+
+    Bin ``5 * field + c`` holds the patterns ``[field * 2^23 + e_c, field * 2^23 + e_(c+1))``
+    with ``e = (0, *thresholds, 2^23)``.
+    """
+    edges = (0, *thresholds, _MANT_ONE)
+    rows = [[0] * NUM_BINS for _ in range(_NUM_ROWS)]
+
+    def rank(a: int) -> int:  # number of boundaries at or below the pattern a
+        return bisect.bisect_right(bounds, a)
+
+    for f in range(_NUM_FIELDS):
+        for c in range(_NUM_CLASSES):
+            b = _NUM_CLASSES * f + c
+            if f == _NUM_FIELDS - 1:
+                # Threshold 1 splits the top field: mantissa 0 is inf, everything else NaN.
+                rows[_INF if c == 0 else _NAN][b] = 1
+                continue
+            if b == 0:  # the pattern 0 alone (threshold 1 again)
+                rows[_ZERO][b] = 1
+                continue
+            lo = (f << _MANT_BITS) + edges[c]
+            hi = (f << _MANT_BITS) + edges[c + 1]
+            r_lo = rank(lo)
+            rows[_FLUSHED + r_lo][b] = 1
+            if hi > lo and rank(hi - 1) != r_lo:
+                rows[_STRADDLE][b] = 1
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+_device_tables: Dict[Tuple[Any, ...], Any] = {}
+_device_lock = threading.Lock()
+
+
+def _on_device(make, args: Tuple[Any, ...], device: torch.device):
+    """``make(*args)`` (CPU tensors, cached by ``make``) moved to ``device``, cached per device.
+
+    The upload is a host->device copy, not a sync: the host does not wait for device results.
+    """
+    key = (make.__name__, args, str(device))
+    value = _device_tables.get(key)
+    if value is None:
+        made = make(*args)
+        value = tuple(t.to(device) for t in made) if isinstance(made, tuple) else made.to(device)
+        with _device_lock:
+            if len(_device_tables) > 256:
+                _device_tables.clear()
+            _device_tables[key] = value
+    return value
+
+
+# ----- the result -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class GradStats:
+    """What storing ``x * scale`` in ``fmt`` would do to a set of gradients.
+
+    Made by :func:`grad_stats` (a measurement) or :meth:`at` (the same histogram judged at another
+    scale or format).  The raw data are two device tensors; every figure below is a read-only
+    property computed from them.  **Reading a figure syncs host and device** -- once: all
+    figures are fetched together and cached.
+
+    Fields:
+        fmt: the storage format judged.
+        scale: the scale multiplied into every value before storing.
+        hist: int64 tensor of :data:`NUM_BINS` counts, bin ``5 * exponent_field + class`` of
+            ``|x|``'s float32 bits (see the module docstring).  Sum it across ranks to combine.
+        amax_tensor: 0-dim float32 tensor, max ``|x|`` over finite inputs (0 if none); unscaled.
+            Max-reduce it across ranks.
+        thresholds: the four mantissa thresholds that define the classes of ``hist``.
+
+    Figures (plain Python numbers; counts are ints):
+        numel: elements seen (including zeros, inf and NaN).
+        zeros: inputs exactly 0.
+        flushed: nonzero finite inputs whose stored value is 0.
+        subnormal: inputs stored as a nonzero subnormal (below ``fmt.smallest_normal``).
+        normal: inputs stored as a normal finite value.
+        overflow: finite inputs whose magnitude rounds past ``fmt.max`` (stored as inf, or as
+            NaN / a saturated ``max`` for e4m3 -- see ``FloatFormat.overflow_threshold``).
+        inf, nan: inputs already infinite / NaN (not counted as overflow).
+        amax: max ``|x|`` over finite inputs, unscaled.
+        headroom_bits: ``log2(fmt.max / (amax * scale))``; negative means the largest value
+            overflows; ``inf`` when ``amax == 0``.
+        error_bound: 0 for a measurement; for :meth:`at`, the number of elements in bins that a
+            boundary cuts, which bounds the error of every count figure.
+        zeros_frac, flushed_frac, subnormal_frac, normal_frac, overflow_frac, nonfinite_frac:
+            the counts divided by ``numel`` (0.0 when ``numel == 0``).
+
+    ``numel == zeros + flushed + subnormal + normal + overflow + inf + nan`` always.
+
+    To rebuild from reduced tensors use ``dataclasses.replace(stats, hist=..., amax_tensor=...)``
+    (the cache of figures is not copied).
+    """
+
+    fmt: FloatFormat
+    scale: float
+    hist: torch.Tensor
+    amax_tensor: torch.Tensor
+    thresholds: Tuple[int, ...]
+    _cache: Dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    # ----- device-side ------------------------------------------------------------------------
+    def counts_tensor(self) -> torch.Tensor:
+        """int64 device tensor of the 8 counts (zero, flushed, subnormal, normal, overflow, inf,
+        nan, straddling), computed without a sync."""
+        t = self._cache.get("counts_tensor")
+        if t is None:
+            bounds = _boundaries(self.fmt, self.scale)
+            w = _on_device(_category_matrix, (self.thresholds, bounds), self.hist.device)
+            t = (w * self.hist).sum(dim=1)
+            self._cache["counts_tensor"] = t
+        return t
+
+    def _figures(self) -> Dict[str, Any]:
+        fig = self._cache.get("figures")
+        if fig is None:
+            # One transfer for everything.  float64 holds the counts exactly (< 2^53).
+            packed = torch.cat(
+                [self.counts_tensor().to(torch.float64), self.amax_tensor.reshape(1).to(torch.float64)]
+            )
+            values = packed.tolist()  # the one host sync
+            counts = [int(v) for v in values[:_NUM_ROWS]]
+            names = ("zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan", "error_bound")
+            fig = dict(zip(names, counts))
+            fig["numel"] = sum(counts[:_STRADDLE])
+            fig["amax"] = float(values[_NUM_ROWS])
+            self._cache["figures"] = fig
+        return fig
+
+    @property
+    def numel(self) -> int:
+        """Elements seen, zeros and non-finite ones included."""
+        return self._figures()["numel"]
+
+    @property
+    def zeros(self) -> int:
+        """Inputs exactly 0."""
+        return self._figures()["zeros"]
+
+    @property
+    def flushed(self) -> int:
+        """Nonzero finite inputs stored as 0 (lost to underflow)."""
+        return self._figures()["flushed"]
+
+    @property
+    def subnormal(self) -> int:
+        """Inputs stored as a nonzero subnormal (kept, with fewer significant bits)."""
+        return self._figures()["subnormal"]
+
+    @property
+    def normal(self) -> int:
+        """Inputs stored as a normal finite number."""
+        return self._figures()["normal"]
+
+    @property
+    def overflow(self) -> int:
+        """Finite inputs whose magnitude rounds past ``fmt.max``."""
+        return self._figures()["overflow"]
+
+    @property
+    def inf(self) -> int:
+        """Inputs that are +-inf already."""
+        return self._figures()["inf"]
+
+    @property
+    def nan(self) -> int:
+        """Inputs that are NaN already."""
+        return self._figures()["nan"]
+
+    @property
+    def error_bound(self) -> int:
+        """Largest possible error of any count figure (0: exact)."""
+        return self._figures()["error_bound"]
+
+    @property
+    def amax(self) -> float:
+        """Max ``|x|`` over finite inputs, before scaling (0.0 if there are none)."""
+        return self._figures()["amax"]
+
+    @property
+    def headroom_bits(self) -> float:
+        """``log2(fmt.max / (amax * scale))``: binades to spare above the largest value."""
+        amax = self.amax
+        if amax == 0.0:
+            return math.inf
+        # Sum of logs: amax * scale itself may overflow float64 for absurd scales.
+        return math.log2(self.fmt.max) - math.log2(amax) - math.log2(self.scale)
+
+    def _frac(self, name: str) -> float:
+        n = self.numel
+        return self._figures()[name] / n if n else 0.0
+
+    @property
+    def zeros_frac(self) -> float:
+        """``zeros / numel``."""
+        return self._frac("zeros")
+
+    @property
+    def flushed_frac(self) -> float:
+        """``flushed / numel``."""
+        return self._frac("flushed")
+
+    @property
+    def subnormal_frac(self) -> float:
+        """``subnormal / numel``."""
+        return self._frac("subnormal")
+
+    @property
+    def normal_frac(self) -> float:
+        """``normal / numel``."""
+        return self._frac("normal")
+
+    @property
+    def overflow_frac(self) -> float:
+        """``overflow / numel``."""
+        return self._frac("overflow")
+
+    @property
+    def nonfinite_frac(self) -> float:
+        """``(inf + nan) / numel``."""
+        n = self.numel
+        return (self.inf + self.nan) / n if n else 0.0
+
+    # ----- what-ifs and combination ------------------------------------------------------------
+    def at(self, scale: float, fmt: "str | FloatFormat | None" = None) -> "GradStats":
+        """The same gradients judged at another ``scale`` (and optionally another ``fmt``).
+
+        Uses only the histogram: no pass over the gradients, no sync until a figure is read.
+        Exact when ``scale / self.scale`` is a power of two and ``fmt`` is unchanged (boundaries
+        inside float32's normal range); otherwise each count figure is within ``error_bound``
+        of a fresh :func:`grad_stats` at that scale.
+        """
+        f = self.fmt if fmt is None else _check_fmt(fmt)
+        s = _check_scale(scale)
+        return GradStats(f, s, self.hist, self.amax_tensor, self.thresholds)
+
+    def merge(self, other: "GradStats") -> "GradStats":
+        """Statistics of the union of both groups of tensors (histograms add, ``amax`` max).
+
+        Both must have been measured with the same ``fmt`` and ``scale``, on the same device.
+        """
+        if not isinstance(other, GradStats):
+            raise ValueError(f"other={other!r} is not a GradStats; merge two grad_stats() results")
+        if (self.fmt, self.scale, self.thresholds) != (other.fmt, other.scale, other.thresholds):
+            raise ValueError(
+                f"cannot merge stats of fmt={self.fmt.name}, scale={self.scale!r} with stats of "
+                f"fmt={other.fmt.name}, scale={other.scale!r}; measure both groups with the same "
+                "fmt and scale (use .at() on the merged result for other scales)"
+            )
+        if self.hist.device != other.hist.device:
+            raise ValueError(
+                f"cannot merge stats on {self.hist.device} with stats on {other.hist.device}; "
+                "move one with dataclasses.replace(stats, hist=..., amax_tensor=...)"
+            )
+        return GradStats(
+            self.fmt,
+            self.scale,
+            self.hist + other.hist,
+            torch.maximum(self.amax_tensor, other.amax_tensor),
+            self.thresholds,
+        )
+
+    __add__ = merge
+
+    # ----- plain data ---------------------------------------------------------------------------
+    _FIGURE_NAMES = (
+        "numel", "zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan",
+        "amax", "headroom_bits", "error_bound",
+        "zeros_frac", "flushed_frac", "subnormal_frac", "normal_frac", "overflow_frac",
+        "nonfinite_frac",
+    )
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every figure as plain Python numbers, plus what :meth:`from_dict` needs to rebuild.
+
+        Keys: ``fmt`` (name), ``scale``, the figures above, ``thresholds`` and ``hist`` (the
+        nonzero bins as ``{bin_index: count}``).  Syncs (it reads the figures).
+        """
+        d: Dict[str, Any] = {"fmt": self.fmt.name, "scale": self.scale}
+        for name in self._FIGURE_NAMES:
+            d[name] = getattr(self, name)
+        d["thresholds"] = list(self.thresholds)
+        hist = self.hist.tolist()
+        d["hist"] = {i: c for i, c in enumerate(hist) if c}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], device: "str | torch.device" = "cpu") -> "GradStats":
+        """Rebuild a :class:`GradStats` from :meth:`to_dict` output (JSON keys may be strings)."""
+        hist = torch.zeros(NUM_BINS, dtype=torch.int64)
+        for k, c in d["hist"].items():
+            hist[int(k)] = int(c)
+        return cls(
+            formats.get(d["fmt"]),
+            float(d["scale"]),
+            hist.to(device),
+            torch.tensor(float(d["amax"]), dtype=torch.float32, device=device),
+            tuple(int(t) for t in d["thresholds"]),
+        )
+
+    def __repr__(self) -> str:
+        # Reading the figures syncs; a repr is a read.
+        f = self._figures()
+        bound = f" +-{f['error_bound']}" if f["error_bound"] else ""
+        return (
+            f"GradStats({self.fmt.name} at scale={self.scale:g}: numel={f['numel']}, "
+            f"zeros={f['zeros']}, flushed={f['flushed']} ({self.flushed_frac:.3%}), "
+            f"subnormal={f['subnormal']}, overflow={f['overflow']}, inf={f['inf']}, "
+            f"nan={f['nan']}, amax={f['amax']:.6g}, headroom_bits={self.headroom_bits:.2f}{bound})"
+        )
+
+
+# ----- validation -------------------------------------------------------------------------------
+
+
+def _check_fmt(fmt: Any) -> FloatFormat:
+    return formats.get(fmt)  # raises ValueError listing the valid names
+
+
+def _check_scale(scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        hint = " (a tensor: pass float(scale) -- reading it syncs)" if isinstance(scale, torch.Tensor) else ""
+        raise ValueError(f"scale={scale!r} must be a positive finite Python number{hint}")
+    s = float(scale)
+    if not (math.isfinite(s) and s > 0.0):
+        raise ValueError(f"scale={scale!r} must be positive and finite, e.g. 1.0 or 2.0**16")
+    return s
+
+
+def _collect(tensors: Any) -> List[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        items: Iterable[Any] = [tensors]
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise ValueError(
+            f"tensors={tensors!r} must be a tensor or an iterable of tensors "
+            "(e.g. [p.grad for p in model.parameters()])"
+        )
+    else:
+        items = tensors
+    out = []
+    for i, t in enumerate(items):
+        if t is None:  # parameters without a gradient
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"tensors[{i}]={t!r} is not a tensor; pass tensors (None entries are skipped)"
+            )
+        if t.dtype not in _SUPPORTED:
+            raise ValueError(
+                f"tensors[{i}] has dtype {t.dtype}; grad_stats measures float32, float16 and "
+                "bfloat16 tensors -- convert it first (e.g. .float(), which rounds float64 values)"
+            )
+        if t.layout != torch.strided:
+            raise ValueError(f"tensors[{i}] has layout {t.layout}; pass a dense tensor (.to_dense())")
+        out.append(t)
+    devices = {t.device for t in out}
+    if len(devices) > 1:
+        raise ValueError(
+            f"tensors are on several devices ({sorted(map(str, devices))}); call grad_stats once "
+            "per device and combine the results with .merge()"
+        )
+    return out
+
+
+# ----- the kernels ------------------------------------------------------------------------------
+
+
+def _count_into(hist: torch.Tensor, keys: torch.Tensor, ones: Optional[torch.Tensor]) -> None:
+    """``hist[k] += 1`` for every key, without a host sync on any device."""
+    if keys.device.type == "cpu" and not _FORCE_INDEX_ADD:
+        # bincount is the fastest CPU histogram (a plain loop); on CUDA it reads the keys'
+        # max on the host, so accelerators use index_add_ (atomics, no sync) instead.
+        hist.add_(torch.bincount(keys, minlength=hist.numel()))
+    else:
+        hist.index_add_(0, keys, ones.expand(keys.numel()))
+
+
+def _chunks(tensors: List[torch.Tensor], view_dtype: torch.dtype, staging: torch.Tensor):
+    """Yield 1-D ``view_dtype`` tensors covering every element of ``tensors`` exactly once.
+
+    Large contiguous tensors are yielded as slices (no copy).  Small or strided ones are packed
+    into ``staging`` with one ``_foreach_copy_`` per chunk, so a model with hundreds of small
+    gradients costs a handful of kernels rather than hundreds.
+    """
+    cap = staging.numel()
+    dsts: List[torch.Tensor] = []
+    srcs: List[torch.Tensor] = []
+    filled = 0
+    for t in tensors:
+        n = t.numel()
+        if n == 0:
+            continue
+        v = t.detach().view(view_dtype)  # same element size: a reinterpretation, never a copy
+        if n >= cap // 4 and v.is_contiguous():
+            flat = v.view(-1)
+            for i in range(0, n, cap):
+                yield flat[i : i + cap]
+            continue
+        if n > cap:  # large but strided: contiguous copy, then slices
+            flat = v.reshape(-1)
+            for i in range(0, n, cap):
+                yield flat[i : i + cap]
+            continue
+        if filled + n > cap:
+            torch._foreach_copy_(dsts, srcs)
+            yield staging[:filled]
+            dsts, srcs, filled = [], [], 0
+        dsts.append(staging[filled : filled + n].view(v.shape))
+        srcs.append(v)
+        filled += n
+    if filled:
+        torch._foreach_copy_(dsts, srcs)
+        yield staging[:filled]
+
+
+def _bin_keys(a: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, thresholds: Tuple[int, ...]) -> torch.Tensor:
+    """``out = 5 * (a >> 23) + #{t in thresholds : (a & 0x7FFFFF) >= t}`` for int32 ``a >= 0``.
+
+    Integer arithmetic only, so it is exact: ``(a - t) >> 23`` is ``field - 1`` plus 1 exactly
+    when the mantissa reaches ``t`` (arithmetic shift = floor division; ``a - t`` cannot
+    overflow since ``0 < t < 2^23``).  Summing that over the thresholds and the field itself
+    counts the thresholds reached without a comparison (which would materialise bool tensors).
+    Thresholds equal to ``2^23`` are never reached and are skipped.
+    """
+    active = [t for t in thresholds if t < _MANT_ONE]
+    torch.bitwise_right_shift(a, _MANT_BITS, out=out)
+    if len(active) < _NUM_THRESHOLDS:
+        # Each skipped threshold would have contributed "field - 1 + 0"; keep the stride of 5.
+        out.mul_(_NUM_CLASSES - len(active))
+    for t in active:
+        torch.sub(a, t, out=tmp)
+        tmp.bitwise_right_shift_(_MANT_BITS)
+        out.add_(tmp)
+    out.add_(len(active))
+    return out
+
+
+def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, ones) -> None:
+    device = hist.device
+    n_total = sum(t.numel() for t in ts)
+    c = min(chunk, n_total)
+    staging = torch.empty(c, dtype=torch.int32, device=device)
+    a_buf = torch.empty(c, dtype=torch.int32, device=device)
+    k_buf = torch.empty(c, dtype=torch.int32, device=device)
+    t_buf = torch.empty(c, dtype=torch.int32, device=device)
+    for bits in _chunks(ts, torch.int32, staging):
+        n = bits.numel()
+        # |x| as bits: clearing the sign bit makes integer order equal magnitude order.
+        a = torch.bitwise_and(bits, 0x7FFFFFFF, out=a_buf[:n])
+        # amax over finite inputs only: inf and NaN patterns become 0 before the max.
+        finite = torch.nan_to_num(a.view(torch.float32), 0.0, 0.0, 0.0, out=t_buf[:n].view(torch.float32))
+        amax_parts.append(torch.amax(finite))
+        keys = _bin_keys(a, k_buf[:n], t_buf[:n], thresholds)
+        _count_into(hist, keys, ones)
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_tables(dtype: torch.dtype, thresholds: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For every 15-bit magnitude pattern of a 16-bit float dtype: its bin and its value.
+
+    The value is 0 for inf/NaN patterns, so a max over present patterns is the finite amax.
+    """
+    patterns = torch.arange(1 << 15, dtype=torch.int16)
+    values = patterns.view(dtype).float()  # exact: fp16 and bf16 widen to float32 losslessly
+    a = values.view(torch.int32)
+    bins = _bin_keys(a, torch.empty_like(a), torch.empty_like(a), thresholds).long()
+    finite_values = torch.nan_to_num(values, 0.0, 0.0, 0.0)
+    return bins, finite_values
+
+
+def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, ones) -> None:
+    """fp16/bf16: count each 15-bit magnitude pattern, then map the 32768 counts to bins.
+
+    Cheaper than widening to float32 (one mask and one count per chunk) and exact, because a
+    16-bit pattern *is* the value: every figure follows from the per-pattern counts.
+    """
+    device = hist.device
+    n_total = sum(t.numel() for t in ts)
+    c = min(chunk, n_total)
+    staging = torch.empty(c, dtype=torch.int16, device=device)
+    m_buf = torch.empty(c, dtype=torch.int16, device=device)
+    per_pattern = torch.zeros(1 << 15, dtype=torch.int64, device=device)
+    for bits in _chunks(ts, torch.int16, staging):
+        n = bits.numel()
+        m = torch.bitwise_and(bits, 0x7FFF, out=m_buf[:n])  # drop the sign
+        if device.type == "cpu" and not _FORCE_INDEX_ADD:
+            _count_into(per_pattern, m, ones)
+        else:
+            _count_into(per_pattern, m.int(), ones)  # index_add_ wants int32/int64 indices
+    bins, values = _on_device(_pattern_tables, (dtype, thresholds), device)
+    hist.index_add_(0, bins, per_pattern)
+    amax_parts.append(torch.amax(values * (per_pattern > 0)))
+
+
+def grad_stats(
+    tensors: Union[torch.Tensor, Iterable[Optional[torch.Tensor]]],
+    *,
+    scale: float = 1.0,
+    fmt: "str | FloatFormat" = "fp16",
+) -> GradStats:
+    """Measure what storing ``x * scale`` in ``fmt`` would do to every element of ``tensors``.
+
+    Args:
+        tensors: a tensor or an iterable of tensors (float32, float16 or bfloat16, any shapes,
+            one device; ``None`` entries are skipped; an empty iterable gives empty stats).
+        scale: positive finite multiplier applied before storing (the loss scale).
+        fmt: the storage format: a name such as ``"fp16"``, ``"bf16"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"``, ``"fp32"``, a ``torch.dtype`` or a :class:`FloatFormat`.
+
+    Returns:
+        A :class:`GradStats`.  Its counts are exactly what a real cast
+        ``(x.double() * scale).to(dtype)`` gives element by element (torch rounds float64 via
+        float32; overflow for e4m3 is "rounds past 448" whatever the cast stores).
+
+    No host sync happens here: the result holds device tensors, and **reading a figure syncs**.
+
+    Raises:
+        ValueError: for an unknown ``fmt``, a non-positive or non-finite ``scale``, a non-tensor
+            entry, an unsupported dtype or layout, or tensors on several devices.
+    """
+    f = _check_fmt(fmt)
+    s = _check_scale(scale)
+    ts = _collect(tensors)
+    device = ts[0].device if ts else torch.device("cpu")
+    thresholds = _thresholds_for(_boundaries(f, s))
+    hist = torch.zeros(NUM_BINS, dtype=torch.int64, device=device)
+    amax_parts: List[torch.Tensor] = []
+    chunk = _CPU_CHUNK if device.type == "cpu" else _DEVICE_CHUNK
+    ones = torch.ones((), dtype=torch.int64, device=device)
+    with torch.no_grad():
+        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in ts:
+            groups.setdefault(t.dtype, []).append(t)
+        for dtype, group in groups.items():
+            if sum(t.numel() for t in group) == 0:
+                continue
+            if dtype == torch.float32:
+                _accumulate_f32(group, thresholds, hist, amax_parts, chunk, ones)
+            else:
+                _accumulate_16bit(group, dtype, thresholds, hist, amax_parts, chunk, ones)
+        if amax_parts:
+            amax = torch.stack(amax_parts).amax()
+        else:
+            amax = torch.zeros((), dtype=torch.float32, device=device)
+    return GradStats(f, s, hist, amax, thresholds)
+
+
+# ----- advice -----------------------------------------------------------------------------------
+
+
+class ScaleRecommendation(NamedTuple):
+    """What :func:`recommend_scale` suggests.
+
+    Attributes:
+        scale: the largest power of two ``S`` with ``amax * S <= fmt.max / 2^margin_bits``;
+            ``None`` when there is no finite nonzero gradient to base it on.
+        flushed: nonzero gradients still flushed to 0 at ``scale``.
+        flushed_frac: ``flushed / numel``.
+        headroom_bits: ``log2(fmt.max / (amax * scale))``, at least ``margin_bits``.
+        error_bound: bound on the error of ``flushed`` (0 when exact; see :meth:`GradStats.at`).
+    """
+
+    scale: Optional[float]
+    flushed: int
+    flushed_frac: float
+    headroom_bits: float
+    error_bound: int
+
+
+def recommend_scale(
+    stats: GradStats, fmt: "str | FloatFormat | None" = None, margin_bits: int = 1
+) -> ScaleRecommendation:
+    """The loss scale that lifts gradients furthest off the underflow cliff without overflow.
+
+    Args:
+        stats: a :class:`GradStats` (any scale; only its histogram and ``amax`` are used).
+        fmt: the format to fit; defaults to ``stats.fmt``.
+        margin_bits: binades to keep free above the largest gradient (>= 0), so that growth
+            until the next measurement does not overflow at once.
+
+    Returns:
+        A :class:`ScaleRecommendation`: the largest power of two ``S`` with
+        ``amax * S * 2^margin_bits <= fmt.max`` and the flushed count/fraction at ``S``
+        (from :meth:`GradStats.at`, exact when ``S / stats.scale`` is a power of two).
+        The scale may exceed what a float32 loss-scale tensor holds for tiny ``amax``; clamp
+        it to your scaler's bounds.
+
+    Syncs (it reads ``amax``).
+    """
+    f = stats.fmt if fmt is None else _check_fmt(fmt)
+    if isinstance(margin_bits, bool) or not isinstance(margin_bits, int) or margin_bits < 0:
+        raise ValueError(f"margin_bits={margin_bits!r} must be an int >= 0, e.g. 1")
+    amax = stats.amax
+    if amax == 0.0:
+        return ScaleRecommendation(None, 0, 0.0, math.inf, 0)
+    # Exact floor(log2(fmt.max / amax)) from the binary exponents (no rounding of the ratio):
+    # with x = m * 2^e, m in [0.5, 1), the ratio is (m_max / m_a) * 2^(e_max - e_a) and the
+    # mantissa quotient lies in (0.5, 2), so the floor is e_max - e_a, minus 1 if m_max < m_a.
+    m_max, e_max = math.frexp(f.max)
+    m_a, e_a = math.frexp(amax)
+    k = e_max - e_a - (1 if m_max < m_a else 0) - margin_bits
+    scale = math.ldexp(1.0, k)
+    at = stats.at(scale, f)
+    return ScaleRecommendation(scale, at.flushed, at.flushed_frac, at.headroom_bits, at.error_bound)

@@ -1,0 +1,400 @@
+"""lossscale.stats: every figure against a direct float64 + torch-cast computation."""
+
+import dataclasses
+import doctest
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from lossscale import formats, stats
+from lossscale._sync import count_host_syncs
+from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2
+from lossscale.stats import NUM_BINS, GradStats, grad_stats, recommend_scale
+
+COUNTS = ("zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan")
+FMTS = [FP16, BF16, FP8_E4M3, FP8_E5M2, FP32]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SCALES = [1.0, 2.0**12, 2.0**-9, 1000.0, 0.3]  # powers of two and two that are not
+
+
+# ----- the reference: what a real cast does, element by element ---------------------------------
+
+
+def reference(tensors, scale, fmt):
+    """Every figure from ``(x.double() * scale).to(dtype)``, the definition grad_stats promises."""
+    fmt = formats.get(fmt)
+    out = dict.fromkeys(COUNTS, 0)
+    amax = 0.0
+    for t in tensors:
+        if t is None:
+            continue
+        x = t.detach().double().reshape(-1)
+        scaled = x * scale
+        stored = scaled.to(fmt.torch_dtype()).double()
+        nan, inf, zero = x.isnan(), x.isinf(), x == 0
+        finite_nonzero = ~(nan | inf | zero)
+        if fmt.has_inf:
+            over = finite_nonzero & stored.isinf()
+        else:
+            # A saturating cast hides overflow (it stores 448), so apply the documented definition
+            # to the float32 value the cast starts from: |y| rounds past max.
+            y = scaled.float().double().abs()
+            t_ = fmt.overflow_threshold
+            over = finite_nonzero & ((y > t_) | ((y == t_) & fmt.overflow_tie_overflows))
+        flushed = finite_nonzero & (stored == 0)
+        sub = finite_nonzero & ~over & ~flushed & (stored.abs() < fmt.smallest_normal)
+        normal = finite_nonzero & ~over & ~flushed & ~sub
+        for name, mask in zip(COUNTS, (zero, flushed, sub, normal, over, inf, nan)):
+            out[name] += int(mask.sum())
+        finite = x[~(nan | inf)].abs()
+        if finite.numel():
+            amax = max(amax, finite.max().item())
+    out["amax"] = amax
+    out["numel"] = sum(out[c] for c in COUNTS)
+    return out
+
+
+def figures(s: GradStats):
+    d = {name: getattr(s, name) for name in COUNTS}
+    d["amax"] = s.amax
+    d["numel"] = s.numel
+    return d
+
+
+# ----- test data: random gradients plus values planted at every boundary -----------------------
+
+
+def _f32_around(values, k=2):
+    t = torch.tensor(values, dtype=torch.float64).float()
+    t = t[torch.isfinite(t) & (t > 0)]
+    out = [t]
+    up = down = t
+    for _ in range(k):
+        up = torch.nextafter(up, torch.full_like(up, math.inf))
+        down = torch.nextafter(down, torch.zeros_like(down))
+        out += [up, down]
+    return torch.cat(out)
+
+
+def planted(fmt, scale):
+    """Each boundary of ``fmt`` (and of fp16, bf16 and e4m3/e5m2, which the brief names) divided
+    by ``scale``, with float32 neighbours, both signs."""
+    bounds = []
+    for f in {fmt, FP16, BF16, FP8_E4M3, FP8_E5M2}:
+        bounds += [f.smallest_subnormal, f.flush_threshold, 1.5 * f.smallest_subnormal,
+                   f.smallest_normal - f.smallest_subnormal, f.normal_threshold, f.smallest_normal,
+                   f.max, f.overflow_threshold, 2 * f.max]
+    x = _f32_around([b / scale for b in bounds])
+    return torch.cat([x, -x])
+
+
+def random_grads(n, gen, lo=-160.0, hi=130.0):
+    """Log-uniform magnitudes over (almost) all of float32, subnormals included, both signs,
+    sprinkled with zeros, infs and NaNs."""
+    e = torch.empty(n, dtype=torch.float64).uniform_(lo, hi, generator=gen)
+    sign = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
+    x = (torch.exp2(e) * sign).float()
+    x[torch.randint(0, n, (n // 50,), generator=gen)] = 0.0
+    x[torch.randint(0, n, (5,), generator=gen)] = math.inf
+    x[torch.randint(0, n, (5,), generator=gen)] = -math.inf
+    x[torch.randint(0, n, (5,), generator=gen)] = math.nan
+    return x
+
+
+def gradient_list(fmt, scale, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        random_grads(3000, gen).to(dtype),
+        planted(fmt, scale).to(dtype),
+        random_grads(600, gen).to(dtype).reshape(20, 30)[:, ::3],  # strided 2-D view
+        None,
+        random_grads(1, gen)[0].to(dtype),  # 0-dim
+        torch.empty(0, dtype=dtype),
+    ]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_every_figure_matches_a_real_cast(fmt, dtype, scale):
+    ts = gradient_list(fmt, scale, dtype)
+    s = grad_stats(ts, scale=scale, fmt=fmt)
+    assert figures(s) == reference(ts, scale, fmt)
+    assert s.error_bound == 0
+    assert s.fmt is fmt and s.scale == scale
+
+
+def test_mixed_dtypes_in_one_call():
+    gen = torch.Generator().manual_seed(5)
+    ts = [random_grads(2000, gen), random_grads(2000, gen).half(), random_grads(2000, gen).bfloat16(),
+          planted(FP16, 64.0), planted(FP16, 64.0).half(), planted(FP16, 64.0).bfloat16()]
+    assert figures(grad_stats(ts, scale=64.0)) == reference(ts, 64.0, FP16)
+
+
+@pytest.mark.parametrize("force_index_add", [False, True], ids=["bincount", "index_add"])
+def test_chunking_packing_and_both_count_paths(monkeypatch, force_index_add):
+    # Tiny chunks exercise packing many small tensors, splitting big ones and strided copies;
+    # index_add_ is the accelerator path, run here on CPU.
+    monkeypatch.setattr(stats, "_CPU_CHUNK", 256)
+    monkeypatch.setattr(stats, "_FORCE_INDEX_ADD", force_index_add)
+    gen = torch.Generator().manual_seed(7)
+    ts = [random_grads(n, gen) for n in (1, 7, 63, 64, 65, 200, 256, 257, 1000)]
+    ts += [random_grads(2000, gen).reshape(40, 50).t()]  # large and strided
+    ts += [t.half() for t in ts[:5]] + [t.bfloat16() for t in ts[4:]]
+    for scale in (1.0, 2.0**20, 777.0):
+        assert figures(grad_stats(ts, scale=scale)) == reference(ts, scale, FP16)
+
+
+def test_empty_inputs():
+    for empty in ([], [None], [torch.empty(0)], (t for t in [])):
+        s = grad_stats(empty)
+        assert figures(s) == dict(dict.fromkeys(COUNTS, 0), amax=0.0, numel=0)
+        assert s.flushed_frac == 0.0 and s.headroom_bits == math.inf
+
+
+def test_single_tensor_and_requires_grad():
+    x = torch.tensor([2.0**-26, 2.0**-25, 2.0**-24, 1.0, 70000.0, 0.0], requires_grad=True)
+    s = grad_stats(x)
+    assert (s.zeros, s.flushed, s.subnormal, s.normal, s.overflow) == (1, 2, 1, 1, 1)
+    assert s.amax == 70000.0
+    assert s.flushed_frac == 2 / 6 and s.overflow_frac == 1 / 6 and s.zeros_frac == 1 / 6
+    assert s.subnormal_frac == 1 / 6 and s.normal_frac == 1 / 6 and s.nonfinite_frac == 0.0
+    assert s.headroom_bits == pytest.approx(math.log2(65504 / 70000))
+
+
+def test_headroom_bits():
+    s = grad_stats(torch.tensor([0.5, -2.0, math.inf]), scale=8.0)
+    assert s.amax == 2.0
+    assert s.headroom_bits == pytest.approx(math.log2(65504.0 / 16.0))
+
+
+# ----- at(): the same histogram at another scale ------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [FP16, FP8_E4M3, FP8_E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("base", [1.0, 2.0**10, 3.0])
+def test_at_is_exact_for_power_of_two_ratios(fmt, base):
+    gen = torch.Generator().manual_seed(11)
+    ts = [random_grads(20000, gen), planted(fmt, base)]
+    s = grad_stats(ts, scale=base, fmt=fmt)
+    for k in range(-40, 41, 3):
+        scale = base * 2.0**k
+        moved = s.at(scale)
+        assert moved.error_bound == 0, k
+        assert figures(moved) == figures(grad_stats(ts, scale=scale, fmt=fmt)), k
+
+
+@pytest.mark.parametrize(
+    "fmt, base, ks",
+    [(BF16, 2.0**-20, range(-40, 13)), (FP32, 2.0**-30, range(-40, 7))],
+    ids=["bf16", "fp32"],
+)
+def test_at_is_exact_for_power_of_two_ratios_while_boundaries_stay_normal(fmt, base, ks):
+    # bf16 and fp32 share float32's exponent range, so their flush/subnormal boundaries sit in
+    # float32's subnormal range unless the scale is small; the ranges here keep them normal.
+    gen = torch.Generator().manual_seed(12)
+    ts = [random_grads(20000, gen), planted(fmt, base)]
+    s = grad_stats(ts, scale=base, fmt=fmt)
+    for k in ks:
+        scale = base * 2.0**k
+        moved = s.at(scale)
+        assert moved.error_bound == 0, k
+        assert figures(moved) == figures(grad_stats(ts, scale=scale, fmt=fmt)), k
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_at_stays_within_its_error_bound(fmt):
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    ts = [random_grads(20000, gen, lo=-60, hi=30), planted(fmt, 1.0)]
+    s = grad_stats(ts, scale=1.0, fmt=fmt)
+    for _ in range(25):
+        scale = 2.0 ** rng.uniform(-30, 40)
+        other = rng.choice([None, *FMTS])
+        moved = s.at(scale, other)
+        fresh = grad_stats(ts, scale=scale, fmt=other or fmt)
+        for name in COUNTS:
+            assert abs(getattr(moved, name) - getattr(fresh, name)) <= moved.error_bound, (name, scale)
+        assert moved.numel == fresh.numel and moved.amax == fresh.amax
+        assert moved.error_bound <= 0.2 * fresh.numel  # a bound, and a useful one
+
+
+def test_at_does_not_touch_the_tensors():
+    x = torch.tensor([2.0**-30, 1.0])
+    s = grad_stats(x)
+    x.fill_(math.nan)
+    assert (s.at(2.0**10).flushed, s.at(2.0**10).nan) == (0, 0)
+
+
+# ----- no host sync -----------------------------------------------------------------------------
+
+
+def test_grad_stats_does_not_sync():
+    gen = torch.Generator().manual_seed(1)
+    ts = [random_grads(5000, gen), random_grads(300, gen).half(), None, random_grads(70, gen).bfloat16()]
+    s0 = grad_stats(ts, scale=3.0)  # warm the per-(fmt, scale) caches outside the count
+    with count_host_syncs() as syncs:
+        s = grad_stats(ts, scale=3.0)
+        moved = s.at(2.0**20)
+        merged = s.merge(s)
+        moved.counts_tensor()
+    assert syncs.count == 0, syncs.ops
+    assert merged.numel == 2 * s0.numel  # reading afterwards is fine
+
+
+def test_sync_counter_counts_reads():
+    x = torch.ones(4)
+    with count_host_syncs() as syncs:
+        y = x * 3
+        assert float(y.sum()) == 12.0
+        _ = y.max().item()
+        _ = x[x > 0]  # boolean-mask indexing needs the mask's count on the host
+        if y.any():
+            pass
+    assert syncs.count == 4, syncs.ops
+
+
+# ----- combining and plain data ------------------------------------------------------------------
+
+
+def test_merge_equals_stats_of_the_concatenation():
+    gen = torch.Generator().manual_seed(2)
+    a = [random_grads(3000, gen), random_grads(10, gen).half()]
+    b = [random_grads(5000, gen, lo=-20, hi=10).bfloat16()]
+    merged = grad_stats(a, scale=512.0).merge(grad_stats(b, scale=512.0))
+    together = grad_stats(a + b, scale=512.0)
+    assert figures(merged) == figures(together)
+    assert torch.equal(merged.hist, together.hist)
+    assert figures(grad_stats(a, scale=512.0) + grad_stats(b, scale=512.0)) == figures(together)
+
+
+def test_merge_refuses_different_scales_or_formats():
+    x = torch.ones(3)
+    with pytest.raises(ValueError, match="same fmt and scale"):
+        grad_stats(x, scale=2.0).merge(grad_stats(x, scale=4.0))
+    with pytest.raises(ValueError, match="same fmt and scale"):
+        grad_stats(x, fmt="fp16").merge(grad_stats(x, fmt="bf16"))
+    with pytest.raises(ValueError, match="not a GradStats"):
+        grad_stats(x).merge(3)
+
+
+def test_reduced_tensors_rebuild_with_replace():
+    # What the distributed code does: sum hist, max amax, then rebuild.
+    gen = torch.Generator().manual_seed(4)
+    a, b = random_grads(1000, gen), random_grads(1000, gen)
+    sa, sb = grad_stats(a), grad_stats(b)
+    _ = sa.numel  # fill sa's cache: replace() must not carry it over
+    rebuilt = dataclasses.replace(sa, hist=sa.hist + sb.hist, amax_tensor=torch.maximum(sa.amax_tensor, sb.amax_tensor))
+    assert figures(rebuilt) == figures(grad_stats([a, b]))
+
+
+def test_to_dict_round_trip_covers_every_field():
+    gen = torch.Generator().manual_seed(6)
+    s = grad_stats([random_grads(4000, gen), planted(FP8_E5M2, 3.0)], scale=3.0, fmt="e5m2").at(12.0)
+    d = s.to_dict()
+    assert all(isinstance(v, (int, float, str, list, dict)) for v in d.values())
+    back = GradStats.from_dict(json.loads(json.dumps(d)))
+    assert back.to_dict() == d
+    assert (back.fmt, back.scale, back.thresholds) == (s.fmt, s.scale, s.thresholds)
+    assert torch.equal(back.hist, s.hist) and torch.equal(back.amax_tensor, s.amax_tensor)
+    for name in GradStats._FIGURE_NAMES:
+        assert d[name] == getattr(s, name)
+    assert d["numel"] == sum(d[c] for c in COUNTS)
+
+
+def test_repr_is_readable():
+    text = repr(grad_stats(torch.tensor([2.0**-30, 1.0, 0.0]), scale=2.0))
+    assert text.startswith("GradStats(fp16 at scale=2: numel=3")
+    assert "flushed=1 (33.333%)" in text and "amax=1" in text
+
+
+def test_hist_is_one_int64_tensor():
+    s = grad_stats(torch.randn(100))
+    assert s.hist.dtype == torch.int64 and s.hist.shape == (NUM_BINS,)
+    assert s.amax_tensor.dtype == torch.float32 and s.amax_tensor.dim() == 0
+    assert int(s.hist.sum()) == s.numel == 100
+
+
+# ----- recommend_scale ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [FP16, FP8_E4M3, FP8_E5M2, BF16], ids=lambda f: f.name)
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_recommend_scale(fmt, margin):
+    gen = torch.Generator().manual_seed(8)
+    x = random_grads(5000, gen, lo=-50, hi=-5)
+    x = x[torch.isfinite(x)]
+    s = grad_stats(x, scale=1.0, fmt=fmt)
+    rec = recommend_scale(s, margin_bits=margin)
+    k = math.log2(rec.scale)
+    assert k == int(k)  # a power of two
+    limit = fmt.max / 2.0**margin
+    assert s.amax * rec.scale <= limit < s.amax * rec.scale * 2
+    fresh = grad_stats(x, scale=rec.scale, fmt=fmt)
+    assert (rec.flushed, rec.flushed_frac) == (fresh.flushed, fresh.flushed_frac)
+    assert rec.error_bound == 0 and fresh.overflow == 0
+    assert rec.headroom_bits >= margin
+
+
+def test_recommend_scale_for_another_format_and_edge_cases():
+    s = grad_stats(torch.tensor([3.0, -0.25, 1e-9]), fmt="fp16")
+    rec = recommend_scale(s, fmt="e4m3", margin_bits=0)
+    assert rec.scale == 128.0  # 3 * 128 = 384 <= 448 < 768
+    assert recommend_scale(grad_stats([torch.zeros(5)])).scale is None
+    assert recommend_scale(grad_stats([])).flushed == 0
+    with pytest.raises(ValueError, match="margin_bits"):
+        recommend_scale(s, margin_bits=-1)
+
+
+# ----- validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(fmt="fp64"), r"fmt='fp64'.*fp16"),
+        (dict(scale=0.0), r"scale=0.0 must be positive"),
+        (dict(scale=-2.0), r"scale=-2.0 must be positive"),
+        (dict(scale=math.nan), r"scale=nan"),
+        (dict(scale=math.inf), r"scale=inf"),
+        (dict(scale=True), r"scale=True"),
+        (dict(scale="2"), r"scale='2'"),
+        (dict(scale=torch.tensor(2.0)), r"pass float\(scale\)"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grad_stats([torch.ones(2)], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        (3.0, r"tensors=3.0 must be a tensor or an iterable"),
+        ("grads", r"tensors='grads'"),
+        ([torch.ones(2), [1.0]], r"tensors\[1\]=\[1.0\] is not a tensor"),
+        ([torch.ones(2, dtype=torch.float64)], r"tensors\[0\] has dtype torch.float64"),
+        ([torch.ones(2, dtype=torch.int32)], r"float32, float16 and bfloat16"),
+        ([torch.ones(2).to_sparse()], r"dense"),
+    ],
+)
+def test_bad_tensors(tensors, match):
+    with pytest.raises(ValueError, match=match):
+        grad_stats(tensors)
+
+
+def test_at_validates_too():
+    s = grad_stats(torch.ones(2))
+    with pytest.raises(ValueError, match="scale"):
+        s.at(0.0)
+    with pytest.raises(ValueError, match="fmt"):
+        s.at(1.0, "int8")
+
+
+def test_docstring_examples_run():
+    for module in (stats, formats):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0
