@@ -1,0 +1,153 @@
+"""Gradient telemetry inside the scaler, a flat metrics dict for any logger, and a JSONL logger.
+
+The scaler hands each optimizer's *scaled* gradients (before unscaling) to :class:`Telemetry` on
+sampled steps. Statistics stay on device until read, so collecting them adds no host sync; reading
+``scaler.metrics()`` syncs, once, at the caller's logging cadence.
+
+What the figures measure depends on the gradients' dtype, and every record says which:
+
+* FP32 parameter gradients (autocast with FP32 master weights): ``flushed``/``subnormal``/
+  ``overflow`` are what FP16 *would* do to these scaled gradients (``grad/measured`` =
+  "fp32 as fp16"). The flushing that really happens under autocast is in the FP16 activation
+  gradients: see :mod:`lossscale.hooks`.
+* FP16 parameter gradients: they are measured as stored (``grad/measured`` = "fp16 as stored"), so a
+  value that flushed is already 0 and counted among ``zeros``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from .stats import GradStats, grad_stats
+
+__all__ = ["Telemetry", "JsonlLogger", "flatten_stats"]
+
+_PER = (None, "param", "module")
+
+
+def flatten_stats(prefix: str, stats: GradStats) -> Dict[str, float]:
+    """``{prefix/field: value}`` for the figures of ``stats`` worth a chart. Syncs."""
+    d = stats.to_dict()
+    keep = ("flushed_frac", "subnormal_frac", "zeros_frac", "overflow_frac", "headroom_bits", "amax", "numel",
+            "flushed", "subnormal", "overflow", "inf", "nan")
+    return {f"{prefix}/{k}": d[k] for k in keep if k in d}
+
+
+class Telemetry:
+    """Sampled statistics of the scaled gradients, kept on device until read.
+
+    Args:
+        every: collect on every ``every``-th iteration (iterations are counted by ``update()``).
+        per: None (overall only), "param" (also per parameter) or "module" (also per module, grouping
+            parameters by their name's prefix; needs names via ``GradScaler(model=...)``).
+        fmt: the format to classify against ("fp16").
+    """
+
+    def __init__(self, every: int = 100, per: Optional[str] = None, fmt: str = "fp16"):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"telemetry every={every!r} must be an int >= 1.")
+        if per not in _PER:
+            raise ValueError(f"telemetry per={per!r} must be one of {_PER}.")
+        self.every, self.per, self.fmt = every, per, fmt
+        self.iteration = 0
+        self.step_collected: Optional[int] = None
+        self.overall: Optional[GradStats] = None
+        self.groups: Dict[str, GradStats] = {}
+        self.measured: str = ""
+        self._pending: List[GradStats] = []
+
+    def due(self) -> bool:
+        """Whether this iteration is sampled."""
+        return self.iteration % self.every == 0
+
+    def observe(self, scaler, optimizer, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+        """Collect the statistics of one optimizer's scaled gradients (called by the scaler)."""
+        if not self.due() or not grads:
+            return
+        if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
+            self.step_collected, self.overall, self.groups = self.iteration, None, {}
+        stats = grad_stats(grads, scale=1.0, fmt=self.fmt)
+        self.overall = stats if self.overall is None else self.overall + stats
+        dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads})
+        self.measured = ", ".join(f"{d} as {self.fmt}" if d != _fmt_dtype(self.fmt) else f"{d} as stored"
+                                  for d in dtypes)
+        if self.per is None:
+            return
+        names = [scaler._names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        if self.per == "module":
+            buckets: Dict[str, List[torch.Tensor]] = {}
+            for n, g in zip(names, grads):
+                buckets.setdefault(n.rsplit(".", 1)[0] if "." in n else n, []).append(g)
+            for n, gs in buckets.items():
+                self.groups[n] = grad_stats(gs, scale=1.0, fmt=self.fmt)
+        else:
+            for n, g in zip(names, grads):
+                self.groups[n] = grad_stats([g], scale=1.0, fmt=self.fmt)
+
+    def metrics(self) -> Dict[str, float]:
+        """Flat figures of the last sampled iteration (empty before the first). Syncs."""
+        if self.overall is None:
+            return {}
+        out = flatten_stats("grad", self.overall)
+        out["grad/step"] = self.step_collected
+        for name, s in self.groups.items():
+            out.update(flatten_stats(f"grad/{name}", s))
+        return out
+
+
+def _fmt_dtype(fmt: str) -> str:
+    return {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
+            "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}.get(fmt, fmt)
+
+
+class JsonlLogger:
+    """Append one JSON object per line: ``{"step": ..., **metrics}``, for ``lossscale report RUN.jsonl``.
+
+    Non-finite floats are written as null-safe strings ("inf", "-inf", "nan") so every line is valid
+    JSON. Opens the file lazily and flushes every record, so a crashed run keeps what it logged.
+
+    Usage::
+
+        log = lossscale.JsonlLogger("run.jsonl")
+        ...
+        scaler.update()
+        if step % 50 == 0:
+            log.log(step, scaler.metrics(), loss=loss.item())
+        log.close()
+    """
+
+    def __init__(self, path: str, mode: str = "w"):
+        if mode not in ("w", "a"):
+            raise ValueError(f"mode={mode!r} must be 'w' (new file) or 'a' (append).")
+        self.path, self._mode, self._file = os.fspath(path), mode, None
+
+    def log(self, step: int, metrics: Dict[str, object], **extra) -> None:
+        """Write one record."""
+        if self._file is None:
+            self._file = open(self.path, self._mode, encoding="utf-8")
+        record = {"step": int(step)}
+        for k, v in {**metrics, **extra}.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()  # the caller logs at its own cadence: this sync is theirs
+            if isinstance(v, float) and not math.isfinite(v):
+                v = str(v)
+            record[k] = v
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "JsonlLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

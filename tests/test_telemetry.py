@@ -1,0 +1,76 @@
+"""Telemetry in the scaler: bitwise-neutral, sync-free while collecting, flat metrics, JSONL."""
+
+import json
+
+import pytest
+import torch
+
+import lossscale
+from lossscale.telemetry import JsonlLogger, Telemetry
+from _models import backward, make_optimizer, params_equal, twins
+
+
+def _run(model, scaler, steps=12):
+    opt = make_optimizer("sgd", model.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        backward(model, scaler, step)
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return opt
+
+
+def test_telemetry_on_is_bitwise_neutral():
+    a, b = twins(3)
+    _run(a, lossscale.GradScaler(growth_interval=3))
+    on = lossscale.GradScaler(growth_interval=3, model=b, telemetry=dict(every=2, per="module"))
+    _run(b, on)
+    assert params_equal(a, b)
+    m = on.metrics()
+    assert m["grad/step"] == 10 and 0.0 <= m["grad/flushed_frac"] <= 1.0
+    assert m["grad/measured"] == "float32 as fp16"
+    assert "grad/0/flushed_frac" in m and "grad/2/headroom_bits" in m
+    assert m["loss_scale"] == on.get_scale() and m["skipped_steps"] == on.skipped_steps
+
+
+def test_telemetry_figures_equal_direct_measurement_of_scaled_grads():
+    model, _ = twins(0)
+    scaler = lossscale.GradScaler(init_scale=2.0**20, telemetry=1)
+    opt = make_optimizer("sgd", model.parameters())
+    backward(model, scaler, 0)
+    scaled = [p.grad.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    m = scaler.metrics()
+    g = torch.cat([t.flatten() for t in scaled]).double()
+    as16 = g.to(torch.float16)
+    assert m["grad/flushed"] == int(((as16 == 0) & (g != 0)).sum())
+    assert m["grad/overflow"] == int((torch.isinf(as16) & torch.isfinite(g)).sum())
+    assert m["grad/amax"] == float(g[torch.isfinite(g)].abs().max())  # amax is over finite values
+    assert m["grad/inf"] + m["grad/nan"] == int((~torch.isfinite(g)).sum())
+
+
+def test_bad_telemetry_argument():
+    with pytest.raises(ValueError, match="telemetry"):
+        lossscale.GradScaler(telemetry="often")
+    with pytest.raises(ValueError, match="per"):
+        Telemetry(per="layer")
+
+
+def test_jsonl_logger_round_trip(tmp_path):
+    path = tmp_path / "run.jsonl"
+    model, _ = twins(1)
+    scaler = lossscale.GradScaler(telemetry=2)
+    opt = make_optimizer("sgd", model.parameters())
+    with JsonlLogger(path) as log:
+        for step in range(4):
+            opt.zero_grad()
+            backward(model, scaler, step)
+            scaler.step(opt)
+            scaler.update()
+            log.log(step, scaler.metrics(), note=float("inf"))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3]
+    assert lines[0]["note"] == "inf" and "loss_scale" in lines[0] and "grad/flushed_frac" in lines[-1]
