@@ -155,6 +155,26 @@ def test_empty_inputs():
         assert s.flushed_frac == 0.0 and s.headroom_bits == math.inf
 
 
+def test_empty_stats_on_a_chosen_device():
+    s = grad_stats([], scale=8.0, fmt="bf16", device="cpu")
+    assert s.hist.device.type == "cpu" and s.amax_tensor.device.type == "cpu" and s.numel == 0
+    with pytest.raises(ValueError, match="device='meta' but the tensors are on cpu"):
+        grad_stats([torch.ones(2)], device="meta")
+
+
+def test_to_dict_reads_once():
+    s = grad_stats(torch.randn(100))
+    calls = []
+    real = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda self: calls.append(1) or real(self)
+        s.to_dict()
+        s.flushed, s.amax
+    finally:
+        torch.Tensor.tolist = real
+    assert len(calls) == 1
+
+
 def test_single_tensor_and_requires_grad():
     x = torch.tensor([2.0**-26, 2.0**-25, 2.0**-24, 1.0, 70000.0, 0.0], requires_grad=True)
     s = grad_stats(x)

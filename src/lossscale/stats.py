@@ -263,9 +263,14 @@ class GradStats:
     def _figures(self) -> Dict[str, Any]:
         fig = self._cache.get("figures")
         if fig is None:
-            # One transfer for everything.  float64 holds the counts exactly (< 2^53).
+            # One transfer for everything (the histogram too, for to_dict): float64 holds every
+            # count exactly (< 2^53) and the float32 amax exactly.
             packed = torch.cat(
-                [self.counts_tensor().to(torch.float64), self.amax_tensor.reshape(1).to(torch.float64)]
+                [
+                    self.counts_tensor().to(torch.float64),
+                    self.amax_tensor.reshape(1).to(torch.float64),
+                    self.hist.to(torch.float64),
+                ]
             )
             values = packed.tolist()  # the one host sync
             counts = [int(v) for v in values[:_NUM_ROWS]]
@@ -273,6 +278,7 @@ class GradStats:
             fig = dict(zip(names, counts))
             fig["numel"] = sum(counts[:_STRADDLE])
             fig["amax"] = float(values[_NUM_ROWS])
+            fig["hist"] = {i: int(c) for i, c in enumerate(values[_NUM_ROWS + 1 :]) if c}
             self._cache["figures"] = fig
         return fig
 
@@ -423,14 +429,13 @@ class GradStats:
         """Every figure as plain Python numbers, plus what :meth:`from_dict` needs to rebuild.
 
         Keys: ``fmt`` (name), ``scale``, the figures above, ``thresholds`` and ``hist`` (the
-        nonzero bins as ``{bin_index: count}``).  Syncs (it reads the figures).
+        nonzero bins as ``{bin_index: count}``).  Syncs once (it reads the figures).
         """
         d: Dict[str, Any] = {"fmt": self.fmt.name, "scale": self.scale}
         for name in self._FIGURE_NAMES:
             d[name] = getattr(self, name)
         d["thresholds"] = list(self.thresholds)
-        hist = self.hist.tolist()
-        d["hist"] = {i: c for i, c in enumerate(hist) if c}
+        d["hist"] = dict(self._figures()["hist"])
         return d
 
     @classmethod
@@ -646,6 +651,7 @@ def grad_stats(
     *,
     scale: float = 1.0,
     fmt: "str | FloatFormat" = "fp16",
+    device: "str | torch.device | None" = None,
 ) -> GradStats:
     """Measure what storing ``x * scale`` in ``fmt`` would do to every element of ``tensors``.
 
@@ -655,6 +661,9 @@ def grad_stats(
         scale: positive finite multiplier applied before storing (the loss scale).
         fmt: the storage format: a name such as ``"fp16"``, ``"bf16"``, ``"fp8_e4m3"``,
             ``"fp8_e5m2"``, ``"fp32"``, a ``torch.dtype`` or a :class:`FloatFormat`.
+        device: where the result's tensors live when ``tensors`` holds none (default CPU), e.g.
+            so that a rank with nothing to measure can still join a NCCL all-reduce.  When
+            given, the tensors must be on it.
 
     Returns:
         A :class:`GradStats`.  Its counts are exactly what a real cast
@@ -665,12 +674,20 @@ def grad_stats(
 
     Raises:
         ValueError: for an unknown ``fmt``, a non-positive or non-finite ``scale``, a non-tensor
-            entry, an unsupported dtype or layout, or tensors on several devices.
+            entry, an unsupported dtype or layout, tensors on several devices, or tensors not on
+            ``device``.
     """
     f = _check_fmt(fmt)
     s = _check_scale(scale)
     ts = _collect(tensors)
-    device = ts[0].device if ts else torch.device("cpu")
+    if device is not None:
+        device = torch.device(device)
+        if ts and ts[0].device != device:
+            raise ValueError(
+                f"device={str(device)!r} but the tensors are on {ts[0].device}; "
+                "omit device or move the tensors"
+            )
+    device = ts[0].device if ts else (device or torch.device("cpu"))
     thresholds = _thresholds_for(_boundaries(f, s))
     hist = torch.zeros(NUM_BINS, dtype=torch.int64, device=device)
     amax_parts: List[torch.Tensor] = []
