@@ -529,42 +529,41 @@ def _count_into(hist: torch.Tensor, keys: torch.Tensor, ones: Optional[torch.Ten
         hist.index_add_(0, keys, ones.expand(keys.numel()))
 
 
-def _chunks(tensors: List[torch.Tensor], view_dtype: torch.dtype, staging: torch.Tensor):
-    """Yield 1-D ``view_dtype`` tensors covering every element of ``tensors`` exactly once.
+def _chunks(tensors: List[torch.Tensor], staging: torch.Tensor):
+    """Yield 1-D tensors (of ``staging``'s dtype) covering every element of ``tensors`` once.
 
     Large contiguous tensors are yielded as slices (no copy).  Small or strided ones are packed
     into ``staging`` with one ``_foreach_copy_`` per chunk, so a model with hundreds of small
-    gradients costs a handful of kernels rather than hundreds.
+    gradients costs a handful of kernels rather than hundreds (and one Python call per tensor).
     """
     cap = staging.numel()
-    dsts: List[torch.Tensor] = []
-    srcs: List[torch.Tensor] = []
+    batch: List[torch.Tensor] = []
+    sizes: List[int] = []
     filled = 0
     for t in tensors:
         n = t.numel()
         if n == 0:
             continue
-        v = t.detach().view(view_dtype)  # same element size: a reinterpretation, never a copy
-        if n >= cap // 4 and v.is_contiguous():
-            flat = v.view(-1)
-            for i in range(0, n, cap):
-                yield flat[i : i + cap]
-            continue
-        if n > cap:  # large but strided: contiguous copy, then slices
-            flat = v.reshape(-1)
+        contiguous = t.is_contiguous()
+        if (n >= cap // 4 and contiguous) or n > cap:
+            flat = t.view(-1) if contiguous else t.reshape(-1)  # large and strided: one copy
             for i in range(0, n, cap):
                 yield flat[i : i + cap]
             continue
         if filled + n > cap:
-            torch._foreach_copy_(dsts, srcs)
-            yield staging[:filled]
-            dsts, srcs, filled = [], [], 0
-        dsts.append(staging[filled : filled + n].view(v.shape))
-        srcs.append(v)
+            yield _pack(staging, batch, sizes, filled)
+            batch, sizes, filled = [], [], 0
+        batch.append(t)
+        sizes.append(n)
         filled += n
     if filled:
-        torch._foreach_copy_(dsts, srcs)
-        yield staging[:filled]
+        yield _pack(staging, batch, sizes, filled)
+
+
+def _pack(staging: torch.Tensor, batch: List[torch.Tensor], sizes: List[int], filled: int) -> torch.Tensor:
+    dsts = [d.view(t.shape) for d, t in zip(staging[:filled].split(sizes), batch)]
+    torch._foreach_copy_(dsts, batch)  # handles strided sources; one call for the whole batch
+    return staging[:filled]
 
 
 def _bin_keys(a: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, thresholds: Tuple[int, ...]) -> torch.Tensor:
@@ -593,11 +592,12 @@ def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, ones) -> None:
     device = hist.device
     n_total = sum(t.numel() for t in ts)
     c = min(chunk, n_total)
-    staging = torch.empty(c, dtype=torch.int32, device=device)
+    staging = torch.empty(c, dtype=torch.float32, device=device)
     a_buf = torch.empty(c, dtype=torch.int32, device=device)
     k_buf = torch.empty(c, dtype=torch.int32, device=device)
     t_buf = torch.empty(c, dtype=torch.int32, device=device)
-    for bits in _chunks(ts, torch.int32, staging):
+    for chunk_values in _chunks(ts, staging):
+        bits = chunk_values.view(torch.int32)  # same size: a reinterpretation, never a copy
         n = bits.numel()
         # |x| as bits: clearing the sign bit makes integer order equal magnitude order.
         a = torch.bitwise_and(bits, 0x7FFFFFFF, out=a_buf[:n])
@@ -631,10 +631,11 @@ def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, ones) -> N
     device = hist.device
     n_total = sum(t.numel() for t in ts)
     c = min(chunk, n_total)
-    staging = torch.empty(c, dtype=torch.int16, device=device)
+    staging = torch.empty(c, dtype=dtype, device=device)
     m_buf = torch.empty(c, dtype=torch.int16, device=device)
     per_pattern = torch.zeros(1 << 15, dtype=torch.int64, device=device)
-    for bits in _chunks(ts, torch.int16, staging):
+    for chunk_values in _chunks(ts, staging):
+        bits = chunk_values.view(torch.int16)
         n = bits.numel()
         m = torch.bitwise_and(bits, 0x7FFF, out=m_buf[:n])  # drop the sign
         if device.type == "cpu" and not _FORCE_INDEX_ADD:
