@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from . import _kernels
+from . import distributed as _distributed
 from ._device_rules import DeviceState, count_, device_update_
 from .policy import DynamicPolicy, ScaleState, StaticPolicy, diagnose
 
@@ -36,7 +37,7 @@ __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
 STATE_DICT_VERSION = 1
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_DEFAULT_GROUP = "default"
+_DEFAULT_GROUP = _distributed.DEFAULT_GROUP
 
 
 class OptState(enum.Enum):
@@ -188,7 +189,7 @@ class GradScaler:
         self._names: Dict[int, str] = {}
         if model is not None:
             self.name_parameters(model)
-        self._process_group = process_group
+        self._process_group = _distributed._validate_group(process_group)
         self._last_skipped: Union[bool, torch.Tensor, None] = None
         self._last_report: Optional[Dict[str, List[str]]] = None
         self._report_source = None
@@ -300,7 +301,12 @@ class GradScaler:
                 if not allow_half and param.grad.dtype == torch.float16:
                     half.append(self._names.get(id(param), f"param_groups[{gi}][{pi}] {tuple(param.shape)}"))
                     continue
-                grads.append(_kernels.grad_to_check(param))
+                grad = _kernels.grad_to_check(param)
+                if grad.numel() == 0:
+                    # Nothing to check, and the inf-norm of an empty tensor raises. FSDP2 gives a rank
+                    # an empty local shard when a parameter's dim 0 is smaller than the world size.
+                    continue
+                grads.append(grad)
                 params.append(param)
         if half:
             raise ValueError(
@@ -314,14 +320,14 @@ class GradScaler:
         return grads
 
     def _reduce_flags(self, found_inf: torch.Tensor, found_nan: torch.Tensor):
-        """All-reduce (MAX) the two flags over the process group, so every rank decides alike."""
-        group = self._process_group
-        if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        """All-reduce (MAX) the two flags over the process group, so every rank decides alike.
+
+        A collective: every rank of the group must make the same sequence of calls, so whether it
+        is called may depend only on values that are already reduced (never on local gradients).
+        """
+        group = _distributed._resolve(self._process_group)
+        if group is None:
             return found_inf, found_nan
-        if group == _DEFAULT_GROUP:
-            if torch.distributed.get_world_size() <= 1:
-                return found_inf, found_nan
-            group = None  # torch.distributed's default group
         flags = torch.stack([found_inf, found_nan])
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
         return flags[0], flags[1]
@@ -338,6 +344,7 @@ class GradScaler:
         grads = self._gather(optimizer, allow_half=not unscale or passthrough)
         groups = _kernels.group_grads(grads)
         needs_amax = getattr(self._policy, "needs_amax", False)  # e.g. AdaptivePolicy
+        nan_pending = False  # found_nan is not known yet (the sync unscale path learns it on overflow only)
         if self._telemetry is not None:
             self._telemetry.observe(self, optimizer, rec.params, grads)
         if unscale and not passthrough:
@@ -349,6 +356,7 @@ class GradScaler:
                 per_device = _kernels.check_and_unscale_(groups, inv_scale, found)
                 found_inf = self._combine(per_device.values(), st.device)
                 found_nan = torch.zeros_like(found_inf)
+                nan_pending = True
             else:
                 # No sync allowed, or the policy needs the amax: learn inf vs NaN (and the amax) from a
                 # read-only amax pass, then torch's kernel.
@@ -368,7 +376,9 @@ class GradScaler:
         rec.found_nan = found_nan
         if sync:
             rec.host_found = bool(found_inf.item())  # THE sync of this optimizer's iteration
-            if rec.host_found and not rec.amax_vectors:
+            # Decided on reduced values only: a local condition (say, "this rank has amax vectors")
+            # would make ranks disagree on whether the second collective below happens.
+            if rec.host_found and nan_pending:
                 # Overflow path only: one read pass to tell inf from NaN and name the parameters.
                 vectors, amax = _kernels.amax_per_tensor(groups, st.device)
                 rec.amax_vectors = vectors

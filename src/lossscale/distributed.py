@@ -1,0 +1,280 @@
+"""torch.distributed support: which group a scaler reduces over, a consistency check, pipeline stages.
+
+What :class:`lossscale.GradScaler` does across ranks (the reduction itself lives in ``scaler.py``)::
+
+    per optimizer, in unscale_() or step():             # the same calls, in the same order, on every rank
+        found_inf, found_nan = check(local gradients)   # a DTensor gradient: its local shard; none: 0, 0
+        found_inf, found_nan = all_reduce(MAX, [found_inf, found_nan], group)   # one collective
+        skip = found_inf                                # the same on every rank, so is the step
+        if skip and the kernel could not tell NaN from inf (sync path):
+            found_nan = all_reduce(MAX, local NaN flag, group)                   # overflow steps only
+    update(): the policy sees the reduced flags, so every rank keeps the same scale and counters
+
+The flags, not the gradients' max, are reduced: a MAX over values holding NaN is not defined the
+same way by every backend (NCCL and gloo may drop it), while 0/1 flags reduce exactly.
+
+Nothing here moves data except through torch.distributed collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, List, Optional
+
+import torch
+
+from .policy import ScaleState
+
+__all__ = ["reduction_group", "check_consistency", "init_stage", "reduce_stats"]
+
+DEFAULT_GROUP = "default"  # GradScaler(process_group=...)'s default: the default group, when there is one
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _validate_group(group: Any) -> Any:
+    """``GradScaler(process_group=...)`` once checked: "default", None or a ProcessGroup.
+
+    A rank outside a group made by ``torch.distributed.new_group`` receives the int sentinel
+    ``GroupMember.NON_GROUP_MEMBER`` instead of a group; it is accepted and means "no reduction on
+    this rank", so the same constructor call works on every rank.
+    """
+    if group is None or (isinstance(group, str) and group == DEFAULT_GROUP):
+        return group
+    if isinstance(group, str):
+        raise ValueError(
+            f"process_group={group!r} is not a process group; pass 'default' (the default group when "
+            "torch.distributed is initialised with more than one rank), None (no reduction) or a group "
+            "from torch.distributed.new_group()."
+        )
+    if torch.distributed.is_available():
+        from torch.distributed.distributed_c10d import GroupMember
+
+        if isinstance(group, torch.distributed.ProcessGroup) or group is GroupMember.NON_GROUP_MEMBER:
+            return group
+    raise ValueError(
+        f"process_group={group!r} ({type(group).__name__}) is not a torch.distributed ProcessGroup; pass one "
+        "from torch.distributed.new_group() (for a DeviceMesh: mesh.get_group()), 'default' or None."
+    )
+
+
+def _resolve(group: Any) -> Optional["torch.distributed.ProcessGroup"]:
+    """The ProcessGroup a ``process_group`` setting reduces over now, or None for no reduction.
+
+    Evaluated at every use, so a scaler built before ``init_process_group`` picks the group up.
+    """
+    if group is None or not _dist_ready():
+        return None
+    if isinstance(group, str):  # DEFAULT_GROUP
+        return torch.distributed.group.WORLD if torch.distributed.get_world_size() > 1 else None
+    if not isinstance(group, torch.distributed.ProcessGroup):  # NON_GROUP_MEMBER
+        return None
+    return group
+
+
+def _require_scaler(scaler: Any, call: str):
+    from .scaler import GradScaler
+
+    if not isinstance(scaler, GradScaler):
+        raise ValueError(f"{call} takes a lossscale.GradScaler, got {type(scaler).__name__}.")
+
+
+def reduction_group(scaler) -> Optional["torch.distributed.ProcessGroup"]:
+    """The process group over which ``scaler`` all-reduces its skip decision now; None if it does not.
+
+    ``process_group="default"`` resolves to ``torch.distributed.group.WORLD`` once torch.distributed
+    is initialised with more than one rank, and to None before (or with one rank). No sync.
+    """
+    _require_scaler(scaler, "reduction_group()")
+    return _resolve(scaler._process_group)
+
+
+def _collective_device(group, preferred: Optional[torch.device] = None) -> torch.device:
+    """Where a tensor must live for a collective on ``group``: CPU for gloo/MPI, else the accelerator
+    (``preferred`` when it is one, else the current CUDA device)."""
+    backend = str(torch.distributed.get_backend(group))
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if preferred is not None and preferred.type != "cpu":
+        return preferred
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+_ALWAYS_SHOWN = ("scale", "growth_tracker")
+
+
+def check_consistency(scaler, group=None) -> ScaleState:
+    """Raise unless every rank of the group holds the same scaler state; return that state.
+
+    A debug check: with the skip decision reduced, every rank's scale, trackers and counters are
+    equal after every :meth:`~lossscale.GradScaler.update`, and a difference means some rank skipped
+    alone (a scaler built with ``process_group=None``, a rank that loaded another checkpoint, calls
+    that differ between ranks). Call it on every rank, between iterations (after ``update()``),
+    every N steps::
+
+        if step % 100 == 0:
+            lossscale.distributed.check_consistency(scaler)
+
+    Args:
+        scaler: a :class:`lossscale.GradScaler`.
+        group: the ranks to compare. None (default): the scaler's own reduction group, or the default
+            group when the scaler does not reduce (``process_group=None``).
+
+    Returns:
+        The (common) :class:`lossscale.ScaleState`. Without torch.distributed initialised, or in a
+        one-rank group, there is nothing to compare and it returns the local state.
+
+    Raises:
+        RuntimeError: the states differ; the message lists every rank's scale and growth tracker and
+            every other field that differs. Every rank raises, so no rank is left in a collective.
+
+    Syncs: host and device once (the state), plus one ``all_gather`` over the group.
+    """
+    _require_scaler(scaler, "check_consistency()")
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        raise ValueError(
+            f"group={group!r} must be None (the scaler's group) or a torch.distributed ProcessGroup."
+        )
+    state = scaler._scale_state()  # the sync
+    if not _dist_ready():
+        return state
+    group = group or reduction_group(scaler) or torch.distributed.group.WORLD
+    world = torch.distributed.get_world_size(group)
+    if world <= 1:
+        return state
+    fields = [f.name for f in dataclasses.fields(ScaleState)]
+    # float64 holds the float32 scales and every counter below 2**53 exactly.
+    row = [float(scaler.is_enabled())] + [float(getattr(state, name)) for name in fields]
+    preferred = scaler._state.device if scaler._state is not None else None
+    local = torch.tensor(row, dtype=torch.float64, device=_collective_device(group, preferred))
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(gathered, local, group=group)
+    rows: List[List[float]] = torch.stack(gathered).cpu().tolist()
+    names = ["enabled"] + fields
+    differing = [i for i in range(len(names)) if any(r[i] != rows[0][i] for r in rows)]
+    if not differing:
+        return state
+    ranks = torch.distributed.get_process_group_ranks(group)
+    shown = [i for i in range(len(names)) if names[i] in _ALWAYS_SHOWN or i in differing]
+
+    def show(i, v):
+        return repr(v) if "scale" in names[i] else str(int(v))
+
+    lines = [f"  {names[i]}: " + ", ".join(f"rank {rk}: {show(i, r[i])}" for rk, r in zip(ranks, rows))
+             for i in shown]
+    raise RuntimeError(
+        f"lossscale.GradScaler state differs across the {world} ranks of the group "
+        f"(differing: {', '.join(names[i] for i in differing)}):\n" + "\n".join(lines) + "\n"
+        "Every rank must skip or step together: build the scaler with process_group='default' (or the "
+        "group these ranks share), not None; call scale/unscale_/step/update the same way on every rank; "
+        "and load the same checkpoint everywhere."
+    )
+
+
+def init_stage(scaler, device) -> None:
+    """Start ``scaler`` on ``device`` on a rank that never calls ``scaler.scale()``.
+
+    A pipeline stage before the last one computes no loss: its gradients come from
+    ``torch.autograd.backward(outputs, received_grads)``, already multiplied by the loss scale of
+    the stage that called :meth:`~lossscale.GradScaler.scale`. Its scaler must still unscale,
+    check and take part in the skip decision, for which it needs to know its device. Call this once,
+    before the first :meth:`~lossscale.GradScaler.unscale_` or ``step``; since every rank's scaler
+    starts from the same settings and sees the same reduced flags, the scale it divides by is the
+    one the loss was multiplied by. No sync.
+
+    Raises:
+        ValueError: ``device`` is not a device, or the scaler already started on another device.
+    """
+    _require_scaler(scaler, "init_stage()")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise ValueError(f"device={device!r} is not a device; pass e.g. 'cpu', 'cuda:0' or a torch.device.") from None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not scaler.is_enabled():
+        return
+    if scaler._state is not None:
+        if scaler._state.device != device:
+            raise ValueError(f"the scaler already runs on {scaler._state.device}; init_stage got device={device}.")
+        return
+    scaler._ensure_state(device)
+
+
+def reduce_stats(stats, group=None):
+    """Global gradient statistics from every rank's local ones: histograms summed, ``amax`` maxed.
+
+    For gradients *sharded* over ``group`` (FSDP2 local shards, pipeline stages, tensor-parallel
+    shards) the sum of the local histograms is the histogram of the whole gradient, so every figure
+    of the result (counts, fractions, ``amax``, ``headroom_bits``, ``at()``) is the global one.
+    Do not reduce *replicated* gradients (DDP, after its all-reduce): each element would be counted
+    once per rank (fractions and ``amax`` would survive, counts would be world-size times too big).
+
+    Args:
+        stats: a :class:`lossscale.stats.GradStats`, a list/tuple of them, or a dict of name ->
+            GradStats; the same structure (names, order, formats, scales) on every rank. A rank with
+            nothing to measure passes empty stats: ``grad_stats([], scale=..., fmt=..., device=...)``.
+        group: the ranks to reduce over; None (default): the default group.
+
+    Returns:
+        The same structure of new GradStats (the inputs are left as they are). Without
+        torch.distributed initialised, or in a one-rank group, ``stats`` itself.
+
+    Raises:
+        ValueError: ``stats`` holds something other than GradStats.
+        RuntimeError: the ranks passed different structures (every rank raises).
+
+    Syncs: two collectives (every ``amax`` in one MAX all-reduce, every histogram in one SUM
+    all-reduce) and one host read between them, of the check that all ranks passed alike. A
+    collective: call it on every rank of the group, at the same steps (when the figures are read).
+    """
+    from .stats import GradStats
+
+    if isinstance(stats, GradStats):
+        kind, names, items = "one", [""], [stats]
+    elif isinstance(stats, dict):
+        kind, names, items = "dict", [str(k) for k in stats], list(stats.values())
+    elif isinstance(stats, (list, tuple)):
+        kind, names, items = type(stats).__name__, [str(i) for i in range(len(stats))], list(stats)
+    else:
+        raise ValueError(f"stats must be a GradStats, a list/tuple or a dict of them; got {type(stats).__name__}.")
+    bad = [n for n, s in zip(names, items) if not isinstance(s, GradStats)]
+    if bad:
+        raise ValueError(f"stats entries {bad[:5]} are not GradStats (from lossscale.stats.grad_stats).")
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        raise ValueError(f"group={group!r} must be None (the default group) or a torch.distributed ProcessGroup.")
+    if not _dist_ready() or torch.distributed.get_world_size(group) <= 1:
+        return stats
+    devices = {s.hist.device for s in items}
+    if len(devices) > 1:
+        raise ValueError(f"stats live on several devices {sorted(map(str, devices))}; move them to one first.")
+    device = devices.pop() if devices else _collective_device(group or torch.distributed.group.WORLD)
+    # A signature of the structure, below 2**48 so float64 holds it exactly. MAX-reducing it and its
+    # negation gives max and -min: equal on every rank iff every rank passed the same structure.
+    layout = repr((kind, names, [(s.fmt.name, s.scale, tuple(s.thresholds), s.hist.numel()) for s in items]))
+    sig = float(int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=6).digest(), "big"))
+    maxed = torch.cat([torch.stack([s.amax_tensor.reshape(()).double() for s in items]) if items
+                       else torch.zeros(0, dtype=torch.float64, device=device),
+                       torch.tensor([sig, -sig], dtype=torch.float64, device=device)])
+    torch.distributed.all_reduce(maxed, op=torch.distributed.ReduceOp.MAX, group=group)
+    hi, neg_lo = maxed[-2:].tolist()  # the host read: every rank sees the same values, so all raise or none
+    if hi != -neg_lo:
+        raise RuntimeError(
+            "reduce_stats: the ranks passed different statistics (other names, order, formats or scales); "
+            "pass the same structure on every rank, with grad_stats([], scale=..., fmt=..., device=...) where a "
+            "rank has nothing to measure."
+        )
+    if not items:
+        return stats
+    hists = torch.stack([s.hist for s in items])
+    torch.distributed.all_reduce(hists, op=torch.distributed.ReduceOp.SUM, group=group)
+    out = [dataclasses.replace(s, hist=hists[i], amax_tensor=maxed[i].to(s.amax_tensor.dtype).reshape(()))
+           for i, s in enumerate(items)]
+    if kind == "one":
+        return out[0]
+    if kind == "dict":
+        return dict(zip(stats.keys(), out))
+    return type(stats)(out)
