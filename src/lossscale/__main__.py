@@ -1,0 +1,7 @@
+"""``python -m lossscale ...``: the same as the ``lossscale`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,96 @@
+"""Per-step measurements of a run, taken with lossscale's own telemetry APIs.
+
+* The overflow side: ``grad/headroom_bits`` of the step's (FP16-born) parameter gradients at the scale
+  the step ran with, from ``scaler.metrics()`` when the scaler records telemetry, else from
+  ``lossscale.stats.grad_stats`` (torch's scaler, runs without a scaler).
+* The underflow side: under autocast the parameter gradients are FP32 copies of FP16 results, so a
+  flushed value is already 0 there and cannot be told from a true 0. The flushing happens in the FP16
+  activation gradients, so every ``probe_every`` steps :func:`lossscale.hooks.activation_grad_probe`
+  runs one exact FP32 backward of a fixed probe batch and reports what FP16 flushes at the scale in
+  use: ``act/flushed_frac`` overall and ``act/<module>/flushed_frac`` per layer.
+
+Missing APIs simply leave their keys out (the claims then report PENDING).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _apis
+from .workload import Data, TrainConfig
+
+__all__ = ["make_observer", "probe_activations"]
+
+_KEEP = ("grad/headroom_bits", "grad/amax", "grad/overflow_frac")
+
+
+def _num(v) -> Optional[float]:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def probe_activations(model: torch.nn.Module, cfg: TrainConfig, x: torch.Tensor, y: torch.Tensor,
+                      scale: float) -> Optional[Dict[str, Any]]:
+    """``{"act/flushed_frac": f, "act/<module>/flushed_frac": f, ...}`` at ``scale``, or None without hooks."""
+    hooks = _apis.hooks()
+    if hooks is None:
+        return None
+    c = cfg.c
+    with warnings.catch_warnings():
+        # torch notes that a full backward hook fires for module outputs when the inputs do not
+        # require grad: exactly the gradients the probe wants.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        per = hooks.activation_grad_probe(model, lambda out, t: F.cross_entropy(out, t) * c, x, y, scale=scale,
+                                          fmt="fp16")
+    out: Dict[str, Any] = {}
+    total = None
+    # Shares of the *nonzero* activation gradients: ReLU's exact zeros are no signal to lose.
+    for name, st in per.items():
+        out[f"act/{name}/flushed_frac"] = _apis.nonzero_frac(st)
+        out[f"act/{name}/headroom_bits"] = float(st.headroom_bits)
+        total = st if total is None else total + st
+    if total is not None:
+        out["act/flushed_frac"] = _apis.nonzero_frac(total)
+        out["act/headroom_bits"] = float(total.headroom_bits)
+    return out
+
+
+def make_observer(cfg: TrainConfig, data: Data, probe_every: int = 5, probe_size: int = 256
+                  ) -> Callable[[int, torch.nn.Module, Any], Dict[str, Any]]:
+    """An ``observe(step, model, scaler)`` for :class:`~lossscale.demo.workload.RunSpec` (see the module doc).
+
+    Called after ``scaler.step`` and before ``scaler.update``, so the gradients are unscaled and the
+    scaler's scale and telemetry are those of the step.
+    """
+    x_probe, y_probe = data.x_train[:probe_size], data.y_train[:probe_size]
+    stats = _apis.stats()
+
+    def observe(step: int, model: torch.nn.Module, scaler) -> Dict[str, Any]:
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
+        rec: Dict[str, Any] = {}
+        metrics = getattr(scaler, "metrics", None)
+        figures = metrics() if metrics is not None and getattr(scaler, "_telemetry", None) is not None else None
+        if figures:
+            rec.update({k: _num(figures[k]) for k in _KEEP if k in figures})
+        elif stats is not None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if grads:
+                # The gradients are unscaled here; at ``scale`` they are the FP16 values of the backward.
+                d = stats.grad_stats(grads, scale=scale, fmt="fp16")
+                rec["grad/headroom_bits"] = float(d.headroom_bits)
+                rec["grad/amax"] = float(d.amax) * scale  # of the scaled gradients, as the telemetry reports it
+        if step % probe_every == 0:
+            probed = probe_activations(model, cfg, x_probe, y_probe, scale)
+            if probed:
+                rec.update(probed)
+        return {k: v for k, v in rec.items() if v is None or not isinstance(v, float) or not math.isnan(v)}
+
+    return observe

@@ -1,0 +1,306 @@
+"""Turn a :class:`~lossscale.demo.run.DemoResult` into plots, ``index.html``, ``summary.json`` and a
+terminal table. Every number written here was measured by the run; nothing is computed from
+assumptions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..report import plots
+from ..report.html import Section, write_html
+from ..report.schema import _clean, write_jsonl
+from . import _apis
+from .claims import ClaimResult, overflow_envelope, overflow_line, p2, pct
+from .workload import RunResult
+
+__all__ = ["render", "write_summary", "terminal_summary", "SUMMARY_VERSION"]
+
+SUMMARY_VERSION = 1
+_CURVE_RUNS = ("fp32", "fp16_noscale", "static", "dynamic", "adaptive", "torch_default")
+_STEP_KEYS = ("loss", "loss_scale", "skipped", "grad/headroom_bits", "act/flushed_frac", "clip_fired",
+              "true_norm", "applied_norm")
+
+
+def _run_dict(run: RunResult) -> Dict[str, Any]:
+    per_step: Dict[str, List[Any]] = {}
+    for key in _STEP_KEYS:
+        vals = run.series(key)
+        if any(v is not None for v in vals):
+            per_step[key] = vals
+    layer_keys = sorted({k for s in run.steps for k in s if k.startswith("act/") and k.count("/") == 2})
+    for key in layer_keys:
+        per_step[key] = run.series(key)
+    return {
+        "label": run.label, "final_acc": run.final_acc, "steps": len(run.steps), "skipped_steps": run.skipped_steps,
+        "final_scale": run.steps[-1]["loss_scale"] if run.steps else None,
+        "unchanged_frac": run.unchanged_frac, "wall_s": round(run.wall_s, 3),
+        "epochs": {k: [e[k] for e in run.epochs] for k in ("epoch", "step", "train_loss", "test_acc")},
+        "per_step": per_step,
+    }
+
+
+def _hist(gstats) -> Optional[Dict[int, int]]:
+    try:
+        return _apis.histogram(gstats)
+    except AttributeError:
+        return None
+
+
+def _fmt_value(key: str, v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        k = key.lower()
+        if k.endswith(("frac", "acc")):
+            return pct(v, 3 if 0 < v < 0.001 else 2 if v < 0.1 else 1)
+        if "scale" in k or "threshold" in k or "smallest" in k or k.startswith("cast_") or k.endswith("max") \
+                or k.startswith("torch_finfo"):
+            if v > 0 and math.log2(v) == int(math.log2(v)) and abs(math.log2(v)) >= 4:
+                return f"{v:.6g} = 2^{int(math.log2(v))}"
+            return f"{v:.6g}"
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_fmt_value(k, x)}" for k, x in v.items())
+    return str(v)
+
+
+def _claim_section(cr: ClaimResult) -> Section:
+    rows = [(cr.labels[k], _fmt_value(k, cr.figures[k])) for k in cr.labels if k in cr.figures]
+    for key in ("dynamic", "torch_default", "adaptive"):
+        if isinstance(cr.figures.get(key), dict):
+            d = cr.figures[key]
+            name = cr.labels.get(f"{key}.summary", key)
+            for sub in ("first_scale", "max_scale", "final_scale", "growths", "backoffs", "skipped_steps",
+                        "first_overflow_step", "median_gap_bits_after_first_overflow",
+                        "median_envelope_gap_bits_after_first_overflow",
+                        "frac_within_2_bits_of_envelope_after_first_overflow", "line_first_quarter_log2",
+                        "line_last_quarter_log2", "mean_flushed_frac", "final_acc"):
+                if sub in d:
+                    rows.append((f"{name}: {sub.replace('_', ' ')}", _fmt_value(sub, d[sub])))
+    if cr.id == "C5" and "log2_scales" in cr.figures:
+        f = cr.figures
+        for i, k in enumerate(f["log2_scales"]):
+            extra = ""
+            if "flushed_frac" in f:
+                extra = f"; true gradients flushed {pct(f['flushed_frac'][i], 2)}, overflowing {pct(f['overflow_frac'][i], 3)}"
+            rows.append((f"S = 2^{k}", f"accuracy {pct(f['acc'][i])}, skipped {pct(f['skipped_frac'][i])}{extra}"))
+    text = []
+    if cr.waiting_on:
+        text.append("Pending: " + "; ".join(_apis.DESCRIPTIONS.get(w, w) for w in cr.waiting_on)
+                    + " is not in this build yet, so the checks that need it are not decided.")
+    pre = cr.figures.get("table") if cr.id == "C1" else None
+    return Section(f"{cr.id} · {cr.title}", verdict=cr.verdict, claim=cr.claim, text=text, figures=rows,
+                   checks=[(c.name, c.passed, c.detail) for c in cr.checks], images=list(cr.images), pre=pre,
+                   anchor=cr.id)
+
+
+def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str, Any]:
+    """Draw every plot the data allows; attach images to claims; return the plotted data for summary.json."""
+    cfg = result.config
+    runs = result.runs
+    data: Dict[str, Any] = {}
+    img = lambda name: os.path.join(out_dir, name)  # noqa: E731
+
+    # Training curves: the overview.
+    curve_runs = {n: {"label": runs[n].label, "epoch": [e["epoch"] for e in runs[n].epochs],
+                      "train_loss": [e["train_loss"] for e in runs[n].epochs],
+                      "test_acc": [e["test_acc"] for e in runs[n].epochs]} for n in _CURVE_RUNS if n in runs}
+    plots.plot_curves(img("curves.png"), curve_runs, chance=result.chance,
+                      title=f"Digits MLP, loss x 2^-{cfg.shift_log2} and lr / 2^-{cfg.shift_log2}: "
+                            "identical in FP32, lost in FP16 without scaling")
+    caption_curves = ("Training loss and test accuracy per epoch. FP32 is the reference; every FP16 run "
+                      "uses FP32 master weights under autocast.")
+    by_id["C2"].images.append(("curves.png", caption_curves))
+
+    # Number line + histograms (C1 facts, C2/C3 gradients).
+    c1 = by_id["C1"].figures
+    if "max" in c1:
+        fmt = {"name": "fp16", "max": c1["max"], "smallest_normal": c1["smallest_normal"],
+               "smallest_subnormal": c1["smallest_subnormal"], "flush_threshold": c1["flush_threshold"]}
+        before = after = None
+        mod = _apis.stats()
+        if mod is not None:
+            gs = mod.grad_stats(list(result.grads["fp32"].values()), scale=1.0, fmt="fp16")
+            before = _hist(gs)
+            after = _hist(gs.at(2.0**cfg.static_log2))
+        plots.plot_number_line(img("number_line.png"), fmt, before or {}, after, scale_log2=cfg.static_log2,
+                               title=f"FP16's number line and the true gradients of the first batch "
+                                     f"(shift 2^-{cfg.shift_log2})")
+        data["number_line"] = {"format": fmt, "hist_before": before, "hist_after": after,
+                               "scale_log2": cfg.static_log2}
+        by_id["C1"].images.append(("number_line.png", "FP16's range (from lossscale.formats): flushed below 2^-25, "
+                                   "subnormal to 2^-14, normal to 65504, inf above."))
+        if before:
+            cap = (f"Exponent histogram of the exact FP32 gradients (grey) and the same gradients scaled by "
+                   f"2^{cfg.static_log2} (blue), on FP16's number line.")
+            by_id["C2"].images.insert(0, ("number_line.png", cap))
+            by_id["C3"].images.append(("number_line.png", cap))
+
+    # Per-layer activation gradients flushed (C3).
+    if result.layer_probe:
+        layers = sorted({layer for d in result.layer_probe.values() for layer in d},
+                        key=lambda n: list(next(iter(result.layer_probe.values()))).index(n)
+                        if n in next(iter(result.layer_probe.values())) else 99)
+        series = {label: [d.get(layer) for layer in layers] for label, d in result.layer_probe.items()}
+        plots.plot_layer_flush(img("layer_flush.png"), layers, series)
+        data["layer_flush"] = {"layers": layers, "series": series}
+        by_id["C3"].images.append(("layer_flush.png", "Per layer: share of the exact activation gradients (first "
+                                   "batch, fresh model) that FP16 flushes to 0 at each scale "
+                                   "(lossscale.hooks.activation_grad_probe)."))
+
+    # Clip order (C4).
+    clip = {}
+    for name in ("clip_right", "clip_wrong"):
+        r = runs[name]
+        clip[name] = {"label": r.label, "epoch": [e["epoch"] for e in r.epochs], "test_acc": [e["test_acc"] for e in r.epochs],
+                      "step": [s["step"] for s in r.steps],
+                      "norm_ratio": [s["applied_norm"] / s["true_norm"] if s.get("true_norm") else None for s in r.steps]}
+    plots.plot_clip_order(img("clip_order.png"), clip, clip_norm=cfg.clip_norm,
+                          title=f"Clip after unscaling, not before (static S=2^{cfg.static_log2})")
+    by_id["C4"].images.append(("clip_order.png", "Left: test accuracy. Right: norm of the update the optimizer "
+                               "received over the norm of the true gradient, per step."))
+
+    # Static sweep (C5).
+    c5 = by_id["C5"].figures
+    plots.plot_sweep(img("static_sweep.png"), c5["log2_scales"], c5["acc"], c5["skipped_frac"],
+                     fp32_acc=runs["fp32"].final_acc, flushed_frac=c5.get("flushed_frac"),
+                     overflow_frac=c5.get("overflow_frac"), window=c5.get("window_log2"), chance=result.chance,
+                     title=f"Static loss scale sweep ({cfg.sweep_epochs} epochs each)")
+    by_id["C5"].images.append(("static_sweep.png", "Top: final accuracy per static scale (green: the measured "
+                               "window). Bottom: steps skipped for inf/NaN, and the share of the first batch's true "
+                               "gradients FP16 flushes or overflows at that scale."))
+
+    # Scale trajectories (C6).
+    traj = {}
+    for name in ("dynamic", "adaptive", "torch_default"):
+        if name in runs:
+            r = runs[name]
+            line = overflow_line(r) if name == "dynamic" else None
+            traj[name] = {"label": r.label, "step": [s["step"] for s in r.steps], "loss_scale": r.series("loss_scale"),
+                          "skipped": r.series("skipped"), "line": line,
+                          "envelope": overflow_envelope(line, cfg.growth_interval) if line else None}
+    plots.plot_scale_trajectory(img("scale_trajectory.png"), traj)
+    by_id["C6"].images.append(("scale_trajectory.png", "Loss scale per step; x marks a skipped step (inf/NaN). "
+                               "Dashed: the measured overflow line, the scale at which that step's largest gradient "
+                               "would have reached 65504 (S x 2^headroom, from the scaler's telemetry). Dotted: its "
+                               f"lowest value over the last {cfg.growth_interval} steps (the growth interval), the "
+                               "line the dynamic scale has to stay under."))
+    dyn = runs["dynamic"]
+    act = ({"activation gradients (exact FP32 probe at the scale in use)": dyn.series("act/flushed_frac")}
+           if any(v is not None for v in dyn.series("act/flushed_frac")) else None)
+    head = ({"gradients (scaler telemetry)": dyn.series("grad/headroom_bits")}
+            if any(v is not None for v in dyn.series("grad/headroom_bits")) else None)
+    plots.plot_telemetry(img("telemetry_dynamic.png"), dyn.series("step"), dyn.series("loss_scale"),
+                         dyn.series("skipped"), flushed=act, headroom=head,
+                         title="The dynamic run as lossscale's telemetry records it")
+    by_id["C6"].images.append(("telemetry_dynamic.png", "The dynamic run's telemetry (written to dynamic.jsonl; "
+                               "`lossscale report dynamic.jsonl` draws the same): scale and skips, share of exact "
+                               "activation gradients flushed at the scale in use, headroom of the gradients."))
+    return data
+
+
+def _write_dynamic_jsonl(run: RunResult, path: str) -> None:
+    records = [{"meta": {"run": run.name, "label": run.label, "format": "fp16", "source": "lossscale demo"}}]
+    for s in run.steps:
+        rec = {k: v for k, v in s.items() if k in ("step", "loss_scale", "skipped", "loss", "grad/headroom_bits",
+                                                   "grad/amax") or k.startswith("act/")}
+        records.append(rec)
+    with open(path, "w", encoding="utf-8") as fh:
+        write_jsonl(fh, records)
+
+
+def render(result, out_dir: str) -> Dict[str, Any]:
+    """Write the PNGs, ``dynamic.jsonl`` and ``index.html`` into ``out_dir``; return the summary dict."""
+    os.makedirs(out_dir, exist_ok=True)
+    by_id = {c.id: c for c in result.claims}
+    plotted = _make_plots(result, out_dir, by_id)
+    _write_dynamic_jsonl(result.runs["dynamic"], os.path.join(out_dir, "dynamic.jsonl"))
+    cfg = result.config
+    summary = {
+        "lossscale_demo_summary": SUMMARY_VERSION,
+        "config": asdict(cfg),
+        "environment": result.environment,
+        "timings": dict(result.timings),
+        "chance_acc": result.chance,
+        "shift_c": 2.0**-cfg.shift_log2,
+        "verdicts": {c.id: c.verdict for c in result.claims},
+        "claims": {c.id: c.to_dict() for c in result.claims},
+        "runs": {name: _run_dict(r) for name, r in result.runs.items()},
+        "sweep": [{"log2_scale": k, **{x: y for x, y in _run_dict(r).items() if x != "per_step"}}
+                  for k, r in result.sweep],
+        "layer_probe": result.layer_probe,
+        "plots": plotted,
+    }
+    _write_html(result, summary, out_dir)
+    write_summary(summary, out_dir)
+    return summary
+
+
+def write_summary(summary: Dict[str, Any], out_dir: str) -> str:
+    """Write ``out_dir/summary.json`` (strict JSON: inf/NaN become null)."""
+    path = os.path.join(out_dir, "summary.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(_clean(summary), fh, indent=1, allow_nan=False, default=str)
+    return path
+
+
+def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
+    cfg = result.config
+    runs = result.runs
+    rows = []
+    for name, r in runs.items():
+        rows.append((r.label, f"accuracy {pct(r.final_acc)}, skipped {r.skipped_steps}/{len(r.steps)}, final S "
+                     f"{p2(r.steps[-1]['loss_scale'])}, {r.wall_s:.1f}s"))
+    intro = Section(
+        "The experiment", anchor="experiment",
+        text=[
+            f"Data: scikit-learn's 8x8 digits ({len(result.runs['fp32'].steps) // max(cfg.epochs, 1)} steps of 64 per "
+            f"epoch; nothing downloaded). Model: an MLP 64-{'-'.join(map(str, cfg.hidden))}-10 trained with SGD "
+            "(momentum 0.9) under FP16 autocast with FP32 master weights.",
+            f"The controlled shift: the loss is multiplied by c = 2^-{cfg.shift_log2} and the learning rate divided "
+            "by c. A power of two only moves the exponent, so FP32 training is identical for every c, while every "
+            f"FP16 gradient moves down {cfg.shift_log2} binades, into the 1e-8..1e-10 range deep networks "
+            "produce.",
+            "Every figure on this page was measured by this run; each claim's verdict is computed from its checks.",
+        ],
+        figures=rows)
+    sections = [intro] + [_claim_section(c) for c in result.claims]
+    summary_rows = [(c.id, f"{c.id} {c.title}", c.verdict, c.headline) for c in result.claims]
+    missing = result.environment.get("missing_apis") or {}
+    foot = (f"lossscale demo{' --quick' if cfg.quick else ''} --seed {cfg.seed}; torch {result.environment.get('torch')}"
+            f", Python {result.environment.get('python')}; {summary['timings'].get('total_train_and_measure', 0):.0f}s "
+            "of training and measurement. summary.json holds every figure shown here.")
+    if missing:
+        foot += " Not yet in this build: " + "; ".join(missing.values()) + "."
+    held = sum(1 for c in result.claims if c.verdict == "HELD")
+    write_html(os.path.join(out_dir, "index.html"), "lossscale demo: FP16 underflow and loss scaling, measured",
+               sections, subtitle=f"{held} of {len(result.claims)} claims held"
+               + (" (quick run)" if cfg.quick else ""), summary=summary_rows, footer=foot)
+
+
+def terminal_summary(summary: Dict[str, Any], out_dir: str) -> str:
+    """The table printed at the end of ``lossscale demo``."""
+    lines = ["", "claim  verdict    measured", "-----  ---------  " + "-" * 60]
+    for cid, c in summary["claims"].items():
+        lines.append(f"{cid:<5}  {c['verdict']:<9}  {c['title']}: {c['headline']}")
+    lines.append("")
+    lines.append(f"{'run':<16} {'accuracy':>8} {'skipped':>8} {'final S':>9} {'time':>6}")
+    for name, r in summary["runs"].items():
+        fs = r["final_scale"]
+        lines.append(f"{name:<16} {pct(r['final_acc']):>8} {r['skipped_steps']:>8} {p2(fs):>9} {r['wall_s']:>5.1f}s")
+    t = summary["timings"]
+    lines.append("")
+    lines.append(f"report: {os.path.join(out_dir, 'index.html')}   figures: {os.path.join(out_dir, 'summary.json')}"
+                 f"   ({t.get('total', t.get('total_train_and_measure', 0)):.0f}s)")
+    return "\n".join(lines)
