@@ -28,7 +28,7 @@ lossscale: safe, observable FP16 loss scaling for PyTorch.
 
 _DEMO_EPILOG = """\
 examples:
-  lossscale demo                      # about 2-4 minutes on 2 CPU cores; report in lossscale-report/
+  lossscale demo                      # about a minute on 2 CPU cores; report in lossscale-report/
   lossscale demo --quick              # under a minute: fewer epochs, a coarser sweep
   python -m lossscale demo --out /tmp/r --seed 1
 
@@ -65,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{demo,formats,report}")
 
     demo = sub.add_parser("demo", help="measure every claim of FP16 loss scaling on real data; write a report",
-                          description="Train a small MLP on sklearn's digits in FP32 and FP16 (no scaling, static, "
-                          "dynamic, torch's default, clip orders, a sweep of static scales) and check each claim "
-                          "of loss scaling against the measurements.",
+                          description="Train a small MLP on sklearn's digits in FP32 and FP16 (no scaling, static,\n"
+                          "dynamic, adaptive, torch's default, two clip orders, a sweep of static scales) and\n"
+                          "check each claim of loss scaling against what the runs measured.",
                           epilog=_DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--quick", action="store_true",
                       help="CI size: fewer epochs and a coarser sweep (under a minute on 2 cores)")
@@ -78,13 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
                       "when stderr is not a terminal)")
 
     fmts = sub.add_parser("formats", help="the range facts of fp16, bf16, fp32, fp8 e4m3/e5m2, and the cliff",
-                          description="Print every format's largest value, smallest normal and subnormal, and the "
-                          "thresholds where values flush to 0 or overflow, all derived from the bit layouts.")
+                          description="Print every format's largest value, smallest normal and subnormal, and the\n"
+                          "thresholds where values flush to 0 or overflow, all derived from the bit layouts.",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     fmts.add_argument("--cliff", metavar="FMT", default="fp16", help="the format whose cliff to spell out "
                       "(default: %(default)s)")
 
     rep = sub.add_parser("report", help="plot your own run from lossscale's JSONL telemetry",
-                         description="Draw the scale, skipped steps, flushed fraction and headroom of a run "
+                         description="Draw the scale, skipped steps, flushed fraction and headroom of a run\n"
                          "recorded as JSONL, and write DIR/index.html, the PNGs and DIR/summary.json.",
                          epilog=_REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     rep.add_argument("jsonl", metavar="RUN.jsonl", help="the telemetry file")

@@ -1,0 +1,156 @@
+"""The ``lossscale`` command: help, formats, the ``demo --quick`` smoke test, import weight."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lossscale import cli
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+CLAIMS = ("C1", "C2", "C3", "C4", "C5", "C6")
+PNGS = ("curves.png", "number_line.png", "layer_flush.png", "clip_order.png", "static_sweep.png",
+        "scale_trajectory.png", "telemetry_dynamic.png")
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    """One ``lossscale demo --quick`` for every test of this module (it is the expensive part)."""
+    out = tmp_path_factory.mktemp("quick")
+    rc = cli.main(["demo", "--quick", "--out", str(out), "--no-progress", "--seed", "0"])
+    with open(out / "summary.json", encoding="utf-8") as fh:
+        return rc, out, json.load(fh)
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("demo", "formats", "report", "digits"):
+        assert word in text
+
+
+def test_no_subcommand_prints_help_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "lossscale demo" in capsys.readouterr().out
+
+
+def test_demo_help_reads_well(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    text = capsys.readouterr().out
+    for opt in ("--quick", "--out", "--seed", "lossscale-report", "HELD"):
+        assert opt in text
+
+
+def test_formats_prints_the_table_and_the_cliff(capsys):
+    assert cli.main(["formats"]) == 0
+    text = capsys.readouterr().out
+    for name in ("fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "65504", "2^-24", "2^-25"):
+        assert name in text
+    assert "cliff" in text and "1e-8 in fp16: 0;" in text
+
+
+def test_formats_rejects_an_unknown_format(capsys):
+    assert cli.main(["formats", "--cliff", "fp7"]) == 2
+    assert "fp7" in capsys.readouterr().err
+
+
+def test_import_stays_light():
+    # (tqdm is not checked: torch itself imports it.)
+    code = ("import sys, lossscale, lossscale.cli, lossscale.demo, lossscale.report; "
+            "heavy = [m for m in ('matplotlib', 'sklearn') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "lossscale", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "lossscale demo" in done.stdout
+
+
+def test_demo_without_the_extras_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_missing_demo_deps", lambda need_sklearn=True: ["scikit-learn"])
+    assert cli.main(["demo", "--quick"]) == 2
+    assert "pip install 'lossscale[demo]'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- --quick
+def test_quick_demo_writes_the_report(quick_report):
+    rc, out, summary = quick_report
+    assert rc == 0
+    for name in ("index.html", "summary.json", "dynamic.jsonl", *PNGS):
+        path = out / name
+        assert path.is_file() and path.stat().st_size > 0, name
+    for name in PNGS:
+        with open(out / name, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    html = (out / "index.html").read_text(encoding="utf-8")
+    for name in PNGS:
+        assert f'src="{name}"' in html
+    for cid in CLAIMS:
+        assert f'id="{cid}"' in html
+
+
+def test_quick_demo_verdicts_are_present_and_none_fails(quick_report):
+    _, _, summary = quick_report
+    assert set(summary["verdicts"]) == set(CLAIMS)
+    for cid, claim in summary["claims"].items():
+        assert claim["verdict"] in ("HELD", "NOT HELD", "PENDING")
+        assert claim["checks"], cid
+        passed = [c["passed"] for c in claim["checks"]]
+        # The verdict is computed from the checks, nothing else.
+        expect = "NOT HELD" if False in passed else "PENDING" if None in passed else "HELD"
+        assert claim["verdict"] == expect
+        assert claim["verdict"] != "NOT HELD", (cid, claim["checks"])
+        if claim["verdict"] == "PENDING":
+            assert claim["waiting_on"], cid
+
+
+def test_quick_demo_figures_are_in_range(quick_report):
+    _, _, s = quick_report
+    runs = s["runs"]
+    for name, r in runs.items():
+        assert 0.0 <= r["final_acc"] <= 1.0, name
+        assert 0 <= r["skipped_steps"] <= r["steps"]
+        assert all(0.0 <= a <= 1.0 for a in r["epochs"]["test_acc"])
+    # The controlled shift: FP32 learns, FP16 without scaling does not, scaling recovers.
+    assert runs["fp32"]["final_acc"] > 0.85
+    assert runs["fp16_noscale"]["final_acc"] < 0.25
+    assert runs["static"]["final_acc"] > runs["fp32"]["final_acc"] - 0.05
+    c1 = s["claims"]["C1"]["figures"]
+    assert (c1["max"], c1["smallest_normal"], c1["smallest_subnormal"], c1["flush_threshold"]) == (
+        65504.0, 2.0**-14, 2.0**-24, 2.0**-25)
+    c2 = s["claims"]["C2"]["figures"]
+    assert 0.0 <= c2["band_frac"] <= 1.0 and c2["band_lost_frac"] == 1.0
+    c3 = s["claims"]["C3"]["figures"]
+    assert c3["pow2_roundtrip_mismatch_frac"] == 0.0 < c3["non_pow2_roundtrip_mismatch_frac"] < 1.0
+    assert c3["lost_frac_scaled"] < c3["lost_frac_unscaled"]
+    c4 = s["claims"]["C4"]["figures"]
+    assert c4["wrong_clip_fired_frac"] == 1.0 and 0 < c4["wrong_median_norm_ratio"] < 0.01
+    c5 = s["claims"]["C5"]["figures"]
+    assert len(c5["log2_scales"]) == len(c5["acc"]) == len(c5["skipped_frac"])
+    assert all(0.0 <= v <= 1.0 for v in c5["skipped_frac"] + c5["acc"])
+    d = s["claims"]["C6"]["figures"]["dynamic"]
+    assert d["max_scale"] > d["first_scale"] and d["backoffs"] >= 1
+    for key in ("total", "fp32", "dynamic"):
+        assert s["timings"][key] > 0
+    json.dumps(s, allow_nan=False)  # strict JSON: no NaN or inf anywhere
+
+
+def test_quick_demo_telemetry_feeds_lossscale_report(quick_report, tmp_path):
+    _, out, summary = quick_report
+    assert cli.main(["report", str(out / "dynamic.jsonl"), "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "summary.json").read_text())["figures"]
+    run = summary["runs"]["dynamic"]
+    assert got["steps"] == run["steps"] and got["skipped_steps"] == run["skipped_steps"]
+    assert math.isclose(got["scale_last"], run["final_scale"])

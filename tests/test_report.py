@@ -1,0 +1,225 @@
+"""Plots on synthetic data, the HTML writer, the telemetry JSONL schema and ``lossscale report``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lossscale import cli
+from lossscale.report import html, schema
+
+pytest.importorskip("matplotlib")
+from lossscale.report import plots  # noqa: E402
+from lossscale.report.run_report import render_run_report, summarize  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(8) == PNG
+
+
+def _size(path):
+    from matplotlib.image import imread
+
+    return imread(str(path)).shape[:2]
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def test_number_line(tmp_path):
+    fmt = {"name": "fp16", "max": 65504.0, "smallest_normal": 2.0**-14, "smallest_subnormal": 2.0**-24,
+           "flush_threshold": 2.0**-25}
+    before = {e: 100 - abs(e + 30) * 8 for e in range(-40, -20)}
+    after = {e + 16: c for e, c in before.items()}
+    p = plots.plot_number_line(str(tmp_path / "n.png"), fmt, before, after, scale_log2=16)
+    assert _is_png(p)
+    h, w = _size(p)
+    assert w > h > 200
+    # The line alone (no histogram) still draws.
+    assert _is_png(plots.plot_number_line(str(tmp_path / "n0.png"), fmt, {}, None))
+
+
+def test_layer_flush_curves_sweep_clip(tmp_path):
+    assert _is_png(plots.plot_layer_flush(str(tmp_path / "l.png"), ["fc1", "fc2", "fc3"],
+                                          {"no scaling": [1.0, 1.0, 0.99], "S=2^16": [0.003, None, 0.0]}))
+    runs = {name: {"label": name, "epoch": [0, 1, 2], "train_loss": [2.3, 1.0, float("nan")],
+                   "test_acc": [0.1, 0.5, 0.9]} for name in ("fp32", "fp16_noscale", "mystery")}
+    assert _is_png(plots.plot_curves(str(tmp_path / "c.png"), runs, chance=0.1))
+    assert _is_png(plots.plot_sweep(str(tmp_path / "s.png"), [0, 8, 16, 24], [0.1, 0.9, 0.95, 0.1],
+                                    [0.0, 0.0, 0.0, 1.0], fp32_acc=0.96, flushed_frac=[1.0, 0.2, 0.0, None],
+                                    overflow_frac=[0, 0, 0, 0.01], window=(8, 16), chance=0.1))
+    clip = {n: {"label": n, "epoch": [0, 1], "test_acc": [0.3, 0.9], "step": [0, 1, 2],
+                "norm_ratio": [1.0, 0.5, None]} for n in ("clip_right", "clip_wrong")}
+    assert _is_png(plots.plot_clip_order(str(tmp_path / "k.png"), clip))
+
+
+def test_scale_trajectory_and_telemetry(tmp_path):
+    steps = list(range(50))
+    scale = [2.0 ** (16 + min(s // 5, 8)) for s in steps]
+    skipped = [s in (41, 46) for s in steps]
+    line = [2.0**23 * (1.5 if s % 3 else 1.0) if not k else None for s, k in zip(steps, skipped)]
+    runs = {"dynamic": {"label": "dyn", "step": steps, "loss_scale": scale, "skipped": skipped, "line": line,
+                        "envelope": line},
+            "torch_default": {"label": "torch", "step": steps, "loss_scale": [2.0**16] * 50, "skipped": [False] * 50}}
+    assert _is_png(plots.plot_scale_trajectory(str(tmp_path / "t.png"), runs))
+    sampled = [0.01 if s % 5 == 0 else None for s in steps]
+    p = plots.plot_telemetry(str(tmp_path / "tel.png"), steps, scale, skipped, flushed={"all": sampled},
+                             headroom={"all": [3.0] * 50, "fc1": [4.0] * 50})
+    assert _is_png(p)
+    assert _is_png(plots.plot_telemetry(str(tmp_path / "bare.png"), steps, scale, skipped))
+
+
+def test_plotting_leaves_no_pyplot_state(tmp_path):
+    import sys
+
+    plots.plot_curves(str(tmp_path / "c.png"), {"fp32": {"epoch": [0], "train_loss": [1.0], "test_acc": [0.5]}})
+    if "matplotlib.pyplot" in sys.modules:
+        import matplotlib.pyplot as plt
+
+        assert plt.get_fignums() == []
+
+
+# ---------------------------------------------------------------------------------------------- html
+def test_html_escapes_and_links(tmp_path):
+    sec = html.Section("C1 <fp16>", verdict="HELD", claim="a < b & c", text=["x <script>"],
+                       figures=[("max", "65504")], checks=[("ok", True, "d"), ("later", None, "waits")],
+                       images=[("a.png", "cap")], pre="t<able>", anchor="C1")
+    path = html.write_html(str(tmp_path / "i.html"), "T & T", [sec], subtitle="s",
+                           summary=[("C1", "C1 x", "HELD", "figure")], footer="f")
+    text = open(path, encoding="utf-8").read()
+    assert "<script>" not in text and "x &lt;script&gt;" in text
+    assert 'href="#C1"' in text and 'id="C1"' in text and 'src="a.png"' in text
+    assert "pending" in text and "HELD" in text
+
+
+# ---------------------------------------------------------------------------------------------- schema
+def _records(n=30, backoff_at=(12, 20)):
+    recs = [{"meta": {"run": "synthetic", "format": "fp16"}}]
+    scale = 2.0**16
+    skipped_steps = 0
+    for step in range(n):
+        skipped = step in backoff_at
+        skipped_steps += skipped
+        recs.append({"step": step, "loss_scale": scale, "skipped": skipped, "skipped_steps": skipped_steps,
+                     "loss": 2.0 / (1 + step), "grad/flushed_frac": 0.01 * (step % 3),
+                     "grad/headroom_bits": -math.inf if skipped else 2.0 + step % 4,
+                     "act/flushed_frac": 0.02 if step % 5 == 0 else None,
+                     "act/fc1/flushed_frac": 0.03 if step % 5 == 0 else None,
+                     "act/fc2/headroom_bits": 5.0, "grad/fc1.weight/flushed_frac": 0.0, "other": "kept out"})
+        if skipped:
+            scale /= 2
+        elif step % 5 == 4:
+            scale *= 2
+    return recs
+
+
+def test_schema_parses_columns_layers_and_meta():
+    tel = schema.parse_records(_records())
+    assert len(tel) == 30 and tel.meta == {"run": "synthetic", "format": "fp16"}
+    assert sum(tel.skipped) == 2
+    assert tel.metrics["grad/headroom_bits"][12] == -math.inf
+    assert set(tel.layer_series("act", "flushed_frac")) == {"fc1"}
+    assert set(tel.layer_series("param", "flushed_frac")) == {"fc1.weight"}
+    assert tel.layer_series("act", "headroom_bits")["fc2"] == [5.0] * 30
+
+
+def test_schema_derives_skipped_from_the_counter_and_reads_nonfinite_strings():
+    recs = [{"step": i, "loss_scale": 8.0, "skipped_steps": c, "grad/headroom_bits": h}
+            for i, (c, h) in enumerate([(0, 1.0), (1, "-inf"), (1, "nan"), (2, None)])]
+    tel = schema.parse_records(recs)
+    assert tel.skipped == [False, True, False, True]
+    assert tel.metrics["grad/headroom_bits"][1] == -math.inf and math.isnan(tel.metrics["grad/headroom_bits"][2])
+    assert schema.parse_records([{"step": 0, "loss_scale": 1.0, "last_step_skipped": True}]).skipped == [True]
+
+
+@pytest.mark.parametrize("rec, match", [
+    ({"loss_scale": 1.0, "step": -1}, "step=-1"),
+    ({"step": 0}, "missing"),
+    ({"step": 0, "loss_scale": 0.0}, "loss_scale"),
+    ({"step": 0, "loss_scale": 1.0, "skipped": "no"}, "skipped"),
+    ({"step": 0, "loss_scale": 1.0, "grad/flushed_frac": 1.5}, r"\[0, 1\]"),
+    ({"step": 0, "loss_scale": 1.0, "grad/headroom_bits": "lots"}, "number"),
+])
+def test_schema_errors_name_the_line_and_key(rec, match):
+    with pytest.raises(ValueError, match=match) as e:
+        schema.parse_records([rec], source="run.jsonl")
+    assert "run.jsonl:1" in str(e.value)
+
+
+def test_jsonl_round_trip_is_strict_json(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with open(path, "w", encoding="utf-8") as fh:
+        schema.write_jsonl(fh, _records())
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    tel = schema.read_jsonl(str(path))
+    assert tel.metrics["grad/headroom_bits"][12] is None  # -inf was written as null
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0, "loss_scale": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        schema.read_jsonl(str(bad))
+    empty = tmp_path / "meta_only.jsonl"
+    empty.write_text('{"meta": {}}\n')
+    with pytest.raises(ValueError, match="no step records"):
+        schema.read_jsonl(str(empty))
+
+
+# ---------------------------------------------------------------------------------------------- report
+def test_report_on_a_generated_jsonl(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with open(path, "w", encoding="utf-8") as fh:
+        schema.write_jsonl(fh, _records())
+    out = tmp_path / "rep"
+    summary = render_run_report(str(path), str(out))
+    assert summary["steps"] == 30 and summary["skipped_steps"] == 2 and summary["backoffs"] == 2
+    assert summary["growths"] == summarize(schema.read_jsonl(str(path)))["growths"] > 0
+    assert summary["act_flushed_frac_mean"]["fc1"] == pytest.approx(0.03)
+    for name in ("index.html", "summary.json", "telemetry.png", "layers_act.png", "layers_param.png"):
+        assert (out / name).is_file(), name
+    assert _is_png(out / "telemetry.png")
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["meta"]["run"] == "synthetic" and saved["figures"]["steps"] == 30
+    assert "synthetic" in (out / "index.html").read_text()
+
+
+def test_report_cli(tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    with open(path, "w", encoding="utf-8") as fh:
+        schema.write_jsonl(fh, _records(10, backoff_at=(3,)))
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "o")]) == 0
+    assert "1 skipped" in capsys.readouterr().out
+    assert cli.main(["report", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o2")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_report_reads_the_telemetry_logger(tmp_path):
+    """A run recorded with GradScaler(telemetry=...) and lossscale's JsonlLogger renders as is."""
+    torch = pytest.importorskip("torch")
+    import lossscale
+
+    telemetry = pytest.importorskip("lossscale.telemetry")
+    if not hasattr(telemetry, "JsonlLogger"):
+        pytest.skip("no JsonlLogger in this build")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lossscale.GradScaler("cpu", init_scale=2.0**30, growth_interval=2, max_scale=None, telemetry=1,
+                                 on_stuck="ignore")
+    path = tmp_path / "logged.jsonl"
+    with telemetry.JsonlLogger(str(path)) as log:
+        for step in range(12):
+            x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            log.log(step, scaler.metrics(), loss=loss.item())  # before update(): the scale the step ran with
+            scaler.update()
+    summary = render_run_report(str(path), str(tmp_path / "rep"))
+    assert summary["steps"] == 12
+    tel = schema.read_jsonl(str(path))
+    assert "grad/headroom_bits" in tel.metrics and "grad/flushed_frac" in tel.metrics
