@@ -16,7 +16,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
 CLAIMS = ("C1", "C2", "C3", "C4", "C5", "C6")
-PNGS = ("curves.png", "number_line.png", "layer_flush.png", "clip_order.png", "static_sweep.png",
+PNGS = ("curves.png", "fp16_number_line.png", "gradients_unscaled.png", "gradients_scaled.png", "layer_flush.png", "clip_order.png", "static_sweep.png",
         "scale_trajectory.png", "telemetry_dynamic.png")
 
 
@@ -134,7 +134,7 @@ def test_quick_demo_figures_are_in_range(quick_report):
     assert 0.0 <= c2["band_frac"] <= 1.0 and c2["band_lost_frac"] == 1.0
     c3 = s["claims"]["C3"]["figures"]
     assert c3["pow2_roundtrip_mismatch_frac"] == 0.0 < c3["non_pow2_roundtrip_mismatch_frac"] < 1.0
-    assert c3["lost_frac_scaled"] < c3["lost_frac_unscaled"]
+    assert c3["scaled_lost_frac"] < c3["unscaled_lost_frac"]
     c4 = s["claims"]["C4"]["figures"]
     assert c4["wrong_clip_fired_frac"] == 1.0 and 0 < c4["wrong_median_norm_ratio"] < 0.01
     c5 = s["claims"]["C5"]["figures"]

@@ -59,6 +59,7 @@ class ClaimResult:
 
     Attributes:
         id, title, claim: which claim ("C1".."C6") and its statement.
+        method: how it was measured, in a few sentences.
         figures: ``{name: measured value}`` (numbers, lists, dicts; all JSON-able).
         labels: ``{name: human label}`` for the report's table (figures without one are data only).
         checks: the checks deciding the verdict.
@@ -70,6 +71,7 @@ class ClaimResult:
     id: str
     title: str
     claim: str
+    method: str = ""
     figures: Dict[str, Any] = field(default_factory=dict)
     labels: Dict[str, str] = field(default_factory=dict)
     checks: List[Check] = field(default_factory=list)
@@ -104,7 +106,7 @@ class ClaimResult:
     def to_dict(self) -> Dict[str, Any]:
         """JSON-able form for summary.json."""
         return {
-            "id": self.id, "title": self.title, "claim": self.claim, "verdict": self.verdict,
+            "id": self.id, "title": self.title, "claim": self.claim, "method": self.method, "verdict": self.verdict,
             "headline": self.headline, "figures": self.figures,
             "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in self.checks],
             "waiting_on": list(self.waiting_on), "images": [name for name, _ in self.images],
@@ -179,6 +181,9 @@ def c1_fp16_facts() -> ClaimResult:
         r.headline = "waits on lossscale.formats"
         return r
     f = fmts.get("fp16")
+    r.method = ("The facts come from lossscale.formats, which derives them from FP16's bit layout (1 sign, 5 "
+                "exponent, 10 mantissa bits). Each is then checked against torch: torch.finfo, and real float32 to "
+                "float16 casts of the values at and next to each edge.")
     mx = r.add("max", f.max, "largest finite value (lossscale.formats)")
     sn = r.add("smallest_normal", f.smallest_normal, "smallest normal")
     ss = r.add("smallest_subnormal", f.smallest_subnormal, "smallest subnormal")
@@ -199,7 +204,7 @@ def c1_fp16_facts() -> ClaimResult:
     r.figures.update(cast)
     r.labels.update({
         "cast_max": "torch cast of max", "cast_overflow_threshold": f"torch cast of {f.overflow_threshold:g}",
-        "cast_below_overflow_threshold": "torch cast of the float32 just below it",
+        "cast_below_overflow_threshold": f"torch cast of the float32 just below {f.overflow_threshold:g}",
         "cast_smallest_normal": "torch cast of 2^-14", "cast_largest_subnormal": "torch cast of 2^-14 - 2^-24 (largest subnormal)", "cast_smallest_subnormal": "torch cast of 2^-24",
         "cast_flush_threshold": "torch cast of 2^-25", "cast_above_flush_threshold": "torch cast of the float32 "
         "just above 2^-25",
@@ -237,6 +242,9 @@ def c2_underflow_stalls(cfg: TrainConfig, fp32: RunResult, noscale: RunResult,
     under FP16 autocast without scaling.
     """
     r = _new("C2")
+    r.method = ("The first batch's exact gradients come from an FP32 backward of the freshly initialised model under "
+                "the shift; the same backward under FP16 autocast shows what FP16 keeps of them. The two training "
+                "runs start from the same weights and see the same batches.")
     g = _flat(ref_grads).abs()
     nz = g[g != 0]
     band = nz[(nz >= 1e-10) & (nz <= 1e-8)]
@@ -285,6 +293,10 @@ def c3_power_of_two_scaling(cfg: TrainConfig, fp32: RunResult, static: RunResult
                             fp16_grads: Mapping[str, torch.Tensor], non_pow2_scale: float) -> ClaimResult:
     """C3: bitwise round trips (power of two vs not), gradients rescued by S, accuracy recovered."""
     r = _new("C3")
+    r.method = ("The bitwise test multiplies the first batch's exact gradients by S, then by the float32 1/S the "
+                "scaler uses (computed in float64, as GradScaler does), and compares bit patterns with the "
+                "originals. The FP16 backward of the first batch is repeated with the loss scaled by S and the "
+                "gradients unscaled after, and the static run trains with GradScaler(policy='static').")
     g = _flat(ref_grads)
     g = g[g != 0]
     r.add("scale", scale, "static loss scale S")
@@ -294,15 +306,15 @@ def c3_power_of_two_scaling(cfg: TrainConfig, fp32: RunResult, static: RunResult
     inexact = r.add("non_pow2_roundtrip_mismatch_frac", _roundtrip_mismatch(g, non_pow2_scale),
                     f"gradients changed by x{non_pow2_scale:g} then x1/{non_pow2_scale:g} (bitwise)")
     # "Lifts every gradient exactly": the FP16 backward of S*L, unscaled, vs S times nothing else.
-    lost_before = r.add("lost_frac_unscaled", lost_fraction(ref_grads, fp16_grads),
+    lost_before = r.add("unscaled_lost_frac", lost_fraction(ref_grads, fp16_grads),
                         "nonzero gradients lost in the FP16 backward, no scaling")
-    lost_after = r.add("lost_frac_scaled", lost_fraction(ref_grads, fp16_scaled_grads),
+    lost_after = r.add("scaled_lost_frac", lost_fraction(ref_grads, fp16_scaled_grads),
                        f"... with the loss scaled by {p2(scale)}")
     gs = _grad_stats(ref_grads.values())
     if gs is not None:
-        r.add("stats_flushed_frac_unscaled", _apis.nonzero_frac(gs),
+        r.add("stats_unscaled_flushed_frac", _apis.nonzero_frac(gs),
               "grad_stats: nonzero true gradients FP16 flushes, unscaled")
-        r.add("stats_flushed_frac_scaled", _apis.nonzero_frac(gs.at(scale)), f"... at S={p2(scale)} (grad_stats .at)")
+        r.add("stats_scaled_flushed_frac", _apis.nonzero_frac(gs.at(scale)), f"... at S={p2(scale)} (grad_stats .at)")
     acc32, accs = r.add("fp32_acc", fp32.final_acc, "FP32 test accuracy"), r.add(
         "static_acc", static.final_acc, f"FP16 static S={p2(scale)} test accuracy")
     r.add("static_skipped_steps", static.skipped_steps, "skipped steps (static run)")
@@ -329,6 +341,10 @@ def c4_clip_order(fp32: RunResult, right: RunResult, wrong: RunResult, scale: fl
         return [s["applied_norm"] / s["true_norm"] for s in run.steps
                 if s.get("true_norm") and not s["skipped"] and math.isfinite(s["true_norm"])]
 
+    r.method = (f"Both runs use GradScaler(policy='static', init_scale={p2(scale)}) and clip_grad_norm_ with "
+                f"max_norm={clip_norm:g} for the true gradients. Right: unscale_, clip, step. Wrong: clip the scaled "
+                "gradients, then step (which unscales). The applied norm is read from the gradients after step(), "
+                "the true norm from the clip's own report.")
     r.add("scale", scale, "loss scale S (static)")
     r.add("clip_norm", clip_norm, "clip_grad_norm_ max_norm (of the true gradients)")
     fired_r = r.add("right_clip_fired_frac", statistics.fmean(float(s["clip_fired"]) for s in right.steps),
@@ -366,6 +382,10 @@ def c5_static_sweep(fp32: RunResult, sweep: Sequence[Tuple[int, RunResult]],
     """
     r = _new("C5")
     n_ep = len(sweep[0][1].epochs)
+    r.method = (f"One training run per static scale 2^k (GradScaler(policy='static'): a step with inf/NaN is skipped), "
+                f"{n_ep} epochs each, same init and batches. The flushed and overflowing shares are what grad_stats "
+                "says FP16 does to the first batch's exact gradients at each scale: one histogram, read at every "
+                "scale with .at(S).")
     acc32 = r.add("fp32_acc", fp32.epochs[min(n_ep, len(fp32.epochs)) - 1]["test_acc"],
                   f"FP32 test accuracy after the sweep's {n_ep} epochs")
     ks = [k for k, _ in sweep]
@@ -382,7 +402,9 @@ def c5_static_sweep(fp32: RunResult, sweep: Sequence[Tuple[int, RunResult]],
         r.add("flushed_frac", [_apis.nonzero_frac(a, "flushed") for a in at])
         r.add("overflow_frac", [_apis.nonzero_frac(a, "overflow") for a in at])
     good = [k for k, a, s in zip(ks, acc, skipped) if a >= acc32 - 0.02 and s < 0.05]
-    window = r.add("window_log2", [min(good), max(good)] if good else None, "scales that reach FP32 accuracy")
+    window = r.add("window_log2", [min(good), max(good)] if good else None)
+    if window:
+        r.add("window", f"2^{window[0]} .. 2^{window[1]}", "scales that reach FP32 accuracy (within 2 points), < 5% skipped")
     lo_k, hi_k = ks[0], ks[-1]
     r.add("low_acc", acc[0], f"accuracy at S={p2(2.0**lo_k)}")
     r.add("high_acc", acc[-1], f"accuracy at S={p2(2.0**hi_k)}")
@@ -471,6 +493,12 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
                        adaptive: Optional[RunResult], growth_interval: int) -> ClaimResult:
     """C6: the dynamic scale's trajectory against the measured overflow line; adaptive vs torch's default."""
     r = _new("C6")
+    r.method = (f"The dynamic run is lossscale's dynamic rule (backoff x0.5, growth x2) from torch's initial 2^16 with "
+                f"a growth interval of {growth_interval} steps and no cap, so one short run shows the whole climb. "
+                "The scaler's telemetry gives each step's headroom, hence the overflow line S x 2^headroom. "
+                "torch.amp.GradScaler() runs as shipped (2^16, growth after 2000 clean steps), the adaptive policy "
+                "with lossscale's defaults. The flushed share is sampled every few steps by an exact FP32 probe of "
+                "the activation gradients (lossscale.hooks) at the scale in use.")
     acc32 = r.add("fp32_acc", fp32.final_acc, "FP32 test accuracy")
     r.add("growth_interval", growth_interval, "dynamic run: growth_interval")
     d = _trajectory_figures(r, "dynamic", dynamic, "dynamic", growth_interval)
@@ -511,11 +539,14 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
     elif "mean_flushed_frac" not in a or "mean_flushed_frac" not in t:
         r.check("the adaptive policy beats torch's default", None, "", waits_on="telemetry")
     else:
+        # "Beats": fewer gradients flushed, at no cost in accuracy (1 point) or in skipped steps (1%).
+        n = max(len(adaptive.steps), 1)
         r.check("the adaptive policy beats torch's default",
                 a["mean_flushed_frac"] < t["mean_flushed_frac"] and a["final_acc"] >= t["final_acc"] - 0.01
-                and a["skipped_steps"] <= max(t["skipped_steps"], 0) + d["skipped_steps"],
-                f"mean flushed {pct(a['mean_flushed_frac'], 2)} vs {pct(t['mean_flushed_frac'], 2)}, skipped "
-                f"{a['skipped_steps']} vs {t['skipped_steps']}, accuracy {pct(a['final_acc'])} vs {pct(t['final_acc'])}")
+                and a["skipped_steps"] <= t["skipped_steps"] + 0.01 * n,
+                f"activation gradients flushed {pct(a['mean_flushed_frac'], 2)} vs {pct(t['mean_flushed_frac'], 2)}, "
+                f"skipped {a['skipped_steps']} vs {t['skipped_steps']}, accuracy {pct(a['final_acc'])} vs "
+                f"{pct(t['final_acc'])} (adaptive vs torch)")
     r.headline = (f"{p2(d['first_scale'])} -> {p2(d['max_scale'])}, {d['backoffs']} backoffs / {d['growths']} growths, "
                   f"{d['skipped_steps']} skipped, acc {pct(d['final_acc'])}")
     return r

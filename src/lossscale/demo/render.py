@@ -62,7 +62,11 @@ def _fmt_value(key: str, v: Any) -> str:
         if not math.isfinite(v):
             return str(v)
         k = key.lower()
-        if k.endswith(("frac", "acc")):
+        if k.endswith("log2"):
+            return f"2^{v:.2f}"
+        if k.startswith("shift") and v > 0:
+            return f"2^{math.log2(v):g}"
+        if k.endswith(("frac", "acc")) or k.startswith("frac"):
             return pct(v, 3 if 0 < v < 0.001 else 2 if v < 0.1 else 1)
         if "scale" in k or "threshold" in k or "smallest" in k or k.startswith("cast_") or k.endswith("max") \
                 or k.startswith("torch_finfo"):
@@ -75,34 +79,48 @@ def _fmt_value(key: str, v: Any) -> str:
     return str(v)
 
 
+_RUN_ROWS = (("first_scale", "first scale"), ("max_scale", "largest scale"), ("final_scale", "final scale"),
+             ("growths", "growths"), ("backoffs", "backoffs"), ("skipped_steps", "skipped steps"),
+             ("first_overflow_step", "first overflow at step"),
+             ("mean_flushed_frac", "activation gradients flushed (mean of the probes)"),
+             ("final_acc", "test accuracy"))
+_DYNAMIC_ONLY = (("median_gap_bits_after_first_overflow", "median gap to the per-step line after the first overflow (binades)"),
+                 ("median_envelope_gap_bits_after_first_overflow", "median gap to the growth-interval line (binades)"),
+                 ("frac_within_2_bits_of_envelope_after_first_overflow", "steps within 2 binades of it"),
+                 ("line_first_quarter_log2", "overflow line, first quarter of training (median)"),
+                 ("line_last_quarter_log2", "overflow line, last quarter of training (median)"))
+
+
 def _claim_section(cr: ClaimResult) -> Section:
     rows = [(cr.labels[k], _fmt_value(k, cr.figures[k])) for k in cr.labels if k in cr.figures]
-    for key in ("dynamic", "torch_default", "adaptive"):
-        if isinstance(cr.figures.get(key), dict):
-            d = cr.figures[key]
-            name = cr.labels.get(f"{key}.summary", key)
-            for sub in ("first_scale", "max_scale", "final_scale", "growths", "backoffs", "skipped_steps",
-                        "first_overflow_step", "median_gap_bits_after_first_overflow",
-                        "median_envelope_gap_bits_after_first_overflow",
-                        "frac_within_2_bits_of_envelope_after_first_overflow", "line_first_quarter_log2",
-                        "line_last_quarter_log2", "mean_flushed_frac", "final_acc"):
-                if sub in d:
-                    rows.append((f"{name}: {sub.replace('_', ' ')}", _fmt_value(sub, d[sub])))
-    if cr.id == "C5" and "log2_scales" in cr.figures:
-        f = cr.figures
+    grid = None
+    f = cr.figures
+    if cr.id == "C6":
+        keys = [k for k in ("dynamic", "torch_default", "adaptive") if isinstance(f.get(k), dict)]
+        header = ["measured"] + [cr.labels.get(f"{k}.summary", k) for k in keys]
+        grid = (header, [[label] + [_fmt_value(sub, f[k].get(sub)) for k in keys] for sub, label in _RUN_ROWS])
+        rows += [(f"lossscale dynamic: {label}", _fmt_value(sub, f["dynamic"][sub]))
+                 for sub, label in _DYNAMIC_ONLY if sub in f.get("dynamic", {})]
+    if cr.id == "C5" and "log2_scales" in f:
+        header = ["static scale", "test accuracy", "steps skipped"]
+        has_stats = "flushed_frac" in f
+        if has_stats:
+            header += ["true gradients flushed", "true gradients overflowing"]
+        body = []
         for i, k in enumerate(f["log2_scales"]):
-            extra = ""
-            if "flushed_frac" in f:
-                extra = f"; true gradients flushed {pct(f['flushed_frac'][i], 2)}, overflowing {pct(f['overflow_frac'][i], 3)}"
-            rows.append((f"S = 2^{k}", f"accuracy {pct(f['acc'][i])}, skipped {pct(f['skipped_frac'][i])}{extra}"))
-    text = []
+            row = [f"S = 2^{k}", pct(f["acc"][i]), pct(f["skipped_frac"][i])]
+            if has_stats:
+                row += [pct(f["flushed_frac"][i], 2), pct(f["overflow_frac"][i], 3)]
+            body.append(row)
+        grid = (header, body)
+    text = [cr.method] if cr.method else []
     if cr.waiting_on:
         text.append("Pending: " + "; ".join(_apis.DESCRIPTIONS.get(w, w) for w in cr.waiting_on)
                     + " is not in this build yet, so the checks that need it are not decided.")
-    pre = cr.figures.get("table") if cr.id == "C1" else None
+    pre = f.get("table") if cr.id == "C1" else None
     return Section(f"{cr.id} · {cr.title}", verdict=cr.verdict, claim=cr.claim, text=text, figures=rows,
-                   checks=[(c.name, c.passed, c.detail) for c in cr.checks], images=list(cr.images), pre=pre,
-                   anchor=cr.id)
+                   checks=[(c.name, c.passed, c.detail) for c in cr.checks], images=list(cr.images), grid=grid,
+                   pre=pre, anchor=cr.id)
 
 
 def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str, Any]:
@@ -119,33 +137,39 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
     plots.plot_curves(img("curves.png"), curve_runs, chance=result.chance,
                       title=f"Digits MLP, loss x 2^-{cfg.shift_log2} and lr / 2^-{cfg.shift_log2}: "
                             "identical in FP32, lost in FP16 without scaling")
-    caption_curves = ("Training loss and test accuracy per epoch. FP32 is the reference; every FP16 run "
-                      "uses FP32 master weights under autocast.")
-    by_id["C2"].images.append(("curves.png", caption_curves))
+    data["curves"] = {"caption": "Training loss and test accuracy per epoch. FP32 (dashed) is the reference; every "
+                      "FP16 run uses FP32 master weights under autocast. Compare FP16 without scaling (red) with "
+                      "the scaled runs."}
 
-    # Number line + histograms (C1 facts, C2/C3 gradients).
+    # Number line (C1) and the gradients on it (C2 before scaling, C3 before and after).
     c1 = by_id["C1"].figures
     if "max" in c1:
         fmt = {"name": "fp16", "max": c1["max"], "smallest_normal": c1["smallest_normal"],
                "smallest_subnormal": c1["smallest_subnormal"], "flush_threshold": c1["flush_threshold"]}
+        plots.plot_number_line(img("fp16_number_line.png"), fmt, {}, None, band=None,
+                               title="FP16's number line (lossscale.formats, checked by torch casts)")
+        by_id["C1"].images.append(("fp16_number_line.png", "FP16's range: flushed to 0 at or below 2^-25, subnormal "
+                                   "from 2^-24 to 2^-14, normal up to 65504, inf from 65520."))
         before = after = None
         mod = _apis.stats()
         if mod is not None:
             gs = mod.grad_stats(list(result.grads["fp32"].values()), scale=1.0, fmt="fp16")
             before = _hist(gs)
             after = _hist(gs.at(2.0**cfg.static_log2))
-        plots.plot_number_line(img("number_line.png"), fmt, before or {}, after, scale_log2=cfg.static_log2,
-                               title=f"FP16's number line and the true gradients of the first batch "
-                                     f"(shift 2^-{cfg.shift_log2})")
         data["number_line"] = {"format": fmt, "hist_before": before, "hist_after": after,
                                "scale_log2": cfg.static_log2}
-        by_id["C1"].images.append(("number_line.png", "FP16's range (from lossscale.formats): flushed below 2^-25, "
-                                   "subnormal to 2^-14, normal to 65504, inf above."))
         if before:
-            cap = (f"Exponent histogram of the exact FP32 gradients (grey) and the same gradients scaled by "
-                   f"2^{cfg.static_log2} (blue), on FP16's number line.")
-            by_id["C2"].images.insert(0, ("number_line.png", cap))
-            by_id["C3"].images.append(("number_line.png", cap))
+            plots.plot_number_line(img("gradients_unscaled.png"), fmt, before, None,
+                                   title=f"The first batch's exact gradients under the shift 2^-{cfg.shift_log2}, "
+                                         "on FP16's number line")
+            by_id["C2"].images.append(("gradients_unscaled.png", "Exponent histogram (lossscale.stats) of the first "
+                                       "batch's exact FP32 gradients: almost all of them sit left of the cliff."))
+            plots.plot_number_line(img("gradients_scaled.png"), fmt, before, after, scale_log2=cfg.static_log2,
+                                   title=f"The same gradients scaled by 2^{cfg.static_log2}: the whole distribution "
+                                         "slides right, unchanged")
+            by_id["C3"].images.append(("gradients_scaled.png", f"Grey: the exact gradients; blue: the same gradients "
+                                       f"times 2^{cfg.static_log2}, a shift by {cfg.static_log2} binades with the "
+                                       "shape intact (histograms from lossscale.stats, .at(S) for the scaled one)."))
 
     # Per-layer activation gradients flushed (C3).
     if result.layer_probe:
@@ -174,7 +198,7 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
     # Static sweep (C5).
     c5 = by_id["C5"].figures
     plots.plot_sweep(img("static_sweep.png"), c5["log2_scales"], c5["acc"], c5["skipped_frac"],
-                     fp32_acc=runs["fp32"].final_acc, flushed_frac=c5.get("flushed_frac"),
+                     fp32_acc=c5["fp32_acc"], flushed_frac=c5.get("flushed_frac"),
                      overflow_frac=c5.get("overflow_frac"), window=c5.get("window_log2"), chance=result.chance,
                      title=f"Static loss scale sweep ({cfg.sweep_epochs} epochs each)")
     by_id["C5"].images.append(("static_sweep.png", "Top: final accuracy per static scale (green: the measured "
@@ -258,10 +282,9 @@ def write_summary(summary: Dict[str, Any], out_dir: str) -> str:
 def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
     cfg = result.config
     runs = result.runs
-    rows = []
-    for name, r in runs.items():
-        rows.append((r.label, f"accuracy {pct(r.final_acc)}, skipped {r.skipped_steps}/{len(r.steps)}, final S "
-                     f"{p2(r.steps[-1]['loss_scale'])}, {r.wall_s:.1f}s"))
+    grid = (["run", "test accuracy", "skipped steps", "final scale", "seconds"],
+            [[r.label, pct(r.final_acc), f"{r.skipped_steps} of {len(r.steps)}", p2(r.steps[-1]["loss_scale"]),
+              f"{r.wall_s:.1f}"] for r in runs.values()])
     intro = Section(
         "The experiment", anchor="experiment",
         text=[
@@ -274,7 +297,7 @@ def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
             "produce.",
             "Every figure on this page was measured by this run; each claim's verdict is computed from its checks.",
         ],
-        figures=rows)
+        grid=grid, images=[("curves.png", summary["plots"]["curves"]["caption"])])
     sections = [intro] + [_claim_section(c) for c in result.claims]
     summary_rows = [(c.id, f"{c.id} {c.title}", c.verdict, c.headline) for c in result.claims]
     missing = result.environment.get("missing_apis") or {}

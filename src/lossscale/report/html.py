@@ -25,7 +25,8 @@ td,th{border:1px solid #d0d7de;padding:4px 10px;text-align:left;vertical-align:t
 th{background:#f6f8fa} td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .ok{color:#1a7f37;font-weight:600} .bad{color:#cf222e;font-weight:600} .wait{color:#9a6700;font-weight:600}
 figure{margin:10px 0 18px} figure img{max-width:100%;border:1px solid #d0d7de}
-figcaption{color:#59636e;font-size:13px} pre{background:#f6f8fa;padding:10px;overflow-x:auto;font-size:13px}
+figcaption{color:#59636e;font-size:13px} pre{background:#f6f8fa;padding:10px;overflow-x:auto;font-size:11.5px}
+.method{color:#333}
 .foot{color:#59636e;font-size:13px;margin-top:40px}
 """
 
@@ -42,6 +43,7 @@ class Section:
         figures: ``(figure, value)`` rows of the measurement table.
         checks: ``(check, passed or None if pending, detail)`` rows that decide the verdict.
         images: ``(png file name relative to the report, caption)``.
+        grid: a comparison table ``(header, rows)`` of strings, or None.
         pre: preformatted text (e.g. a format table), or None.
         anchor: HTML id.
     """
@@ -53,6 +55,7 @@ class Section:
     figures: List[Tuple[str, str]] = field(default_factory=list)
     checks: List[Tuple[str, Optional[bool], str]] = field(default_factory=list)
     images: List[Tuple[str, str]] = field(default_factory=list)
+    grid: Optional[Tuple[Sequence[str], Sequence[Sequence[str]]]] = None
     pre: Optional[str] = None
     anchor: str = ""
 
@@ -75,6 +78,13 @@ def _section(sec: Section) -> str:
     if sec.figures:
         out.append("<table><tr><th>measured</th><th>value</th></tr>")
         out.extend(f'<tr><td>{_e(k)}</td><td class="num">{_e(v)}</td></tr>' for k, v in sec.figures)
+        out.append("</table>")
+    if sec.grid:
+        header, rows = sec.grid
+        out.append("<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>")
+        for row in rows:
+            cells = [f"<td>{_e(row[0])}</td>"] + [f'<td class="num">{_e(c)}</td>' for c in row[1:]]
+            out.append("<tr>" + "".join(cells) + "</tr>")
         out.append("</table>")
     if sec.checks:
         out.append("<table><tr><th>check</th><th>result</th><th>from the measurement</th></tr>")

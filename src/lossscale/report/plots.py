@@ -94,17 +94,18 @@ def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[i
     ax.axvspan(flush, normal, color="#ff7f0e", alpha=0.12, lw=0)
     ax.axvspan(normal, top, color="#2ca02c", alpha=0.08, lw=0)
     ax.axvspan(top, hi, color="#d62728", alpha=0.10, lw=0)
-    total_b = sum(hist_before.values()) or 1
-    eb = sorted(hist_before)
-    ax.bar([e + 0.5 for e in eb], [hist_before[e] / total_b for e in eb], width=0.9, color="#7f7f7f",
-           alpha=0.85, label="true FP32 gradients (unscaled)")
+    if hist_before:
+        total_b = sum(hist_before.values()) or 1
+        eb = sorted(hist_before)
+        ax.bar([e + 0.5 for e in eb], [hist_before[e] / total_b for e in eb], width=0.9, color="#7f7f7f",
+               alpha=0.85, label="true FP32 gradients (unscaled)")
     if hist_after:
         total_a = sum(hist_after.values()) or 1
         ea = sorted(hist_after)
         label = "after loss scaling" + (f" by $2^{{{scale_log2:g}}}$" if scale_log2 is not None else "")
         ax.bar([e + 0.5 for e in ea], [hist_after[e] / total_a for e in ea], width=0.9, color="#1f77b4",
                alpha=0.75, label=label)
-    ymax = ax.get_ylim()[1]
+    ymax = ax.get_ylim()[1] if (hist_before or hist_after) else 0.75
     ax.set_ylim(0, ymax * 1.35)
     y_txt = ymax * 1.25
     ax.axvline(flush, color="#d62728", lw=2)
@@ -127,9 +128,12 @@ def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[i
     ax.set_xlim(lo, hi)
     _pow2_ticks(ax, "x", step=4)
     ax.set_xlabel("|value| (binade)")
-    ax.set_ylabel("fraction of nonzero gradients")
     ax.set_title(title or f"The {name} number line and the underflow cliff")
-    ax.legend(loc="center left", fontsize=9)
+    if hist_before or hist_after:
+        ax.set_ylabel("fraction of nonzero gradients")
+        ax.legend(loc="center left", fontsize=9)
+    else:
+        ax.set_yticks([])
     return _save(fig, path)
 
 
