@@ -1,0 +1,28 @@
+"""The public import surface, and the promise that importing lossscale stays light."""
+
+import subprocess
+import sys
+
+import lossscale
+
+
+def test_public_names_are_exported_and_documented():
+    for name in lossscale.__all__:
+        obj = getattr(lossscale, name)
+        assert obj.__doc__, f"lossscale.{name} has no docstring"
+
+
+def test_public_methods_have_docstrings():
+    for name in lossscale.__all__:
+        obj = getattr(lossscale, name)
+        if isinstance(obj, type):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and callable(member):
+                    assert member.__doc__, f"lossscale.{name}.{attr} has no docstring"
+
+
+def test_import_does_not_pull_matplotlib_or_sklearn():
+    # (tqdm is not checked: torch itself imports it, through torch.hub.)
+    code = "import sys, lossscale; print(sorted(m for m in ('matplotlib', 'sklearn') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
