@@ -76,9 +76,9 @@ def make_observer(cfg: TrainConfig, data: Data, probe_every: int = 5, probe_size
     def observe(step: int, model: torch.nn.Module, scaler) -> Dict[str, Any]:
         scale = 1.0 if scaler is None else float(scaler.get_scale())
         rec: Dict[str, Any] = {}
-        metrics = getattr(scaler, "metrics", None)
-        figures = metrics() if metrics is not None and getattr(scaler, "_telemetry", None) is not None else None
-        if figures:
+        # lossscale's scaler with telemetry on reports the step's figures itself (metrics() syncs: fine on CPU).
+        figures = scaler.metrics() if hasattr(scaler, "metrics") else {}
+        if "grad/headroom_bits" in figures:
             rec.update({k: _num(figures[k]) for k in _KEEP if k in figures})
         elif stats is not None:
             grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -275,8 +275,19 @@ def write_summary(summary: Dict[str, Any], out_dir: str) -> str:
     """Write ``out_dir/summary.json`` (strict JSON: inf/NaN become null)."""
     path = os.path.join(out_dir, "summary.json")
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(_clean(summary), fh, indent=1, allow_nan=False, default=str)
+        fh.write(_dumps(_clean(summary)) + "\n")
     return path
+
+
+def _dumps(obj: Any, indent: int = 0) -> str:
+    """JSON with nested objects indented and lists of plain values on one line (per-step series stay short)."""
+    pad = " " * (indent + 1)
+    if isinstance(obj, dict) and obj:
+        items = [f"{pad}{json.dumps(str(k))}: {_dumps(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in obj):
+        return "[\n" + ",\n".join(pad + _dumps(v, indent + 1) for v in obj) + "\n" + " " * indent + "]"
+    return json.dumps(obj, allow_nan=False, default=str, separators=(", ", ": "))
 
 
 def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
