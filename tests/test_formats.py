@@ -1,6 +1,5 @@
 """lossscale.formats: derived range facts vs torch.finfo, and round_to vs real torch casts."""
 
-import importlib.util
 import math
 import pathlib
 import random

@@ -60,7 +60,6 @@ then cached).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import math
 import struct
@@ -589,6 +588,7 @@ def _bin_keys(a: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, thresholds:
 
 
 def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, ones) -> None:
+    """float32: per chunk, bin keys by integer arithmetic on the bits, one count, one finite max."""
     device = hist.device
     n_total = sum(t.numel() for t in ts)
     c = min(chunk, n_total)
