@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .policy import DynamicPolicy, ScaleState, StaticPolicy
+from .adaptive import CALIBRATING, LIMIT_EXP, MAX_SHIFT, AdaptivePolicy
+from .policy import NO_AMAX, DynamicPolicy, ScaleState, StaticPolicy
 
 # Layout of the int64 counter vector: one tensor, so the shared bookkeeping is a handful of kernels
 # whatever the number of counters, and the whole vector can be copied to the host in one transfer.
-STEPS, SKIPPED, INF_STEPS, NAN_STEPS, STREAK, STREAK_NAN, HYSTERESIS = range(7)
-_N_COUNTERS = 7
+STEPS, SKIPPED, INF_STEPS, NAN_STEPS, STREAK, STREAK_NAN, HYSTERESIS, AMAX_EXP = range(8)
+_N_COUNTERS = 8
 
 
 class DeviceState:
@@ -35,6 +36,7 @@ class DeviceState:
         values[INF_STEPS], values[NAN_STEPS] = state.inf_steps, state.nan_steps
         values[STREAK], values[STREAK_NAN] = state.overflow_streak, state.streak_nan_steps
         values[HYSTERESIS] = state.hysteresis_tracker
+        values[AMAX_EXP] = state.amax_exp
         self.counters = torch.tensor(values, dtype=torch.int64, device=device)
         self.streak_start_scale = torch.full((), state.streak_start_scale, dtype=torch.float32, device=device)
 
@@ -71,6 +73,7 @@ class DeviceState:
             overflow_streak=c[STREAK],
             streak_nan_steps=c[STREAK_NAN],
             hysteresis_tracker=c[HYSTERESIS],
+            amax_exp=c[AMAX_EXP],
         )
 
     def to_state(self) -> ScaleState:
@@ -146,7 +149,70 @@ def static_update_(policy: StaticPolicy, st: DeviceState, found_inf: torch.Tenso
     st.growth_tracker.add_(1).mul_((1 - overflow).to(torch.int32))
 
 
-_RULES = {DynamicPolicy: dynamic_update_, StaticPolicy: static_update_}
+def _shift(scale: torch.Tensor, k: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """``scale * 2**k`` clamped to [lo, hi], as float32: ``adaptive._shift`` on device.
+
+    ``2**k`` is built from its float64 bit pattern (exact for any |k| <= 1022), and the product is taken
+    in float64 where it cannot overflow or round, so the result is bitwise the host's ``math.ldexp``.
+    """
+    k = k.clamp(-MAX_SHIFT, MAX_SHIFT)
+    pow2 = ((k + 1023) << 52).view(torch.float64)
+    return (scale.double() * pow2).clamp(lo, hi).float()
+
+
+def adaptive_update_(policy: AdaptivePolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor,
+                     amax: torch.Tensor = None) -> None:
+    """:meth:`AdaptivePolicy.update` on device tensors, in place, without a host sync.
+
+    ``amax``: float32 0-dim tensor on ``st.device``, the max |g| of the scaled gradients (NaN/inf when
+    they hold one), or None when not measured.
+    """
+    overflow = found_inf > 0
+    nan = found_nan > 0
+    no = torch.zeros((), dtype=torch.bool, device=st.device)
+    if amax is None:
+        measured = zero = no
+        e = torch.zeros((), dtype=torch.int64, device=st.device)
+    else:
+        amax = amax.to(device=st.device, dtype=torch.float32)
+        finite = torch.isfinite(amax)
+        overflow = overflow | ~finite  # a non-finite amax is an overflow
+        nan = nan | torch.isnan(amax)
+        measured = ~overflow & (amax > 0)
+        zero = ~overflow & (amax == 0)
+        e = torch.frexp(amax)[1].to(torch.int64)  # amax < 2**e; meaningless unless measured
+    nan = nan & overflow
+    _count_(st, overflow.to(torch.int64), nan.to(torch.int64))
+    lo, hi = policy.bounds()
+    window, hyst = st.counters[AMAX_EXP], st.counters[HYSTERESIS]
+    calibrating = window == CALIBRATING
+    scale = st.scale
+    # Before calibration: search on overflow / all-zero gradients, jump to the target on a measurement.
+    target = LIMIT_EXP - policy.margin_bits - e
+    searched = _shift(scale, torch.where(overflow, -policy.search_bits, policy.search_bits).to(torch.int64), lo, hi)
+    cal_scale = torch.where(measured, _shift(scale, target, lo, hi), torch.where(overflow | zero, searched, scale))
+    # After calibration: back off on overflow (hysteresis as dynamic), grow at the end of a clean window.
+    spent = (hyst - 1).clamp_min(0)
+    down = (scale.double() * policy.backoff_factor).float().clamp_min(lo)
+    new_window = torch.where(measured, torch.maximum(window, e), window)
+    tracker = st.growth_tracker + 1
+    check = ~overflow & (tracker >= policy.growth_interval)
+    k = LIMIT_EXP - policy.margin_bits - new_window
+    grow = check & (new_window != NO_AMAX) & (k > 0)
+    run_scale = torch.where(overflow, torch.where(spent == 0, down, scale),
+                            torch.where(grow, _shift(scale, k, lo, hi), scale))
+    st.scale.copy_(torch.where(calibrating, cal_scale, run_scale))
+    st.growth_tracker.copy_(torch.where(calibrating | overflow | check, torch.zeros_like(tracker), tracker))
+    keep = torch.full_like(hyst, policy.hysteresis) if policy.consecutive_hysteresis else hyst
+    run_hyst = torch.where(overflow, spent, torch.where(check, torch.full_like(hyst, policy.hysteresis), keep))
+    hyst.copy_(torch.where(calibrating, hyst, run_hyst))
+    empty = torch.full_like(window, NO_AMAX)
+    cal_window = torch.where(measured, empty, window)
+    run_window = torch.where(overflow | check, empty, new_window)
+    window.copy_(torch.where(calibrating, cal_window, run_window))
+
+
+_RULES = {DynamicPolicy: dynamic_update_, StaticPolicy: static_update_, AdaptivePolicy: adaptive_update_}
 
 
 def register_rule(policy_type, rule) -> None:

@@ -66,9 +66,14 @@ __all__ = [
     "is_power_of_two",
     "diagnose",
     "STUCK_REACTIONS",
+    "NO_AMAX",
 ]
 
 STUCK_REACTIONS = ("raise", "warn", "ignore")
+
+#: ``ScaleState.amax_exp`` when no gradient amax has been measured; policies that do not measure the
+#: amax (dynamic, static) keep it. Below the binade of every float32 (>= -148).
+NO_AMAX = -(2**30)
 
 
 def _f32(x: float) -> float:
@@ -105,6 +110,9 @@ class ScaleState:
         overflow_streak: consecutive skipped iterations up to now (0 after a clean step).
         streak_nan_steps: how many of the current streak held NaN.
         streak_start_scale: the scale when the current streak began (for the diagnosis).
+        amax_exp: for policies that measure the gradient amax (:class:`lossscale.adaptive.AdaptivePolicy`):
+            the largest binade ``e`` (``amax < 2**e``) of the scaled gradients in the current growth
+            window; ``NO_AMAX`` when nothing was measured (always, for the other policies).
     """
 
     scale: float
@@ -117,6 +125,7 @@ class ScaleState:
     overflow_streak: int = 0
     streak_nan_steps: int = 0
     streak_start_scale: float = 0.0
+    amax_exp: int = NO_AMAX
 
     def replace(self, **changes) -> "ScaleState":
         """A copy with ``changes`` applied (the state itself is frozen)."""
