@@ -534,9 +534,14 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
     else:
         r.check("and hovers just below it", None, "", waits_on="telemetry")
     after = d.get("growths_after_first_overflow", 0)
+    drift = ""
+    if "line_first_quarter_log2" in d and first is not None:
+        drift = (f"; the line moved from 2^{d['line_first_quarter_log2']:.1f} (first quarter) to "
+                 f"2^{d['line_last_quarter_log2']:.1f} (last quarter) and the scale went from "
+                 f"{p2(dynamic.steps[first]['loss_scale'])} at the first overflow to {p2(d['final_scale'])}")
     r.check("backing off and growing again, it re-adapts", d["backoffs"] >= 2 and after >= 1,
             f"{d['backoffs']} backoffs, {after} growths after the first overflow; {d['skipped_steps']} skipped steps "
-            f"({pct(d['skipped_frac'])})")
+            f"({pct(d['skipped_frac'])}){drift}")
     r.check("dynamic scaling trains like FP32", d["final_acc"] >= acc32 - 0.02,
             f"dynamic {pct(d['final_acc'])} vs FP32 {pct(acc32)}")
     if a is None:
