@@ -171,7 +171,7 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
     loss_fn = lambda out, y: F.cross_entropy(out, y) * c  # noqa: E731
     gen = torch.Generator().manual_seed(seed)
     skipped, step = 0, 0
-    flushed_all, flushed_nz, scales, proxy = [], [], [], []
+    flushed_all, flushed_nz, scales, proxy, param_amaxes = [], [], [], [], []
     for _ in range(epochs):
         perm = torch.randperm(len(x_tr), generator=gen)
         for i in range(0, len(x_tr), batch_size):
@@ -211,8 +211,9 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
                 lm_state = logmax.update(lm_state, was_skipped, amax)
             else:
                 loss.backward()
+                param_amax = float(torch.stack([p.grad.abs().max() for p in params]).max())
+                param_amaxes.append(param_amax)
                 if probing:  # the proxy: parameter-gradient amax vs activation-gradient amax, FP32
-                    param_amax = float(torch.stack([p.grad.abs().max() for p in params]).max())
                     _, _, _, act_amax = probe(model, loss_fn, x, y, 1.0)
                     if param_amax > 0 and act_amax > 0:
                         proxy.append(math.log2(act_amax / param_amax))
@@ -235,6 +236,9 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
     }
     if proxy:
         out["proxy_log2_act_over_param"] = {"max": max(proxy), "mean": statistics.fmean(proxy), "min": min(proxy)}
+    if param_amaxes and param_amaxes[0] > 0:
+        # How far the gradients rise above the first step's (what a calibration on step 1 must leave room for).
+        out["rise_log2_over_first_step"] = math.log2(max(param_amaxes) / param_amaxes[0])
     return out
 
 
@@ -272,6 +276,7 @@ def summarise(runs: List[Dict], seeds: List[int]) -> Dict:
                 w[cfg]["proxy_log2_act_over_param_max"] = max(r["proxy_log2_act_over_param"]["max"] for r in rs)
                 w[cfg]["proxy_log2_act_over_param_mean"] = _mean([r["proxy_log2_act_over_param"]["mean"] for r in rs])
                 w[cfg]["fp32_acc_sd_over_seeds"] = noise
+                w[cfg]["rise_log2_over_first_step_per_seed"] = [r.get("rise_log2_over_first_step") for r in rs]
         t = w.get("torch")
         for cfg in [k for k in w if k.startswith("adaptive")]:
             a = w.get(cfg)
@@ -342,6 +347,11 @@ def to_markdown(summary: Dict, meta: Dict) -> str:
                   f"{statistics.fmean(f['proxy_log2_act_over_param_mean'] for f in proxies):+.2f} binades. Positive "
                   "means an activation gradient was larger than every parameter gradient: it would overflow first, "
                   "unseen by the scaler's amax; the margin has to cover it."]
+        rises = [x for f in proxies for x in f.get("rise_log2_over_first_step_per_seed", []) if x is not None]
+        if rises:
+            lines += ["", "The rise, along the FP32 trajectory: the largest parameter-gradient amax of the run over "
+                      f"the first step's, per seed: {', '.join(f'{x:+.2f}' for x in rises[:len(proxies[0]['rise_log2_over_first_step_per_seed'])])} "
+                      "binades (what a calibration on the first step must leave room for)."]
     return "\n".join(lines) + "\n"
 
 
