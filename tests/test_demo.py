@@ -18,6 +18,15 @@ def data():
     return load_digits_data(0)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As the demo does: 64-wide matrices gain nothing from a second thread, and lose a lot on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _steps(run: RunResult, key: str):
     return [s[key] for s in run.steps]
 
