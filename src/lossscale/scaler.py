@@ -133,6 +133,9 @@ class GradScaler:
         process_group: the group over which the skip decision is all-reduced (MAX), so every rank
             skips or steps together. "default" (the default): the default group when
             torch.distributed is initialised with more than one rank. None: no reduction.
+        telemetry: None (off, the default), an int N (gradient statistics of the scaled gradients
+            every N iterations), a dict of :class:`lossscale.Telemetry` arguments (``every``, ``per``,
+            ``fmt``) or a ``Telemetry``. Collecting adds no host sync; :meth:`metrics` reads them.
 
     The same training loop as torch::
 
@@ -171,6 +174,7 @@ class GradScaler:
         max_consecutive_skips: Optional[int] = None,
         model: Any = None,
         process_group: Any = _DEFAULT_GROUP,
+        telemetry: Any = None,
     ) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
@@ -197,7 +201,7 @@ class GradScaler:
         self._host_obs: Optional[torch.Tensor] = None
         self._obs_event = None
         self._obs_ready = False
-        self._telemetry = None
+        self._telemetry = self._make_telemetry(telemetry)
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -221,6 +225,42 @@ class GradScaler:
         except (TypeError, ValueError):
             raise ValueError("model must be an nn.Module or an iterable of (name, parameter) pairs.") from None
         self._names.update({id(p): n for n, p in pairs})
+
+    @staticmethod
+    def _make_telemetry(telemetry):
+        if telemetry is None or telemetry is False:
+            return None
+        from .telemetry import Telemetry  # lazy: the stats code is only needed when telemetry is on
+
+        if isinstance(telemetry, Telemetry):
+            return telemetry
+        if isinstance(telemetry, int) and not isinstance(telemetry, bool):
+            return Telemetry(every=telemetry)
+        if isinstance(telemetry, dict):
+            return Telemetry(**telemetry)
+        raise ValueError(
+            f"telemetry={telemetry!r} must be None, an int (collect every N iterations), a dict of "
+            "Telemetry arguments, or a lossscale.Telemetry."
+        )
+
+    def metrics(self) -> Dict[str, Any]:
+        """A flat dict for TensorBoard's ``add_scalar`` or any logger. Syncs host and device (once).
+
+        Always: ``loss_scale``, ``steps``, ``skipped_steps``, ``inf_steps``, ``nan_steps``,
+        ``overflow_streak``, ``last_step_skipped``. With telemetry on, the figures of the last sampled
+        iteration: ``grad/flushed_frac``, ``grad/subnormal_frac``, ``grad/headroom_bits``, ``grad/amax``,
+        ... (and ``grad/<name>/...`` per parameter or module), labelled by ``grad/measured``.
+        """
+        out: Dict[str, Any] = {"loss_scale": self.get_scale()}
+        if self._enabled:
+            out.update(self.counters())
+        out["last_step_skipped"] = bool(self._last_skipped is not None and self.last_step_skipped)
+        if self._telemetry is not None:
+            figures = self._telemetry.metrics()
+            if figures:
+                figures["grad/measured"] = self._telemetry.measured
+            out.update(figures)
+        return out
 
     @property
     def policy(self):
@@ -506,6 +546,8 @@ class GradScaler:
         if any_host_overflow or not host_known:
             self._remember_overflow(records)
         self._records = {}
+        if self._telemetry is not None:
+            self._telemetry.iteration += 1
         self._observe(st, scale_before, now=any_host_overflow, skip=host_known and not any_host_overflow)
 
     def _validate_new_scale(self, new_scale) -> None:
