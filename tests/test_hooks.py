@@ -12,7 +12,7 @@ def _loss(out, y):
 
 
 def _hook_count(model):
-    return sum(len(m._backward_hooks) + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules())
+    return sum(len(m._backward_hooks) + len(m._backward_pre_hooks) for m in model.modules())
 
 
 def test_recorder_records_per_module_and_leaves_no_trace():

@@ -7,6 +7,7 @@ Importing lossscale never imports matplotlib.
 """
 
 from . import formats
+from .adaptive import AdaptivePolicy
 from .hooks import ActivationGradRecorder, activation_grad_probe
 from .policy import DynamicPolicy, ScaleState, StaticPolicy, diagnose, is_power_of_two
 from .scaler import GradScaler, OptState
@@ -20,6 +21,7 @@ __all__ = [
     "OptState",
     "DynamicPolicy",
     "StaticPolicy",
+    "AdaptivePolicy",
     "ScaleState",
     "diagnose",
     "is_power_of_two",

@@ -20,6 +20,7 @@ Neither syncs host and device while recording; figures are read from the :class:
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, List, Sequence, Union
 
 import torch
@@ -99,7 +100,7 @@ class ActivationGradRecorder:
         self.history: List[dict] = []
 
     def _hook(self, name: str) -> Callable:
-        def hook(module, grad_input, grad_output):
+        def hook(module, grad_output):
             if self._step % self._every:
                 return
             grads = [g for g in grad_output if isinstance(g, torch.Tensor)]
@@ -117,7 +118,9 @@ class ActivationGradRecorder:
         if self._handles:
             raise RuntimeError("this ActivationGradRecorder is already active; exit it before entering again.")
         for name, module in self._modules.items():
-            self._handles.append(module.register_full_backward_hook(self._hook(name)))
+            # A pre-hook sees grad_output before the module's backward runs, and (unlike a full
+            # backward hook) needs no input that requires grad, so the first layer is covered too.
+            self._handles.append(module.register_full_backward_pre_hook(self._hook(name)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -162,8 +165,8 @@ def activation_grad_probe(
     chosen = _select(model, modules)
     captured: Dict[str, List[torch.Tensor]] = {}
     handles = [
-        m.register_full_backward_hook(
-            lambda mod, gi, go, name=name: captured.setdefault(name, []).extend(
+        m.register_full_backward_pre_hook(
+            lambda mod, go, name=name: captured.setdefault(name, []).extend(
                 g.detach() for g in go if isinstance(g, torch.Tensor)
             )
         )
@@ -175,7 +178,11 @@ def activation_grad_probe(
         with torch.autocast(device_type=args[0].device.type, enabled=False):
             out = model(*(a.float() if a.is_floating_point() else a for a in args))
             loss = loss_fn(out, targets) if targets is not None else loss_fn(out)
-        torch.autograd.grad(loss.float(), params, allow_unused=True)
+        with warnings.catch_warnings():
+            # torch warns that a full backward hook on the first layer fires for its outputs only
+            # (its input needs no grad): exactly the grad_output this probe wants.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            torch.autograd.grad(loss.float(), params, allow_unused=True)
     finally:
         for h in handles:
             h.remove()

@@ -59,7 +59,7 @@ class Telemetry:
         self.overall: Optional[GradStats] = None
         self.groups: Dict[str, GradStats] = {}
         self.measured: str = ""
-        self._pending: List[GradStats] = []
+        self.scale_used: Optional[torch.Tensor] = None
 
     def due(self) -> bool:
         """Whether this iteration is sampled."""
@@ -71,6 +71,8 @@ class Telemetry:
             return
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
+            # The scale these gradients carry (update() may change it before the figures are read).
+            self.scale_used = scaler._get_scale_async().clone()
         stats = grad_stats(grads, scale=1.0, fmt=self.fmt)
         self.overall = stats if self.overall is None else self.overall + stats
         dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads})
@@ -95,6 +97,7 @@ class Telemetry:
             return {}
         out = flatten_stats("grad", self.overall)
         out["grad/step"] = self.step_collected
+        out["grad/loss_scale"] = float(self.scale_used)
         for name, s in self.groups.items():
             out.update(flatten_stats(f"grad/{name}", s))
         return out

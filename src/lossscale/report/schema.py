@@ -10,14 +10,16 @@ Step record keys:
 key                          type        meaning
 ===========================  ==========  ============================================================
 ``step``                     int >= 0    optimizer step index (required)
-``loss_scale``               number > 0  the loss scale this step ran with (required)
+``loss_scale``               number > 0  the loss scale (required; ``scaler.metrics()`` logs it after
+                                         ``update()``: the scale the next step uses; the scale the
+                                         sampled gradients carried is ``grad/loss_scale``)
 ``skipped``                  bool        this step's optimizer update was skipped (inf/NaN gradients).
                                          If absent it is derived from increments of ``skipped_steps``
                                          (counted from 0, this step included), else False.
 ``skipped_steps``            int         cumulative skipped steps (as ``scaler.metrics()`` reports)
 ``last_step_skipped``        bool        accepted as ``skipped`` when that is absent
 ``loss``                     number      the (unscaled) loss
-``grad/flushed_frac``        0..1        fraction of the nonzero gradient values that FP16 flushes to 0
+``grad/flushed_frac``        0..1        fraction of all gradient values (``flushed / numel``) that FP16 flushes to 0
                                          at this step's scale (underflow)
 ``grad/headroom_bits``       number      ``log2(format max / max|g * loss_scale|)``: binades the scaled
                                          gradients can still rise before overflowing. The largest safe
