@@ -97,30 +97,99 @@ def _count_(st: DeviceState, overflow: torch.Tensor, nan: torch.Tensor) -> None:
     st.counters[STREAK:STREAK_NAN + 1].mul_(overflow)  # a clean step ends the streak
 
 
-def dynamic_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor) -> None:
+# The torch-compatible configuration (hysteresis 1) is the hot path of every iteration, and on a CPU
+# each tiny op costs a few microseconds (more when it wraps a Python scalar), so its bookkeeping is
+# one small matrix-vector product and one multiply-add over the whole counter vector:
+#     v = [1, o, o*n]   (o: overflow, n: NaN, 0/1)        counters = counters * MUL(v) + ADD(v)
+# with MUL and ADD linear in v (the rows of policy._count for clean, inf and NaN steps). When the
+# host already knows the step was clean (it synced to decide it), the clean row is applied directly.
+
+
+class _H1:
+    """Constants and counter views of the hysteresis-1 path, made once per DeviceState."""
+
+    def __init__(self, st: DeviceState, consecutive: bool):
+        n = _N_COUNTERS
+        mul = [[1] * n for _ in range(3)]  # rows: clean, inf, NaN
+        add = [[0] * n for _ in range(3)]
+        for k in range(3):
+            add[k][STEPS] = 1
+        mul[0][STREAK] = mul[0][STREAK_NAN] = 0  # a clean step ends the streak
+        for k in (1, 2):
+            add[k][SKIPPED] = add[k][STREAK] = 1
+            mul[k][HYSTERESIS] = 0  # an overflow spends the single tolerance: max(1 - 1, 0)
+        add[1][INF_STEPS] = 1
+        add[2][NAN_STEPS] = add[2][STREAK_NAN] = 1
+        if consecutive:  # DeepSpeed: every clean step refills
+            mul[0][HYSTERESIS], add[0][HYSTERESIS] = 0, 1
+        # Columns for v = [1, o, o*n]; float32 holds these small integers exactly.
+        mat = [[mul[0][j], mul[1][j] - mul[0][j], 0] for j in range(n)]
+        mat += [[add[0][j], add[1][j] - add[0][j], add[2][j] - add[1][j]] for j in range(n)]
+        dev = st.device
+        self.mat = torch.tensor(mat, dtype=torch.float32, device=dev)
+        self.clean_mul = torch.tensor(mul[0], dtype=torch.int64, device=dev)
+        self.clean_add = torch.tensor(add[0], dtype=torch.int64, device=dev)
+        self.one = torch.ones((), dtype=torch.float32, device=dev)
+        self.one_i = torch.ones((), dtype=torch.int64, device=dev)
+        self.streak = st.counters[STREAK]
+        self.hyst = st.counters[HYSTERESIS]
+
+
+def _h1(st: DeviceState, consecutive: bool) -> _H1:
+    cache = st.__dict__.setdefault("_h1_cache", {})
+    h = cache.get(consecutive)
+    if h is None:
+        h = cache[consecutive] = _H1(st, consecutive)
+    return h
+
+
+def _dynamic_h1_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor,
+                        known_clean: bool = False) -> None:
+    """:func:`dynamic_update_` for hysteresis 1 in ~12 small kernels (4 when ``known_clean``)."""
+    h = _h1(st, policy.consecutive_hysteresis)
+    n = _N_COUNTERS
+    if known_clean:
+        torch.addcmul(h.clean_add, st.counters, h.clean_mul, out=st.counters)
+    else:
+        # [1, o, o*n]: sign() makes the flags 0/1 (found_inf is a sum), cumprod counts a NaN only with an overflow.
+        v = torch.stack([h.one, found_inf, found_nan.to(found_inf)]).sign_().cumprod_(0)
+        rows = torch.mv(h.mat, v).to(torch.int64)
+        torch.addcmul(rows[n:], st.counters, rows[:n], out=st.counters)
+        # A streak of 1 began at this iteration, at the scale before this update.
+        torch.where(torch.eq(h.streak, h.one_i), st.scale, st.streak_start_scale, out=st.streak_start_scale)
+    # Hysteresis 1 backs off on every overflow, which is torch's own fused kernel: use it, so the
+    # torch-compatible configuration is torch's arithmetic by construction.
+    torch._amp_update_scale_(
+        st.scale, st.growth_tracker, found_inf, policy.growth_factor, policy.backoff_factor, policy.growth_interval
+    )
+    if policy.min_scale is not None or policy.max_scale is not None:
+        # The bounds as a clamp after the kernel equal the pure rule because the scale always
+        # starts inside them: only a backoff can cross min and only a growth can cross max.
+        st.scale.clamp_(policy.min_scale, policy.max_scale)
+    if not policy.consecutive_hysteresis:
+        if known_clean and st.counters.device.type == "cpu" and st.counters.numpy()[HYSTERESIS] > 0:
+            return  # host memory, read in place: the tolerance is full, nothing to refill
+        # A growth refills the tolerance. The tracker is 0 after a growth or an overflow; the streak
+        # (0 after a clean step) tells which, and both are >= 0, so "both 0" is "their sum is 0".
+        grew = torch.logical_not(st.growth_tracker if known_clean else st.growth_tracker + h.streak)
+        torch.maximum(h.hyst, grew, out=h.hyst)
+
+
+def dynamic_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor,
+                    known_clean: bool = False) -> None:
     """:meth:`DynamicPolicy.update` on device tensors, in place.
 
     ``found_inf`` / ``found_nan``: float32 0-dim tensors on ``st.device``, > 0 meaning true (torch's
-    convention: found_inf is a sum of per-device flags).
+    convention: found_inf is a sum of per-device flags). ``known_clean``: the host already knows
+    found_inf is 0 (a shortcut; the result is the same).
     """
+    if policy.hysteresis == 1:
+        _dynamic_h1_update_(policy, st, found_inf, found_nan, known_clean)
+        return
     overflow = (found_inf > 0).to(torch.int64)
     nan = (found_nan > 0).to(torch.int64) * overflow
     _count_(st, overflow, nan)
     hyst = st.counters[HYSTERESIS]
-    if policy.hysteresis == 1:
-        # Hysteresis 1 backs off on every overflow, which is torch's own fused kernel: use it, so the
-        # torch-compatible configuration is torch's arithmetic by construction (and one kernel, not ten).
-        torch._amp_update_scale_(
-            st.scale, st.growth_tracker, found_inf, policy.growth_factor, policy.backoff_factor, policy.growth_interval
-        )
-        if policy.min_scale is not None or policy.max_scale is not None:
-            # The bounds as a clamp after the kernel equal the pure rule because the scale always
-            # starts inside them: only a backoff can cross min and only a growth can cross max.
-            st.scale.clamp_(policy.min_scale, policy.max_scale)
-        # After a clean step the tracker is 0 only if this step grew the scale (interval >= 1).
-        refill = (st.growth_tracker == 0) if not policy.consecutive_hysteresis else torch.ones_like(hyst, dtype=torch.bool)
-        hyst.copy_(torch.where(overflow.bool(), torch.zeros_like(hyst), torch.where(refill, policy.hysteresis, hyst)))
-        return
     ov = overflow.bool()
     spent = (hyst - 1).clamp_min(0)
     backoff = ov & (spent == 0)
@@ -220,8 +289,13 @@ def register_rule(policy_type, rule) -> None:
     _RULES[policy_type] = rule
 
 
-def device_update_(policy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor, **extra) -> None:
-    """Dispatch to the device rule of ``policy``'s type."""
+def device_update_(policy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor, known_clean: bool = False,
+                   **extra) -> None:
+    """Dispatch to the device rule of ``policy``'s type.
+
+    ``known_clean``: the host knows this iteration was clean; rules that can use it take a shortcut
+    (the dynamic rule does), others ignore it.
+    """
     try:
         rule = _RULES[type(policy)]
     except KeyError:
@@ -229,4 +303,6 @@ def device_update_(policy, st: DeviceState, found_inf: torch.Tensor, found_nan: 
             f"no device rule for policy type {type(policy).__name__}; register one with "
             "lossscale._device_rules.register_rule."
         ) from None
+    if known_clean and rule is dynamic_update_:
+        extra["known_clean"] = True
     rule(policy, st, found_inf, found_nan, **extra)

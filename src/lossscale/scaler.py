@@ -23,6 +23,7 @@ import enum
 import inspect
 import math
 import warnings
+import weakref
 from collections import abc
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -30,7 +31,7 @@ import torch
 
 from . import _kernels
 from . import distributed as _distributed
-from ._device_rules import DeviceState, count_, device_update_
+from ._device_rules import STREAK, DeviceState, count_, device_update_
 from .policy import DynamicPolicy, ScaleState, StaticPolicy, diagnose
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
@@ -105,6 +106,23 @@ def _policy_from_kwargs(policy, init_scale, growth_factor, backoff_factor, growt
     return policy
 
 
+_GRAD_SCALER_KWARG: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step) -> bool:
+    """Whether ``step`` takes ``grad_scaler=`` (torch's deprecated contract), cached per function:
+    ``inspect.signature`` costs ~100 us, more than the rest of a small fused step."""
+    func = getattr(step, "__func__", step)
+    try:
+        return _GRAD_SCALER_KWARG[func]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable
+        return "grad_scaler" in inspect.signature(step).parameters
+    found = _GRAD_SCALER_KWARG[func] = "grad_scaler" in inspect.signature(step).parameters
+    return found
+
+
 _KWARG_DEFAULTS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                        hysteresis=1, consecutive_hysteresis=False, min_scale=1.0, max_scale=2.0**24,
                        on_stuck="warn", max_consecutive_skips=None)
@@ -122,7 +140,7 @@ class GradScaler:
         min_scale: lower bound (default 1.0; None = unbounded, as torch).
         max_scale: upper bound (default 2**24; None = unbounded, as torch). At the cap a growth clamps
             to ``max_scale``. See :class:`lossscale.DynamicPolicy` for why these defaults.
-        policy: "dynamic" (default), "static" (a fixed ``init_scale``), "adaptive" once registered, or
+        policy: "dynamic" (default), "static" (a fixed ``init_scale``), "adaptive" (:class:`lossscale.AdaptivePolicy`), or
             a policy object (then the scale keywords above must stay at their defaults).
         on_stuck: "warn" (default, once per streak), "raise" (RuntimeError with a diagnosis) or
             "ignore", when an overflow happens at ``min_scale`` or ``max_consecutive_skips`` steps in a
@@ -332,16 +350,22 @@ class GradScaler:
     def _gather(self, optimizer, allow_half: bool) -> List[torch.Tensor]:
         """The gradients to check, with torch's FP16-gradient error made actionable."""
         grads, params, half = [], [], []
+        fp16 = torch.float16
+        dense = torch.Tensor
+        has_sparse = False
         for gi, group in enumerate(optimizer.param_groups):
             for pi, param in enumerate(group["params"]):
                 if not isinstance(param, torch.Tensor):
                     raise ValueError(f"optimizer.param_groups[{gi}]['params'][{pi}] is not a tensor.")
-                if param.grad is None:
+                grad = param.grad  # read once: a property, and this loop runs per parameter per step
+                if grad is None:
                     continue
-                if not allow_half and param.grad.dtype == torch.float16:
+                if not allow_half and grad.dtype == fp16:
                     half.append(self._names.get(id(param), f"param_groups[{gi}][{pi}] {tuple(param.shape)}"))
                     continue
-                grad = _kernels.grad_to_check(param)
+                if type(grad) is not dense or grad.is_sparse:  # plain dense gradients are checked as they are
+                    has_sparse = has_sparse or grad.is_sparse
+                    grad = _kernels.grad_to_check(param)
                 if grad.numel() == 0:
                     # Nothing to check, and the inf-norm of an empty tensor raises. FSDP2 gives a rank
                     # an empty local shard when a parameter's dim 0 is smaller than the world size.
@@ -357,6 +381,7 @@ class GradScaler:
                 "optimizer that unscales itself (e.g. torch.optim.Adam(fused=True))."
             )
         self._record(optimizer).params = params
+        self._gathered_sparse = has_sparse  # read by clip_grad_norm_ (sparse norms need coalesced values)
         return grads
 
     def _reduce_flags(self, found_inf: torch.Tensor, found_nan: torch.Tensor):
@@ -395,7 +420,7 @@ class GradScaler:
                 found = torch.zeros((), dtype=torch.float32, device=st.device)
                 per_device = _kernels.check_and_unscale_(groups, inv_scale, found)
                 found_inf = self._combine(per_device.values(), st.device)
-                found_nan = torch.zeros_like(found_inf)
+                found_nan = found_inf  # a placeholder: 0 when clean, learned below on an overflow
                 nan_pending = True
             else:
                 # No sync allowed, or the policy needs the amax: learn inf vs NaN (and the amax) from a
@@ -456,6 +481,26 @@ class GradScaler:
         self._check(optimizer, unscale=True, sync=not getattr(optimizer, "_step_supports_amp_scaling", False))
         rec.stage = OptState.UNSCALED
 
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
+
+        Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with
+        two passes over the gradients instead of five: the norm of the scaled gradients (which is
+        also the inf/NaN check), then one multiply by ``clip_coef / scale``. With a power-of-two scale
+        the gradients and the returned norm are bitwise torch's two-step result, as long as no value
+        leaves float32's normal range (details in ``lossscale._clip``). A non-finite norm is an
+        overflow: the step is skipped, the gradients are only unscaled (an inf stays inf, not NaN).
+
+        Once per optimizer per iteration, instead of :meth:`unscale_` and before :meth:`step`. The
+        norm is over this optimizer's parameters (torch's recipe takes whatever it is given), and
+        over this rank's gradients (DDP's replicated ones: the total; FSDP shards: not the total).
+        Syncs like :meth:`unscale_`: once for optimizers without amp-scaling support, never for
+        fused ones (the norm stays a device tensor).
+        """
+        from ._clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, optimizer, max_norm, norm_type)
+
     def step(self, optimizer, *args, **kwargs):
         """Unscale (unless :meth:`unscale_` was called) and run ``optimizer.step()`` unless inf/NaN.
 
@@ -472,7 +517,7 @@ class GradScaler:
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            if _takes_grad_scaler(optimizer.step):
                 warnings.warn("lossscale.GradScaler passes itself as grad_scaler=, a contract torch is "
                               "deprecating; prefer optimizers that read grad_scale/found_inf.",
                               FutureWarning, stacklevel=2)
@@ -483,8 +528,9 @@ class GradScaler:
                 self._check(optimizer, unscale=False, sync=False)
             found_inf = self._combine(rec.found_inf.values(), st.device)
             # Multiply by a grad_scale the user set on the optimizer, as torch does.
-            optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if rec.stage is OptState.UNSCALED
-                                    else st.scale * getattr(optimizer, "grad_scale", 1))
+            user_scale = getattr(optimizer, "grad_scale", None)
+            optimizer.grad_scale = (user_scale if rec.stage is OptState.UNSCALED
+                                    else st.scale if user_scale is None else st.scale * user_scale)
             optimizer.found_inf = found_inf
             try:
                 retval = optimizer.step(*args, **kwargs)
@@ -522,9 +568,15 @@ class GradScaler:
                 )
         records = list(self._records.values())
         found_inf = self._combine([f for r in records for f in r.found_inf.values()], st.device)
-        found_nan = self._combine([r.found_nan for r in records if r.found_nan is not None], st.device)
         host_known = all(r.host_found is not None for r in records) if records else True
-        scale_before = st.scale.clone()
+        known_clean = host_known and not any(r.host_found for r in records)
+        # A clean step known on the host has found_nan = 0 = found_inf (a zero tensor already at hand).
+        found_nan = found_inf if known_clean else self._combine(
+            [r.found_nan for r in records if r.found_nan is not None], st.device)
+        # The scale before this update, for the stuck check of an iteration that may have overflowed:
+        # read in place on CPU (host memory, no kernel), a device copy elsewhere.
+        scale_before = (None if known_clean
+                        else float(st.scale.numpy()) if st.device.type == "cpu" else st.scale.clone())
         if new_scale is not None:
             if records:  # the iteration still happened: count it; torch leaves the trackers alone
                 count_(st, found_inf, found_nan)
@@ -540,9 +592,11 @@ class GradScaler:
             amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
             device_update_(self._policy, st, found_inf, found_nan, amax=amax)
         else:
-            device_update_(self._policy, st, found_inf, found_nan)
+            # A clean step the host already decided (it synced) takes the rule's shortcut, if it has one.
+            device_update_(self._policy, st, found_inf, found_nan, known_clean=known_clean)
         any_host_overflow = any(r.host_found for r in records)
-        self._last_skipped = any_host_overflow if host_known else (found_inf > 0)
+        # Device-decided: found_inf itself (> 0 means skipped), read only if asked.
+        self._last_skipped = any_host_overflow if host_known else found_inf
         if any_host_overflow or not host_known:
             self._remember_overflow(records)
         self._records = {}
@@ -566,7 +620,7 @@ class GradScaler:
             raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
 
     # ------------------------------------------------------------------ observation (stuck check)
-    def _observe(self, st: DeviceState, scale_before: torch.Tensor, now: bool, skip: bool) -> None:
+    def _observe(self, st: DeviceState, scale_before, now: bool, skip: bool) -> None:
         """Look at the state after an update, without a sync where possible, and react if stuck.
 
         ``skip``: the host knows this iteration was clean (nothing can be stuck). ``now``: the host
@@ -577,12 +631,21 @@ class GradScaler:
         if skip:
             self._warned_streak = False
             return
+        if st.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # inside a CUDA graph: no host reads, no events (replays update the state on device)
+        if st.device.type == "cpu":
+            # The state is host memory: read it in place, no copy, no kernel unless a streak is on.
+            if not now and st.counters.numpy()[STREAK] == 0:
+                self._warned_streak = False
+                return
+            self._react([scale_before] + st.snapshot().numpy().tolist())
+            return
         if self._host_obs is not None and self._obs_ready and (self._obs_event is None or self._obs_event.query()):
             self._react(self._host_obs.tolist())
             self._obs_ready = False
         snap = torch.cat([scale_before.double().reshape(1), st.snapshot()])
-        if now or st.device.type == "cpu":
-            self._react(snap.tolist() if st.device.type != "cpu" else snap.numpy().tolist())
+        if now:
+            self._react(snap.tolist())
             return
         if self._host_obs is None:
             self._host_obs = torch.empty(snap.shape, dtype=torch.float64, pin_memory=torch.cuda.is_available())
