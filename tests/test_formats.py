@@ -12,6 +12,8 @@ import torch
 from lossscale import formats
 from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2, FORMATS
 
+pytestmark = pytest.mark.filterwarnings("error")
+
 ALL = list(FORMATS.values())
 
 

@@ -14,6 +14,8 @@ from lossscale._sync import count_host_syncs
 from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2
 from lossscale.stats import NUM_BINS, GradStats, grad_stats, recommend_scale
 
+pytestmark = pytest.mark.filterwarnings("error")  # e.g. torch's "output was resized" on a bad out= slice
+
 COUNTS = ("zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan")
 FMTS = [FP16, BF16, FP8_E4M3, FP8_E5M2, FP32]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -134,11 +136,21 @@ def test_mixed_dtypes_in_one_call():
     assert figures(grad_stats(ts, scale=64.0)) == reference(ts, 64.0, FP16)
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    # The chunking policy differs with one intra-op thread and with several (see _chunk_size).
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("force_index_add", [False, True], ids=["bincount", "index_add"])
-def test_chunking_packing_and_both_count_paths(monkeypatch, force_index_add):
+def test_chunking_packing_and_both_count_paths(monkeypatch, force_index_add, threads):
     # Tiny chunks exercise packing many small tensors, splitting big ones and strided copies;
     # index_add_ is the accelerator path, run here on CPU.
     monkeypatch.setattr(stats, "_CPU_CHUNK", 256)
+    monkeypatch.setattr(stats, "_CPU_SERIAL_CHUNK", 100)
     monkeypatch.setattr(stats, "_FORCE_INDEX_ADD", force_index_add)
     gen = torch.Generator().manual_seed(7)
     ts = [random_grads(n, gen) for n in (1, 7, 63, 64, 65, 200, 256, 257, 1000)]

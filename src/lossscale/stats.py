@@ -37,7 +37,8 @@ float32 subnormals at scales near 1 and exactness there holds only when no input
 cut bin).  ``error_bound`` says which case you are in.
 
 Cost: one read of the gradients.  They are processed in chunks small enough to stay in cache
-(on CPU, 2^19 elements), a dozen cheap integer operations and one histogram per chunk; fp16
+(on CPU, 2^19 elements with one thread; 2^15 with more, see ``_chunk_size``), a dozen cheap
+integer operations and one histogram per chunk; fp16
 and bf16 inputs are histogrammed by their 16-bit pattern directly (one mask and one count per
 chunk, the per-pattern counts mapped to bins at the end).  Many small tensors are packed into
 one chunk by ``torch._foreach_copy_`` instead of a Python loop of kernels each.  Nothing is
@@ -91,7 +92,27 @@ _NUM_ROWS = 8
 _RANK = {"zero": 0, "flushed": 0, "subnormal": 1, "normal": 2, "overflow": 3}
 
 _CPU_CHUNK = 1 << 19  # 2 MiB of float32: the working buffers stay in L2/L3 between operations
+# torch's intra-op grain (at::internal::GRAIN_SIZE): CPU operators on at most this many elements
+# run on the calling thread without opening an OpenMP parallel region.
+_CPU_SERIAL_CHUNK = 1 << 15
 _DEVICE_CHUNK = 1 << 22  # accelerators: large enough that kernel launches are negligible
+
+
+def _chunk_size(device: torch.device) -> int:
+    """Elements per chunk.
+
+    With one intra-op thread, large chunks (fewest Python calls).  With several, chunks at torch's
+    grain, so that none of the ~16 operators per chunk opens a parallel region: each region ends
+    in a barrier that waits for the slowest thread, and on a machine where other processes hold
+    the cores that wait is a scheduler time slice -- measured on 2 shared cores, 10M elements took
+    a median of 470 ms (worst 2.7 s) with large chunks and 58 ms (worst 118 ms) with grain-sized
+    ones.  The histogram itself is serial either way.
+    """
+    if device.type != "cpu":
+        return _DEVICE_CHUNK
+    if torch.get_num_threads() == 1:
+        return _CPU_CHUNK
+    return min(_CPU_CHUNK, _CPU_SERIAL_CHUNK)
 
 # Tests flip this to run the accelerator code path (index_add_ instead of bincount) on CPU.
 _FORCE_INDEX_ADD = False
@@ -626,9 +647,15 @@ def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, ones) -> N
     """fp16/bf16: count each 15-bit magnitude pattern, then map the 32768 counts to bins.
 
     Cheaper than widening to float32 (one mask and one count per chunk) and exact, because a
-    16-bit pattern *is* the value: every figure follows from the per-pattern counts.
+    16-bit pattern *is* the value: every figure follows from the per-pattern counts.  Chunks
+    stay large (fewer packing copies); with several CPU threads the mask and the count run on
+    grain-sized pieces, since bincount's own min/max passes would otherwise open parallel
+    regions (see ``_chunk_size``).
     """
     device = hist.device
+    piece = chunk
+    if device.type == "cpu":
+        chunk = max(chunk, _CPU_CHUNK)
     n_total = sum(t.numel() for t in ts)
     c = min(chunk, n_total)
     staging = torch.empty(c, dtype=dtype, device=device)
@@ -637,11 +664,13 @@ def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, ones) -> N
     for chunk_values in _chunks(ts, staging):
         bits = chunk_values.view(torch.int16)
         n = bits.numel()
-        m = torch.bitwise_and(bits, 0x7FFF, out=m_buf[:n])  # drop the sign
-        if device.type == "cpu" and not _FORCE_INDEX_ADD:
-            _count_into(per_pattern, m, ones)
-        else:
-            _count_into(per_pattern, m.int(), ones)  # index_add_ wants int32/int64 indices
+        masked = m_buf[:n]
+        for i in range(0, n, piece):
+            m = torch.bitwise_and(bits[i : i + piece], 0x7FFF, out=masked[i : i + piece])  # drop the sign
+            if device.type == "cpu" and not _FORCE_INDEX_ADD:
+                _count_into(per_pattern, m, ones)
+            else:
+                _count_into(per_pattern, m.int(), ones)  # index_add_ wants int32/int64 indices
     bins, values = _on_device(_pattern_tables, (dtype, thresholds), device)
     hist.index_add_(0, bins, per_pattern)
     amax_parts.append(torch.amax(values * (per_pattern > 0)))
@@ -692,7 +721,7 @@ def grad_stats(
     thresholds = _thresholds_for(_boundaries(f, s))
     hist = torch.zeros(NUM_BINS, dtype=torch.int64, device=device)
     amax_parts: List[torch.Tensor] = []
-    chunk = _CPU_CHUNK if device.type == "cpu" else _DEVICE_CHUNK
+    chunk = _chunk_size(device)
     ones = torch.ones((), dtype=torch.int64, device=device)
     with torch.no_grad():
         groups: Dict[torch.dtype, List[torch.Tensor]] = {}
