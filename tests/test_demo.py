@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lossscale.demo import _apis, claims as C
+from lossscale.demo import claims as C
 from lossscale.demo.workload import RunResult, RunSpec, TrainConfig, load_digits_data, reference_grads, train
 
 pytest.importorskip("sklearn")
@@ -95,22 +95,15 @@ def test_c1_is_measured_from_formats_and_torch_casts():
     assert math.isinf(r.figures["cast_overflow_threshold"])
 
 
-def test_c1_is_pending_without_formats(monkeypatch):
-    monkeypatch.setattr(_apis, "formats", lambda: None)
-    r = C.c1_fp16_facts()
-    assert r.verdict == C.PENDING and r.waiting_on == ["formats"]
-
-
 def test_verdict_logic():
     r = C.ClaimResult("C9", "t", "c")
-    assert r.verdict == C.PENDING  # nothing checked yet
+    assert r.verdict == C.NOT_HELD  # nothing checked: nothing shown
     r.check("a", True, "")
     assert r.verdict == C.HELD
-    r.check("b", None, "", waits_on="stats")
-    assert r.verdict == C.PENDING and r.waiting_on == ["stats"]
-    r.check("c", False, "")
+    r.check("b", False, "")
     assert r.verdict == C.NOT_HELD
     assert r.to_dict()["verdict"] == C.NOT_HELD
+    assert [c["passed"] for c in r.to_dict()["checks"]] == [True, False]
 
 
 def _fake_run(name, acc, steps=4, **step_fields):
@@ -138,32 +131,34 @@ def test_c4_verdict_follows_the_clip_measurements():
     assert C.c4_clip_order(_fake_run("fp32", 0.96), right, mild, 2.0**16, 1.0).verdict == C.NOT_HELD
 
 
-def test_histogram_reads_binades_and_shifts_with_the_scale():
-    stats = _apis.stats()
-    if stats is None:
-        pytest.skip("lossscale.stats not in this build")
-    gs = stats.grad_stats([torch.tensor([2.0**-30, 1.5 * 2.0**-30, 1.0, 0.0, float("inf")])], scale=1.0)
-    assert _apis.histogram(gs) == {-30: 2, 0: 1}
-    assert _apis.histogram(gs.at(2.0**10)) == {-20: 2, 10: 1}
-    assert _apis.nonzero_frac(gs) == pytest.approx(2 / 3)  # both 2^-30 values flush, 1.0 does not
+def test_c6_fails_without_the_measurements_its_checks_need():
+    """A run without telemetry (no overflow line) or without activation probes is NOT HELD, not excused."""
+    scales = [2.0**16, 2.0**17, 2.0**18, 2.0**17, 2.0**18, 2.0**17, 2.0**18]
+    dynamic = _fake_run("dynamic", 0.95, steps=len(scales))
+    for s, scale in zip(dynamic.steps, scales):
+        s["loss_scale"] = scale
+    for i in (3, 5):
+        dynamic.steps[i - 1]["skipped"] = True  # the step before each backoff overflowed
+    r = C.c6_dynamic_scaling(_fake_run("fp32", 0.95), dynamic, _fake_run("torch", 0.95),
+                             _fake_run("adaptive", 0.95), growth_interval=1)
+    checks = {c.name: c for c in r.checks}
+    assert checks["the scale finds the overflow line by itself"].passed
+    hover = checks["and hovers just below it"]
+    assert not hover.passed and "no overflow line measured" in hover.detail
+    beats = checks["the adaptive policy beats torch's default"]
+    assert not beats.passed and "adaptive and torch default run" in beats.detail
+    assert r.verdict == C.NOT_HELD
 
 
-def test_demo_reports_pending_when_optional_apis_are_missing(monkeypatch, tmp_path):
-    """Without stats/hooks/telemetry/adaptive the demo still runs; what needs them is PENDING, not faked."""
+def test_demo_scalers_record_telemetry_every_step():
+    """C6's overflow line is the scaler's own per-step headroom: every lossscale run of the demo records it."""
     from lossscale.demo import run
 
-    for name in ("stats", "hooks", "telemetry_kwargs"):
-        monkeypatch.setattr(_apis, name, lambda: None)
-    monkeypatch.setattr(_apis, "adaptive_available", lambda: False)
-    summary = run.run_demo(str(tmp_path), quick=True, progress=False, log=lambda line: None, epochs=2,
-                           sweep_log2=(0, 16, 40), sweep_epochs=1)
-    claims = summary["claims"]
-    assert claims["C5"]["verdict"] in ("PENDING", "NOT HELD") and "stats" in claims["C5"]["waiting_on"]
-    # (A 3-epoch run may fail other checks; the point is that these are not decided without their APIs.)
-    pending = {c["name"] for c in claims["C6"]["checks"] if c["passed"] is None}
-    assert pending == {"and hovers just below it", "the adaptive policy beats torch's default"}
-    assert set(claims["C6"]["waiting_on"]) == {"telemetry", "adaptive"}
-    assert "adaptive" not in summary["runs"]
-    assert "flushed_frac" not in claims["C5"]["figures"]
-    assert (tmp_path / "index.html").is_file() and not (tmp_path / "layer_flush.png").exists()
-    assert "Pending" in (tmp_path / "index.html").read_text()
+    main, sweep = run.plan(run.DemoConfig.quick_preset(), observe=None)
+    assert [spec.name for spec in main] == ["fp32", "fp16_noscale", "static", "dynamic", "torch_default", "adaptive",
+                                            "clip_right", "clip_wrong"]
+    for spec in main + [spec for _, spec in sweep]:
+        if spec.make_scaler is None or spec.name == "torch_default":
+            continue
+        scaler = spec.make_scaler()
+        assert scaler._telemetry is not None and scaler._telemetry.every == 1, spec.name

@@ -203,6 +203,60 @@ def test_headroom_bits():
     assert s.headroom_bits == pytest.approx(math.log2(65504.0 / 16.0))
 
 
+# ----- views: shares of the nonzero values, binades ----------------------------------------------
+
+
+def test_frac_of_nonzero_ignores_zeros_and_nonfinite_inputs():
+    s = grad_stats([torch.tensor([2.0**-30, 1.5 * 2.0**-30, 1.0, 0.0, math.inf])], scale=1.0)
+    assert s.frac_of_nonzero("flushed") == pytest.approx(2 / 3)  # both 2^-30 values flush, 1.0 does not
+    assert s.frac_of_nonzero("normal") == pytest.approx(1 / 3)
+    assert s.flushed_frac == pytest.approx(2 / 5)  # the per-slot share, for contrast
+    g = random_grads(3000, torch.Generator().manual_seed(0))
+    for scale in (1.0, 2.0**20, 2.0**-9):
+        at = grad_stats([g], scale=scale)
+        shares = [at.frac_of_nonzero(name) for name in ("flushed", "subnormal", "normal", "overflow")]
+        assert sum(shares) == pytest.approx(1.0)
+        n = int(((g != 0) & g.isfinite()).sum())
+        assert at.frac_of_nonzero("overflow") == at.overflow / n
+    assert grad_stats([torch.zeros(3)]).frac_of_nonzero("flushed") == 0.0
+    assert grad_stats([]).frac_of_nonzero("flushed") == 0.0
+    with pytest.raises(ValueError, match=r"name='zeros' must be one of"):
+        s.frac_of_nonzero("zeros")
+
+
+def _binades_reference(x: torch.Tensor, scale: float) -> dict:
+    """``{e: count}`` by frexp: ``|x| = m * 2**k`` with ``m`` in [0.5, 1), so ``x``'s binade is ``k - 1``."""
+    x = x.float().flatten()
+    x = x[(x != 0) & x.isfinite()]
+    k = torch.frexp(x).exponent.to(torch.int64) - 1
+    k = k.clamp(min=-127)  # float32 subnormals are counted in one binade below the normal range
+    e = k + int(math.log2(scale))
+    values, counts = torch.unique(e, return_counts=True)
+    return dict(zip(values.tolist(), counts.tolist()))
+
+
+def test_binades_read_the_exponent_histogram_and_shift_with_the_scale():
+    s = grad_stats([torch.tensor([2.0**-30, 1.5 * 2.0**-30, 1.0, 0.0, float("inf")])], scale=1.0)
+    assert s.binades() == {-30: 2, 0: 1}
+    assert s.at(2.0**10).binades() == {-20: 2, 10: 1}
+    edges = torch.tensor([2.0**-126, 2.0**-127, 2.0**-149, -(2.0**127), 3.4e38, math.nan, -math.inf])
+    for dtype in DTYPES:
+        g = torch.cat([random_grads(3000, torch.Generator().manual_seed(1)), edges]).to(dtype)
+        for scale in (1.0, 2.0**16, 2.0**-9):
+            measured = grad_stats([g], scale=scale, fmt="fp16")
+            expect = _binades_reference(g, scale)
+            assert measured.binades() == expect
+            assert grad_stats([g], fmt="fp16").at(scale).binades() == expect
+            assert sum(expect.values()) == measured.numel - measured.zeros - measured.inf - measured.nan
+            assert list(measured.binades()) == sorted(expect)  # ascending binades
+
+
+def test_binades_refuse_a_scale_that_is_not_a_power_of_two():
+    s = grad_stats([torch.ones(3)])
+    with pytest.raises(ValueError, match=r"scale=1000.0 is not a power of two"):
+        s.at(1000.0).binades()
+
+
 # ----- at(): the same histogram at another scale ------------------------------------------------
 
 

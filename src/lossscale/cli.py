@@ -33,8 +33,7 @@ examples:
   python -m lossscale demo --out /tmp/r --seed 1
 
 The report (index.html + PNGs) and summary.json hold every measured figure. Each claim gets a
-verdict computed from its measurements: HELD, NOT HELD, or PENDING when it needs a lossscale
-API this build does not have yet.
+verdict computed from its measurements: HELD when every check passes, NOT HELD when one fails.
 """
 
 _REPORT_EPILOG = """\

@@ -90,6 +90,8 @@ NUM_BINS = _NUM_FIELDS * _NUM_CLASSES
 _ZERO, _FLUSHED, _SUBNORMAL, _NORMAL, _OVERFLOW, _INF, _NAN, _STRADDLE = range(8)
 _NUM_ROWS = 8
 _RANK = {"zero": 0, "flushed": 0, "subnormal": 1, "normal": 2, "overflow": 3}
+#: The categories that partition the nonzero finite inputs (see GradStats.frac_of_nonzero).
+_NONZERO_FINITE = ("flushed", "subnormal", "normal", "overflow")
 
 _CPU_CHUNK = 1 << 19  # 2 MiB of float32: the working buffers stay in L2/L3 between operations
 # torch's intra-op grain (at::internal::GRAIN_SIZE): CPU operators on at most this many elements
@@ -255,6 +257,9 @@ class GradStats:
         zeros_frac, flushed_frac, subnormal_frac, normal_frac, overflow_frac, nonfinite_frac:
             the counts divided by ``numel`` (0.0 when ``numel == 0``).
 
+    Views: :meth:`frac_of_nonzero` (a count over the nonzero finite inputs, so exact zeros do not
+    dilute it) and :meth:`binades` (the exponent histogram of ``x * scale``).
+
     ``numel == zeros + flushed + subnormal + normal + overflow + inf + nan`` always.
 
     To rebuild from reduced tensors use ``dataclasses.replace(stats, hist=..., amax_tensor=...)``
@@ -395,6 +400,48 @@ class GradStats:
         """``(inf + nan) / numel``."""
         n = self.numel
         return (self.inf + self.nan) / n if n else 0.0
+
+    def frac_of_nonzero(self, name: str) -> float:
+        """``<name> / (numel - zeros - inf - nan)``: a count's share of the nonzero finite inputs.
+
+        ``name`` is one of "flushed", "subnormal", "normal", "overflow" (the four add up to the
+        nonzero finite inputs).  Unlike ``flushed_frac`` and friends, exact zeros (ReLU's, say)
+        do not dilute it: ``frac_of_nonzero("flushed")`` is the share of gradient *signal* lost.
+        0.0 when there are no nonzero finite inputs.
+        """
+        if name not in _NONZERO_FINITE:
+            raise ValueError(f"name={name!r} must be one of {_NONZERO_FINITE}")
+        f = self._figures()
+        n = f["numel"] - f["zeros"] - f["inf"] - f["nan"]
+        return f[name] / n if n else 0.0
+
+    def binades(self) -> Dict[int, int]:
+        """``{e: count}`` of the nonzero finite inputs with ``2**e <= |x * scale| < 2**(e+1)``.
+
+        Read from :attr:`hist` (no pass over the gradients): a binade is one exponent field, its
+        five mantissa classes summed.  Exact only when ``scale`` is a power of two, which shifts
+        every binade by ``log2(scale)`` without moving any value across a binade edge; any other
+        scale raises ValueError.  Float32 subnormal inputs (``|x| < 2^-126``) all land in the
+        binade ``-127 + log2(scale)``, far below any format's underflow cliff.  Syncs (once, as
+        reading any figure).
+
+        >>> grad_stats([torch.tensor([2.0**-30, 1.5 * 2.0**-30, 1.0, 0.0])]).at(2.0**10).binades()
+        {-20: 2, 10: 1}
+        """
+        shift = math.log2(self.scale)
+        if shift != int(shift):
+            raise ValueError(
+                f"binades(): scale={self.scale!r} is not a power of two, so the binades of x * scale "
+                "are not exact; read them at a power of two with .at(2.0**k).binades()"
+            )
+        out: Dict[int, int] = {}
+        for i, count in sorted(self._figures()["hist"].items()):
+            field_, cls = divmod(i, _NUM_CLASSES)
+            if (field_ == 0 and cls == 0) or field_ == _NUM_FIELDS - 1:  # exact zeros; inf and NaN
+                continue
+            e = field_ - 127 + int(shift)  # float32's exponent bias
+            out[e] = out.get(e, 0) + count
+        return out
 
     # ----- what-ifs and combination ------------------------------------------------------------
     def at(self, scale: float, fmt: "str | FloatFormat | None" = None) -> "GradStats":

@@ -2,10 +2,9 @@
 
 Every function takes measurements (training runs, gradients, APIs) and returns a
 :class:`ClaimResult`: named figures (all measured in this process) and checks computed from them.
-The verdict is HELD when every check passes, NOT HELD when one fails, PENDING when a check needs a
-lossscale API this build lacks (the check says which). The thresholds in the checks are the claims'
-words made testable ("stops learning": ends within 10 points of chance while FP32 learns); they
-are criteria, never results.
+The verdict is HELD when every check passes and NOT HELD when one fails (a figure a check needs but
+could not measure fails it). The thresholds in the checks are the claims' words made testable ("stops
+learning": ends within 10 points of chance while FP32 learns); they are criteria, never results.
 """
 
 from __future__ import annotations
@@ -17,13 +16,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import _apis
+from .. import formats
+from ..stats import GradStats, grad_stats
 from .workload import RunResult, TrainConfig
 
 __all__ = ["Check", "ClaimResult", "c1_fp16_facts", "c2_underflow_stalls", "c3_power_of_two_scaling",
            "c4_clip_order", "c5_static_sweep", "c6_dynamic_scaling", "lost_fraction", "scale_moves"]
 
-HELD, NOT_HELD, PENDING = "HELD", "NOT HELD", "PENDING"
+HELD, NOT_HELD = "HELD", "NOT HELD"
 
 #: The seed's statements, verbatim in substance.
 CLAIMS = {
@@ -46,10 +46,10 @@ CLAIMS = {
 
 @dataclass
 class Check:
-    """One testable part of a claim: ``passed`` is None while the API it needs is missing."""
+    """One testable part of a claim."""
 
     name: str
-    passed: Optional[bool]
+    passed: bool
     detail: str
 
 
@@ -64,7 +64,6 @@ class ClaimResult:
         labels: ``{name: human label}`` for the report's table (figures without one are data only).
         checks: the checks deciding the verdict.
         headline: one line of the key figures, for the summary tables.
-        waiting_on: APIs the pending checks need.
         images: ``(png name, caption)`` filled in by the orchestrator.
     """
 
@@ -76,17 +75,12 @@ class ClaimResult:
     labels: Dict[str, str] = field(default_factory=dict)
     checks: List[Check] = field(default_factory=list)
     headline: str = ""
-    waiting_on: List[str] = field(default_factory=list)
     images: List[Tuple[str, str]] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
-        """HELD if every check passed, NOT HELD if one failed, else PENDING."""
-        if any(c.passed is False for c in self.checks):
-            return NOT_HELD
-        if not self.checks or any(c.passed is None for c in self.checks):
-            return PENDING
-        return HELD
+        """HELD if there are checks and every one passed, else NOT HELD (nothing checked, nothing shown)."""
+        return HELD if self.checks and all(c.passed for c in self.checks) else NOT_HELD
 
     def add(self, key: str, value: Any, label: Optional[str] = None) -> Any:
         """Record a figure (and its label for the report); returns the value."""
@@ -95,13 +89,9 @@ class ClaimResult:
             self.labels[key] = label
         return value
 
-    def check(self, name: str, passed: Optional[bool], detail: str, waits_on: Optional[str] = None) -> None:
-        """Add a check; ``passed=None`` with ``waits_on`` marks it pending on that API."""
-        if passed is None and waits_on:
-            detail = f"waits on {_apis.DESCRIPTIONS.get(waits_on, waits_on)}"
-            if waits_on not in self.waiting_on:
-                self.waiting_on.append(waits_on)
-        self.checks.append(Check(name, None if passed is None else bool(passed), detail))
+    def check(self, name: str, passed: bool, detail: str) -> None:
+        """Add a check: what was tested, whether it passed, and the measured figures behind it."""
+        self.checks.append(Check(name, bool(passed), detail))
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-able form for summary.json."""
@@ -109,7 +99,7 @@ class ClaimResult:
             "id": self.id, "title": self.title, "claim": self.claim, "method": self.method, "verdict": self.verdict,
             "headline": self.headline, "figures": self.figures,
             "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in self.checks],
-            "waiting_on": list(self.waiting_on), "images": [name for name, _ in self.images],
+            "images": [name for name, _ in self.images],
         }
 
 
@@ -156,11 +146,8 @@ def scale_moves(scales: Sequence[float]) -> Tuple[int, int]:
     return sum(1 for a, b in pairs if b < a), sum(1 for a, b in pairs if b > a)
 
 
-def _grad_stats(tensors, scale: float = 1.0):
-    mod = _apis.stats()
-    if mod is None:
-        return None
-    return mod.grad_stats(list(tensors), scale=scale, fmt="fp16")
+def _grad_stats(tensors, scale: float = 1.0) -> GradStats:
+    return grad_stats(list(tensors), scale=scale, fmt="fp16")
 
 
 def _cast16(x: float) -> float:
@@ -175,12 +162,7 @@ def _next32(x: float, toward: float) -> float:
 def c1_fp16_facts() -> ClaimResult:
     """C1: the FP16 range facts from :mod:`lossscale.formats`, each checked against real torch casts."""
     r = _new("C1")
-    fmts = _apis.formats()
-    if fmts is None:
-        r.check("FP16 facts from lossscale.formats", None, "", waits_on="formats")
-        r.headline = "waits on lossscale.formats"
-        return r
-    f = fmts.get("fp16")
+    f = formats.get("fp16")
     r.method = ("The facts come from lossscale.formats, which derives them from FP16's bit layout (1 sign, 5 "
                 "exponent, 10 mantissa bits). Each is then checked against torch: torch.finfo, and real float32 to "
                 "float16 casts of the values at and next to each edge.")
@@ -227,7 +209,7 @@ def c1_fp16_facts() -> ClaimResult:
             ft == 2.0**-25 and cast["cast_flush_threshold"] == 0.0 and cast["cast_above_flush_threshold"] == ss,
             f"formats: {p2(ft)}; cast(2^-25) = {cast['cast_flush_threshold']:g}; "
             f"cast(float32 above 2^-25) = {p2(cast['cast_above_flush_threshold'])}")
-    r.add("table", fmts.table())
+    r.add("table", formats.table())
     r.headline = f"max {mx:g}, normal {p2(sn)}, subnormal {p2(ss)}, flush <= {p2(ft)} (torch casts agree)"
     return r
 
@@ -258,8 +240,8 @@ def c2_underflow_stalls(cfg: TrainConfig, fp32: RunResult, noscale: RunResult,
     lost = r.add("fp16_backward_lost_frac", lost_fraction(ref_grads, fp16_grads),
                  "nonzero FP32 gradients that are 0 after the FP16 backward (no scaling)")
     gs = _grad_stats(ref_grads.values())
-    if gs is not None:
-        r.add("stats_flushed_frac", _apis.nonzero_frac(gs), "grad_stats: share of nonzero true gradients FP16 flushes")
+    r.add("stats_flushed_frac", gs.frac_of_nonzero("flushed"),
+          "grad_stats: share of nonzero true gradients FP16 flushes")
     acc32, acc16 = r.add("fp32_acc", fp32.final_acc, "FP32 test accuracy"), r.add(
         "fp16_noscale_acc", noscale.final_acc, "FP16 no-scale test accuracy")
     r.add("chance_acc", chance, "chance (most frequent class)")
@@ -316,10 +298,10 @@ def c3_power_of_two_scaling(cfg: TrainConfig, fp32: RunResult, static: RunResult
     lost_after = r.add("scaled_lost_frac", lost_fraction(ref_grads, fp16_scaled_grads),
                        f"... with the loss scaled by {p2(scale)}")
     gs = _grad_stats(ref_grads.values())
-    if gs is not None:
-        r.add("stats_unscaled_flushed_frac", _apis.nonzero_frac(gs),
-              "grad_stats: nonzero true gradients FP16 flushes, unscaled")
-        r.add("stats_scaled_flushed_frac", _apis.nonzero_frac(gs.at(scale)), f"... at S={p2(scale)} (grad_stats .at)")
+    r.add("stats_unscaled_flushed_frac", gs.frac_of_nonzero("flushed"),
+          "grad_stats: nonzero true gradients FP16 flushes, unscaled")
+    r.add("stats_scaled_flushed_frac", gs.at(scale).frac_of_nonzero("flushed"),
+          f"... at S={p2(scale)} (grad_stats .at)")
     acc32, accs = r.add("fp32_acc", fp32.final_acc, "FP32 test accuracy"), r.add(
         "static_acc", static.final_acc, f"FP16 static S={p2(scale)} test accuracy")
     r.add("static_skipped_steps", static.skipped_steps, "skipped steps (static run)")
@@ -402,10 +384,9 @@ def c5_static_sweep(fp32: RunResult, sweep: Sequence[Tuple[int, RunResult]],
     r.add("skipped_frac", skipped)
     r.add("nonfinite_loss_steps", nonfinite)
     gs = _grad_stats(ref_grads.values())
-    if gs is not None:
-        at = [gs.at(2.0**k) for k in ks]
-        r.add("flushed_frac", [_apis.nonzero_frac(a, "flushed") for a in at])
-        r.add("overflow_frac", [_apis.nonzero_frac(a, "overflow") for a in at])
+    at = [gs.at(2.0**k) for k in ks]
+    flushed = r.add("flushed_frac", [a.frac_of_nonzero("flushed") for a in at])
+    r.add("overflow_frac", [a.frac_of_nonzero("overflow") for a in at])
     good = [k for k, a, s in zip(ks, acc, skipped) if a >= acc32 - 0.02 and s < 0.05]
     window = r.add("window_log2", [min(good), max(good)] if good else None)
     if window:
@@ -414,19 +395,16 @@ def c5_static_sweep(fp32: RunResult, sweep: Sequence[Tuple[int, RunResult]],
     r.add("low_acc", acc[0], f"accuracy at S={p2(2.0**lo_k)}")
     r.add("high_acc", acc[-1], f"accuracy at S={p2(2.0**hi_k)}")
     r.add("high_skipped_frac", skipped[-1], f"steps skipped at S={p2(2.0**hi_k)}")
-    fl_lo = r.figures.get("flushed_frac", [None])[0]
+    fl_lo = flushed[0]
     r.check(f"too low (S={p2(2.0**lo_k)}): gradients underflow and training fails",
-            acc[0] <= acc32 - 0.3 and (fl_lo is None or fl_lo > 0.5),
-            f"accuracy {pct(acc[0])} vs FP32 {pct(acc32)}" + (f"; {pct(fl_lo)} of true gradients flush"
-                                                            if fl_lo is not None else ""))
+            acc[0] <= acc32 - 0.3 and fl_lo > 0.5,
+            f"accuracy {pct(acc[0])} vs FP32 {pct(acc32)}; {pct(fl_lo)} of true gradients flush")
     r.check(f"too high (S={p2(2.0**hi_k)}): gradients overflow, steps are skipped",
             skipped[-1] >= 0.5 and acc[-1] <= acc32 - 0.3,
             f"{pct(skipped[-1])} of steps skipped, accuracy {pct(acc[-1])}")
     r.check("a window in between trains like FP32", window is not None and lo_k < window[0] and window[1] < hi_k,
             f"S in {p2(2.0**window[0])}..{p2(2.0**window[1])} reaches FP32 accuracy with < 5% skipped"
             if window else "no scale reached FP32 accuracy")
-    if gs is None:
-        r.check("the sweep's flush/overflow figures", None, "", waits_on="stats")
     r.headline = (f"window {p2(2.0**window[0])}..{p2(2.0**window[1])}; {p2(2.0**lo_k)}: {pct(acc[0])}, "
                   f"{p2(2.0**hi_k)}: {pct(skipped[-1], 0)} skipped" if window else "no window")
     return r
@@ -495,7 +473,7 @@ def _trajectory_figures(r: ClaimResult, key: str, run: RunResult, label: str, wi
 
 
 def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunResult,
-                       adaptive: Optional[RunResult], growth_interval: int) -> ClaimResult:
+                       adaptive: RunResult, growth_interval: int) -> ClaimResult:
     """C6: the dynamic scale's trajectory against the measured overflow line; adaptive vs torch's default."""
     r = _new("C6")
     r.method = (f"The dynamic run is lossscale's dynamic rule (backoff x0.5, growth x2) from torch's initial 2^16 with "
@@ -508,12 +486,10 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
     r.add("growth_interval", growth_interval, "dynamic run: growth_interval")
     d = _trajectory_figures(r, "dynamic", dynamic, "dynamic", growth_interval)
     t = _trajectory_figures(r, "torch_default", torch_default, "torch default", growth_interval)
-    a = _trajectory_figures(r, "adaptive", adaptive, "adaptive", growth_interval) if adaptive is not None else None
+    a = _trajectory_figures(r, "adaptive", adaptive, "adaptive", growth_interval)
     labels = {"dynamic": "lossscale dynamic", "torch_default": "torch.amp.GradScaler()", "adaptive": "lossscale adaptive"}
-    for key, fig in (("dynamic", d), ("torch_default", t), ("adaptive", a)):
-        if fig is None:
-            continue
-        r.labels[f"{key}.summary"] = labels[key]
+    for key, label in labels.items():
+        r.labels[f"{key}.summary"] = label
     first = d["first_overflow_step"]
     r.check("the scale finds the overflow line by itself",
             first is not None and d["growths"] >= 1 and d["max_scale"] > d["first_scale"],
@@ -532,7 +508,12 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
                 f"(the lowest of the last {growth_interval} steps; {pct(within)} of steps within 2 binades), "
                 f"{d['median_gap_bits_after_first_overflow']:.2f} below the per-step line")
     else:
-        r.check("and hovers just below it", None, "", waits_on="telemetry")
+        # Not measurable means not shown: a run without an overflow never found the line, and a
+        # missing line after one means the scaler's telemetry recorded no headroom.
+        r.check("and hovers just below it", False,
+                f"no overflow in {len(dynamic.steps)} steps: no line to hover under" if first is None else
+                "no overflow line measured after the first overflow (no grad/headroom_bits from the scaler's "
+                "telemetry)")
     after = d.get("growths_after_first_overflow", 0)
     drift = ""
     if "line_first_quarter_log2" in d and first is not None:
@@ -544,10 +525,10 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
             f"({pct(d['skipped_frac'])}){drift}")
     r.check("dynamic scaling trains like FP32", d["final_acc"] >= acc32 - 0.02,
             f"dynamic {pct(d['final_acc'])} vs FP32 {pct(acc32)}")
-    if a is None:
-        r.check("the adaptive policy beats torch's default", None, "", waits_on="adaptive")
-    elif "mean_flushed_frac" not in a or "mean_flushed_frac" not in t:
-        r.check("the adaptive policy beats torch's default", None, "", waits_on="telemetry")
+    unprobed = [name for name, fig in (("adaptive", a), ("torch default", t)) if "mean_flushed_frac" not in fig]
+    if unprobed:
+        r.check("the adaptive policy beats torch's default", False,
+                f"no activation-gradient probe figures (act/flushed_frac) for the {' and '.join(unprobed)} run")
     else:
         # "Beats": fewer gradients flushed, at no cost in accuracy (1 point) or in skipped steps (1%).
         n = max(len(adaptive.steps), 1)

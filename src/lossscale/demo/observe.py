@@ -1,15 +1,13 @@
 """Per-step measurements of a run, taken with lossscale's own telemetry APIs.
 
 * The overflow side: ``grad/headroom_bits`` of the step's (FP16-born) parameter gradients at the scale
-  the step ran with, from ``scaler.metrics()`` when the scaler records telemetry, else from
-  ``lossscale.stats.grad_stats`` (torch's scaler, runs without a scaler).
+  the step ran with, from ``scaler.metrics()`` for lossscale's scaler (the demo turns its telemetry on
+  for every step), else from ``lossscale.stats.grad_stats`` (torch's scaler, runs without a scaler).
 * The underflow side: under autocast the parameter gradients are FP32 copies of FP16 results, so a
   flushed value is already 0 there and cannot be told from a true 0. The flushing happens in the FP16
   activation gradients, so every ``probe_every`` steps :func:`lossscale.hooks.activation_grad_probe`
   runs one exact FP32 backward of a fixed probe batch and reports what FP16 flushes at the scale in
   use: ``act/flushed_frac`` overall and ``act/<module>/flushed_frac`` per layer.
-
-Missing APIs simply leave their keys out (the claims then report PENDING).
 """
 
 from __future__ import annotations
@@ -21,7 +19,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _apis
+from ..hooks import activation_grad_probe
+from ..scaler import GradScaler
+from ..stats import grad_stats
 from .workload import Data, TrainConfig
 
 __all__ = ["make_observer", "probe_activations"]
@@ -38,27 +38,24 @@ def _num(v) -> Optional[float]:
 
 
 def probe_activations(model: torch.nn.Module, cfg: TrainConfig, x: torch.Tensor, y: torch.Tensor,
-                      scale: float) -> Optional[Dict[str, Any]]:
-    """``{"act/flushed_frac": f, "act/<module>/flushed_frac": f, ...}`` at ``scale``, or None without hooks."""
-    hooks = _apis.hooks()
-    if hooks is None:
-        return None
+                      scale: float) -> Dict[str, Any]:
+    """``{"act/flushed_frac": f, "act/<module>/flushed_frac": f, ...}`` at ``scale`` (and ``.../headroom_bits``)."""
     c = cfg.c
     with warnings.catch_warnings():
         # torch notes that a full backward hook fires for module outputs when the inputs do not
         # require grad: exactly the gradients the probe wants.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        per = hooks.activation_grad_probe(model, lambda out, t: F.cross_entropy(out, t) * c, x, y, scale=scale,
-                                          fmt="fp16")
+        per = activation_grad_probe(model, lambda out, t: F.cross_entropy(out, t) * c, x, y, scale=scale,
+                                    fmt="fp16")
     out: Dict[str, Any] = {}
     total = None
     # Shares of the *nonzero* activation gradients: ReLU's exact zeros are no signal to lose.
     for name, st in per.items():
-        out[f"act/{name}/flushed_frac"] = _apis.nonzero_frac(st)
+        out[f"act/{name}/flushed_frac"] = st.frac_of_nonzero("flushed")
         out[f"act/{name}/headroom_bits"] = float(st.headroom_bits)
         total = st if total is None else total + st
     if total is not None:
-        out["act/flushed_frac"] = _apis.nonzero_frac(total)
+        out["act/flushed_frac"] = total.frac_of_nonzero("flushed")
         out["act/headroom_bits"] = float(total.headroom_bits)
     return out
 
@@ -71,26 +68,23 @@ def make_observer(cfg: TrainConfig, data: Data, probe_every: int = 5, probe_size
     scaler's scale and telemetry are those of the step.
     """
     x_probe, y_probe = data.x_train[:probe_size], data.y_train[:probe_size]
-    stats = _apis.stats()
 
     def observe(step: int, model: torch.nn.Module, scaler) -> Dict[str, Any]:
         scale = 1.0 if scaler is None else float(scaler.get_scale())
         rec: Dict[str, Any] = {}
-        # lossscale's scaler with telemetry on reports the step's figures itself (metrics() syncs: fine on CPU).
-        figures = scaler.metrics() if hasattr(scaler, "metrics") else {}
-        if "grad/headroom_bits" in figures:
+        if isinstance(scaler, GradScaler):
+            # lossscale's scaler with telemetry on reports the step's figures itself (metrics() syncs: fine on CPU).
+            figures = scaler.metrics()
             rec.update({k: _num(figures[k]) for k in _KEEP if k in figures})
-        elif stats is not None:
+        else:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             if grads:
                 # The gradients are unscaled here; at ``scale`` they are the FP16 values of the backward.
-                d = stats.grad_stats(grads, scale=scale, fmt="fp16")
+                d = grad_stats(grads, scale=scale, fmt="fp16")
                 rec["grad/headroom_bits"] = float(d.headroom_bits)
                 rec["grad/amax"] = float(d.amax) * scale  # of the scaled gradients, as the telemetry reports it
         if step % probe_every == 0:
-            probed = probe_activations(model, cfg, x_probe, y_probe, scale)
-            if probed:
-                rec.update(probed)
+            rec.update(probe_activations(model, cfg, x_probe, y_probe, scale))
         return {k: v for k, v in rec.items() if v is None or not isinstance(v, float) or not math.isnan(v)}
 
     return observe

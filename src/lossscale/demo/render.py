@@ -9,12 +9,12 @@ import json
 import math
 import os
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ..report import plots
 from ..report.html import Section, write_html
 from ..report.schema import _clean, write_jsonl
-from . import _apis
+from ..stats import grad_stats
 from .claims import ClaimResult, overflow_envelope, overflow_line, p2, pct
 from .workload import RunResult
 
@@ -42,13 +42,6 @@ def _run_dict(run: RunResult) -> Dict[str, Any]:
         "epochs": {k: [e[k] for e in run.epochs] for k in ("epoch", "step", "train_loss", "test_acc")},
         "per_step": per_step,
     }
-
-
-def _hist(gstats) -> Optional[Dict[int, int]]:
-    try:
-        return _apis.histogram(gstats)
-    except AttributeError:
-        return None
 
 
 def _fmt_value(key: str, v: Any) -> str:
@@ -103,20 +96,11 @@ def _claim_section(cr: ClaimResult) -> Section:
                  for sub, label in _DYNAMIC_ONLY if sub in f.get("dynamic", {})]
     if cr.id == "C5" and "log2_scales" in f:
         header = ["static scale", "test accuracy", "steps skipped"]
-        has_stats = "flushed_frac" in f
-        if has_stats:
-            header += ["true gradients flushed", "true gradients overflowing"]
-        body = []
-        for i, k in enumerate(f["log2_scales"]):
-            row = [f"S = 2^{k}", pct(f["acc"][i]), pct(f["skipped_frac"][i])]
-            if has_stats:
-                row += [pct(f["flushed_frac"][i], 2), pct(f["overflow_frac"][i], 3)]
-            body.append(row)
+        header += ["true gradients flushed", "true gradients overflowing"]
+        body = [[f"S = 2^{k}", pct(f["acc"][i]), pct(f["skipped_frac"][i]), pct(f["flushed_frac"][i], 2),
+                 pct(f["overflow_frac"][i], 3)] for i, k in enumerate(f["log2_scales"])]
         grid = (header, body)
     text = [cr.method] if cr.method else []
-    if cr.waiting_on:
-        text.append("Pending: " + "; ".join(_apis.DESCRIPTIONS.get(w, w) for w in cr.waiting_on)
-                    + " is not in this build yet, so the checks that need it are not decided.")
     pre = f.get("table") if cr.id == "C1" else None
     return Section(f"{cr.id} · {cr.title}", verdict=cr.verdict, claim=cr.claim, text=text, figures=rows,
                    checks=[(c.name, c.passed, c.detail) for c in cr.checks], images=list(cr.images), grid=grid,
@@ -143,45 +127,39 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
 
     # Number line (C1) and the gradients on it (C2 before scaling, C3 before and after).
     c1 = by_id["C1"].figures
-    if "max" in c1:
-        fmt = {"name": "fp16", "max": c1["max"], "smallest_normal": c1["smallest_normal"],
-               "smallest_subnormal": c1["smallest_subnormal"], "flush_threshold": c1["flush_threshold"]}
-        plots.plot_number_line(img("fp16_number_line.png"), fmt, {}, None, band=None,
-                               title="FP16's number line (lossscale.formats, checked by torch casts)")
-        by_id["C1"].images.append(("fp16_number_line.png", "FP16's range: flushed to 0 at or below 2^-25, subnormal "
-                                   "from 2^-24 to 2^-14, normal up to 65504, inf from 65520."))
-        before = after = None
-        mod = _apis.stats()
-        if mod is not None:
-            gs = mod.grad_stats(list(result.grads["fp32"].values()), scale=1.0, fmt="fp16")
-            before = _hist(gs)
-            after = _hist(gs.at(2.0**cfg.static_log2))
-        data["number_line"] = {"format": fmt, "hist_before": before, "hist_after": after,
-                               "scale_log2": cfg.static_log2}
-        if before:
-            plots.plot_number_line(img("gradients_unscaled.png"), fmt, before, None,
-                                   title=f"The first batch's exact gradients under the shift 2^-{cfg.shift_log2}, "
-                                         "on FP16's number line")
-            by_id["C2"].images.append(("gradients_unscaled.png", "Exponent histogram (lossscale.stats) of the first "
-                                       "batch's exact FP32 gradients: almost all of them sit left of the cliff."))
-            plots.plot_number_line(img("gradients_scaled.png"), fmt, before, after, scale_log2=cfg.static_log2,
-                                   title=f"The same gradients scaled by 2^{cfg.static_log2}: the whole distribution "
-                                         "slides right, unchanged")
-            by_id["C3"].images.append(("gradients_scaled.png", f"Grey: the exact gradients; blue: the same gradients "
-                                       f"times 2^{cfg.static_log2}, a shift by {cfg.static_log2} binades with the "
-                                       "shape intact (histograms from lossscale.stats, .at(S) for the scaled one)."))
+    fmt = {"name": "fp16", "max": c1["max"], "smallest_normal": c1["smallest_normal"],
+           "smallest_subnormal": c1["smallest_subnormal"], "flush_threshold": c1["flush_threshold"]}
+    plots.plot_number_line(img("fp16_number_line.png"), fmt, {}, None, band=None,
+                           title="FP16's number line (lossscale.formats, checked by torch casts)")
+    by_id["C1"].images.append(("fp16_number_line.png", "FP16's range: flushed to 0 at or below 2^-25, subnormal "
+                               "from 2^-24 to 2^-14, normal up to 65504, inf from 65520."))
+    gs = grad_stats(list(result.grads["fp32"].values()), scale=1.0, fmt="fp16")
+    before = gs.binades()
+    after = gs.at(2.0**cfg.static_log2).binades()
+    data["number_line"] = {"format": fmt, "hist_before": before, "hist_after": after,
+                           "scale_log2": cfg.static_log2}
+    plots.plot_number_line(img("gradients_unscaled.png"), fmt, before, None,
+                           title=f"The first batch's exact gradients under the shift 2^-{cfg.shift_log2}, "
+                                 "on FP16's number line")
+    by_id["C2"].images.append(("gradients_unscaled.png", "Exponent histogram (lossscale.stats) of the first "
+                               "batch's exact FP32 gradients: almost all of them sit left of the cliff."))
+    plots.plot_number_line(img("gradients_scaled.png"), fmt, before, after, scale_log2=cfg.static_log2,
+                           title=f"The same gradients scaled by 2^{cfg.static_log2}: the whole distribution "
+                                 "slides right, unchanged")
+    by_id["C3"].images.append(("gradients_scaled.png", f"Grey: the exact gradients; blue: the same gradients "
+                               f"times 2^{cfg.static_log2}, a shift by {cfg.static_log2} binades with the "
+                               "shape intact (histograms from lossscale.stats, .at(S) for the scaled one)."))
 
     # Per-layer activation gradients flushed (C3).
-    if result.layer_probe:
-        layers = sorted({layer for d in result.layer_probe.values() for layer in d},
-                        key=lambda n: list(next(iter(result.layer_probe.values()))).index(n)
-                        if n in next(iter(result.layer_probe.values())) else 99)
-        series = {label: [d.get(layer) for layer in layers] for label, d in result.layer_probe.items()}
-        plots.plot_layer_flush(img("layer_flush.png"), layers, series)
-        data["layer_flush"] = {"layers": layers, "series": series}
-        by_id["C3"].images.append(("layer_flush.png", "Per layer: share of the exact activation gradients (first "
-                                   "batch, fresh model) that FP16 flushes to 0 at each scale "
-                                   "(lossscale.hooks.activation_grad_probe)."))
+    layers = sorted({layer for d in result.layer_probe.values() for layer in d},
+                    key=lambda n: list(next(iter(result.layer_probe.values()))).index(n)
+                    if n in next(iter(result.layer_probe.values())) else 99)
+    series = {label: [d.get(layer) for layer in layers] for label, d in result.layer_probe.items()}
+    plots.plot_layer_flush(img("layer_flush.png"), layers, series)
+    data["layer_flush"] = {"layers": layers, "series": series}
+    by_id["C3"].images.append(("layer_flush.png", "Per layer: share of the exact activation gradients (first "
+                               "batch, fresh model) that FP16 flushes to 0 at each scale "
+                               "(lossscale.hooks.activation_grad_probe)."))
 
     # Clip order (C4).
     clip = {}
@@ -198,8 +176,8 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
     # Static sweep (C5).
     c5 = by_id["C5"].figures
     plots.plot_sweep(img("static_sweep.png"), c5["log2_scales"], c5["acc"], c5["skipped_frac"],
-                     fp32_acc=c5["fp32_acc"], flushed_frac=c5.get("flushed_frac"),
-                     overflow_frac=c5.get("overflow_frac"), window=c5.get("window_log2"), chance=result.chance,
+                     fp32_acc=c5["fp32_acc"], flushed_frac=c5["flushed_frac"],
+                     overflow_frac=c5["overflow_frac"], window=c5.get("window_log2"), chance=result.chance,
                      title=f"Static loss scale sweep ({cfg.sweep_epochs} epochs each)")
     by_id["C5"].images.append(("static_sweep.png", "Top: final accuracy per static scale (green: the measured "
                                "window). Bottom: steps skipped for inf/NaN, and the share of the first batch's true "
@@ -208,12 +186,11 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
     # Scale trajectories (C6).
     traj = {}
     for name in ("dynamic", "adaptive", "torch_default"):
-        if name in runs:
-            r = runs[name]
-            line = overflow_line(r) if name == "dynamic" else None
-            traj[name] = {"label": r.label, "step": [s["step"] for s in r.steps], "loss_scale": r.series("loss_scale"),
-                          "skipped": r.series("skipped"), "line": line,
-                          "envelope": overflow_envelope(line, cfg.growth_interval) if line else None}
+        r = runs[name]
+        line = overflow_line(r) if name == "dynamic" else None
+        traj[name] = {"label": r.label, "step": [s["step"] for s in r.steps], "loss_scale": r.series("loss_scale"),
+                      "skipped": r.series("skipped"), "line": line,
+                      "envelope": overflow_envelope(line, cfg.growth_interval) if line else None}
     plots.plot_scale_trajectory(img("scale_trajectory.png"), traj)
     by_id["C6"].images.append(("scale_trajectory.png", "Loss scale per step; x marks a skipped step (inf/NaN). "
                                "Dashed: the measured overflow line, the scale at which that step's largest gradient "
@@ -311,12 +288,9 @@ def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
         grid=grid, images=[("curves.png", summary["plots"]["curves"]["caption"])])
     sections = [intro] + [_claim_section(c) for c in result.claims]
     summary_rows = [(c.id, f"{c.id} {c.title}", c.verdict, c.headline) for c in result.claims]
-    missing = result.environment.get("missing_apis") or {}
     foot = (f"lossscale demo{' --quick' if cfg.quick else ''} --seed {cfg.seed}; torch {result.environment.get('torch')}"
             f", Python {result.environment.get('python')}; {summary['timings'].get('total_train_and_measure', 0):.0f}s "
             "of training and measurement. summary.json holds every figure shown here.")
-    if missing:
-        foot += " Not yet in this build: " + "; ".join(missing.values()) + "."
     held = sum(1 for c in result.claims if c.verdict == "HELD")
     write_html(os.path.join(out_dir, "index.html"), "lossscale demo: FP16 underflow and loss scaling, measured",
                sections, subtitle=f"{held} of {len(result.claims)} claims held"

@@ -8,7 +8,7 @@ fp16_noscale   FP16 autocast, no loss scaling (C2)
 static         FP16 + ``GradScaler(policy="static", init_scale=2**static_log2)`` (C3)
 dynamic        FP16 + lossscale's dynamic rule from torch's 2**16, short growth interval, no cap (C6)
 torch_default  FP16 + ``torch.amp.GradScaler("cpu")`` as shipped (C6)
-adaptive       FP16 + ``GradScaler(policy="adaptive")``, when this build has it (C6)
+adaptive       FP16 + ``GradScaler(policy="adaptive")`` (C6)
 clip_right     static, unscale_ -> clip_grad_norm_ -> step (C4)
 clip_wrong     static, clip_grad_norm_ on the scaled gradients -> step (C4)
 static_2^k     the sweep: static scale 2**k for each k of ``sweep_log2`` (C5)
@@ -26,7 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _apis, claims as C
+from .. import __version__
+from ..scaler import GradScaler
+from . import claims as C
 from .observe import make_observer
 from .workload import Data, RunResult, RunSpec, TrainConfig, load_digits_data, reference_grads, steps_per_epoch, train
 
@@ -98,12 +100,11 @@ class DemoResult:
     environment: Dict[str, Any] = field(default_factory=dict)
 
 
-def _lossscale_scaler(**kw) -> Callable[[], Any]:
-    def make():
-        import lossscale
+def _lossscale_scaler(**kw) -> Callable[[], GradScaler]:
+    """A factory of lossscale scalers; telemetry on every step feeds the observer's overflow line (C6)."""
 
-        extra = _apis.telemetry_kwargs() or {}
-        return lossscale.GradScaler("cpu", on_stuck="ignore", **extra, **kw)
+    def make() -> GradScaler:
+        return GradScaler("cpu", on_stuck="ignore", telemetry=1, **kw)
 
     return make
 
@@ -125,11 +126,8 @@ def plan(cfg: DemoConfig, observe) -> Tuple[List[RunSpec], List[Tuple[int, RunSp
                 make_scaler=_lossscale_scaler(init_scale=2.0**16, growth_interval=cfg.growth_interval,
                                               max_scale=None), observe=observe),
         RunSpec("torch_default", "FP16, torch.amp.GradScaler()", make_scaler=_torch_scaler, observe=observe),
-    ]
-    if _apis.adaptive_available():
-        main.append(RunSpec("adaptive", "FP16, lossscale adaptive (default max_scale 2^24)", make_scaler=_lossscale_scaler(policy="adaptive"),
-                            observe=observe))
-    main += [
+        RunSpec("adaptive", "FP16, lossscale adaptive (default max_scale 2^24)",
+                make_scaler=_lossscale_scaler(policy="adaptive"), observe=observe),
         RunSpec("clip_right", "unscale_ -> clip -> step", make_scaler=_lossscale_scaler(**static),
                 clip="unscale_then_clip", clip_norm=cfg.clip_norm),
         RunSpec("clip_wrong", "clip scaled grads -> step", make_scaler=_lossscale_scaler(**static),
@@ -218,7 +216,7 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
                                   grads["fp16"], cfg.non_pow2_scale),
         C.c4_clip_order(runs["fp32"], runs["clip_right"], runs["clip_wrong"], S, cfg.clip_norm),
         C.c5_static_sweep(runs["fp32"], sweep, grads["fp32"], chance),
-        C.c6_dynamic_scaling(runs["fp32"], runs["dynamic"], runs["torch_default"], runs.get("adaptive"),
+        C.c6_dynamic_scaling(runs["fp32"], runs["dynamic"], runs["torch_default"], runs["adaptive"],
                              cfg.growth_interval),
     ]
     layer_probe = _layer_probe(tc, data, {"no scaling": 1.0, f"static S=2^{cfg.static_log2}": S,
@@ -226,13 +224,7 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
     timings["claims"] = round(time.perf_counter() - t0, 3)
     timings["total_train_and_measure"] = round(time.perf_counter() - t_start, 3)
     env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-           "torch_threads": torch.get_num_threads(), "missing_apis": _apis.missing()}
-    try:
-        import lossscale
-
-        env["lossscale"] = lossscale.__version__
-    except AttributeError:
-        pass
+           "torch_threads": torch.get_num_threads(), "lossscale": __version__}
     return DemoResult(cfg, runs, sweep, results, grads, chance, layer_probe, timings, env)
 
 
@@ -241,12 +233,10 @@ def _layer_probe(tc: TrainConfig, data: Data, scales: Dict[str, float]) -> Dict[
     from .observe import probe_activations
     from .workload import make_mlp
 
-    if _apis.hooks() is None:
-        return {}
     model = make_mlp(tc.seed, d_in=data.x_train.shape[1], hidden=tc.hidden, d_out=data.n_classes)
     out: Dict[str, Dict[str, float]] = {}
     for label, s in scales.items():
-        probed = probe_activations(model, tc, data.x_train[:256], data.y_train[:256], s) or {}
+        probed = probe_activations(model, tc, data.x_train[:256], data.y_train[:256], s)
         out[label] = {k.split("/")[1]: v for k, v in probed.items() if k.count("/") == 2 and k.endswith("flushed_frac")}
     return out
 
