@@ -251,8 +251,9 @@ def fsdp(rank, world, steps: int, rate: float, optimizer: str = "adam", clip: bo
     fully_shard(model, mesh=mesh)
     opt, ref_opt = make_optimizer(optimizer, model.parameters()), make_optimizer(optimizer, ref.parameters())
     cfg = dict(init_scale=2.0**10, growth_interval=10, max_scale=2.0**12)
-    scaler = lossscale.GradScaler("cpu", **cfg)
-    ref_scaler = lossscale.GradScaler("cpu", **cfg, process_group=None)  # a local reference: must not reduce
+    tel = dict(telemetry=dict(every=1000)) if telemetry else {}  # samples step 0 only
+    scaler = lossscale.GradScaler("cpu", **cfg, **tel)
+    ref_scaler = lossscale.GradScaler("cpu", **cfg, **tel, process_group=None)  # a local reference: must not reduce
     empty_shards = sum(p.to_local().numel() == 0 for p in model.parameters())
     record, figures = [], []
     for step in range(steps):
@@ -278,6 +279,8 @@ def fsdp(rank, world, steps: int, rate: float, optimizer: str = "adam", clip: bo
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             s.step(o)
             s.update()
+        if step == 0 and telemetry:  # the scaler's own telemetry: local shards reduced when read
+            scaler_figures = (scaler.metrics(), ref_scaler.metrics())
         record.append(dict(skipped=scaler.last_step_skipped, ref_skipped=ref_scaler.last_step_skipped,
                            scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(), planted=plants))
     full = [p.full_tensor() for p in model.parameters()]  # a collective: every rank gathers
@@ -286,7 +289,8 @@ def fsdp(rank, world, steps: int, rate: float, optimizer: str = "adam", clip: bo
                 params=_flat(full), finite=all(torch.isfinite(p).all().item() for p in full),
                 grads_are_dtensors=all(type(p.grad).__name__ == "DTensor" for p in model.parameters()),
                 empty_local_shards=empty_shards, consistency=_consistency(scaler),
-                telemetry=figures[0] if telemetry else None, ref_telemetry=figures[1] if telemetry else None)
+                telemetry=figures[0] if telemetry else None, ref_telemetry=figures[1] if telemetry else None,
+                scaler_telemetry=scaler_figures if telemetry else None)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

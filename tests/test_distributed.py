@@ -113,6 +113,12 @@ def test_fsdp2_local_shard_inf_and_random_injections(run, optimizer, clip, steps
     assert t["numel"] == ref["numel"] == 8 * 16 + 16 + 16 * 8 + 8 + 8 + 1
     assert t["amax"] == pytest.approx(ref["amax"], rel=1e-5)
     assert t["zeros"] == ref["zeros"] and t["inf"] == t["nan"] == 0
+    # The scaler's telemetry does the same by itself (DTensor gradients: reduce="auto" sums).
+    (mine, whole), (mine1, _) = r0["scaler_telemetry"], r1["scaler_telemetry"]
+    assert mine == mine1
+    for key in ("grad/numel", "grad/zeros", "grad/flushed", "grad/subnormal", "grad/overflow"):
+        assert mine[key] == whole[key] == t[key.split("/")[1]], key
+    assert mine["grad/amax"] == pytest.approx(whole["grad/amax"], rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------- pipeline

@@ -34,7 +34,7 @@ def flatten_stats(prefix: str, stats: GradStats) -> Dict[str, float]:
     """``{prefix/field: value}`` for the figures of ``stats`` worth a chart. Syncs."""
     d = stats.to_dict()
     keep = ("flushed_frac", "subnormal_frac", "zeros_frac", "overflow_frac", "headroom_bits", "amax", "numel",
-            "flushed", "subnormal", "overflow", "inf", "nan")
+            "zeros", "flushed", "subnormal", "overflow", "inf", "nan")
     return {f"{prefix}/{k}": d[k] for k in keep if k in d}
 
 
@@ -46,14 +46,25 @@ class Telemetry:
         per: None (overall only), "param" (also per parameter) or "module" (also per module, grouping
             parameters by their name's prefix; needs names via ``GradScaler(model=...)``).
         fmt: the format to classify against ("fp16").
+        reduce: how figures combine across the scaler's process group when they are read. "auto"
+            (default): sum the histograms when the gradients are sharded DTensors (FSDP2), so every
+            rank reads the whole gradient's figures; leave replicated gradients (DDP) alone, whose
+            figures are the same on every rank. "sum": always sum (pipeline stages, tensor-parallel
+            shards held as plain tensors; per-parameter figures then stay local, since each rank
+            names other parameters). None: never. When it reduces, :meth:`metrics` is a collective:
+            call it on every rank at the same iterations.
     """
 
-    def __init__(self, every: int = 100, per: Optional[str] = None, fmt: str = "fp16"):
+    def __init__(self, every: int = 100, per: Optional[str] = None, fmt: str = "fp16", reduce: Optional[str] = "auto"):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"telemetry every={every!r} must be an int >= 1.")
         if per not in _PER:
             raise ValueError(f"telemetry per={per!r} must be one of {_PER}.")
-        self.every, self.per, self.fmt = every, per, fmt
+        if reduce not in ("auto", "sum", None):
+            raise ValueError(f"telemetry reduce={reduce!r} must be 'auto', 'sum' or None.")
+        self.every, self.per, self.fmt, self.reduce = every, per, fmt, reduce
+        self.sharded = False  # DTensor gradients seen (FSDP2): their local figures are partial
+        self._scaler = None
         self.iteration = 0
         self.step_collected: Optional[int] = None
         self.overall: Optional[GradStats] = None
@@ -67,8 +78,10 @@ class Telemetry:
 
     def observe(self, scaler, optimizer, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
         """Collect the statistics of one optimizer's scaled gradients (called by the scaler)."""
+        self._scaler = scaler
         if not self.due() or not grads:
             return
+        self.sharded = self.sharded or any(hasattr(p.grad, "_local_tensor") for p in params)
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
             # The scale these gradients carry (update() may change it before the figures are read).
@@ -91,14 +104,39 @@ class Telemetry:
             for n, g in zip(names, grads):
                 self.groups[n] = grad_stats([g], scale=1.0, fmt=self.fmt)
 
+    def _group(self):
+        """The process group to reduce over, or None."""
+        if self.reduce is None or self._scaler is None or (self.reduce == "auto" and not self.sharded):
+            return None
+        from .distributed import reduction_group
+
+        return reduction_group(self._scaler)
+
     def metrics(self) -> Dict[str, float]:
-        """Flat figures of the last sampled iteration (empty before the first). Syncs."""
-        if self.overall is None:
+        """Flat figures of the last sampled iteration (empty before the first). Syncs.
+
+        A collective when figures are reduced across ranks (see ``reduce``): every rank calls it.
+        """
+        group = self._group()
+        overall, groups = self.overall, self.groups
+        if group is not None:
+            from .distributed import reduce_stats
+
+            if overall is None:  # a rank without gradients still joins, with empty statistics
+                device = self._scaler._get_scale_async()
+                overall = grad_stats([], scale=1.0, fmt=self.fmt,
+                                     device=device.device if device is not None else "cpu")
+            overall = reduce_stats(overall, group)
+            if self.sharded:  # FSDP2: every rank holds a shard of the same parameters
+                groups = reduce_stats(groups, group)
+            # the sampled step and its scale are the same on every rank (the scaler keeps them so)
+        if overall is None:
             return {}
-        out = flatten_stats("grad", self.overall)
+        out = flatten_stats("grad", overall)
         out["grad/step"] = self.step_collected
-        out["grad/loss_scale"] = float(self.scale_used)
-        for name, s in self.groups.items():
+        if self.scale_used is not None:
+            out["grad/loss_scale"] = float(self.scale_used)
+        for name, s in groups.items():
             out.update(flatten_stats(f"grad/{name}", s))
         return out
 
