@@ -570,6 +570,10 @@ class GradScaler:
         found_inf = self._combine([f for r in records for f in r.found_inf.values()], st.device)
         host_known = all(r.host_found is not None for r in records) if records else True
         known_clean = host_known and not any(r.host_found for r in records)
+        if not known_clean and st.device.type == "cpu":
+            # A CPU "device" is host memory: read the device-decided flag in place (no copy, no
+            # kernel, no sync) and take the same shortcut as a host-decided clean step.
+            known_clean = not found_inf.numpy().item()
         # A clean step known on the host has found_nan = 0 = found_inf (a zero tensor already at hand).
         found_nan = found_inf if known_clean else self._combine(
             [r.found_nan for r in records if r.found_nan is not None], st.device)
