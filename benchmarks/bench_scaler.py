@@ -5,9 +5,9 @@
 
 Writes ``benchmarks/results/bench_scaler.json`` and ``bench_scaler.md`` (``--out`` to change).
 
-Method. Both scalers run in the same process on twin parameter sets with identical scaled FP32
-gradients (FP32 master weights, as under autocast), restored before every timed call (untimed), so
-every call sees the same values. Each measurement alternates torch and lossscale (which goes first
+Method. Both scalers run in the same process on the same parameters, whose scaled FP32 gradients
+(FP32 master weights, as under autocast) are restored before every timed call (untimed), so every
+call sees the same values in the same memory; each side has its own optimizer objects. Each measurement alternates torch and lossscale (which goes first
 alternates too), repeats, and reports the median of each side and the median of the per-repeat
 ratios (lossscale / torch; below 1 is faster). ``torch.set_num_threads(1)`` by default, as in the
 issue's reference numbers: on a shared 2-core machine one thread is what can be measured stably.
@@ -97,13 +97,16 @@ def make_optimizer(kind: str, params):
 
 
 class Side:
-    """One scaler with its own parameters and optimizers."""
+    """One scaler with its own optimizers, over parameters shared by every side.
 
-    def __init__(self, name: str, scaler, shapes, grads0):
+    Shared tensors, so both sides read and write the very same memory: separately allocated twins
+    can differ in page placement (transparent huge pages), which biases a memory-bound kernel by
+    several percent however the calls are interleaved.
+    """
+
+    def __init__(self, name: str, scaler, params):
         self.name, self.scaler = name, scaler
-        self.params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        for p, g in zip(self.params, grads0):
-            p.grad = g.clone()
+        self.params = params
         self.grads = [p.grad for p in self.params]
         self.optimizers = {}
         scaler.scale(torch.ones(()))  # fixes the device; scale = 2**16
@@ -245,9 +248,12 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
     # Typical scaled FP32 gradients: |g| around 1e-3 * S, no inf, nothing near a subnormal.
     grads0 = [torch.randn(per, generator=g).mul_(1e-3 * SCALE) for _ in shapes]
     cfg = dict(init_scale=SCALE, growth_interval=10**9)
-    t = Side("torch", torch.amp.GradScaler("cpu", **cfg), shapes, grads0)
-    ours = Side("lossscale", lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE), shapes, grads0)
-    tel = Side("lossscale", lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE, telemetry=1), shapes, grads0)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, g in zip(params, grads0):
+        p.grad = g.clone()
+    t = Side("torch", torch.amp.GradScaler("cpu", **cfg), params)
+    ours = Side("lossscale", lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE), params)
+    tel = Side("lossscale", lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE, telemetry=1), params)
     sides = [t, ours]
     rows = {}
     cheap, full = repeats

@@ -10,19 +10,23 @@ import torch
 
 from lossscale import DynamicPolicy
 from lossscale import _kernels
-from lossscale._device_rules import DeviceState, _dynamic_h1_update_, device_update_
+from lossscale._device_rules import DeviceState, _dynamic_h1_update_, _h1, device_update_
 
 
+@pytest.mark.parametrize("host_view", [True, False], ids=["cpu-in-place", "kernels"])
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("bounds", [(None, None), (2.0**-2, 2.0**6)])
 @pytest.mark.parametrize("interval", [1, 2, 5])
-def test_h1_general_and_known_clean_forms_agree_with_pure_rule(consecutive, bounds, interval):
+def test_h1_general_and_known_clean_forms_agree_with_pure_rule(consecutive, bounds, interval, host_view):
     policy = DynamicPolicy(init_scale=2.0**2, growth_interval=interval, hysteresis=1,
                            consecutive_hysteresis=consecutive, min_scale=bounds[0], max_scale=bounds[1])
     rng = random.Random(interval * 7 + consecutive)
     pure = policy.init_state()
     general = DeviceState(pure, torch.device("cpu"))
     shortcut = DeviceState(pure, torch.device("cpu"))
+    if not host_view:  # the tensor-kernel form, which accelerators run
+        h = _h1(shortcut, consecutive)
+        h.host = h.tracker_host = None
     for _ in range(300):
         overflow = rng.random() < 0.3
         nan = overflow and rng.random() < 0.5
@@ -65,3 +69,15 @@ def test_read_only_check_flags_and_amax_per_tensor(dtype):
     assert (found_inf.item(), found_nan.item()) == (0.0, 0.0)
     # Nothing was written.
     assert torch.equal(grads[0], before[0])
+
+
+def test_a_copied_state_does_not_write_through_the_originals_views():
+    import copy
+
+    policy = DynamicPolicy(init_scale=2.0**4, growth_interval=2, hysteresis=1, min_scale=None, max_scale=None)
+    st = DeviceState(policy.init_state(), torch.device("cpu"))
+    zero = torch.zeros(())
+    device_update_(policy, st, zero, zero, known_clean=True)
+    twin = copy.deepcopy(st)
+    device_update_(policy, twin, zero, zero, known_clean=True)
+    assert st.to_state().steps == 1 and twin.to_state().steps == 2

@@ -6,6 +6,8 @@ forms with the same random flag sequences and assert the states agree bitwise. K
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .adaptive import CALIBRATING, LIMIT_EXP, MAX_SHIFT, AdaptivePolicy
@@ -133,10 +135,20 @@ class _H1:
         self.one_i = torch.ones((), dtype=torch.int64, device=dev)
         self.streak = st.counters[STREAK]
         self.hyst = st.counters[HYSTERESIS]
+        # On CPU the counters are host memory: a numpy view reads them in place (made once: creating
+        # it costs more than the read, and right after a large kernel every new object is cache-cold).
+        self.host = st.counters.numpy() if st.counters.device.type == "cpu" else None
+        self.tracker_host = st.growth_tracker.numpy() if self.host is not None else None  # a 0-d view
+
+
+# Kept beside, not inside, each DeviceState: a copy of a state must not inherit views of the original.
+_H1_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _h1(st: DeviceState, consecutive: bool) -> _H1:
-    cache = st.__dict__.setdefault("_h1_cache", {})
+    cache = _H1_CACHE.get(st)
+    if cache is None:
+        cache = _H1_CACHE[st] = {}
     h = cache.get(consecutive)
     if h is None:
         h = cache[consecutive] = _H1(st, consecutive)
@@ -145,10 +157,18 @@ def _h1(st: DeviceState, consecutive: bool) -> _H1:
 
 def _dynamic_h1_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor,
                         known_clean: bool = False) -> None:
-    """:func:`dynamic_update_` for hysteresis 1 in ~12 small kernels (4 when ``known_clean``)."""
+    """:func:`dynamic_update_` for hysteresis 1: ~12 small kernels, 2-4 when ``known_clean``, and on
+    CPU a known-clean step is torch's update kernel plus a few in-place writes of host memory."""
     h = _h1(st, policy.consecutive_hysteresis)
     n = _N_COUNTERS
-    if known_clean:
+    if known_clean and h.host is not None:
+        # The clean row, written in place: on CPU the counters are host memory (no kernel needed).
+        c = h.host
+        c[STEPS] += 1
+        c[STREAK] = c[STREAK_NAN] = 0
+        if policy.consecutive_hysteresis:
+            c[HYSTERESIS] = 1
+    elif known_clean:
         torch.addcmul(h.clean_add, st.counters, h.clean_mul, out=st.counters)
     else:
         # [1, o, o*n]: sign() makes the flags 0/1 (found_inf is a sum), cumprod counts a NaN only with an overflow.
@@ -166,13 +186,16 @@ def _dynamic_h1_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch
         # The bounds as a clamp after the kernel equal the pure rule because the scale always
         # starts inside them: only a backoff can cross min and only a growth can cross max.
         st.scale.clamp_(policy.min_scale, policy.max_scale)
-    if not policy.consecutive_hysteresis:
-        if known_clean and st.counters.device.type == "cpu" and st.counters.numpy()[HYSTERESIS] > 0:
-            return  # host memory, read in place: the tolerance is full, nothing to refill
-        # A growth refills the tolerance. The tracker is 0 after a growth or an overflow; the streak
-        # (0 after a clean step) tells which, and both are >= 0, so "both 0" is "their sum is 0".
-        grew = torch.logical_not(st.growth_tracker if known_clean else st.growth_tracker + h.streak)
-        torch.maximum(h.hyst, grew, out=h.hyst)
+    if policy.consecutive_hysteresis:
+        return
+    if known_clean and h.host is not None:
+        if h.host[HYSTERESIS] == 0 and h.tracker_host == 0:  # this clean step grew the scale: refill
+            h.host[HYSTERESIS] = 1
+        return
+    # A growth refills the tolerance. The tracker is 0 after a growth or an overflow; the streak
+    # (0 after a clean step) tells which, and both are >= 0, so "both 0" is "their sum is 0".
+    grew = torch.logical_not(st.growth_tracker if known_clean else st.growth_tracker + h.streak)
+    torch.maximum(h.hyst, grew, out=h.hyst)
 
 
 def dynamic_update_(policy: DynamicPolicy, st: DeviceState, found_inf: torch.Tensor, found_nan: torch.Tensor,
