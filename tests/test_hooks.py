@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# The first watched layer's input needs no grad, so torch warns that its hook sees outputs only:
+# the grad_output the recorder wants.
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
 from lossscale.hooks import ActivationGradRecorder, activation_grad_probe, default_modules
 from _models import batch, tiny_mlp
 
