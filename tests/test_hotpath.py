@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lossscale import DynamicPolicy
+from lossscale import DynamicPolicy, GradScaler
 from lossscale import _kernels
 from lossscale._device_rules import DeviceState, _dynamic_h1_update_, _h1, device_update_
 
@@ -81,3 +81,21 @@ def test_a_copied_state_does_not_write_through_the_originals_views():
     twin = copy.deepcopy(st)
     device_update_(policy, twin, zero, zero, known_clean=True)
     assert st.to_state().steps == 1 and twin.to_state().steps == 2
+
+
+@pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
+def test_overflow_report_names_the_right_parameter_when_dtypes_interleave(kind):
+    # Gradients are checked per (device, dtype) group; the report must map each amax back to its
+    # parameter (fp32, bf16, fp32: the bf16 one sits between the two fp32 ones in parameter order).
+    ps = [torch.nn.Parameter(torch.zeros(3, dtype=d)) for d in (torch.float32, torch.bfloat16, torch.float32)]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(ps, lr=0.1) if kind == "sgd" else torch.optim.Adam(ps, fused=True)
+    scaler = GradScaler.passthrough(on_stuck="ignore")  # bf16 gradients: scale 1, no unscale pass
+    scaler.name_parameters([(f"p{i}", p) for i, p in enumerate(ps)])
+    scaler.scale(torch.ones(()))
+    ps[1].grad[0] = math.nan
+    ps[2].grad[1] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.overflow_report() == {"inf": ["p2"], "nan": ["p1"]}

@@ -412,6 +412,11 @@ class GradScaler:
         nan_pending = False  # found_nan is not known yet (the sync unscale path learns it on overflow only)
         if self._telemetry is not None:
             self._telemetry.observe(self, optimizer, rec.params, grads)
+        if len(groups) > 1 or any(len(per_dtype) > 1 for per_dtype in groups.values()):
+            # The amax vectors come per (device, dtype) group: line the parameters up with them, or
+            # overflow_report() names the wrong ones when dtypes interleave.
+            owner = {id(g): p for g, p in zip(grads, rec.params)}
+            rec.params = [owner[id(g)] for per_dtype in groups.values() for gs in per_dtype.values() for g in gs]
         if unscale and not passthrough:
             # Inverse in float64, like torch: a float32 reciprocal could be off by one ulp for a
             # non-power-of-two scale on some compilers.
