@@ -45,12 +45,10 @@ from collections import defaultdict
 
 import torch
 
-try:
-    import lossscale
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    import lossscale
-from lossscale._sync import count_host_syncs
+# Measure the checkout this file lives in, whatever else is installed.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+import lossscale  # noqa: E402
+from lossscale._sync import count_host_syncs  # noqa: E402
 
 SCALE = 2.0**16
 TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
