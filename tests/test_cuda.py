@@ -36,10 +36,9 @@ def _backward(model, scaler, step, bad=None):
 
 
 def _blocking(syncs):
-    """Syncs other than ``copy_``: the scaler's only device-to-host ``copy_`` is the non_blocking copy
-    of its state snapshot into pinned memory (read later, once its event has completed), which does
-    not wait; ``count_host_syncs`` counts every device-to-host ``copy_`` alike."""
-    return [op for op in syncs.ops if op != "aten.copy_.default"]
+    """Every counted sync (the scaler's non_blocking snapshot copy into pinned memory is not one:
+    ``count_host_syncs`` leaves asynchronous copies into pinned memory out)."""
+    return list(syncs.ops)
 
 
 def _optimizer(kind, params):

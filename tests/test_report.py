@@ -85,14 +85,14 @@ def test_plotting_leaves_no_pyplot_state(tmp_path):
 # ---------------------------------------------------------------------------------------------- html
 def test_html_escapes_and_links(tmp_path):
     sec = html.Section("C1 <fp16>", verdict="HELD", claim="a < b & c", text=["x <script>"],
-                       figures=[("max", "65504")], checks=[("ok", True, "d"), ("later", None, "waits")],
+                       figures=[("max", "65504")], checks=[("ok", True, "d"), ("later", False, "missed")],
                        images=[("a.png", "cap")], pre="t<able>", anchor="C1")
     path = html.write_html(str(tmp_path / "i.html"), "T & T", [sec], subtitle="s",
                            summary=[("C1", "C1 x", "HELD", "figure")], footer="f")
     text = open(path, encoding="utf-8").read()
     assert "<script>" not in text and "x &lt;script&gt;" in text
     assert 'href="#C1"' in text and 'id="C1"' in text and 'src="a.png"' in text
-    assert "pending" in text and "HELD" in text
+    assert ">pass<" in text and ">fail<" in text and "HELD" in text
 
 
 # ---------------------------------------------------------------------------------------------- schema

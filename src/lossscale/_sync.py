@@ -19,7 +19,8 @@ What is counted (each call once):
 * ``aten._local_scalar_dense``: every ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)`` and
   ``if t:`` on a tensor;
 * copies from a non-CPU device to the CPU (``t.cpu()``, ``t.to("cpu")``, ``t.tolist()`` and
-  ``t.numpy()`` of a device tensor);
+  ``t.numpy()`` of a device tensor), except a ``non_blocking`` copy into pinned memory, which the
+  host does not wait for;
 * operators whose output *shape* depends on tensor values, which must read them on the host:
   ``nonzero``, ``masked_select``, ``unique`` and friends, and indexing with a boolean mask.
 
@@ -76,6 +77,11 @@ class SyncCounter:
 def _is_device_to_host(func, args, kwargs, out) -> bool:
     if func is _aten.copy_.default:
         dst, src = args[0], args[1]
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        if non_blocking and dst.is_pinned():
+            # An asynchronous copy into pinned host memory is queued, not waited for: the host
+            # syncs only when it later reads the buffer (after an event says it is done).
+            return False
         return dst.device.type == "cpu" and isinstance(src, torch.Tensor) and src.device.type != "cpu"
     src = args[0]
     return (

@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 __all__ = ["Section", "write_html", "VERDICTS"]
 
 #: Verdicts a section may carry, and their badge colours.
-VERDICTS = {"HELD": "#1a7f37", "NOT HELD": "#cf222e", "PENDING": "#9a6700"}
+VERDICTS = {"HELD": "#1a7f37", "NOT HELD": "#cf222e"}
 
 _CSS = """
 body{font:15px/1.5 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1080px;
@@ -37,11 +37,11 @@ class Section:
 
     Attributes:
         title: heading.
-        verdict: "HELD", "NOT HELD", "PENDING" or None (no badge).
+        verdict: "HELD", "NOT HELD" or None (no badge).
         claim: the statement under test (shown boxed).
         text: paragraphs (plain text; escaped).
         figures: ``(figure, value)`` rows of the measurement table.
-        checks: ``(check, passed or None if pending, detail)`` rows that decide the verdict.
+        checks: ``(check, passed, detail)`` rows that decide the verdict.
         images: ``(png file name relative to the report, caption)``.
         grid: a comparison table ``(header, rows)`` of strings, or None.
         pre: preformatted text (e.g. a format table), or None.
@@ -89,7 +89,7 @@ def _section(sec: Section) -> str:
     if sec.checks:
         out.append("<table><tr><th>check</th><th>result</th><th>from the measurement</th></tr>")
         for name, ok, detail in sec.checks:
-            cls, word = ("wait", "pending") if ok is None else (("ok", "pass") if ok else ("bad", "fail"))
+            cls, word = ("ok", "pass") if ok else ("bad", "fail")
             out.append(f'<tr><td>{_e(name)}</td><td class="{cls}">{word}</td><td>{_e(detail)}</td></tr>')
         out.append("</table>")
     if sec.pre:
