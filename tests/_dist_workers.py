@@ -373,6 +373,88 @@ def pipeline(rank, world, steps: int, rate: float, seed: int = 0):
                 unused_untouched=rank != 0 or bool((mine[2] == 0).all()), consistency=_consistency(scaler))
 
 
+ADAPTIVE_SHAPES = ([(8, 16), (16,)], [(16, 4), (4,)])  # rank -> the shapes of the parameters it owns
+
+
+def _adaptive_grads(rank: int, step: int, seed: int) -> list:
+    """The unscaled gradients of ``rank``'s parameters at ``step`` (any rank can compute any rank's).
+
+    Their magnitude shrinks over training, and the ranks take turns (4 steps each) at being 3 binades
+    larger, so the global amax that a calibration or a growth window sees comes from either rank.
+    """
+    g = torch.Generator().manual_seed(seed * 7907 + step * 31 + rank)
+    exp = -4 - step // 8 + (3 if rank == (step // 4) % 2 else 0) + int(torch.randint(-1, 2, (), generator=g))
+    return [torch.randn(shape, generator=g) * 2.0**exp for shape in ADAPTIVE_SHAPES[rank]]
+
+
+def adaptive(rank, world, steps: int, rate: float, reduce: bool = True, optimizer: str = "sgd", seed: int = 0):
+    """policy="adaptive" without DDP: each rank owns different parameters with different gradient amax.
+
+    The loss of rank r is sum(p * g_r) over its parameters, so its scaled gradients are exactly
+    scale * g_r (a power-of-two scale) and the scaled amax is exactly scale * max|g_r|. Two
+    references see the *global* amax: a scaler in one process owning every rank's parameters (with
+    the same gradients and the worst plant), and AdaptivePolicy.update fed scale * max over ranks.
+    At step 1 only rank 1 plants an inf; later steps plant at random on each rank. The scaler's
+    all-reduces are counted per iteration (unscale_/step/update), and what they sent is checked finite
+    (a MAX over a NaN is not reliably NaN on gloo or NCCL: the flags must carry the overflow).
+    """
+    from lossscale.adaptive import AdaptivePolicy
+
+    g = torch.Generator().manual_seed(seed)
+    init = [[torch.randn(shape, generator=g) for shape in shapes] for shapes in ADAPTIVE_SHAPES]
+    mine = [t.clone().requires_grad_(True) for t in init[rank]]
+    ref = [t.clone().requires_grad_(True) for ts in init for t in ts]
+    opt, ref_opt = make_optimizer(optimizer, mine), make_optimizer(optimizer, ref)
+    cfg = dict(policy="adaptive", init_scale=2.0**16, growth_interval=3, max_scale=2.0**40)
+    scaler = lossscale.GradScaler("cpu", **cfg, process_group="default" if reduce else None)
+    ref_scaler = lossscale.GradScaler("cpu", **cfg, process_group=None)  # one process: must not reduce
+    policy = AdaptivePolicy(init_scale=2.0**16, growth_interval=3, max_scale=2.0**40)
+    assert scaler.policy == ref_scaler.policy == policy
+    state = policy.init_state()
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):  # counts them, and notes whether all they sent was finite
+        calls.append(bool(torch.isfinite(tensor).all()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    record = []
+    for step in range(steps):
+        plants = [("inf" if r == 1 else "") if step == 1 else _planted(r, step, rate, seed) for r in range(world)]
+        grads = [_adaptive_grads(r, step, seed) for r in range(world)]
+        local_amax = [max(t.abs().max().item() for t in gs) for gs in grads]
+        for params, o, s, gs, bad in ((mine, opt, scaler, grads[rank], plants[rank]),
+                                      (ref, ref_opt, ref_scaler, [t for ts in grads for t in ts], _worst(plants))):
+            o.zero_grad(set_to_none=True)
+            s.scale(sum((p * t).sum() for p, t in zip(params, gs))).backward()
+            if bad:
+                _plant([p.grad for p in params], bad, rank, step)
+            calls.clear()
+            dist.all_reduce = counting_all_reduce
+            try:
+                if optimizer == "sgd":
+                    s.unscale_(o)  # the host-decided path
+                s.step(o)
+                s.update()
+            finally:
+                dist.all_reduce = real_all_reduce
+            if s is scaler:
+                collectives, sent_finite = len(calls), all(calls)
+        # The pure rule fed the global amax of the scaled gradients (exact: a power-of-two scale).
+        worst = _worst(plants)
+        amax = float(worst) if worst else state.scale * max(local_amax)
+        state = policy.update(state, found_inf=bool(worst), found_nan=worst == "nan", amax=amax)
+        record.append(dict(skipped=scaler.last_step_skipped, ref_skipped=ref_scaler.last_step_skipped,
+                           scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(), pure_scale=state.scale,
+                           planted=plants, local_amax=local_amax, collectives=collectives,
+                           sent_finite=sent_finite))
+    own = ref[:2] if rank == 0 else ref[2:]
+    return dict(record=record, counters=scaler.counters(), ref_counters=ref_scaler.counters(),
+                pure_counters=dict(steps=state.steps, skipped_steps=state.skipped_steps, inf_steps=state.inf_steps,
+                                   nan_steps=state.nan_steps, overflow_streak=state.overflow_streak),
+                params_equal=all(torch.equal(a, b) for a, b in zip(mine, own)), consistency=_consistency(scaler))
+
+
 def no_grads(rank, world, passthrough: bool, optimizer: str = "sgd"):
     """Rank 0's optimizer holds parameters that never get a gradient; the other ranks plant inf, NaN.
 
@@ -481,4 +563,4 @@ def example(rank, world, steps: int, inject_at: int):
     return dict(lines=lines, counters=scaler.counters(), scale=scaler.get_scale())
 
 
-SCENARIOS = {f.__name__: f for f in (ddp, fsdp, pipeline, no_grads, groups, diverged, stats, example)}
+SCENARIOS = {f.__name__: f for f in (ddp, fsdp, pipeline, adaptive, no_grads, groups, diverged, stats, example)}

@@ -138,6 +138,48 @@ def test_pipeline_stages_with_different_parameters_stay_consistent(run):
     assert r0["consistency"] is None
 
 
+# ------------------------------------------------------------------------------------- adaptive
+@needs_gloo
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_adaptive_policy_reduces_the_global_amax_in_one_collective(run, optimizer):
+    # The ranks own different parameters whose gradient amax differ by binades, so an adaptive scaler
+    # on each rank would calibrate and grow differently if it saw only its own amax.
+    r0, r1 = run("adaptive", steps=40, rate=0.1, optimizer=optimizer)
+    rec0, rec1 = r0["record"], r1["record"]
+    assert rec0[1]["planted"] == ["", "inf"]  # step 1: an inf on rank 1 only
+    assert any(e["planted"][0] and not e["planted"][1] for e in rec0)  # and on rank 0 only
+    assert any("nan" in e["planted"] for e in rec0)  # a NaN amax too
+    # Either rank holds the global max at some step: a MAX that kept one rank's value would fail.
+    assert any(e["local_amax"][0] > 2 * e["local_amax"][1] for e in rec0)
+    assert any(e["local_amax"][1] > 2 * e["local_amax"][0] for e in rec0)
+    for step, (a, b) in enumerate(zip(rec0, rec1)):
+        assert a["skipped"] == b["skipped"] == a["ref_skipped"] == bool(any(a["planted"])), step
+        # The single-process references see the global amax: the reduced amax must be that max.
+        assert a["scale"] == b["scale"] == a["ref_scale"] == a["pure_scale"], step
+        # One all-reduce per check, clean or overflow, host- or device-decided (it was two).
+        assert a["collectives"] == b["collectives"] == 1, step
+        # A rank's NaN/inf amax is sent as 0: its flags, exact 0/1 values, carry the overflow.
+        assert a["sent_finite"] and b["sent_finite"], step
+    scales = [e["scale"] for e in rec0]
+    moves = [b - a for a, b in zip(scales, scales[1:])]
+    assert any(m > 0 for m in moves) and any(m < 0 for m in moves)  # it grew and backed off
+    assert r0["counters"] == r1["counters"] == r0["ref_counters"] == r0["pure_counters"]
+    assert r0["params_equal"] and r1["params_equal"]  # each rank's parameters: bitwise the reference's
+    assert r0["consistency"] is None and r1["consistency"] is None
+
+
+@needs_gloo
+def test_adaptive_policy_without_reduction_ranks_diverge(run):
+    # The same run with process_group=None: each rank calibrates to its own amax and skips alone.
+    r0, r1 = run("adaptive", steps=40, rate=0.1, reduce=False)
+    first = next(s for s, (a, b) in enumerate(zip(r0["record"], r1["record"])) if a["scale"] != b["scale"])
+    assert first == 0  # the calibration step already differs: different local amax
+    assert not r0["record"][1]["skipped"] and r1["record"][1]["skipped"]
+    assert all(e["collectives"] == 0 for e in r0["record"])
+    for r in (r0, r1):
+        assert r["consistency"] is not None and "scale: rank 0:" in r["consistency"]
+
+
 @needs_gloo
 @pytest.mark.parametrize("passthrough, optimizer", [(False, "sgd"), (True, "sgd"), (False, "fused_adam")])
 def test_rank_without_gradients_joins_every_collective(run, passthrough, optimizer):

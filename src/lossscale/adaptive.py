@@ -174,7 +174,9 @@ class AdaptivePolicy:
     max_consecutive_skips: Optional[int] = None
 
     torch_compatible = False
-    #: The scaler computes the amax of the scaled gradients for policies that set this.
+    #: The scaler computes the amax of the scaled gradients for policies that set this. Across ranks it
+    #: passes the MAX of the ranks' finite amax (an inf/NaN one is sent as 0 in the flags' collective),
+    #: so a policy that sets it must ignore ``amax`` when ``found_inf`` (this one does, in both forms).
     needs_amax = True
 
     def __post_init__(self):

@@ -5,13 +5,15 @@ What :class:`lossscale.GradScaler` does across ranks (the reduction itself lives
     per optimizer, in unscale_() or step():             # the same calls, in the same order, on every rank
         found_inf, found_nan = check(local gradients)   # a DTensor gradient: its local shard; none: 0, 0
         found_inf, found_nan = all_reduce(MAX, [found_inf, found_nan], group)   # one collective
+                                              # (needs_amax policies: [found_inf, found_nan, amax] in that one)
         skip = found_inf                                # the same on every rank, so is the step
         if skip and the kernel could not tell NaN from inf (sync path):
             found_nan = all_reduce(MAX, local NaN flag, group)                   # overflow steps only
     update(): the policy sees the reduced flags, so every rank keeps the same scale and counters
 
-The flags, not the gradients' max, are reduced: a MAX over values holding NaN is not defined the
-same way by every backend (NCCL and gloo may drop it), while 0/1 flags reduce exactly.
+The flags, not the gradients' max, decide: a MAX over values holding NaN is not defined the same
+way by every backend (NCCL and gloo may drop it), while 0/1 flags reduce exactly. A needs_amax
+policy's amax rides along with its non-finite values sent as 0; the policy ignores it on overflow.
 
 Nothing here moves data except through torch.distributed collectives.
 """

@@ -148,8 +148,8 @@ class GradScaler:
         max_consecutive_skips: the streak that counts as stuck; None reacts only at ``min_scale``.
         model: an ``nn.Module`` or an iterable of ``(name, parameter)`` pairs, to name parameters in
             :meth:`overflow_report` and in error messages.
-        process_group: the group over which the skip decision is all-reduced (MAX), so every rank
-            skips or steps together. "default" (the default): the default group when
+        process_group: the group over which the skip decision (and an adaptive policy's amax, in the
+            same collective) is all-reduced (MAX), so every rank skips or steps together. "default" (the default): the default group when
             torch.distributed is initialised with more than one rank. None: no reduction.
         telemetry: None (off, the default), an int N (gradient statistics of the scaled gradients
             every N iterations), a dict of :class:`lossscale.Telemetry` arguments (``every``, ``per``,
@@ -384,18 +384,30 @@ class GradScaler:
         self._gathered_sparse = has_sparse  # read by clip_grad_norm_ (sparse norms need coalesced values)
         return grads
 
-    def _reduce_flags(self, found_inf: torch.Tensor, found_nan: torch.Tensor):
-        """All-reduce (MAX) the two flags over the process group, so every rank decides alike.
+    def _reduce_flags(self, found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor] = None):
+        """All-reduce (MAX) the two flags, and ``amax`` when given, over the process group in ONE
+        collective, so every rank decides alike. Returns ``(found_inf, found_nan)``, or
+        ``(found_inf, found_nan, amax)`` when ``amax`` is given.
 
         A collective: every rank of the group must make the same sequence of calls, so whether it
-        is called may depend only on values that are already reduced (never on local gradients).
+        is called, and whether with ``amax``, may depend only on values that are already reduced or
+        the same on every rank (the policy's ``needs_amax``), never on local gradients.
+
+        ``amax`` (a needs_amax policy's max |g|) is sent as 0 where it is inf or NaN: a MAX over a
+        NaN is not reliably NaN on gloo or NCCL (gloo keeps or drops it by rank order), and it need
+        not be. A non-finite amax has set this rank's flags, which reduce exactly, and a needs_amax
+        policy ignores the amax of an overflow step.
+        Without a group nothing is reduced and ``amax`` is returned as it is (bitwise one process).
         """
         group = _distributed._resolve(self._process_group)
         if group is None:
-            return found_inf, found_nan
-        flags = torch.stack([found_inf, found_nan])
+            return (found_inf, found_nan) if amax is None else (found_inf, found_nan, amax)
+        if amax is None:
+            flags = torch.stack([found_inf, found_nan])
+        else:
+            flags = torch.stack([found_inf, found_nan, amax.nan_to_num(0.0, 0.0, 0.0)])
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-        return flags[0], flags[1]
+        return tuple(flags.unbind(0))
 
     def _check(self, optimizer, unscale: bool, sync: bool) -> None:
         """Check (and optionally unscale) one optimizer's gradients and record the flags.
@@ -438,10 +450,12 @@ class GradScaler:
             vectors, amax = _kernels.amax_per_tensor(groups, st.device)
             found_inf, found_nan = _kernels.flags_from_amax(amax)
             rec.amax_vectors = vectors
-        found_inf, found_nan = self._reduce_flags(found_inf, found_nan)
         if needs_amax:
-            # Every rank must feed the policy the same amax, or their scales drift apart (MAX too).
-            rec.amax = self._reduce_flags(amax, torch.zeros_like(amax))[0]
+            # Every rank must feed the policy the same amax, or their scales drift apart: the global
+            # max rides in the flags' collective (one all-reduce per check, not two).
+            found_inf, found_nan, rec.amax = self._reduce_flags(found_inf, found_nan, amax)
+        else:
+            found_inf, found_nan = self._reduce_flags(found_inf, found_nan)
         rec.found_inf = {st.device: found_inf}
         rec.found_nan = found_nan
         if sync:
