@@ -244,3 +244,28 @@ def test_sparse_gradients_are_clipped_by_the_norm_of_their_coalesced_values():
     n_l = ours.clip_grad_norm_(opt_l, 0.5)
     assert torch.equal(n_t, n_l)
     assert torch.equal(emb_t.weight.grad, emb_l.weight.grad.to_dense())
+
+
+def test_adaptive_policy_learns_through_the_clip_path():
+    # The clip path must feed the policy the scaled-gradient amax, as unscale_ does: the same run
+    # with scaler.clip_grad_norm_ and with unscale_ + torch's clip gives the same scales and weights.
+    a, b = twins(5)
+    oa, ob = make_optimizer("sgd", a.parameters()), make_optimizer("sgd", b.parameters())
+    sa = lossscale.GradScaler(policy="adaptive", growth_interval=3)
+    sb = lossscale.GradScaler(policy="adaptive", growth_interval=3)
+    scales = []
+    for step in range(12):
+        for model, opt, scaler, fused in ((a, oa, sa, True), (b, ob, sb, False)):
+            opt.zero_grad()
+            backward(model, scaler, step)
+            if fused:
+                scaler.clip_grad_norm_(opt, 1.0)
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        assert sa.get_scale() == sb.get_scale(), step
+        scales.append(sa.get_scale())
+    assert scales[0] != 2.0**16 or len(set(scales)) > 1  # the policy calibrated / moved
+    assert params_equal(a, b)

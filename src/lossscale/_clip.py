@@ -24,6 +24,9 @@ below 2**-126 (a subnormal loses bits that the other path keeps), no square in t
 2**-126 or above 2**128, and ``coef/S`` normal. ``tests/test_clip.py`` plants values on both sides of
 these limits. For a scale that is not a power of two the results agree to rounding, not bitwise.
 
+A policy that learns from the gradients' amax (``needs_amax``, the adaptive policy) gets it from one
+more read pass before anything is rewritten, as in ``unscale_``.
+
 Norm types other than 1, 2 and inf raise ``|x|`` to a power with libm's ``pow``, which does not
 commute with scaling bit for bit, so for them the gradients are unscaled *first* (three passes,
 torch's arithmetic exactly) and only the check is saved.
@@ -46,6 +49,8 @@ import math
 from typing import Dict, List, Tuple
 
 import torch
+
+from . import _kernels
 
 __all__ = ["clip_grad_norm_"]
 
@@ -113,6 +118,11 @@ def clip_grad_norm_(scaler, optimizer, max_norm: float, norm_type: float = 2.0) 
                     grads[i] = p.grad._values()
         if scaler._telemetry is not None:
             scaler._telemetry.observe(scaler, optimizer, params, grads)
+        amax = None
+        if getattr(policy, "needs_amax", False):
+            # The policy learns from max|g| of the *scaled* gradients: take it before anything below
+            # rewrites them (one read pass, what the adaptive policy costs in unscale_ as well).
+            _, amax = _kernels.amax_per_tensor(_kernels.group_grads(grads), st.device)
         # Inverse in float64, as unscale_ and torch: exact for a power of two either way.
         inv_scale = st.scale.double().reciprocal().float()
         groups = _groups(grads)
@@ -149,7 +159,10 @@ def clip_grad_norm_(scaler, optimizer, max_norm: float, norm_type: float = 2.0) 
                 m = per_device[device] = multiplier.to(device, non_blocking=True)
             torch._foreach_mul_(tensors, m)
         flags = bad.float().to(st.device, non_blocking=True)
-    found_inf, found_nan = scaler._reduce_flags(flags[0], flags[1])
+    if amax is None:
+        found_inf, found_nan = scaler._reduce_flags(flags[0], flags[1])
+    else:
+        found_inf, found_nan, rec.amax = scaler._reduce_flags(flags[0], flags[1], amax)
     rec.found_inf = {st.device: found_inf}
     rec.found_nan = found_nan
     # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor holding
