@@ -77,3 +77,18 @@ def states_equal(opt_a, opt_b) -> bool:
 def params_equal(a, b) -> bool:
     """Parameters equal bitwise."""
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def drive(scaler, bad_flags, kind: str = "nan"):
+    """Iterations on one two-element parameter with SGD, planting ``kind`` in the gradient where a
+    flag is true: the smallest loop that walks a scaler through clean and skipped steps."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for bad in bad_flags:
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        if bad:
+            p.grad[0] = float(kind)
+        scaler.step(opt)
+        scaler.update()
+    return p

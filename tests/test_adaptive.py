@@ -15,6 +15,7 @@ from lossscale import DynamicPolicy, ScaleState, StaticPolicy, is_power_of_two
 from lossscale._device_rules import DeviceState, device_update_
 from lossscale.adaptive import CALIBRATING, HIGHEST_SCALE, LIMIT_EXP, LOWEST_SCALE, AdaptivePolicy
 from lossscale.policy import NO_AMAX
+from _models import drive
 
 
 def f32(x):
@@ -377,15 +378,7 @@ def test_state_dict_round_trip_covers_every_field():
                             backoff_factor=0.25, hysteresis=3, consecutive_hysteresis=True, min_scale=2.0**-3,
                             max_scale=2.0**40, on_stuck="ignore", max_consecutive_skips=7)
     scaler = lossscale.GradScaler(policy=policy)
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.1)
-    for bad in (False, True, False, True, True, False):
-        opt.zero_grad()
-        scaler.scale(p.sum()).backward()
-        if bad:
-            p.grad[0] = float("nan")
-        scaler.step(opt)
-        scaler.update()
+    drive(scaler, (False, True, False, True, True, False))
     sd = scaler.state_dict()
     defaults = ScaleState(scale=1.0)
     assert all(sd["state"][k] != getattr(defaults, k) for k in ("amax_exp", "growth_tracker", "hysteresis_tracker",

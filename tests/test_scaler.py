@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lossscale
-from _models import backward, batch, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
+from _models import backward, batch, drive, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
 
 
 def snapshot(model, opt):
@@ -111,15 +111,7 @@ def test_state_dict_round_trip_covers_every_field():
     scaler = lossscale.GradScaler(init_scale=2.0**5, growth_factor=4.0, backoff_factor=0.25, growth_interval=9,
                                   hysteresis=3, consecutive_hysteresis=True, min_scale=2.0**-3,
                                   max_scale=2.0**20, on_stuck="ignore", max_consecutive_skips=7)
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.1)
-    for bad in (True, False, True, True):
-        opt.zero_grad()
-        scaler.scale(p.sum()).backward()
-        if bad:
-            p.grad[0] = float("nan")
-        scaler.step(opt)
-        scaler.update()
+    drive(scaler, (True, False, True, True))
     sd = scaler.state_dict()
     other = lossscale.GradScaler()
     other.load_state_dict(sd)
