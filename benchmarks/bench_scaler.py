@@ -124,25 +124,22 @@ class Side:
             self.scaler._records = {}
 
 
-def iteration(side: Side, kind: str, clip: bool):
-    opt, scaler = side.opt(kind), side.scaler
-    if clip:
-        if isinstance(scaler, torch.amp.GradScaler):
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(side.params, 1.0)
-        else:
-            scaler.clip_grad_norm_(opt, 1.0)
-    scaler.step(opt)
-    scaler.update()
-
-
 def clip_only(side: Side, kind: str):
+    """Each side's best way to unscale and clip: torch's two steps, lossscale's fused call."""
     opt, scaler = side.opt(kind), side.scaler
     if isinstance(scaler, torch.amp.GradScaler):
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(side.params, 1.0)
     else:
         scaler.clip_grad_norm_(opt, 1.0)
+
+
+def iteration(side: Side, kind: str, clip: bool):
+    opt, scaler = side.opt(kind), side.scaler
+    if clip:
+        clip_only(side, kind)
+    scaler.step(opt)
+    scaler.update()
 
 
 def timed_pair(sides, fn, grads0, repeats, after=None):
@@ -177,7 +174,6 @@ def _timed_loop(sides, fn, grads0, repeats, after, times, ratios):
 def count_syncs(side: Side, kind: str, mode: str, grads0) -> int:
     """Host syncs of one iteration (after a warm-up one)."""
     opt, scaler = side.opt(kind), side.scaler
-    torch_scaler = isinstance(scaler, torch.amp.GradScaler)
 
     def run():
         torch._foreach_copy_(side.grads, grads0)
@@ -187,11 +183,7 @@ def count_syncs(side: Side, kind: str, mode: str, grads0) -> int:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(side.params, 1.0)
         elif mode == "clip":
-            if torch_scaler:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(side.params, 1.0)
-            else:
-                scaler.clip_grad_norm_(opt, 1.0)
+            clip_only(side, kind)
         scaler.step(opt)
         scaler.update()
 

@@ -83,7 +83,6 @@ Example (a training loop drives the state; here by hand)::
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -95,8 +94,9 @@ from .policy import (
     _count,
     _f32,
     _positive_finite,
+    _validate_backoff,
     _validate_stuck,
-    is_power_of_two,
+    _warn_not_powers_of_two,
 )
 
 __all__ = ["AdaptivePolicy", "CALIBRATING", "LIMIT_EXP"]
@@ -186,10 +186,7 @@ class AdaptivePolicy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 raise ValueError(f"{name}={v!r} must be an int in [{lo}, {hi if hi is not None else 'inf'}].")
-        if isinstance(self.backoff_factor, bool) or not isinstance(self.backoff_factor, (int, float)) or not (
-            0.0 < self.backoff_factor < 1.0
-        ):
-            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be in (0, 1) (e.g. 0.5).")
+        _validate_backoff(self.backoff_factor)
         for name in ("min_scale", "max_scale"):
             v = getattr(self, name)
             if v is not None:
@@ -202,19 +199,7 @@ class AdaptivePolicy:
         if not lo <= self.init_scale <= hi:
             raise ValueError(f"init_scale={self.init_scale!r} is outside [min_scale={lo!r}, max_scale={hi!r}].")
         _validate_stuck(self.on_stuck, self.max_consecutive_skips)
-        bad = [
-            f"{n}={getattr(self, n)!r}"
-            for n in ("init_scale", "backoff_factor", "min_scale", "max_scale")
-            if getattr(self, n) is not None and not is_power_of_two(getattr(self, n))
-        ]
-        if bad:
-            warnings.warn(
-                "lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "
-                "powers of two. Multiplying by a power of two only shifts the exponent and is exact; any "
-                "other scale rounds every gradient when it is scaled and again when unscaled.",
-                UserWarning,
-                stacklevel=3,
-            )
+        _warn_not_powers_of_two(self, ("init_scale", "backoff_factor", "min_scale", "max_scale"))
 
     def bounds(self) -> Tuple[float, float]:
         """(lowest, highest) scale as float32 values; float32's normal range where a bound is None."""

@@ -169,6 +169,25 @@ def _validate_stuck(on_stuck: str, max_consecutive_skips: Optional[int]) -> None
         )
 
 
+def _validate_backoff(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value < 1.0):
+        raise ValueError(f"backoff_factor={value!r} must be in (0, 1) (e.g. 0.5).")
+
+
+def _warn_not_powers_of_two(policy, names) -> None:
+    """Warn (once per config) about the ``names`` of ``policy`` that are not powers of two, and why."""
+    bad = [f"{n}={getattr(policy, n)!r}" for n in names
+           if getattr(policy, n) is not None and not is_power_of_two(getattr(policy, n))]
+    if bad:
+        warnings.warn(
+            "lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "
+            "powers of two. Multiplying by a power of two only shifts the exponent and is exact; any "
+            "other scale rounds every gradient when it is scaled and again when unscaled.",
+            UserWarning,
+            stacklevel=4,  # the user's constructor call: helper <- __post_init__ <- __init__ <- user
+        )
+
+
 def _positive_finite(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0.")
@@ -221,8 +240,7 @@ class DynamicPolicy:
             math.isfinite(self.growth_factor) and self.growth_factor > 1.0
         ):
             raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1.0 (e.g. 2.0).")
-        if not isinstance(self.backoff_factor, (int, float)) or not (0.0 < self.backoff_factor < 1.0):
-            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be in (0, 1) (e.g. 0.5).")
+        _validate_backoff(self.backoff_factor)
         for name in ("growth_interval", "hysteresis"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -241,19 +259,7 @@ class DynamicPolicy:
                 "or pass max_scale=None."
             )
         _validate_stuck(self.on_stuck, self.max_consecutive_skips)
-        bad = [
-            f"{n}={getattr(self, n)!r}"
-            for n in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
-            if getattr(self, n) is not None and not is_power_of_two(getattr(self, n))
-        ]
-        if bad:
-            warnings.warn(
-                "lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "
-                "powers of two. Multiplying by a power of two only shifts the exponent and is exact; any "
-                "other scale rounds every gradient when it is scaled and again when unscaled.",
-                UserWarning,
-                stacklevel=3,
-            )
+        _warn_not_powers_of_two(self, ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"))
 
     @property
     def torch_compatible(self) -> bool:
