@@ -145,19 +145,44 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("force_index_add", [False, True], ids=["bincount", "index_add"])
-def test_chunking_packing_and_both_count_paths(monkeypatch, force_index_add, threads):
+@pytest.mark.parametrize("method", stats.METHODS)
+def test_chunking_packing_and_every_count_method(monkeypatch, method, threads):
     # Tiny chunks exercise packing many small tensors, splitting big ones and strided copies;
-    # index_add_ is the accelerator path, run here on CPU.
+    # every counting method (index_add_, histc and sort are the accelerator candidates) runs on CPU.
     monkeypatch.setattr(stats, "_CPU_CHUNK", 256)
     monkeypatch.setattr(stats, "_CPU_SERIAL_CHUNK", 100)
-    monkeypatch.setattr(stats, "_FORCE_INDEX_ADD", force_index_add)
     gen = torch.Generator().manual_seed(7)
     ts = [random_grads(n, gen) for n in (1, 7, 63, 64, 65, 200, 256, 257, 1000)]
     ts += [random_grads(2000, gen).reshape(40, 50).t()]  # large and strided
     ts += [t.half() for t in ts[:5]] + [t.bfloat16() for t in ts[4:]]
     for scale in (1.0, 2.0**20, 777.0):
-        assert figures(grad_stats(ts, scale=scale)) == reference(ts, scale, FP16)
+        assert figures(grad_stats(ts, scale=scale, method=method)) == reference(ts, scale, FP16)
+
+
+def _hot_bins(gen):
+    """Gradients as a GPU sees them: most values in a few binades (hot bins), plus every pattern
+    class (zeros, subnormals, inf, NaN) in all three dtypes."""
+    hot = (torch.randn(20000, generator=gen) * 1e-3).float()
+    return [hot, hot.half(), hot.bfloat16(), random_grads(5000, gen), random_grads(3000, gen).half(),
+            random_grads(3000, gen).bfloat16(), torch.zeros(500), torch.full((300,), 2.0**-20)]
+
+
+@pytest.mark.parametrize("method", [m for m in stats.METHODS if m != "bincount"])
+def test_every_method_gives_bitwise_the_same_histogram(method):
+    """The accelerator alternatives of issue 14 (item 13) count exactly what bincount counts."""
+    ts = _hot_bins(torch.Generator().manual_seed(13))
+    for fmt, scale in ((FP16, 1.0), (FP16, 2.0**16), (BF16, 3.0), (FP8_E4M3, 2.0**-5)):
+        want = grad_stats(ts, scale=scale, fmt=fmt, method="bincount")
+        got = grad_stats(ts, scale=scale, fmt=fmt, method=method)
+        assert torch.equal(got.hist, want.hist), (method, fmt.name, scale)
+        assert torch.equal(got.amax_tensor, want.amax_tensor)
+
+
+def test_method_is_validated_before_any_work():
+    with pytest.raises(ValueError, match=r"method='atomic' must be one of \('auto', 'bincount'"):
+        grad_stats([torch.ones(2)], method="atomic")
+    with pytest.raises(ValueError, match=r"method='bincount' on \['meta'\].*sync"):
+        grad_stats([torch.ones(2), torch.ones(2, device="meta")], method="bincount")
 
 
 def test_empty_inputs():
@@ -170,8 +195,126 @@ def test_empty_inputs():
 def test_empty_stats_on_a_chosen_device():
     s = grad_stats([], scale=8.0, fmt="bf16", device="cpu")
     assert s.hist.device.type == "cpu" and s.amax_tensor.device.type == "cpu" and s.numel == 0
-    with pytest.raises(ValueError, match="device='meta' but the tensors are on cpu"):
-        grad_stats([torch.ones(2)], device="meta")
+    # device= is where the result lives; the tensors are measured where they are.
+    moved = grad_stats([torch.ones(2)], device="meta")
+    assert moved.hist.device.type == "meta" and moved.amax_tensor.device.type == "meta"
+
+
+# ----- several devices in one call (model parallelism in one process; issue 14, item 3) ----------
+
+
+def test_tensors_on_several_devices_are_measured_and_gathered_on_one():
+    """A real second device: ``meta`` (every op runs, shape-only; it takes the accelerator code path).
+
+    Before the fix grad_stats raised "tensors are on several devices" and merge refused stats on
+    two devices, which broke telemetry for one optimizer over several GPUs.
+    """
+    cpu = random_grads(300, torch.Generator().manual_seed(21))
+    meta = torch.empty(500, device="meta")
+    for ts, device, where in (([meta, cpu], None, "meta"), ([cpu, meta.half()], "meta", "meta"),
+                              ([meta, cpu.bfloat16(), meta], torch.device("meta"), "meta")):
+        s = grad_stats(ts, device=device)
+        assert s.hist.device.type == where and s.amax_tensor.device.type == where
+        assert s.hist.shape == (NUM_BINS,) and s.hist.dtype == torch.int64 and s.amax_tensor.dim() == 0
+    # Merging moves the other side's histogram to self's device.
+    merged = grad_stats([meta]) + grad_stats([cpu])
+    assert merged.hist.device.type == "meta" and merged.amax_tensor.device.type == "meta"
+    assert merged.counts_tensor().device.type == "meta"
+
+
+def test_several_devices_give_bitwise_the_single_device_figures(monkeypatch):
+    """The values, on a simulated second device.
+
+    CPU-only torch has no second device that holds data (``meta`` holds none), so the split is
+    staged: ``_device_of`` -- the one function grad_stats groups tensors by -- is patched to put
+    the tensors tagged below on ``cpu:0``, a device key that compares unequal to ``cpu``.  The
+    per-device measurement and the gathering (sum of histograms, max of amax) then run exactly as
+    for two devices; only the final copy is a no-op, since both groups' results live on the CPU
+    (the copy itself is covered by the meta test above).
+    """
+    gen = torch.Generator().manual_seed(22)
+    ts = [random_grads(3000, gen), random_grads(800, gen).half(), planted(FP16, 8.0),
+          random_grads(900, gen).bfloat16(), random_grads(40, gen, lo=-3, hi=3)]
+    second = {id(ts[1]), id(ts[2]), id(ts[4])}
+    groups = []
+    real_measure = stats._measure
+    monkeypatch.setattr(stats, "_device_of",
+                        lambda t: torch.device("cpu", 0) if id(t) in second else torch.device("cpu"))
+    monkeypatch.setattr(stats, "_measure", lambda group, *a: groups.append(len(group)) or real_measure(group, *a))
+    split = grad_stats(ts, scale=8.0)
+    assert sorted(groups) == [2, 3]  # measured per device, not as one list
+    monkeypatch.undo()
+    whole = grad_stats(ts, scale=8.0)
+    assert torch.equal(split.hist, whole.hist) and torch.equal(split.amax_tensor, whole.amax_tensor)
+    assert figures(split) == reference(ts, 8.0, FP16)
+
+
+# ----- device tables are built on the device (issue 14, item 8) ---------------------------------
+
+
+def _category_matrix_reference(thresholds, bounds):
+    """The pure-Python definition of the bin -> category matrix (the code before issue 14)."""
+    import bisect
+
+    edges = (0, *thresholds, stats._MANT_ONE)
+    rows = [[0] * NUM_BINS for _ in range(8)]
+    for f in range(256):
+        for c in range(5):
+            b = 5 * f + c
+            if f == 255:
+                rows[5 if c == 0 else 6][b] = 1
+                continue
+            if b == 0:
+                rows[0][b] = 1
+                continue
+            lo, hi = (f << 23) + edges[c], (f << 23) + edges[c + 1]
+            r_lo = bisect.bisect_right(bounds, lo)
+            rows[1 + r_lo][b] = 1
+            if hi > lo and bisect.bisect_right(bounds, hi - 1) != r_lo:
+                rows[7][b] = 1
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_category_matrix_is_the_python_definition_bit_for_bit(fmt):
+    for scale in (1.0, 2.0**16, 2.0**-9, 1000.0, 0.3, 2.0**100):
+        bounds = stats._boundaries(fmt, scale)
+        for thresholds in {stats._thresholds_for(bounds), stats._thresholds_for(stats._boundaries(fmt, 1.0))}:
+            got = stats._category_matrix(thresholds, bounds, torch.device("cpu"))
+            assert torch.equal(got, _category_matrix_reference(thresholds, bounds)), (scale, thresholds)
+
+
+def test_device_tables_are_built_by_ops_on_the_device():
+    """No table reaches the device by a host-to-device copy.
+
+    On CUDA, ``torch.tensor(list, device=...)`` and ``.to(device)`` from pageable host memory wait
+    for the stream (a sync the sync counter does not see; an error inside CUDA-graph capture).
+    Staged on ``meta``: with the caches cleared, every op of a measurement and of reading its
+    counts is recorded, and none may take a CPU tensor with data (0-dim CPU tensors are Python
+    scalars wrapped by torch, passed to kernels by value).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    host_inputs = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            flat = list(args) + list(kwargs.values())
+            flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+            if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() > 0 for a in flat):
+                host_inputs.append(str(func))
+            return func(*args, **kwargs)
+
+    meta = torch.empty(1000, device="meta")
+    stats._device_tables.clear()
+    with Watch():
+        for method in ("auto", "index_add", "histc", "sort"):
+            s = grad_stats([meta, meta.half(), meta.bfloat16()], scale=3.0, fmt="fp16", method=method)
+            s.counts_tensor()
+            s.at(2.0**20, "bf16").counts_tensor()
+    assert host_inputs == []
+    assert any(k[2] == "meta" for k in stats._device_tables)  # the tables were built, on meta
 
 
 def test_to_dict_reads_once():
@@ -391,6 +534,39 @@ def test_to_dict_round_trip_covers_every_field():
     assert d["numel"] == sum(d[c] for c in COUNTS)
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda d: d.clear(), r"missing key\(s\) \['fmt', 'scale', 'amax', 'thresholds', 'hist'\]"),
+        (lambda d: d.pop("hist"), r"missing key\(s\) \['hist'\]"),
+        (lambda d: d.update(fmt="fp17"), r"key 'fmt'.*fp17"),
+        (lambda d: d.update(scale=0.0), r"key 'scale'"),
+        (lambda d: d.update(scale="2"), r"key 'scale'"),
+        (lambda d: d.update(amax=math.nan), r"key 'amax'=nan"),
+        (lambda d: d.update(amax=-1.0), r"key 'amax'=-1.0"),
+        (lambda d: d.update(amax=True), r"key 'amax'=True"),
+        (lambda d: d.update(thresholds=[1, 2]), r"key 'thresholds'=\[1, 2\]"),
+        (lambda d: d.update(thresholds=[5, 1, 2, 3]), r"key 'thresholds'"),
+        (lambda d: d.update(hist=[1, 2]), r"key 'hist' must be a dict"),
+        (lambda d: d.update(hist={"9999": 1}), r"key 'hist' has bin index '9999'"),
+        (lambda d: d.update(hist={"x": 1}), r"key 'hist' has bin index 'x'"),
+        (lambda d: d.update(hist={"3": -1}), r"key 'hist' bin '3' has count -1"),
+        (lambda d: d.update(hist={"3": 1.5}), r"key 'hist' bin '3' has count 1.5"),
+    ],
+)
+def test_from_dict_names_the_bad_key(change, match):
+    """Issue 12, bug 5: ``GradStats.from_dict({})`` raised ``KeyError: 'hist'``."""
+    d = json.loads(json.dumps(grad_stats(torch.tensor([1e-9, 1.0, 0.0])).to_dict()))
+    change(d)
+    with pytest.raises(ValueError, match=match):
+        GradStats.from_dict(d)
+
+
+def test_from_dict_refuses_a_non_dict():
+    with pytest.raises(ValueError, match=r"d=\[\] must be a dict"):
+        GradStats.from_dict([])
+
+
 def test_repr_is_readable():
     text = repr(grad_stats(torch.tensor([2.0**-30, 1.0, 0.0]), scale=2.0))
     assert text.startswith("GradStats(fp16 at scale=2: numel=3")
@@ -423,6 +599,22 @@ def test_recommend_scale(fmt, margin):
     assert (rec.flushed, rec.flushed_frac) == (fresh.flushed, fresh.flushed_frac)
     assert rec.error_bound == 0 and fresh.overflow == 0
     assert rec.headroom_bits >= margin
+
+
+@pytest.mark.parametrize("bad", [[math.inf], [-math.inf], [math.nan]], ids=["inf", "-inf", "nan"])
+def test_recommend_scale_refuses_nonfinite_statistics(bad):
+    """Issue 12, bug 4: an overflowed step's finite values do not bound its gradients."""
+    s = grad_stats(torch.tensor([1e-6, 2e-5, *bad]))
+    with pytest.raises(ValueError, match=r"count [01] inf and [01] NaN.*ignore_nonfinite=True"):
+        recommend_scale(s)
+    rec = recommend_scale(s, ignore_nonfinite=True)  # asked for explicitly: fit the finite values
+    assert rec.scale == recommend_scale(grad_stats(torch.tensor([1e-6, 2e-5]))).scale
+    only_bad = grad_stats(torch.tensor(bad * 3))
+    with pytest.raises(ValueError, match="NaN"):
+        recommend_scale(only_bad)
+    assert recommend_scale(only_bad, ignore_nonfinite=True).scale is None
+    with pytest.raises(ValueError, match="ignore_nonfinite=1"):
+        recommend_scale(s, ignore_nonfinite=1)
 
 
 def test_recommend_scale_for_another_format_and_edge_cases():

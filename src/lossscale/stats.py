@@ -66,20 +66,21 @@ import math
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import formats
 from .formats import FloatFormat
 
-__all__ = ["GradStats", "ScaleRecommendation", "grad_stats", "recommend_scale", "NUM_BINS"]
+__all__ = ["GradStats", "ScaleRecommendation", "grad_stats", "recommend_scale", "NUM_BINS", "METHODS"]
 
 # ----- binning --------------------------------------------------------------------------------
 
 _MANT_BITS = 23
 _MANT_ONE = 1 << _MANT_BITS  # one binade in bit-pattern units
 _F32_INF_BITS = 0x7F800000
+_F32_MAX = 3.4028234663852886e38  # largest finite float32
 _NUM_FIELDS = 256  # float32 exponent field values; 255 holds inf and NaN
 _NUM_THRESHOLDS = 4
 _NUM_CLASSES = _NUM_THRESHOLDS + 1
@@ -115,9 +116,6 @@ def _chunk_size(device: torch.device) -> int:
     if torch.get_num_threads() == 1:
         return _CPU_CHUNK
     return min(_CPU_CHUNK, _CPU_SERIAL_CHUNK)
-
-# Tests flip this to run the accelerator code path (index_add_ instead of bincount) on CPU.
-_FORCE_INDEX_ADD = False
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -166,52 +164,68 @@ def _thresholds_for(bounds: Sequence[int]) -> Tuple[int, ...]:
     return tuple(ts + [_MANT_ONE] * (_NUM_THRESHOLDS - len(ts)))
 
 
-@functools.lru_cache(maxsize=256)
-def _category_matrix(thresholds: Tuple[int, ...], bounds: Tuple[int, int, int]) -> torch.Tensor:
-    """``W[row, bin]``: 1 where bin belongs to category ``row``; row 7 marks straddling bins.
+def _category_matrix(thresholds: Tuple[int, ...], bounds: Tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """``W[row, bin]`` on ``device``: 1 where bin belongs to category ``row``; row 7 marks straddling bins.
 
     Bin ``5 * field + c`` holds the patterns ``[field * 2^23 + e_c, field * 2^23 + e_(c+1))``
-    with ``e = (0, *thresholds, 2^23)``.
+    with ``e = (0, *thresholds, 2^23)``.  Its category is ``flushed + rank(first pattern)``, where
+    ``rank(a)`` counts the boundaries at or below ``a``; it straddles when its last pattern has
+    another rank.  Two special cases come from threshold 1: bin 0 is the pattern 0 alone (zero),
+    and the top field splits into inf (mantissa 0) and NaN.
+
+    Built by elementwise ops on the device itself, from ``arange`` and Python scalars: on CUDA a
+    ``torch.tensor(list, device=...)`` or a ``.to(device)`` from pageable host memory waits for the
+    stream (a hidden sync, and an error inside CUDA-graph capture).  All integer arithmetic, so it is
+    the same matrix on every device; ``tests/test_stats.py`` checks it bit for bit against the
+    pure-Python definition.  Cached per device by :func:`_cached_on`.
     """
+    i64 = torch.int64
     edges = (0, *thresholds, _MANT_ONE)
-    rows = [[0] * NUM_BINS for _ in range(_NUM_ROWS)]
+    starts = torch.arange(_NUM_FIELDS, dtype=i64, device=device).mul_(_MANT_ONE)  # field << 23
+    lo = torch.empty((_NUM_FIELDS, _NUM_CLASSES), dtype=i64, device=device)
+    hi = torch.empty_like(lo)
+    for c in range(_NUM_CLASSES):
+        torch.add(starts, edges[c], out=lo[:, c])
+        torch.add(starts, edges[c + 1], out=hi[:, c])
+    lo, hi = lo.reshape(-1), hi.reshape(-1)  # row-major: index 5 * field + c, the kernel's bin numbering
 
-    def rank(a: int) -> int:  # number of boundaries at or below the pattern a
-        return bisect.bisect_right(bounds, a)
+    def rank(a: torch.Tensor) -> torch.Tensor:  # boundaries at or below each pattern
+        r = torch.zeros_like(a)
+        for b in bounds:
+            r.add_(torch.ge(a, b))
+        return r
 
-    for f in range(_NUM_FIELDS):
-        for c in range(_NUM_CLASSES):
-            b = _NUM_CLASSES * f + c
-            if f == _NUM_FIELDS - 1:
-                # Threshold 1 splits the top field: mantissa 0 is inf, everything else NaN.
-                rows[_INF if c == 0 else _NAN][b] = 1
-                continue
-            if b == 0:  # the pattern 0 alone (threshold 1 again)
-                rows[_ZERO][b] = 1
-                continue
-            lo = (f << _MANT_BITS) + edges[c]
-            hi = (f << _MANT_BITS) + edges[c + 1]
-            r_lo = rank(lo)
-            rows[_FLUSHED + r_lo][b] = 1
-            if hi > lo and rank(hi - 1) != r_lo:
-                rows[_STRADDLE][b] = 1
-    return torch.tensor(rows, dtype=torch.int64)
+    r_lo = rank(lo)
+    straddle = torch.gt(hi, lo) & torch.ne(rank(hi - 1), r_lo)  # hi - 1: the bin's last pattern
+    category = r_lo + _FLUSHED
+    top = _NUM_CLASSES * (_NUM_FIELDS - 1)
+    category[0] = _ZERO  # the pattern 0 alone (threshold 1 again)
+    category[top] = _INF  # top field, mantissa 0
+    category[top + 1 :] = _NAN  # top field, any other mantissa
+    straddle[0] = False
+    straddle[top:] = False
+    rows = torch.arange(_NUM_ROWS, dtype=i64, device=device).unsqueeze(1)
+    w = torch.eq(category.unsqueeze(0), rows).to(i64)  # category <= 6: row 7 stays 0 here
+    w[_STRADDLE] = straddle
+    return w
 
 
+# Device tables, cached per (builder, arguments, device).  Bounded: a long run that asks for many
+# (format, scale) pairs rebuilds tables now and then instead of growing without limit.
 _device_tables: Dict[Tuple[Any, ...], Any] = {}
 _device_lock = threading.Lock()
 
 
-def _on_device(make, args: Tuple[Any, ...], device: torch.device):
-    """``make(*args)`` (CPU tensors, cached by ``make``) moved to ``device``, cached per device.
+def _cached_on(make, args: Tuple[Any, ...], device: torch.device):
+    """``make(*args, device)``, cached per device.
 
-    The upload is a host->device copy, not a sync: the host does not wait for device results.
+    ``make`` builds its tensors on ``device`` with device ops (no host-to-device copy; see
+    :func:`_category_matrix`), so a first call costs a few small kernels and no sync.
     """
     key = (make.__name__, args, str(device))
     value = _device_tables.get(key)
     if value is None:
-        made = make(*args)
-        value = tuple(t.to(device) for t in made) if isinstance(made, tuple) else made.to(device)
+        value = make(*args, device)
         with _device_lock:
             if len(_device_tables) > 256:
                 _device_tables.clear()
@@ -280,7 +294,7 @@ class GradStats:
         t = self._cache.get("counts_tensor")
         if t is None:
             bounds = _boundaries(self.fmt, self.scale)
-            w = _on_device(_category_matrix, (self.thresholds, bounds), self.hist.device)
+            w = _cached_on(_category_matrix, (self.thresholds, bounds), self.hist.device)
             t = (w * self.hist).sum(dim=1)
             self._cache["counts_tensor"] = t
         return t
@@ -459,7 +473,10 @@ class GradStats:
     def merge(self, other: "GradStats") -> "GradStats":
         """Statistics of the union of both groups of tensors (histograms add, ``amax`` max).
 
-        Both must have been measured with the same ``fmt`` and ``scale``, on the same device.
+        Both must have been measured with the same ``fmt`` and ``scale``.  The result lives on
+        ``self``'s device: ``other``'s histogram and ``amax`` are moved there first (no sync
+        between accelerators; onto the CPU the copy waits for the accelerator, as in
+        :func:`grad_stats`).
         """
         if not isinstance(other, GradStats):
             raise ValueError(f"other={other!r} is not a GradStats; merge two grad_stats() results")
@@ -469,16 +486,12 @@ class GradStats:
                 f"fmt={other.fmt.name}, scale={other.scale!r}; measure both groups with the same "
                 "fmt and scale (use .at() on the merged result for other scales)"
             )
-        if self.hist.device != other.hist.device:
-            raise ValueError(
-                f"cannot merge stats on {self.hist.device} with stats on {other.hist.device}; "
-                "move one with dataclasses.replace(stats, hist=..., amax_tensor=...)"
-            )
+        device = self.hist.device
         return GradStats(
             self.fmt,
             self.scale,
-            self.hist + other.hist,
-            torch.maximum(self.amax_tensor, other.amax_tensor),
+            self.hist + _move(other.hist, device),
+            torch.maximum(self.amax_tensor, _move(other.amax_tensor, device)),
             self.thresholds,
         )
 
@@ -507,16 +520,68 @@ class GradStats:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], device: "str | torch.device" = "cpu") -> "GradStats":
-        """Rebuild a :class:`GradStats` from :meth:`to_dict` output (JSON keys may be strings)."""
-        hist = torch.zeros(NUM_BINS, dtype=torch.int64)
-        for k, c in d["hist"].items():
-            hist[int(k)] = int(c)
+        """Rebuild a :class:`GradStats` from :meth:`to_dict` output (JSON keys may be strings).
+
+        Reads the keys ``fmt``, ``scale``, ``amax``, ``thresholds`` and ``hist``; the figures in
+        ``d`` are recomputed from them, not read.  Raises ValueError naming the key that is
+        missing or malformed.
+        """
+        where = "GradStats.from_dict"
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: d={d!r} must be a dict, as GradStats.to_dict() returns")
+        missing = [k for k in ("fmt", "scale", "amax", "thresholds", "hist") if k not in d]
+        if missing:
+            raise ValueError(
+                f"{where}: missing key(s) {missing}; pass a dict from GradStats.to_dict() "
+                "(it has 'fmt', 'scale', 'amax', 'thresholds' and 'hist')"
+            )
+        try:
+            fmt = formats.get(d["fmt"])
+        except ValueError as e:
+            raise ValueError(f"{where}: key 'fmt': {e}") from None
+        try:
+            scale = _check_scale(d["scale"])
+        except ValueError as e:
+            raise ValueError(f"{where}: key 'scale': {e}") from None
+        amax = d["amax"]
+        if isinstance(amax, bool) or not isinstance(amax, (int, float)) or not (
+            math.isfinite(amax) and 0 <= amax <= _F32_MAX
+        ):
+            raise ValueError(f"{where}: key 'amax'={amax!r} must be a finite number >= 0 (a float32 value)")
+        ts = d["thresholds"]
+        if (
+            not isinstance(ts, (list, tuple))
+            or len(ts) != _NUM_THRESHOLDS
+            or any(isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= _MANT_ONE for t in ts)
+            or list(ts) != sorted(ts)
+        ):
+            raise ValueError(
+                f"{where}: key 'thresholds'={ts!r} must be {_NUM_THRESHOLDS} ascending ints in "
+                f"[1, 2^23], as to_dict() writes them"
+            )
+        hist_d = d["hist"]
+        if not isinstance(hist_d, Mapping):
+            raise ValueError(f"{where}: key 'hist' must be a dict {{bin index: count}}, got {type(hist_d).__name__}")
+        counts = [0] * NUM_BINS
+        for k, c in hist_d.items():
+            try:
+                i = int(k)
+            except (TypeError, ValueError):
+                i = -1
+            if isinstance(k, bool) or not 0 <= i < NUM_BINS:
+                raise ValueError(f"{where}: key 'hist' has bin index {k!r}; bins are 0..{NUM_BINS - 1}")
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise ValueError(f"{where}: key 'hist' bin {k!r} has count {c!r}; counts are ints >= 0")
+            counts[i] = c
+        device = torch.device(device)
         return cls(
-            formats.get(d["fmt"]),
-            float(d["scale"]),
-            hist.to(device),
-            torch.tensor(float(d["amax"]), dtype=torch.float32, device=device),
-            tuple(int(t) for t in d["thresholds"]),
+            fmt,
+            scale,
+            # Host data must travel once here (a load, not a training step).
+            torch.tensor(counts, dtype=torch.int64).to(device),
+            # A fill on the device: no host-to-device copy for the scalar.
+            torch.full((), float(amax), dtype=torch.float32, device=device),
+            tuple(ts),
         )
 
     def __repr__(self) -> str:
@@ -574,26 +639,85 @@ def _collect(tensors: Any) -> List[torch.Tensor]:
         if t.layout != torch.strided:
             raise ValueError(f"tensors[{i}] has layout {t.layout}; pass a dense tensor (.to_dense())")
         out.append(t)
-    devices = {t.device for t in out}
-    if len(devices) > 1:
-        raise ValueError(
-            f"tensors are on several devices ({sorted(map(str, devices))}); call grad_stats once "
-            "per device and combine the results with .merge()"
-        )
     return out
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    """The device whose kernels measure ``t`` (one group of work per device)."""
+    return t.device
+
+
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (itself when it is there already).
+
+    Only small tensors travel here (a histogram, an ``amax``).  Onto an accelerator the copy is
+    ordered on the streams and the host does not wait.  Onto the CPU it is a blocking copy, which
+    waits for the source device: a ``non_blocking`` one would land in pinned memory that the CPU
+    code reading it next could read before the copy has finished.
+    """
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
 # ----- the kernels ------------------------------------------------------------------------------
 
 
-def _count_into(hist: torch.Tensor, keys: torch.Tensor, ones: Optional[torch.Tensor]) -> None:
-    """``hist[k] += 1`` for every key, without a host sync on any device."""
-    if keys.device.type == "cpu" and not _FORCE_INDEX_ADD:
-        # bincount is the fastest CPU histogram (a plain loop); on CUDA it reads the keys'
-        # max on the host, so accelerators use index_add_ (atomics, no sync) instead.
-        hist.add_(torch.bincount(keys, minlength=hist.numel()))
-    else:
+#: The histogram methods :func:`grad_stats` accepts (see its ``method`` argument).
+METHODS = ("auto", "bincount", "index_add", "histc", "sort")
+
+
+def _resolve_method(method: Any, devices: Sequence[torch.device]) -> str:
+    """The concrete counting method for ``method`` on these devices (ValueError when unusable)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method={method!r} must be one of {METHODS}; 'auto' picks per device")
+    if method == "bincount":
+        other = sorted({str(d) for d in devices if d.type != "cpu"})
+        if other:
+            raise ValueError(
+                f"method='bincount' on {other}: torch.bincount reads the largest key on the host there "
+                "(a sync); use method='auto' (index_add on accelerators), 'histc' or 'sort'"
+            )
+    return method
+
+
+def _count_into(hist: torch.Tensor, keys: torch.Tensor, method: str, ones: torch.Tensor) -> None:
+    """``hist[k] += 1`` for every key in ``keys`` (integers in ``[0, hist.numel())``); no host sync.
+
+    All methods give the same int64 histogram bit for bit (they only count):
+
+    * ``bincount`` -- CPU only: the fastest CPU histogram (one plain loop).  On CUDA it reads the
+      keys' max on the host (a sync), so :func:`grad_stats` refuses it there.
+    * ``index_add`` -- ``hist.index_add_(keys, 1)``: one int64 atomic add per element in global
+      memory.  The accelerator default; exact, but gradients crowd into a few dozen hot bins, so
+      the atomics contend (issue 14, item 13: unmeasured on a GPU so far).
+    * ``histc`` -- ``torch.histc`` over the keys as float32 with ``min=0, max=nbins``: on CUDA a
+      kernel that counts per thread block in shared memory and merges the partial histograms
+      (when ``nbins`` floats fit in shared memory: the 1,280 bins of the float32 path do, the
+      32,768 patterns of the 16-bit path do not and fall back to global atomics).  Exact: a key
+      ``k < 2^15`` is a float32 integer, ``k * nbins`` stays exact (below 2^24, or ``nbins`` is a
+      power of two) and dividing it by ``nbins`` gives ``k`` back, so every key lands in its own
+      bin; the float32 counts are exact below 2^24, and one call sees at most one chunk
+      (<= 2^22 elements), so they convert to int64 exactly.
+    * ``sort`` -- sort the keys, then ``searchsorted`` the bin edges ``0..nbins`` and take the
+      differences: no atomics at all (a radix sort on CUDA), at the cost of sorting every chunk.
+    """
+    nbins = hist.numel()
+    if method == "bincount":
+        hist.add_(torch.bincount(keys, minlength=nbins))
+    elif method == "index_add":
+        if keys.dtype not in (torch.int32, torch.int64):
+            keys = keys.int()  # index_add_ takes int32/int64 indices
         hist.index_add_(0, keys, ones.expand(keys.numel()))
+    elif method == "histc":
+        counts = torch.histc(keys.float(), bins=nbins, min=0, max=nbins)
+        hist.add_(counts.to(torch.int64))
+    else:  # "sort"
+        if keys.dtype != torch.int32:
+            keys = keys.int()  # the edges below go up to nbins, which int16 cannot hold
+        ordered = torch.sort(keys).values
+        edges = torch.arange(nbins + 1, dtype=torch.int32, device=keys.device)
+        hist.add_(torch.searchsorted(ordered, edges).diff())
 
 
 def _chunks(tensors: List[torch.Tensor], staging: torch.Tensor):
@@ -655,7 +779,7 @@ def _bin_keys(a: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, thresholds:
     return out
 
 
-def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, ones) -> None:
+def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, method, ones) -> None:
     """float32: per chunk, bin keys by integer arithmetic on the bits, one count, one finite max."""
     device = hist.device
     n_total = sum(t.numel() for t in ts)
@@ -673,16 +797,19 @@ def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, ones) -> None:
         finite = torch.nan_to_num(a.view(torch.float32), 0.0, 0.0, 0.0, out=t_buf[:n].view(torch.float32))
         amax_parts.append(torch.amax(finite))
         keys = _bin_keys(a, k_buf[:n], t_buf[:n], thresholds)
-        _count_into(hist, keys, ones)
+        _count_into(hist, keys, method, ones)
 
 
-@functools.lru_cache(maxsize=64)
-def _pattern_tables(dtype: torch.dtype, thresholds: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For every 15-bit magnitude pattern of a 16-bit float dtype: its bin and its value.
+def _pattern_tables(dtype: torch.dtype, thresholds: Tuple[int, ...], device: torch.device
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For every 15-bit magnitude pattern of a 16-bit float dtype: its bin and its value, on ``device``.
 
-    The value is 0 for inf/NaN patterns, so a max over present patterns is the finite amax.
+    The value is 0 for inf/NaN patterns, so a max over present patterns is the finite amax.  Built
+    on the device from an ``arange`` (no host-to-device copy, see :func:`_category_matrix`); cached
+    per device by :func:`_cached_on`.
     """
-    patterns = torch.arange(1 << 15, dtype=torch.int16)
+    # arange in int32 (every backend has it), narrowed on the device: the values are < 2^15.
+    patterns = torch.arange(1 << 15, dtype=torch.int32, device=device).to(torch.int16)
     values = patterns.view(dtype).float()  # exact: fp16 and bf16 widen to float32 losslessly
     a = values.view(torch.int32)
     bins = _bin_keys(a, torch.empty_like(a), torch.empty_like(a), thresholds).long()
@@ -690,7 +817,7 @@ def _pattern_tables(dtype: torch.dtype, thresholds: Tuple[int, ...]) -> Tuple[to
     return bins, finite_values
 
 
-def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, ones) -> None:
+def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, method, ones) -> None:
     """fp16/bf16: count each 15-bit magnitude pattern, then map the 32768 counts to bins.
 
     Cheaper than widening to float32 (one mask and one count per chunk) and exact, because a
@@ -714,11 +841,9 @@ def _accumulate_16bit(ts, dtype, thresholds, hist, amax_parts, chunk, ones) -> N
         masked = m_buf[:n]
         for i in range(0, n, piece):
             m = torch.bitwise_and(bits[i : i + piece], 0x7FFF, out=masked[i : i + piece])  # drop the sign
-            if device.type == "cpu" and not _FORCE_INDEX_ADD:
-                _count_into(per_pattern, m, ones)
-            else:
-                _count_into(per_pattern, m.int(), ones)  # index_add_ wants int32/int64 indices
-    bins, values = _on_device(_pattern_tables, (dtype, thresholds), device)
+            _count_into(per_pattern, m, method, ones)
+    bins, values = _cached_on(_pattern_tables, (dtype, thresholds), device)
+    # 32,768 adds whatever the method: small next to the chunks (and exact, int64).
     hist.index_add_(0, bins, per_pattern)
     amax_parts.append(torch.amax(values * (per_pattern > 0)))
 
@@ -729,63 +854,102 @@ def grad_stats(
     scale: float = 1.0,
     fmt: "str | FloatFormat" = "fp16",
     device: "str | torch.device | None" = None,
+    method: str = "auto",
 ) -> GradStats:
     """Measure what storing ``x * scale`` in ``fmt`` would do to every element of ``tensors``.
 
     Args:
         tensors: a tensor or an iterable of tensors (float32, float16 or bfloat16, any shapes,
-            one device; ``None`` entries are skipped; an empty iterable gives empty stats).
+            on any devices; ``None`` entries are skipped; an empty iterable gives empty stats).
         scale: positive finite multiplier applied before storing (the loss scale).
         fmt: the storage format: a name such as ``"fp16"``, ``"bf16"``, ``"fp8_e4m3"``,
             ``"fp8_e5m2"``, ``"fp32"``, a ``torch.dtype`` or a :class:`FloatFormat`.
-        device: where the result's tensors live when ``tensors`` holds none (default CPU), e.g.
-            so that a rank with nothing to measure can still join a NCCL all-reduce.  When
-            given, the tensors must be on it.
+        device: where the result's tensors live.  Default: the first tensor's device, or the CPU
+            when ``tensors`` holds none (pass it so that a rank with nothing to measure can still
+            join a NCCL all-reduce).
+        method: how the histogram is counted; every method gives the same histogram bit for bit
+            (the tests check it), they differ only in speed.  ``"auto"`` (default): ``"bincount"``
+            on the CPU, ``"index_add"`` on accelerators.  The alternatives for accelerators are
+            ``"histc"`` (per-block partial histograms in shared memory) and ``"sort"`` (no atomic
+            adds); see below.
 
     Returns:
         A :class:`GradStats`.  Its counts are exactly what a real cast
         ``(x.double() * scale).to(dtype)`` gives element by element (torch rounds float64 via
         float32; overflow for e4m3 is "rounds past 448" whatever the cast stores).
 
-    No host sync happens here: the result holds device tensors, and **reading a figure syncs**.
+    Tensors on several devices (model parallelism in one process) are measured on their own
+    devices, each device's histogram and ``amax`` are moved to the result's device (a few KiB)
+    and summed there.  Moving them between accelerators does not sync; moving them onto the CPU
+    waits for the accelerator, so keep the first tensor (or ``device``) on an accelerator.
+
+    No host sync happens here otherwise: the result holds device tensors, and **reading a figure
+    syncs**.
+
+    Choosing ``method`` on a GPU (not measured yet; what the first GPU run should measure):
+    ``index_add`` does one int64 atomic add per element into 1,280 bins (float32 gradients) or
+    32,768 pattern counts (fp16/bf16), and real gradients crowd into a few dozen binades, so
+    the hot bins contend.  Time ``grad_stats`` per method on 4M-element chunks (one chunk) and on
+    a realistic list (e.g. 200 tensors, 50M elements), for float32 and for fp16 gradients, with
+    (a) log-normal magnitudes spanning ~10 binades (hot bins) and (b) uniform bit patterns (no
+    contention); check that each method's histogram is ``torch.equal`` to ``index_add``'s, and
+    that none syncs (``torch.cuda.set_sync_debug_mode("error")``).  Make the fastest exact one
+    the CUDA choice of ``"auto"``.
 
     Raises:
-        ValueError: for an unknown ``fmt``, a non-positive or non-finite ``scale``, a non-tensor
-            entry, an unsupported dtype or layout, tensors on several devices, or tensors not on
-            ``device``.
+        ValueError: for an unknown ``fmt`` or ``method``, ``method="bincount"`` with tensors off
+            the CPU, a non-positive or non-finite ``scale``, a non-tensor entry, or an unsupported
+            dtype or layout.
     """
     f = _check_fmt(fmt)
     s = _check_scale(scale)
     ts = _collect(tensors)
-    if device is not None:
-        device = torch.device(device)
-        if ts and ts[0].device != device:
-            raise ValueError(
-                f"device={str(device)!r} but the tensors are on {ts[0].device}; "
-                "omit device or move the tensors"
-            )
-    device = ts[0].device if ts else (device or torch.device("cpu"))
+    target = torch.device(device) if device is not None else (ts[0].device if ts else torch.device("cpu"))
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in ts:
+        by_device.setdefault(_device_of(t), []).append(t)
+    chosen = _resolve_method(method, list(by_device))
     thresholds = _thresholds_for(_boundaries(f, s))
+    hist: Optional[torch.Tensor] = None
+    amax: Optional[torch.Tensor] = None
+    with torch.no_grad():
+        for group in by_device.values():
+            part_hist, part_amax = _measure(group, thresholds, chosen)
+            part_hist, part_amax = _move(part_hist, target), _move(part_amax, target)
+            # Integer counts add exactly in any order, and max is order-free: the result does not
+            # depend on how the tensors were spread over devices.
+            hist = part_hist if hist is None else hist.add_(part_hist)
+            amax = part_amax if amax is None else torch.maximum(amax, part_amax)
+        if hist is None:
+            hist = torch.zeros(NUM_BINS, dtype=torch.int64, device=target)
+            amax = torch.zeros((), dtype=torch.float32, device=target)
+    return GradStats(f, s, hist, amax, thresholds)
+
+
+def _measure(ts: List[torch.Tensor], thresholds: Tuple[int, ...], method: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(hist, amax)`` of tensors that all live on one device, computed there."""
+    device = ts[0].device
+    if method == "auto":
+        method = "bincount" if device.type == "cpu" else "index_add"
     hist = torch.zeros(NUM_BINS, dtype=torch.int64, device=device)
     amax_parts: List[torch.Tensor] = []
     chunk = _chunk_size(device)
     ones = torch.ones((), dtype=torch.int64, device=device)
-    with torch.no_grad():
-        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for t in ts:
-            groups.setdefault(t.dtype, []).append(t)
-        for dtype, group in groups.items():
-            if sum(t.numel() for t in group) == 0:
-                continue
-            if dtype == torch.float32:
-                _accumulate_f32(group, thresholds, hist, amax_parts, chunk, ones)
-            else:
-                _accumulate_16bit(group, dtype, thresholds, hist, amax_parts, chunk, ones)
-        if amax_parts:
-            amax = torch.stack(amax_parts).amax()
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in ts:
+        groups.setdefault(t.dtype, []).append(t)
+    for dtype, group in groups.items():
+        if sum(t.numel() for t in group) == 0:
+            continue
+        if dtype == torch.float32:
+            _accumulate_f32(group, thresholds, hist, amax_parts, chunk, method, ones)
         else:
-            amax = torch.zeros((), dtype=torch.float32, device=device)
-    return GradStats(f, s, hist, amax, thresholds)
+            _accumulate_16bit(group, dtype, thresholds, hist, amax_parts, chunk, method, ones)
+    if amax_parts:
+        amax = torch.stack(amax_parts).amax()
+    else:
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+    return hist, amax
 
 
 # ----- advice -----------------------------------------------------------------------------------
@@ -811,7 +975,11 @@ class ScaleRecommendation(NamedTuple):
 
 
 def recommend_scale(
-    stats: GradStats, fmt: "str | FloatFormat | None" = None, margin_bits: int = 1
+    stats: GradStats,
+    fmt: "str | FloatFormat | None" = None,
+    margin_bits: int = 1,
+    *,
+    ignore_nonfinite: bool = False,
 ) -> ScaleRecommendation:
     """The loss scale that lifts gradients furthest off the underflow cliff without overflow.
 
@@ -820,6 +988,8 @@ def recommend_scale(
         fmt: the format to fit; defaults to ``stats.fmt``.
         margin_bits: binades to keep free above the largest gradient (>= 0), so that growth
             until the next measurement does not overflow at once.
+        ignore_nonfinite: base the advice on the finite values even when ``stats`` counts inf
+            or NaN inputs.  By default such statistics are refused (see Raises).
 
     Returns:
         A :class:`ScaleRecommendation`: the largest power of two ``S`` with
@@ -828,11 +998,29 @@ def recommend_scale(
         The scale may exceed what a float32 loss-scale tensor holds for tiny ``amax``; clamp
         it to your scaler's bounds.
 
-    Syncs (it reads ``amax``).
+    Raises:
+        ValueError: ``stats`` counts inf or NaN inputs and ``ignore_nonfinite`` is False.  The
+            advice rests on ``amax``, the largest *finite* value: when some values are already
+            inf or NaN (an overflowed step, or a NaN loss) the true largest gradient is unknown,
+            and a scale fitted to the finite rest would be too large -- e.g. ``2^24`` for
+            gradients that just overflowed.  Measure a clean step, or pass
+            ``ignore_nonfinite=True`` to fit the finite values anyway.
+        ValueError: for a bad ``fmt`` or ``margin_bits``.
+
+    Syncs (it reads the figures).
     """
     f = stats.fmt if fmt is None else _check_fmt(fmt)
     if isinstance(margin_bits, bool) or not isinstance(margin_bits, int) or margin_bits < 0:
         raise ValueError(f"margin_bits={margin_bits!r} must be an int >= 0, e.g. 1")
+    if not isinstance(ignore_nonfinite, bool):
+        raise ValueError(f"ignore_nonfinite={ignore_nonfinite!r} must be True or False")
+    if not ignore_nonfinite and (stats.inf or stats.nan):
+        raise ValueError(
+            f"recommend_scale: the statistics count {stats.inf} inf and {stats.nan} NaN values, so the "
+            f"largest gradient is unknown (amax={stats.amax:g} is the largest finite one) and any scale "
+            "fitted to it may overflow; measure a step without inf/NaN gradients, or pass "
+            "ignore_nonfinite=True to fit the finite values anyway"
+        )
     amax = stats.amax
     if amax == 0.0:
         return ScaleRecommendation(None, 0, 0.0, math.inf, 0)
