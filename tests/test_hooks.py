@@ -74,3 +74,27 @@ def test_bad_arguments():
         ActivationGradRecorder(model, every=0)
     with pytest.raises(ValueError, match="nope"):
         ActivationGradRecorder(model, modules=["nope"])
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((), dict(fmt="fp17"), r"fmt='fp17'.*fp16"),
+    ((), dict(fmt=None), r"fmt=None"),
+])
+def test_bad_format_fails_at_construction(args, kwargs, match):
+    """Issue 12, bug 5: fmt="fp17" was accepted and failed only inside the hooked backward."""
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match=match):
+        ActivationGradRecorder(model, *args, **kwargs)
+    x, y = batch(0)
+    with pytest.raises(ValueError, match=match):
+        activation_grad_probe(model, _loss, x, y, **kwargs)
+    assert all(p.grad is None for p in model.parameters())  # refused before any backward
+
+
+@pytest.mark.parametrize("model", [42, None, [torch.nn.Linear(2, 2)]], ids=["int", "None", "list"])
+def test_a_model_that_is_not_a_module_fails_at_construction(model):
+    """Issue 12, bug 5: ``ActivationGradRecorder(42)`` raised AttributeError deep in module selection."""
+    with pytest.raises(ValueError, match=r"model=.* must be a torch.nn.Module"):
+        ActivationGradRecorder(model)
+    with pytest.raises(ValueError, match=r"model=.* must be a torch.nn.Module"):
+        activation_grad_probe(model, _loss, torch.ones(1, 8))

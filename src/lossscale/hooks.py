@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Sequence, Union
 
 import torch
 
+from . import formats
 from .stats import GradStats, grad_stats
 
 __all__ = ["ActivationGradRecorder", "activation_grad_probe", "default_modules"]
@@ -43,7 +44,22 @@ def default_modules(model: torch.nn.Module) -> Dict[str, torch.nn.Module]:
     }
 
 
+def _check_model(model) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model={model!r} must be a torch.nn.Module (the model whose layers to watch).")
+    return model
+
+
+def _check_fmt(fmt) -> str:
+    """``fmt``'s canonical name; ValueError naming ``fmt`` and the valid names otherwise."""
+    try:
+        return formats.get(fmt).name
+    except ValueError as e:
+        raise ValueError(f"fmt={fmt!r}: {e}") from None
+
+
 def _select(model: torch.nn.Module, modules) -> Dict[str, torch.nn.Module]:
+    _check_model(model)
     if modules is None:
         chosen = default_modules(model)
     else:
@@ -67,8 +83,9 @@ class ActivationGradRecorder:
     """Record per-module statistics of the activation gradients (``grad_output``) at sampled steps.
 
     Args:
-        model: the model to watch.
-        fmt: the format to classify against ("fp16" by default).
+        model: the model to watch (a ``torch.nn.Module``).
+        fmt: the format to classify against ("fp16" by default; any name :func:`lossscale.formats.get`
+            knows).
         every: record on every ``every``-th step (steps advance with :meth:`step`).
         modules: module names or types to watch; default :func:`default_modules`.
 
@@ -86,13 +103,17 @@ class ActivationGradRecorder:
         rec.latest    # {module name: GradStats} of the last recorded step
 
     Hooks are removed when the context exits, also on an exception.
+
+    Raises:
+        ValueError: at construction, for a ``model`` that is not a module, an unknown ``fmt``, a bad
+            ``every`` or ``modules``.
     """
 
     def __init__(self, model: torch.nn.Module, *, fmt: str = "fp16", every: int = 1, modules=None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r} must be an int >= 1.")
+        self._fmt = _check_fmt(fmt)  # checked here, not at the first hooked backward
         self._modules = _select(model, modules)
-        self._fmt = fmt
         self._every = every
         self._handles: List = []
         self._step = 0
@@ -162,6 +183,7 @@ def activation_grad_probe(
     Returns ``{module name: GradStats}``; ``flushed_frac`` is the share of the (nonzero) activation
     gradient values that ``fmt`` would flush to zero at ``scale``.
     """
+    fmt = _check_fmt(fmt)  # before the forward and backward, not after them
     chosen = _select(model, modules)
     captured: Dict[str, List[torch.Tensor]] = {}
     handles = [
