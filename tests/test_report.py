@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -54,6 +55,28 @@ def test_layer_flush_curves_sweep_clip(tmp_path):
     clip = {n: {"label": n, "epoch": [0, 1], "test_acc": [0.3, 0.9], "step": [0, 1, 2],
                 "norm_ratio": [1.0, 0.5, None]} for n in ("clip_right", "clip_wrong")}
     assert _is_png(plots.plot_clip_order(str(tmp_path / "k.png"), clip))
+
+
+def _pixels_of(path, rgb) -> int:
+    import numpy as np
+    from matplotlib.image import imread
+
+    img = (imread(str(path))[..., :3] * 255).round().astype(int)
+    return int((np.abs(img - np.array(rgb)).sum(axis=-1) <= 3).sum())
+
+
+def test_layer_flush_shows_small_shares(tmp_path):
+    """Issue 12: 0-0.3% bars on a linear 0-100 axis were invisible; on a log axis a 0.3% bar is a bar."""
+    red = (0xD6, 0x27, 0x28)  # the first series' colour
+    full = plots.plot_layer_flush(str(tmp_path / "full.png"), ["fc1"], {"run": [1.0]})
+    small = plots.plot_layer_flush(str(tmp_path / "small.png"), ["fc1"], {"run": [0.003]})
+    tiny = plots.plot_layer_flush(str(tmp_path / "tiny.png"), ["fc1"], {"run": [2e-6]})
+    none = plots.plot_layer_flush(str(tmp_path / "none.png"), ["fc1"], {"run": [0.0]})
+    legend = _pixels_of(none, red)  # no bar: the legend patch alone
+    bar = lambda p: _pixels_of(p, red) - legend  # noqa: E731
+    assert bar(full) > 1000
+    assert bar(small) > 0.2 * bar(full)  # linear axis: 0.003
+    assert bar(tiny) > 0.05 * bar(full)  # the axis reaches down to it
 
 
 def test_scale_trajectory_and_telemetry(tmp_path):
@@ -160,11 +183,93 @@ def test_jsonl_round_trip_is_strict_json(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 0, "loss_scale": 1}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
-        schema.read_jsonl(str(bad))
+        schema.read_jsonl(str(bad), strict=True)
     empty = tmp_path / "meta_only.jsonl"
     empty.write_text('{"meta": {}}\n')
     with pytest.raises(ValueError, match="no step records"):
         schema.read_jsonl(str(empty))
+
+
+def _killed_run(tmp_path, n=12):
+    """What a real run leaves: a NaN scale as JsonlLogger writes it, a bad value, a truncated last line."""
+    path = tmp_path / "killed.jsonl"
+    lines = [schema.dumps_record(r) for r in _records(n, backoff_at=(3,))]
+    lines[5] = re.sub(r'"loss_scale":[0-9.]+', '"loss_scale":"nan"', lines[5])  # JsonlLogger's NaN
+    lines[7] = lines[7].replace('"loss":', '"loss":"lots","x":')  # a record with a non-number
+    lines[-1] = lines[-1][: len(lines[-1]) // 2]  # killed mid-write
+    path.write_text("\n".join(lines))  # no newline after the truncated line
+    return path
+
+
+def test_read_jsonl_skips_and_counts_bad_lines_with_one_warning(tmp_path):
+    """Issue 12: one bad line (a killed run's truncated last line) refused the whole file."""
+    path = _killed_run(tmp_path)
+    with pytest.warns(UserWarning, match=r"killed.jsonl: skipped 2 bad line\(s\) \(line 8: .*loss='lots'.*"
+                                         r"line 13: not a JSON object"):
+        tel = schema.read_jsonl(str(path))
+    assert [i for i, _ in tel.bad_lines] == [8, 13]
+    assert len(tel) == 10 and 6 not in tel.step and 11 not in tel.step  # lines 8 and 13 hold steps 6 and 11
+    assert math.isnan(tel.loss_scale[4]) and tel.step[4] == 4  # "nan" read as NaN, the record kept
+    with pytest.raises(ValueError, match=r"killed.jsonl:8: loss='lots'"):
+        schema.read_jsonl(str(path), strict=True)
+
+
+@pytest.mark.parametrize("logged", ['"nan"', "null", "NaN", '"inf"'])
+def test_a_broken_scale_is_read_as_logged(logged):
+    tel = schema.parse_records([json.loads('{"step": 0, "loss_scale": %s}' % logged)])
+    assert math.isnan(tel.loss_scale[0]) or tel.loss_scale[0] == math.inf
+
+
+def test_all_bad_lines_still_refuse_the_file(tmp_path):
+    path = tmp_path / "junk.jsonl"
+    path.write_text('{"step": 0, "loss_scale": -1}\n{"step": 1\n')
+    with pytest.raises(ValueError, match=r"no step records.*2 bad lines skipped, first: line 1: loss_scale=-1"):
+        schema.read_jsonl(str(path))
+
+
+def test_report_on_a_killed_run(tmp_path, capsys):
+    path = _killed_run(tmp_path)
+    out = tmp_path / "rep"
+    assert cli.main(["report", str(path), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "lossscale report: warning: " in captured.err
+    assert "skipped 2 bad line(s)" in captured.err and "; 2 bad line(s) skipped" in captured.out
+    saved = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    figures = saved["figures"]
+    assert figures["bad_lines"] == 2 and figures["nonfinite_scales"] == 1 and figures["steps"] == 10
+    assert figures["scale_max"] == 2.0**17 and [b["line"] for b in saved["bad_lines"]] == [8, 13]
+    assert "line 13: not a JSON object" in (out / "index.html").read_text()
+
+
+def test_report_figures_name_the_series_they_are_over(tmp_path):
+    """Issue 12: act_flushed_frac_max (over the aggregate key) sat beside larger per-layer means, unlabelled."""
+    path = tmp_path / "run.jsonl"
+    with open(path, "w", encoding="utf-8") as fh:
+        schema.write_jsonl(fh, _records())
+    render_run_report(str(path), str(tmp_path / "rep"))
+    text = (tmp_path / "rep" / "index.html").read_text()
+    assert "act_flushed_frac_max: max over steps of act/flushed_frac (all watched modules together)" in text
+    assert "act_flushed_frac_mean[fc1]: mean over steps of act/fc1/flushed_frac (fc1 alone)" in text
+    assert "param_flushed_frac_mean[fc1.weight]: mean over steps of param/fc1.weight/flushed_frac" in text
+    assert "grad_headroom_bits_min_clean: min over unskipped steps of grad/headroom_bits" in text
+    assert "A small layer&#x27;s mean can therefore exceed the overall max" in text
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file", "proc"])
+def test_report_out_is_checked_before_reading(tmp_path, capsys, where):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = {"file": blocker, "under_a_file": blocker / "sub", "proc": "/proc/nope"}[where]
+    # The input does not exist either: the --out error comes first, before any reading.
+    assert cli.main(["report", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lossscale report: --out {out}: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_check_out_dir_creates_the_folder(tmp_path):
+    assert html.check_out_dir(str(tmp_path / "new" / "deeper")) == str(tmp_path / "new" / "deeper")
+    assert (tmp_path / "new" / "deeper").is_dir()
 
 
 # ---------------------------------------------------------------------------------------------- report

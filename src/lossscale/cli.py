@@ -98,6 +98,13 @@ def _cmd_demo(args) -> int:
     if missing:
         print(_DEMO_EXTRA_HINT.format(cmd="demo", missing=", ".join(missing)), file=sys.stderr)
         return 2
+    from .report.html import check_out_dir
+
+    try:
+        check_out_dir(args.out)  # before a minute of training, not after it
+    except ValueError as e:
+        print(f"lossscale demo: --out {e}", file=sys.stderr)
+        return 2
     from .demo.run import run_demo
 
     t0 = time.perf_counter()
@@ -132,15 +139,28 @@ def _cmd_report(args) -> int:
     if missing:
         print(_DEMO_EXTRA_HINT.format(cmd="report", missing=", ".join(missing)), file=sys.stderr)
         return 2
+    import warnings
+
+    from .report.html import check_out_dir
     from .report.run_report import render_run_report
 
     try:
-        summary = render_run_report(args.jsonl, args.out)
+        check_out_dir(args.out)
+    except ValueError as e:
+        print(f"lossscale report: --out {e}", file=sys.stderr)
+        return 2
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary = render_run_report(args.jsonl, args.out)
     except (OSError, ValueError) as e:
         print(f"lossscale report: {e}", file=sys.stderr)
         return 2
+    for w in caught:  # e.g. skipped bad lines: one line each, without the source location
+        print(f"lossscale report: warning: {w.message}", file=sys.stderr)
     print(f"{summary['steps']} steps, {summary['skipped_steps']} skipped, scale {summary['scale_first']:g} -> "
-          f"{summary['scale_last']:g} ({summary['backoffs']} backoffs, {summary['growths']} growths)")
+          f"{summary['scale_last']:g} ({summary['backoffs']} backoffs, {summary['growths']} growths)"
+          + (f"; {summary['bad_lines']} bad line(s) skipped" if summary.get("bad_lines") else ""))
     print(f"report: {args.out}/index.html")
     return 0
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import html
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["Section", "write_html", "VERDICTS"]
+__all__ = ["Section", "write_html", "check_out_dir", "VERDICTS"]
 
 #: Verdicts a section may carry, and their badge colours.
 VERDICTS = {"HELD": "#1a7f37", "NOT HELD": "#cf222e"}
@@ -23,6 +24,7 @@ vertical-align:middle;margin-left:8px}
 table{border-collapse:collapse;margin:8px 0 12px;font-size:14px}
 td,th{border:1px solid #d0d7de;padding:4px 10px;text-align:left;vertical-align:top}
 th{background:#f6f8fa} td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.wrap{font-size:13px} table.wrap td.num{white-space:normal}
 .ok{color:#1a7f37;font-weight:600} .bad{color:#cf222e;font-weight:600} .wait{color:#9a6700;font-weight:600}
 figure{margin:10px 0 18px} figure img{max-width:100%;border:1px solid #d0d7de}
 figcaption{color:#59636e;font-size:13px} pre{background:#f6f8fa;padding:10px;overflow-x:auto;font-size:11.5px}
@@ -44,6 +46,7 @@ class Section:
         checks: ``(check, passed, detail)`` rows that decide the verdict.
         images: ``(png file name relative to the report, caption)``.
         grid: a comparison table ``(header, rows)`` of strings, or None.
+        grid_wrap: let the grid's value cells wrap (a wide table that must fit the page).
         pre: preformatted text (e.g. a format table), or None.
         anchor: HTML id.
     """
@@ -56,6 +59,7 @@ class Section:
     checks: List[Tuple[str, Optional[bool], str]] = field(default_factory=list)
     images: List[Tuple[str, str]] = field(default_factory=list)
     grid: Optional[Tuple[Sequence[str], Sequence[Sequence[str]]]] = None
+    grid_wrap: bool = False
     pre: Optional[str] = None
     anchor: str = ""
 
@@ -81,7 +85,8 @@ def _section(sec: Section) -> str:
         out.append("</table>")
     if sec.grid:
         header, rows = sec.grid
-        out.append("<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>")
+        cls = ' class="wrap"' if sec.grid_wrap else ""
+        out.append(f"<table{cls}><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>")
         for row in rows:
             cells = [f"<td>{_e(row[0])}</td>"] + [f'<td class="num">{_e(c)}</td>' for c in row[1:]]
             out.append("<tr>" + "".join(cells) + "</tr>")
@@ -97,6 +102,28 @@ def _section(sec: Section) -> str:
     for src, caption in sec.images:
         out.append(f'<figure><img src="{_e(src)}" alt="{_e(caption)}"><figcaption>{_e(caption)}</figcaption></figure>')
     return "\n".join(out)
+
+
+def check_out_dir(path) -> str:
+    """Make sure ``path`` is a folder this process can write into, creating it if needed; return it.
+
+    The commands call it before any work, so that a bad ``--out`` fails at once in one line instead
+    of after a minute of training.
+
+    Raises:
+        ValueError: one line naming ``path`` and what is wrong (a file is in the way, the folder
+            cannot be created, or it cannot be written to).
+    """
+    p = os.fspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ValueError(f"{p}: is a file, not a folder; pass a folder for the report (it is created if missing)")
+    try:
+        os.makedirs(p, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):  # the only sure test of "writable" (root ignores mode bits)
+            pass
+    except OSError as e:
+        raise ValueError(f"{p}: cannot write the report there ({e.strerror or e}); pass a writable folder") from None
+    return p
 
 
 def write_html(path: str, title: str, sections: Sequence[Section], *, subtitle: str = "",

@@ -137,26 +137,41 @@ def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[i
     return _save(fig, path)
 
 
-def plot_layer_flush(path: str, layers: Sequence[str], series: Mapping[str, Sequence[float]], *,
+def plot_layer_flush(path: str, layers: Sequence[str], series: Mapping[str, Sequence[Optional[float]]], *,
                      title: str = "Activation gradients flushed to zero, per layer") -> str:
     """Grouped bars: per layer, the flushed fraction of its activation gradients for each run.
 
     ``series``: ``{run label: [fraction per layer]}`` (None for a layer a run did not measure).
+
+    The axis is logarithmic: the shares of interest span 100% (no scaling) down to fractions of a
+    percent (scaled runs), and on a linear 0-100 axis a 0.3% bar is a two-pixel sliver.  The axis
+    starts a decade below the smallest nonzero share (at 0.01% or lower); a share of exactly 0
+    has no bar and is labelled "0%" at the axis' left end.
     """
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     fig, ax = _figure(8.5, 0.75 * max(len(layers), 3) + 1.9)
     n = max(len(series), 1)
     h = 0.8 / n
+    shares = [100.0 * f for fr in series.values() for f in fr if f is not None and math.isfinite(f) and f > 0]
+    lo = min(1e-2, 10.0 ** (math.floor(math.log10(min(shares))) - 1)) if shares else 1e-2
     for i, (label, fracs) in enumerate(series.items()):
         ys = [j + (i - (n - 1) / 2) * h for j in range(len(layers))]
-        vals = [float("nan") if f is None else 100.0 * f for f in fracs]
-        bars = ax.barh(ys, vals, height=h * 0.95, color=_CYCLE[[3, 0, 2, 1, 4][i % 5]], label=label)
-        for b, v in zip(bars, vals):
-            if math.isfinite(v):
-                ax.text(b.get_width() + 1, b.get_y() + b.get_height() / 2, f"{v:.1f}%", va="center", fontsize=8)
+        vals = [float("nan") if f is None or not math.isfinite(f) else 100.0 * f for f in fracs]
+        widths = [v - lo if v > lo else 0.0 for v in vals]  # NaN > lo is False: no bar
+        ax.barh(ys, widths, left=lo, height=h * 0.95, color=_CYCLE[[3, 0, 2, 1, 4][i % 5]], label=label)
+        for y, v in zip(ys, vals):
+            if not math.isfinite(v):
+                continue
+            text = "0%" if v == 0 else (f"{v:.1f}%" if v >= 1 else f"{v:.2g}%")
+            ax.text(max(v, lo) * 1.15, y, text, va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(lo, 800.0)  # room right of 100% for the labels
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}%" if v <= 100 else ""))
     ax.set_yticks(range(len(layers)), layers)
     ax.invert_yaxis()
-    ax.set_xlim(0, 112)
-    ax.set_xlabel("nonzero activation gradients flushed in FP16 (%)")
+    ax.set_xlabel("nonzero activation gradients flushed in FP16 (%, log scale)")
     ax.set_title(title)
     ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=max(n, 1), frameon=False)
     return _save(fig, path)

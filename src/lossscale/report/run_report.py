@@ -8,10 +8,10 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional
 
-from .html import Section, write_html
-from .schema import Telemetry, read_jsonl
+from .html import Section, check_out_dir, write_html
+from .schema import Telemetry, _clean, read_jsonl
 
-__all__ = ["summarize", "render_run_report"]
+__all__ = ["summarize", "describe", "render_run_report"]
 
 
 def _finite(vals) -> List[float]:
@@ -24,7 +24,11 @@ def _stat(vals, fn) -> Optional[float]:
 
 
 def summarize(tel: Telemetry) -> Dict[str, Any]:
-    """The figures of a recorded run: steps, skips, scale moves, flushed fraction, headroom, per layer."""
+    """The figures of a recorded run: steps, skips, scale moves, flushed fraction, headroom, per layer.
+
+    ``scale_min``/``scale_max`` are over the finite scales; ``nonfinite_scales`` counts the NaN/inf
+    ones (a broken scale, logged as such); ``bad_lines`` counts the lines the reader skipped.
+    """
     n = len(tel)
     scales = tel.loss_scale
     moves = list(zip(scales, scales[1:]))
@@ -36,10 +40,12 @@ def summarize(tel: Telemetry) -> Dict[str, Any]:
         "skipped_frac": sum(tel.skipped) / n if n else 0.0,
         "scale_first": scales[0] if n else None,
         "scale_last": scales[-1] if n else None,
-        "scale_min": min(scales) if n else None,
-        "scale_max": max(scales) if n else None,
-        "backoffs": sum(1 for a, b in moves if b < a),
+        "scale_min": _stat(scales, min),
+        "scale_max": _stat(scales, max),
+        "nonfinite_scales": sum(1 for v in scales if not math.isfinite(v)),
+        "backoffs": sum(1 for a, b in moves if b < a),  # comparisons with NaN are False: not a move
         "growths": sum(1 for a, b in moves if b > a),
+        "bad_lines": len(tel.bad_lines),
     }
     for kind in ("grad", "act"):
         fl = tel.metrics.get(f"{kind}/flushed_frac")
@@ -58,6 +64,46 @@ def summarize(tel: Telemetry) -> Dict[str, Any]:
     return out
 
 
+_WHAT = {"grad": "all parameter gradients together", "act": "all watched modules together",
+         "param": "parameter gradients"}
+
+_PLAIN = {
+    "steps": "step records read",
+    "first_step": "first step",
+    "last_step": "last step",
+    "skipped_steps": "steps skipped (inf/NaN gradients)",
+    "skipped_frac": "share of steps skipped",
+    "scale_first": "loss_scale of the first step",
+    "scale_last": "loss_scale of the last step",
+    "scale_min": "smallest finite loss_scale",
+    "scale_max": "largest finite loss_scale",
+    "nonfinite_scales": "steps whose loss_scale is NaN or inf",
+    "backoffs": "loss_scale decreases (backoffs)",
+    "growths": "loss_scale increases (growths)",
+    "bad_lines": "lines skipped (not a valid record)",
+}
+
+
+def describe(key: str, layer: Optional[str] = None) -> str:
+    """What a summary figure is, naming the JSONL series it is computed over.
+
+    E.g. ``act_flushed_frac_max`` is the max over steps of ``act/flushed_frac`` (all watched modules
+    together), while ``act_flushed_frac_mean[fc1]`` is the mean of ``act/fc1/flushed_frac`` (one
+    module): the two are over different series, so a layer's mean can exceed the overall max.
+    """
+    if layer is not None:  # {kind}_flushed_frac_mean[layer]
+        kind = key.split("_", 1)[0]
+        return f"{key}[{layer}]: mean over steps of {kind}/{layer}/flushed_frac ({layer} alone)"
+    for stat, words in (("_flushed_frac_mean", "mean over steps of {k}/flushed_frac"),
+                        ("_flushed_frac_max", "max over steps of {k}/flushed_frac"),
+                        ("_headroom_bits_median_clean", "median over unskipped steps of {k}/headroom_bits"),
+                        ("_headroom_bits_min_clean", "min over unskipped steps of {k}/headroom_bits")):
+        if key.endswith(stat):
+            k = key[: -len(stat)]
+            return f"{key}: {words.format(k=k)} ({_WHAT.get(k, k)})"
+    return f"{key}: {_PLAIN[key]}" if key in _PLAIN else key
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "n/a"
@@ -71,17 +117,25 @@ def _fmt(v: Any) -> str:
 def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
     """Read ``jsonl_path``, write ``out_dir/telemetry.png`` (+ per-layer PNGs), ``summary.json`` and
     ``index.html``; return the summary dict.
+
+    ``out_dir`` is checked (created, writable) before the file is read.  Bad lines of the file are
+    skipped with a warning (see :func:`lossscale.report.schema.read_jsonl`).
+
+    Raises:
+        ValueError: ``out_dir`` cannot be used, or the file holds no valid step record.
+        OSError: the file cannot be read.
     """
     from . import plots
 
+    check_out_dir(out_dir)
     tel = read_jsonl(jsonl_path)
-    os.makedirs(out_dir, exist_ok=True)
     summary = summarize(tel)
-    pairs = (("grad/{}", "gradients"), ("act/{}", "activation gradients"))
-    flushed = {label: tel.metrics[key.format("flushed_frac")] for key, label in pairs
-               if key.format("flushed_frac") in tel.metrics}
-    headroom = {label: tel.metrics[key.format("headroom_bits")] for key, label in pairs
-                if key.format("headroom_bits") in tel.metrics}
+    # Legends name the series they draw, as the figure table does.
+    pairs = (("grad/{}", "gradients, all together"), ("act/{}", "activation gradients, all watched modules"))
+    flushed = {f"{label} ({key.format('flushed_frac')})": tel.metrics[key.format("flushed_frac")]
+               for key, label in pairs if key.format("flushed_frac") in tel.metrics}
+    headroom = {f"{label} ({key.format('headroom_bits')})": tel.metrics[key.format("headroom_bits")]
+                for key, label in pairs if key.format("headroom_bits") in tel.metrics}
     images = []
     plots.plot_telemetry(os.path.join(out_dir, "telemetry.png"), tel.step, tel.loss_scale, tel.skipped,
                          flushed=flushed or None, headroom=headroom or None,
@@ -94,25 +148,44 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
         if not (fl or hr):
             continue
         # The overall series first: drawn thick, and the one the overflow line is drawn from.
+        fl = {f"{layer} ({kind}/{layer}/flushed_frac)": v for layer, v in fl.items()}
+        hr = {f"{layer} ({kind}/{layer}/headroom_bits)": v for layer, v in hr.items()}
+        thick = []
         if fl and f"{overall}/flushed_frac" in tel.metrics:
-            fl = {"all": tel.metrics[f"{overall}/flushed_frac"], **fl}
+            fl = {f"all together ({overall}/flushed_frac)": tel.metrics[f"{overall}/flushed_frac"], **fl}
+            thick.append(f"{overall}/flushed_frac")
         if hr and f"{overall}/headroom_bits" in tel.metrics:
-            hr = {"all": tel.metrics[f"{overall}/headroom_bits"], **hr}
+            hr = {f"all together ({overall}/headroom_bits)": tel.metrics[f"{overall}/headroom_bits"], **hr}
+            thick.append(f"{overall}/headroom_bits")
         name = f"layers_{kind}.png"
         plots.plot_telemetry(os.path.join(out_dir, name), tel.step, tel.loss_scale, tel.skipped,
                              flushed=fl or None, headroom=hr or None, title=f"Per layer: {what}")
-        images.append((name, f"Per-layer {what}: flushed fraction and headroom per step."))
+        images.append((name, f"Per-layer {what}: flushed fraction and headroom per step. Thin lines: one "
+                       f"layer each ({kind}/<layer>/...)" + (f"; thick black: {' and '.join(thick)}, over all "
+                                                             "layers together." if thick else ".")))
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump({"source": os.path.abspath(jsonl_path), "meta": tel.meta, "figures": summary}, fh, indent=2,
-                  default=str)
-    rows = [(k, _fmt(v)) for k, v in summary.items() if not isinstance(v, dict)]
+        # Strict JSON: a NaN scale (as logged) is written as null.
+        json.dump(_clean({"source": os.path.abspath(jsonl_path), "meta": tel.meta, "figures": summary,
+                          "bad_lines": [{"line": i, "reason": why} for i, why in tel.bad_lines]}),
+                  fh, indent=2, default=str, allow_nan=False)
+    rows = [(describe(k), _fmt(v)) for k, v in summary.items() if not isinstance(v, dict)]
     for k, v in summary.items():
         if isinstance(v, dict):
-            rows.extend((f"{k}[{layer}]", _fmt(x)) for layer, x in v.items())
-    sec = Section("Telemetry", text=[
-        "Every figure below is read from the JSONL file; nothing is recomputed.",
+            rows.extend((describe(k, layer), _fmt(x)) for layer, x in v.items())
+    text = [
+        "Every figure below is read from the JSONL file; nothing is recomputed. Each row names the series "
+        "(JSONL key) it is computed over.",
         "Missing panels mean the file has no such keys (see lossscale.report.schema for the record format).",
-    ], figures=rows, images=images, anchor="telemetry")
+    ]
+    if any(isinstance(v, dict) for v in summary.values()):
+        text.append("An overall series (e.g. act/flushed_frac) counts the values of all layers together, so "
+                    "layers with many values weigh more in it; a per-layer series (act/<layer>/flushed_frac) "
+                    "counts one layer. A small layer's mean can therefore exceed the overall max.")
+    if tel.bad_lines:
+        text.append(f"{len(tel.bad_lines)} line(s) of the file were skipped as not valid records: "
+                    + "; ".join(f"line {i}: {why}" for i, why in tel.bad_lines[:5])
+                    + ("; ..." if len(tel.bad_lines) > 5 else ""))
+    sec = Section("Telemetry", text=text, figures=rows, images=images, anchor="telemetry")
     meta = "; ".join(f"{k}={v}" for k, v in tel.meta.items())
     write_html(os.path.join(out_dir, "index.html"), f"lossscale report: {os.path.basename(jsonl_path)}", [sec],
                subtitle=f"{summary['steps']} steps" + (f" — {meta}" if meta else ""),

@@ -12,7 +12,9 @@ key                          type        meaning
 ``step``                     int >= 0    optimizer step index (required)
 ``loss_scale``               number > 0  the loss scale (required; ``scaler.metrics()`` logs it after
                                          ``update()``: the scale the next step uses; the scale the
-                                         sampled gradients carried is ``grad/loss_scale``)
+                                         sampled gradients carried is ``grad/loss_scale``). A broken
+                                         scale is read as it was logged: ``"nan"`` (what
+                                         ``JsonlLogger`` writes) and ``null`` as NaN, ``"inf"`` as inf
 ``skipped``                  bool        this step's optimizer update was skipped (inf/NaN gradients).
                                          If absent it is derived from increments of ``skipped_steps``
                                          (counted from 0, this step included), else False.
@@ -44,12 +46,17 @@ key                          type        meaning
 Other keys are ignored. JSON has no inf/NaN: write ``null``; the strings ``"inf"``, ``"-inf"``, ``"nan"``
 and Python's bare ``NaN``/``Infinity``/``-Infinity`` are accepted too. :func:`dumps_record` writes a record the
 way this reader wants it.
+
+Bad lines: :func:`read_jsonl` skips a line that is not a JSON object (e.g. the truncated last line a killed
+run leaves) or not a valid record (the whole record is skipped), counts it in :attr:`Telemetry.bad_lines`
+and warns once per file; ``strict=True`` raises instead. :func:`parse_records` raises by default.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, TextIO, Tuple
 
@@ -74,6 +81,7 @@ class Telemetry:
         metrics: ``{global key: per-step values}`` for every key of :data:`GLOBAL_METRICS` present.
         layers: ``{(kind, layer, metric): per-step values}`` for every per-layer key present.
         meta: merged ``meta`` of the metadata records.
+        bad_lines: ``(line or record number, reason)`` of every line or record that was skipped.
     """
 
     step: List[int] = field(default_factory=list)
@@ -82,6 +90,7 @@ class Telemetry:
     metrics: Dict[str, List[Optional[float]]] = field(default_factory=dict)
     layers: Dict[Tuple[str, str, str], List[Optional[float]]] = field(default_factory=dict)
     meta: Dict[str, Any] = field(default_factory=dict)
+    bad_lines: List[Tuple[int, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.step)
@@ -112,78 +121,126 @@ def _layer_key(key: str) -> Optional[Tuple[str, str, str]]:
     return _KINDS[parts[0]], "/".join(parts[1:-1]), parts[-1]
 
 
-def parse_records(records: Iterable[Mapping[str, Any]], source: str = "<records>") -> Telemetry:
-    """Validate step/metadata records (dicts) and return them as :class:`Telemetry` columns."""
-    tel = Telemetry()
+def _parse_step(rec: Mapping[str, Any], where: str, prev_skipped_steps: int):
+    """Validate one step record; return ``(step, scale, skipped, skipped_steps, values)`` or raise ValueError.
+
+    ``values`` maps every global metric and per-layer key of the record to its number, so a record
+    is accepted or refused whole.
+    """
+    missing = [k for k in REQUIRED_KEYS if k not in rec]
+    if missing:
+        raise ValueError(f"{where}: step record is missing {missing} (required: {list(REQUIRED_KEYS)}).")
+    step = rec["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{where}: step={step!r} must be an int >= 0.")
+    scale = _number(rec["loss_scale"], "loss_scale", where)
+    if scale is None:
+        scale = math.nan  # null: how strict JSON writers (dumps_record) store a NaN scale
+    if not (scale > 0 or math.isnan(scale)):
+        raise ValueError(f"{where}: loss_scale={rec['loss_scale']!r} must be a number > 0 (or NaN/inf as logged).")
+    if "skipped" in rec or "last_step_skipped" in rec:
+        skipped = rec["skipped"] if "skipped" in rec else rec["last_step_skipped"]
+        if not isinstance(skipped, bool):
+            raise ValueError(f"{where}: skipped={skipped!r} must be true or false.")
+        if "skipped_steps" in rec and isinstance(rec["skipped_steps"], int):
+            prev_skipped_steps = rec["skipped_steps"]
+    elif "skipped_steps" in rec:
+        count = rec["skipped_steps"]
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ValueError(f"{where}: skipped_steps={count!r} must be an int.")
+        skipped = count > prev_skipped_steps  # the count includes this step's skip
+        prev_skipped_steps = count
+    else:
+        skipped = False
+    values: Dict[Any, Optional[float]] = {}
+    for key, value in rec.items():
+        target = key if key in GLOBAL_METRICS else _layer_key(key)
+        if target is not None:
+            values[target] = _number(value, key, where)
+    for key in ("grad/flushed_frac", "grad/overflow_frac", "grad/subnormal_frac"):
+        v = values.get(key)
+        if v is not None and math.isfinite(v) and not (0.0 <= v <= 1.0):
+            raise ValueError(f"{where}: {key}={v!r} must lie in [0, 1].")
+    return step, scale, bool(skipped), prev_skipped_steps, values
+
+
+@dataclass(frozen=True)
+class _Unparsable:
+    """A line that is not JSON, kept in its place so that errors come in file order."""
+
+    reason: str
+
+
+def _parse(numbered: Iterable[Tuple[int, Any]], source: str, skip_bad: bool, tel: Telemetry) -> Telemetry:
     prev_skipped_steps = 0
-    rows: List[Tuple[Mapping[str, Any], str]] = []
-    for i, rec in enumerate(records, 1):
+    rows: List[Dict[Any, Optional[float]]] = []
+    for i, rec in numbered:
         where = f"{source}:{i}"
-        if not isinstance(rec, Mapping):
-            raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}.")
-        if "step" not in rec:
-            meta = rec.get("meta")
-            if isinstance(meta, Mapping):
-                tel.meta.update(meta)
+        try:
+            if isinstance(rec, _Unparsable):
+                raise ValueError(f"{where}: {rec.reason}")
+            if not isinstance(rec, Mapping):
+                raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}.")
+            if "step" not in rec:
+                meta = rec.get("meta")
+                if isinstance(meta, Mapping):
+                    tel.meta.update(meta)
+                continue
+            step, scale, skipped, prev_skipped_steps, values = _parse_step(rec, where, prev_skipped_steps)
+        except ValueError as e:
+            if not skip_bad:
+                raise
+            tel.bad_lines.append((i, str(e)[len(where) + 2 :]))
             continue
-        missing = [k for k in REQUIRED_KEYS if k not in rec]
-        if missing:
-            raise ValueError(f"{where}: step record is missing {missing} (required: {list(REQUIRED_KEYS)}).")
-        step = rec["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{where}: step={step!r} must be an int >= 0.")
-        scale = _number(rec["loss_scale"], "loss_scale", where)
-        if scale is None or not (scale > 0):
-            raise ValueError(f"{where}: loss_scale={rec['loss_scale']!r} must be a number > 0.")
-        if "skipped" in rec or "last_step_skipped" in rec:
-            skipped = rec["skipped"] if "skipped" in rec else rec["last_step_skipped"]
-            if not isinstance(skipped, bool):
-                raise ValueError(f"{where}: skipped={skipped!r} must be true or false.")
-            if "skipped_steps" in rec and isinstance(rec["skipped_steps"], int):
-                prev_skipped_steps = rec["skipped_steps"]
-        elif "skipped_steps" in rec:
-            count = rec["skipped_steps"]
-            if isinstance(count, bool) or not isinstance(count, int):
-                raise ValueError(f"{where}: skipped_steps={count!r} must be an int.")
-            skipped = count > prev_skipped_steps  # the count includes this step's skip
-            prev_skipped_steps = count
-        else:
-            skipped = False
         tel.step.append(step)
         tel.loss_scale.append(scale)
-        tel.skipped.append(bool(skipped))
-        rows.append((rec, where))
+        tel.skipped.append(skipped)
+        rows.append(values)
     n = len(rows)
-    for j, (rec, where) in enumerate(rows):
-        for key, value in rec.items():
-            if key in GLOBAL_METRICS:
-                tel.metrics.setdefault(key, [None] * n)[j] = _number(value, key, where)
-            else:
-                lk = _layer_key(key)
-                if lk is not None:
-                    tel.layers.setdefault(lk, [None] * n)[j] = _number(value, key, where)
-    for key in ("grad/flushed_frac", "grad/overflow_frac", "grad/subnormal_frac"):
-        for j, v in enumerate(tel.metrics.get(key, ())):
-            if v is not None and math.isfinite(v) and not (0.0 <= v <= 1.0):
-                raise ValueError(f"{rows[j][1]}: {key}={v!r} must lie in [0, 1].")
+    for j, values in enumerate(rows):
+        for key, v in values.items():
+            column = tel.metrics if isinstance(key, str) else tel.layers
+            column.setdefault(key, [None] * n)[j] = v
     return tel
 
 
-def read_jsonl(path: str) -> Telemetry:
-    """Read a telemetry JSONL file (see the module docstring for the schema)."""
-    records = []
+def parse_records(records: Iterable[Mapping[str, Any]], source: str = "<records>", *,
+                  skip_bad: bool = False) -> Telemetry:
+    """Validate step/metadata records (dicts) and return them as :class:`Telemetry` columns.
+
+    A bad record raises ValueError naming its position and key; with ``skip_bad=True`` it is left
+    out and listed in :attr:`Telemetry.bad_lines` instead.
+    """
+    return _parse(enumerate(records, 1), source, skip_bad, Telemetry())
+
+
+def read_jsonl(path: str, *, strict: bool = False) -> Telemetry:
+    """Read a telemetry JSONL file (see the module docstring for the schema).
+
+    Lines that are not JSON objects or not valid records are skipped, listed in
+    :attr:`Telemetry.bad_lines` (with their line numbers) and reported in one warning: a run that
+    was killed leaves a truncated last line, and one bad line should not cost the whole report.
+    ``strict=True`` raises ValueError at the first bad line instead.  A file without a single valid
+    step record raises ValueError.
+    """
+    records: List[Tuple[int, Any]] = []
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append((i, json.loads(line)))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON object ({e.msg}); one JSON object per line is expected.") from None
-    # Line numbers in errors count records, which equal lines unless there are blank lines.
-    tel = parse_records(records, source=path)
+                records.append((i, _Unparsable(f"not a JSON object ({e.msg}); one JSON object per line is expected.")))
+    tel = _parse(records, path, not strict, Telemetry())
     if not tel.step:
-        raise ValueError(f"{path}: no step records (objects with 'step' and 'loss_scale') found.")
+        skipped = f" ({len(tel.bad_lines)} bad lines skipped, first: line {tel.bad_lines[0][0]}: " \
+                  f"{tel.bad_lines[0][1]})" if tel.bad_lines else ""
+        raise ValueError(f"{path}: no step records (objects with 'step' and 'loss_scale') found{skipped}.")
+    if tel.bad_lines:
+        first = "; ".join(f"line {i}: {why}" for i, why in tel.bad_lines[:3])
+        more = f"; and {len(tel.bad_lines) - 3} more" if len(tel.bad_lines) > 3 else ""
+        warnings.warn(f"{path}: skipped {len(tel.bad_lines)} bad line(s) ({first}{more})", stacklevel=2)
     return tel
 
 
