@@ -122,6 +122,7 @@ class Side:
             self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         else:
             self.scaler._records = {}
+            self.scaler._check.new_iteration()  # it also remembers which gradients were unscaled
 
 
 def clip_only(side: Side, kind: str):
@@ -276,13 +277,13 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
             o.state.clear()  # free the optimizer state before the next measurements
 
     # Telemetry: one sampled observe() over a memcpy of the gradients.
-    telemetry = tel.scaler._telemetry
-    opt = tel.opt("noop")
+    telemetry = tel.scaler.telemetry
+    scale = tel.scaler._get_scale_async()
     obs = []
     for _ in range(cheap):
         telemetry.iteration = 0  # due
         t0 = time.perf_counter()
-        telemetry.observe(tel.scaler, opt, tel.params, tel.grads)
+        telemetry.observe(tel.params, tel.grads, lambda p: None, scale)
         obs.append(time.perf_counter() - t0)
     tel_ms = statistics.median(obs) * 1e3
     rows["telemetry (a sampled iteration)"] = {"torch_ms": None, "lossscale_ms": tel_ms, "memcpy_ms": memcpy_ms,

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 
 import lossscale
 from lossscale import DynamicPolicy, ScaleState, StaticPolicy, is_power_of_two
-from lossscale._device_rules import DeviceState, device_update_
-from lossscale.adaptive import CALIBRATING, HIGHEST_SCALE, LIMIT_EXP, LOWEST_SCALE, AdaptivePolicy
-from lossscale.policy import NO_AMAX
+from _rules import TensorForm
+from lossscale.adaptive import HIGHEST_SCALE, LOWEST_SCALE, NO_AMAX, AdaptivePolicy, AdaptiveState
 from _models import drive
 
 
@@ -47,7 +46,7 @@ class Reference:
             overflow = True
         self.steps += 1
         self.skipped += overflow
-        top = LIMIT_EXP - self.p.margin_bits
+        top = self.p.limit_exp - self.p.margin_bits
         if not self.calibrated:
             self.good = 0
             if overflow:
@@ -117,32 +116,31 @@ def test_matches_reference_and_invariants(policy, seq):
         overflow = found_inf or (amax is not None and not math.isfinite(amax))
         assert s.scale == ref.scale and s.steps == ref.steps and s.skipped_steps == ref.skipped
         assert (s.growth_tracker, s.hysteresis_tracker) == (ref.good, ref.hyst)
-        assert (s.amax_exp == CALIBRATING) == (not ref.calibrated)
+        assert s.calibrated == ref.calibrated
         if ref.calibrated:
-            assert s.amax_exp == (NO_AMAX if ref.window is None else ref.window)
+            assert s.window_exp == (NO_AMAX if ref.window is None else ref.window)
         assert math.isfinite(s.scale) and lo <= s.scale <= hi and is_power_of_two(s.scale)
         assert s.skipped_steps == s.inf_steps + s.nan_steps <= s.steps
         if calibrated:
-            assert s.amax_exp != CALIBRATING  # calibration happens once
+            assert s.calibrated  # calibration happens once
             if overflow:
                 assert s.scale <= before.scale  # an overflow never raises the scale
             elif s.scale > before.scale:  # a growth: only at a check, and within the margin
                 assert s.growth_tracker == 0
-                window = max(before.amax_exp, math.frexp(amax)[1]) if amax else before.amax_exp
+                window = max(before.window_exp, math.frexp(amax)[1]) if amax else before.window_exp
                 grown_by = round(math.log2(s.scale / before.scale))
-                assert window + grown_by <= LIMIT_EXP - policy.margin_bits
-        calibrated = s.amax_exp != CALIBRATING
+                assert window + grown_by <= policy.limit_exp - policy.margin_bits
+        calibrated = s.calibrated
 
 
 @settings(max_examples=150, deadline=None)
 @given(adaptive_configs, events)
 def test_device_form_agrees_with_pure_form(policy, seq):
     s = policy.init_state()
-    dev = DeviceState(s, torch.device("cpu"))
+    dev = TensorForm(policy, s)
     for found_inf, found_nan, amax in seq:
         s = policy.update(s, found_inf=found_inf, found_nan=found_nan, amax=amax)
-        device_update_(policy, dev, torch.tensor(float(found_inf)), torch.tensor(float(found_nan)),
-                       amax=None if amax is None else torch.tensor(amax, dtype=torch.float32))
+        dev.step(found_inf, found_nan, amax)
         got = dev.to_state()
         assert got == s.replace(streak_start_scale=got.streak_start_scale) and (
             s.overflow_streak == 0 or got.streak_start_scale == s.streak_start_scale)
@@ -165,7 +163,7 @@ def test_properties_shared_by_every_policy(policy, seq):
     the scale, a skipped step is exactly an overflow, and the device form agrees, for every policy."""
     needs_amax = getattr(policy, "needs_amax", False)
     s = policy.init_state()
-    dev = DeviceState(s, torch.device("cpu"))
+    dev = TensorForm(policy, s)
     lo = getattr(policy, "min_scale", None)
     hi = getattr(policy, "max_scale", None)
     for found_inf, found_nan, amax in seq:
@@ -174,8 +172,7 @@ def test_properties_shared_by_every_policy(policy, seq):
         kw = {"amax": amax} if needs_amax else {}
         before = s
         s = policy.update(s, found_inf=found_inf, found_nan=found_nan, **kw)
-        dkw = {"amax": None if amax is None else torch.tensor(amax, dtype=torch.float32)} if needs_amax else {}
-        device_update_(policy, dev, torch.tensor(float(found_inf)), torch.tensor(float(found_nan)), **dkw)
+        dev.step(found_inf, found_nan, amax)
         overflow = found_inf or (amax is not None and not math.isfinite(amax))
         assert math.isfinite(s.scale) and s.scale > 0 and is_power_of_two(s.scale)
         assert (lo is None or s.scale >= lo) and (hi is None or s.scale <= hi)
@@ -192,7 +189,7 @@ def test_properties_shared_by_every_policy(policy, seq):
 def test_calibrates_from_the_first_step_up_or_down_without_skipping():
     p = AdaptivePolicy(margin_bits=5, max_scale=None)
     s = p.update(p.init_state(), found_inf=False, amax=2.0**-11 * 1.5)  # 2**-11 <= amax < 2**-10: binade -10
-    assert s.scale == 2.0**16 * 2.0**(16 - 5 + 10) and s.skipped_steps == 0 and s.amax_exp == NO_AMAX
+    assert s.scale == 2.0**16 * 2.0**(16 - 5 + 10) and s.skipped_steps == 0 and s.window_exp == NO_AMAX and s.calibrated
     s = p.update(p.init_state(), found_inf=False, amax=40000.0)  # only 0.7 binade of headroom at 2**16
     assert s.scale == 2.0**16 * 2.0**(16 - 5 - 16)  # calibration may lower the scale, no overflow needed
     assert 40000.0 * s.scale / 2.0**16 < 2.0**(16 - 5)
@@ -201,7 +198,7 @@ def test_calibrates_from_the_first_step_up_or_down_without_skipping():
 def test_overflow_before_calibration_searches_down_then_calibrates():
     p = AdaptivePolicy()
     s = p.update(p.init_state(), found_inf=True, amax=math.inf)
-    assert s.scale == 1.0 and s.skipped_steps == 1 and s.amax_exp == CALIBRATING  # 2**16 / 2**16
+    assert s.scale == 1.0 and s.skipped_steps == 1 and not s.calibrated  # 2**16 / 2**16
     s = p.update(s, found_inf=False, amax=300.0)  # binade 9
     assert s.scale == 2.0**(16 - 5 - 9) and s.skipped_steps == 1
 
@@ -209,7 +206,7 @@ def test_overflow_before_calibration_searches_down_then_calibrates():
 def test_zero_gradients_search_up_before_calibration_and_hold_after():
     p = AdaptivePolicy(max_scale=2.0**40)
     s = p.update(p.init_state(), found_inf=False, amax=0.0)
-    assert s.scale == 2.0**32 and s.amax_exp == CALIBRATING
+    assert s.scale == 2.0**32 and not s.calibrated
     for _ in range(5):
         s = p.update(s, found_inf=False, amax=0.0)
         assert s.scale <= 2.0**40  # bounded: never past max_scale
@@ -234,9 +231,9 @@ def test_grows_only_at_the_end_of_a_window_by_the_windows_largest_amax():
     assert s.scale == 2.0**16
     s = p.update(s, False, amax=2.0**3)  # binade 4: room for 8 binades...
     s = p.update(s, False, amax=2.0**5)  # ...binade 6: room for 6
-    assert s.scale == 2.0**16 and s.amax_exp == 6  # not before the window ends
+    assert s.scale == 2.0**16 and s.window_exp == 6  # not before the window ends
     s = p.update(s, False, amax=2.0**4)
-    assert s.scale == 2.0**22 and s.growth_tracker == 0 and s.amax_exp == NO_AMAX
+    assert s.scale == 2.0**22 and s.growth_tracker == 0 and s.window_exp == NO_AMAX and s.calibrated
     for _ in range(3):  # a window at the margin: hold (no decrease on clean steps either)
         s = p.update(s, False, amax=2.0**14)
     assert s.scale == 2.0**22
@@ -323,7 +320,7 @@ def test_scaler_feeds_the_policy_the_scaled_amax(kind):
     for step in range(7):
         _, amax = _iteration(model, opt, scaler, step, mult=2.0**-20, clip=kind == "sgd_clip")
         expected = policy.update(expected, found_inf=not math.isfinite(amax), amax=amax)
-        assert scaler._scale_state() == expected, step
+        assert scaler.state() == expected, step
     assert scaler.get_scale() > 2.0**30  # calibrated far above torch's 2**16 for these tiny gradients
 
 
@@ -345,7 +342,7 @@ def test_scaler_takes_the_max_amax_over_optimizers():
     scaler.step(ob)
     scaler.update()
     assert math.isfinite(amax) and amax > amax_a  # b's amax decides
-    assert scaler._scale_state() == policy.update(policy.init_state(), False, amax=amax)
+    assert scaler.state() == policy.update(policy.init_state(), False, amax=amax)
 
 
 def test_large_gradients_cost_one_skip_not_one_per_halving():
@@ -368,9 +365,13 @@ def test_gradscaler_policy_name_maps_the_keywords():
                              max_scale=None, hysteresis=2)
     assert s.policy == AdaptivePolicy(growth_interval=7, init_scale=2.0**10, min_scale=None, max_scale=None,
                                       hysteresis=2)
+    # growth_factor is not the adaptive policy's (it grows by measured headroom): validated, warned about.
+    with pytest.warns(UserWarning, match="growth_factor=4.0 do\\(es\\) not apply"):
+        s = lossscale.GradScaler(policy="adaptive", growth_factor=4.0)
+    assert s.policy == AdaptivePolicy()
     with pytest.raises(ValueError, match="growth_factor"):
-        lossscale.GradScaler(policy="adaptive", growth_factor=4.0)
-    assert "adaptive" in lossscale._policy_registry.names()
+        lossscale.GradScaler(policy="adaptive", growth_factor=0.5)
+    assert "adaptive" in lossscale.policy.policy_names()
 
 
 def test_state_dict_round_trip_covers_every_field():
@@ -380,8 +381,8 @@ def test_state_dict_round_trip_covers_every_field():
     scaler = lossscale.GradScaler(policy=policy)
     drive(scaler, (False, True, False, True, True, False))
     sd = scaler.state_dict()
-    defaults = ScaleState(scale=1.0)
-    assert all(sd["state"][k] != getattr(defaults, k) for k in ("amax_exp", "growth_tracker", "hysteresis_tracker",
+    defaults = AdaptiveState(scale=1.0)
+    assert all(sd["state"][k] != getattr(defaults, k) for k in ("window_exp", "growth_tracker", "hysteresis_tracker",
                                                                 "nan_steps", "streak_start_scale"))
     other = lossscale.GradScaler()
     other.load_state_dict(sd)

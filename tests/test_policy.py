@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale import DynamicPolicy, ScaleState, StaticPolicy, is_power_of_two
-from lossscale._device_rules import DeviceState, device_update_
+from _rules import TensorForm
 
 
 def f32(x):
@@ -89,10 +89,10 @@ def test_matches_reference_and_invariants(policy, seq):
 @given(configs, flags)
 def test_device_form_agrees_with_pure_form(policy, seq):
     s = policy.init_state()
-    dev = DeviceState(s, torch.device("cpu"))
+    dev = TensorForm(policy, s)
     for overflow, nan in seq:
         s = policy.update(s, found_inf=overflow, found_nan=nan)
-        device_update_(policy, dev, torch.tensor(float(overflow)), torch.tensor(float(nan)))
+        dev.step(overflow, nan)
         got = dev.to_state()
         assert got == s.replace(streak_start_scale=got.streak_start_scale) and (
             s.overflow_streak == 0 or got.streak_start_scale == s.streak_start_scale)
@@ -103,10 +103,10 @@ def test_device_form_agrees_with_pure_form(policy, seq):
 def test_static_policy_never_changes_scale_and_agrees_on_device(scale, seq):
     policy = StaticPolicy(scale=scale)
     s = policy.init_state()
-    dev = DeviceState(s, torch.device("cpu"))
+    dev = TensorForm(policy, s)
     for overflow, nan in seq:
         s = policy.update(s, found_inf=overflow, found_nan=nan)
-        device_update_(policy, dev, torch.tensor(float(overflow)), torch.tensor(float(nan)))
+        dev.step(overflow, nan)
         assert s.scale == scale
         assert dev.to_state().replace(streak_start_scale=0.0) == s.replace(streak_start_scale=0.0)
     assert s.skipped_steps == sum(o for o, _ in seq)

@@ -1,27 +1,52 @@
 """lossscale: safe, observable, fast FP16 loss scaling for PyTorch.
 
 ``lossscale.GradScaler`` is a drop-in for ``torch.amp.GradScaler`` (bitwise identical where configured
-the same) built on a pure, framework-free scale policy (``lossscale.policy``), with gradient telemetry
-(``grad_stats``, ``ActivationGradRecorder``) that shows the underflow other scalers ignore.
-Importing lossscale never imports matplotlib.
+the same) built on pure, framework-free scale policies (``lossscale.policy`` and one module per
+policy), with gradient telemetry (``grad_stats``, ``ActivationGradRecorder``) that shows the underflow
+other scalers ignore.
+
+Importing lossscale imports the policies and ``formats`` only, which need no torch: the torch-facing
+names (``GradScaler``, ``grad_stats``, ...) load on first use. It never imports matplotlib.
 """
 
+from __future__ import annotations
+
+import importlib
+
 from . import formats
-from .adaptive import AdaptivePolicy
-from .hooks import ActivationGradRecorder, activation_grad_probe
-from .policy import DynamicPolicy, ScaleState, StaticPolicy, diagnose, is_power_of_two
-from .scaler import GradScaler, OptState
-from .stats import GradStats, grad_stats, recommend_scale
-from .telemetry import JsonlLogger, Telemetry
+from .adaptive import AdaptivePolicy, AdaptiveState
+from .dynamic import DynamicPolicy, DynamicState
+from .logmax import LogMaxPolicy, LogMaxState
+from .policy import Policy, ScaleState, diagnose, is_power_of_two
+from .static import StaticPolicy, StaticState
 
 __version__ = "0.1.0"
+
+# Names that need torch, and the module each lives in: imported on first access (PEP 562).
+_LAZY = {
+    "GradScaler": "scaler",
+    "OptState": "scaler",
+    "grad_stats": "stats",
+    "GradStats": "stats",
+    "recommend_scale": "stats",
+    "ActivationGradRecorder": "hooks",
+    "activation_grad_probe": "hooks",
+    "Telemetry": "telemetry",
+    "JsonlLogger": "telemetry",
+}
 
 __all__ = [
     "GradScaler",
     "OptState",
+    "Policy",
     "DynamicPolicy",
+    "DynamicState",
     "StaticPolicy",
+    "StaticState",
     "AdaptivePolicy",
+    "AdaptiveState",
+    "LogMaxPolicy",
+    "LogMaxState",
     "ScaleState",
     "diagnose",
     "is_power_of_two",
@@ -34,3 +59,16 @@ __all__ = [
     "Telemetry",
     "JsonlLogger",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,4 +1,7 @@
-"""``GradScaler.clip_grad_norm_``: unscale, check and clip in two passes over the gradients, not five.
+"""``GradScaler.clip_grad_norm_``'s arithmetic: unscale, check and clip in two passes over the gradients, not five.
+
+This module computes on tensors only; the scaler does the bookkeeping (stages, the skip decision,
+the reduction across ranks) through its gradient check, as for ``unscale_``.
 
 torch's recipe reads and writes every gradient three times::
 
@@ -50,9 +53,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from . import _kernels
+from . import _device, _kernels
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_scaled_", "validate"]
 
 # Norm types whose per-tensor kernels (sum |x|, sum x*x then sqrt, max |x|) scale exactly by 2**k.
 _SCALE_EXACT = (1.0, 2.0, math.inf)
@@ -75,7 +78,8 @@ def _groups(grads: List[torch.Tensor]) -> List[Tuple[List[torch.Tensor], List[in
     return list(out.values())
 
 
-def _validate(max_norm, norm_type) -> float:
+def validate(max_norm, norm_type) -> float:
+    """Check the arguments before anything changes; returns ``norm_type`` as a float."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm < 0:
         raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (inf: no clipping, only the norm).")
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
@@ -86,90 +90,55 @@ def _validate(max_norm, norm_type) -> float:
     return float(norm_type)
 
 
-def clip_grad_norm_(scaler, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """See :meth:`lossscale.GradScaler.clip_grad_norm_` (this is its body)."""
-    from .policy import StaticPolicy
-    from .scaler import OptState
+def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float, norm_type: float
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+    """Unscale and clip ``grads`` (the *scaled* gradients) in place by their true total norm.
 
-    norm_type = _validate(max_norm, norm_type)
-    if not scaler._enabled:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    st = scaler._require_state("clip_grad_norm_()")
-    rec = scaler._record(optimizer)
-    if rec.stage is OptState.UNSCALED:
-        raise RuntimeError(
-            "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
-            "already called on this optimizer since the last update(); call only one of them per iteration."
-        )
-    if rec.stage is OptState.STEPPED:
-        raise RuntimeError("clip_grad_norm_() is being called after step(); call it before step() in the iteration.")
-    sync = not getattr(optimizer, "_step_supports_amp_scaling", False)
-    policy = scaler._policy
-    passthrough = isinstance(policy, StaticPolicy) and policy.scale == 1.0
-    with torch.no_grad():
-        grads = scaler._gather(optimizer, allow_half=passthrough)
-        params = rec.params
-        if scaler._gathered_sparse:
-            # The norm of a sparse tensor is the norm of its *coalesced* values (duplicates add up).
-            for i, p in enumerate(params):
-                if p.grad.is_sparse and not p.grad.is_coalesced():
-                    p.grad = p.grad.coalesce()
-                    grads[i] = p.grad._values()
-        if scaler._telemetry is not None:
-            scaler._telemetry.observe(scaler, optimizer, params, grads)
-        amax = None
-        if getattr(policy, "needs_amax", False):
-            # The policy learns from max|g| of the *scaled* gradients: take it before anything below
-            # rewrites them (one read pass, what the adaptive policy costs in unscale_ as well).
-            _, amax = _kernels.amax_per_tensor(_kernels.group_grads(grads), st.device)
-        # Inverse in float64, as unscale_ and torch: exact for a power of two either way.
-        inv_scale = st.scale.double().reciprocal().float()
-        groups = _groups(grads)
-        exact = norm_type in _SCALE_EXACT
-        norms, order = [], []
-        for tensors, indices in groups:
-            if not exact:  # unscale first: these norms are torch's only when taken of unscaled values
-                torch._foreach_mul_(tensors, inv_scale.to(tensors[0].device, non_blocking=True))
-            norms.extend(torch._foreach_norm(tensors, norm_type))
-            order.extend(indices)
-        if not norms:
-            total = torch.zeros((), dtype=torch.float32, device=st.device)
-            per_tensor = torch.zeros(0, dtype=torch.float32, device=st.device)
-        else:
-            first = grads[0].device  # torch stacks the norms on the first gradient's device
-            stacked = torch.stack([n.to(first) for n in norms])
-            total = torch.linalg.vector_norm(stacked, norm_type)
-            per_tensor = stacked.float().to(st.device, non_blocking=True)
-        # What is left to divide by: 1/S, or nothing when the gradients were unscaled first.
-        inv = inv_scale.to(total.device) if exact else torch.ones_like(inv_scale, device=total.device)
-        true_norm = total * inv  # exact: ||g|| / S == ||g / S|| for S = 2**k
-        # torch's clip_grad_norm_, verbatim, on the true norm.
-        clip_coef = max_norm / (true_norm + 1e-6)
-        clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-        # [non-finite, NaN]: total - total is NaN exactly when total is inf or NaN (a norm is never
-        # -inf); one isnan gives both flags (torch.isfinite alone is four kernels on CPU).
-        bad = torch.isnan(torch.stack([total - total, total]))
-        multiplier = torch.where(bad[0], inv, clip_coef_clamped * inv)
-        per_device = {}
-        for tensors, _ in groups:
-            device = tensors[0].device
-            m = per_device.get(device)
-            if m is None:
-                m = per_device[device] = multiplier.to(device, non_blocking=True)
-            torch._foreach_mul_(tensors, m)
-        flags = bad.float().to(st.device, non_blocking=True)
-    if amax is None:
-        found_inf, found_nan = scaler._reduce_flags(flags[0], flags[1])
+    Args:
+        grads: the gradients to clip (dense, or the coalesced values of sparse ones).
+        scale: the float32 0-dim scale the gradients carry; results land on its device.
+        max_norm, norm_type: as ``torch.nn.utils.clip_grad_norm_`` (validated by :func:`validate`).
+
+    Returns:
+        ``(true_norm, flags, per_tensor, order)``: the total norm of the unscaled gradients (a
+        tensor: no sync); ``flags``, float32 ``[non-finite, NaN]`` of that norm (this rank's, not
+        reduced); the per-tensor norms of the *scaled* gradients (a NaN or inf one names the tensor
+        that held it, like an amax vector) and the index into ``grads`` of each, in that order.
+    """
+    device = scale.device
+    # Inverse in float64, as unscale_ and torch: exact for a power of two either way.
+    inv_scale = _device.reciprocal(scale)
+    groups = _groups(grads)
+    exact = norm_type in _SCALE_EXACT
+    norms, order = [], []
+    for tensors, indices in groups:
+        if not exact:  # unscale first: these norms are torch's only when taken of unscaled values
+            torch._foreach_mul_(tensors, _kernels.to_device(inv_scale, tensors[0].device))
+        norms.extend(torch._foreach_norm(tensors, norm_type))
+        order.extend(indices)
+    if not norms:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        per_tensor = torch.zeros(0, dtype=torch.float32, device=device)
     else:
-        found_inf, found_nan, rec.amax = scaler._reduce_flags(flags[0], flags[1], amax)
-    rec.found_inf = {st.device: found_inf}
-    rec.found_nan = found_nan
-    # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor holding
-    # a NaN and inf for one holding an inf, so it serves as the amax vector does elsewhere.
-    rec.params = [params[i] for i in order]
-    rec.amax_vectors = [per_tensor] if norms else []
-    if sync:
-        rec.host_found = bool(found_inf.item())  # THE sync of this optimizer's iteration, as in unscale_()
-    rec.stage = OptState.UNSCALED
-    return true_norm
+        first = grads[0].device  # torch stacks the norms on the first gradient's device
+        stacked = torch.stack([n.to(first) for n in norms])
+        total = torch.linalg.vector_norm(stacked, norm_type)
+        per_tensor = _kernels.to_device(stacked.float(), device)
+    # What is left to divide by: 1/S, or nothing when the gradients were unscaled first.
+    inv = _kernels.to_device(inv_scale, total.device) if exact else torch.ones_like(inv_scale, device=total.device)
+    true_norm = total * inv  # exact: ||g|| / S == ||g / S|| for S = 2**k
+    # torch's clip_grad_norm_, verbatim, on the true norm.
+    clip_coef = max_norm / (true_norm + 1e-6)
+    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    # [non-finite, NaN]: total - total is NaN exactly when total is inf or NaN (a norm is never
+    # -inf); one isnan gives both flags (torch.isfinite alone is four kernels on CPU).
+    bad = torch.isnan(torch.stack([total - total, total]))
+    multiplier = torch.where(bad[0], inv, clip_coef_clamped * inv)
+    per_device: Dict[torch.device, torch.Tensor] = {}
+    for tensors, _ in groups:
+        target = tensors[0].device
+        m = per_device.get(target)
+        if m is None:
+            m = per_device[target] = _kernels.to_device(multiplier, target)
+        torch._foreach_mul_(tensors, m)
+    return true_norm, _kernels.to_device(bad.float(), device), per_tensor, order

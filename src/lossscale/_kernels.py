@@ -1,5 +1,8 @@
 """Fused passes over lists of gradients: grouping, check+unscale, read-only check.
 
+Kernel choice per device type lives here (:data:`AMAX_KERNELS`), as data, not as control flow in
+the scaler: the sequence of operations is the same on every device.
+
 Nothing here loops over tensors in Python to compute: every pass is one foreach kernel per
 (device, dtype) group, as in ``torch.amp.GradScaler`` (a per-tensor ``isfinite().all()`` loop is
 7-8x slower on CPU).
@@ -7,6 +10,7 @@ Nothing here loops over tensors in Python to compute: every pass is one foreach 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Dict, Iterable, List, Tuple
 
@@ -53,11 +57,50 @@ def check_and_unscale_(groups: Groups, inv_scale: torch.Tensor, found_inf: torch
     per_device: Dict[torch.device, torch.Tensor] = {}
     for device, per_dtype in groups.items():
         flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-        inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
+        inv = to_device(inv_scale, device)
         for grads in per_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         per_device[device] = flag
     return per_device
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, without waiting where that is safe.
+
+    A copy *to the CPU* is blocking: ``non_blocking=True`` would return a pinned buffer that the
+    host may read (a CPU kernel runs at once) before the device has filled it. Copies to an
+    accelerator are queued on its stream, after whatever produced ``t``, so they need no wait.
+    """
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
+def _amax_aminmax(grads: List[torch.Tensor]) -> torch.Tensor:
+    """max |x| per tensor from ``aminmax``: one vectorised read each; NaN propagates, -inf shows in the min."""
+    lo, hi = zip(*[torch.aminmax(g) for g in grads])
+    # max(hi, -lo) = max|x|; maximum propagates NaN, and -(-inf) = inf.
+    return torch.maximum(torch.stack(hi), torch.stack(lo).neg_())
+
+
+def _amax_foreach_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """max |x| per tensor as ``_foreach_norm(ord=inf)``: one multi-tensor launch per group, whatever
+    the number of tensors. CUDA's kernel takes ``max_propagate_nan(acc, |x|)``
+    (aten/src/ATen/native/cuda/ForeachReduceOp.cu), so a NaN anywhere makes that tensor's value NaN."""
+    return torch.stack(torch._foreach_norm(grads, math.inf))
+
+
+#: The read-only max|x| kernel per device type. Measured on CPU (docs/performance.md): ``aminmax`` per
+#: tensor is the fastest exact formulation there, ``_foreach_norm(inf)`` 7-8x slower. On CUDA a
+#: launch per tensor costs more than the read itself for small tensors, so the multi-tensor kernel is
+#: used; ``benchmarks/gpu_check.sh`` measures it on the first GPU.
+AMAX_KERNELS = {"cpu": _amax_aminmax}
+DEFAULT_AMAX_KERNEL = _amax_foreach_norm
+
+
+def amax_kernel(device: torch.device):
+    """The read-only max|x| kernel for ``device``'s type (see :data:`AMAX_KERNELS`)."""
+    return AMAX_KERNELS.get(device.type, DEFAULT_AMAX_KERNEL)
 
 
 def amax_per_tensor(groups: Groups, device: torch.device) -> Tuple[List[torch.Tensor], torch.Tensor]:
@@ -66,22 +109,15 @@ def amax_per_tensor(groups: Groups, device: torch.device) -> Tuple[List[torch.Te
     Returns the per-tensor float32 amax vectors (one per group, in group order) and their overall
     maximum on ``device`` (NaN-propagating: ``torch.max`` keeps NaN). Nothing is written.
 
-    Why ``aminmax`` per tensor: it is the fastest exact read-only formulation measured on CPU (one
-    vectorised read of each tensor, NaN-propagating, and -inf shows in the min). The obvious
-    ``torch._foreach_norm(grads, inf)`` runs 7-8x slower than torch's check+unscale kernel there;
-    ``_foreach_max`` is a little faster but blind to -inf; a 2-norm overflows float32 for finite scaled
-    gradients past ~1.8e19 (a false overflow torch would not see) and is 4-8x slower on fp16.
-    Reductions cost more per tensor than an elementwise kernel, so on many small (cache-resident)
-    tensors this pass is *slower* than torch's read+write kernel; it wins on large ones (see
-    docs/performance.md).
+    The kernel depends on the gradients' device type (:func:`amax_kernel`). Alternatives measured
+    and rejected: a 2-norm overflows float32 for finite scaled gradients past ~1.8e19 (a false
+    overflow torch would not see) and is 4-8x slower on fp16; ``_foreach_max`` is blind to -inf.
     """
     vectors = []
-    for per_dtype in groups.values():
+    for grad_device, per_dtype in groups.items():
+        kernel = amax_kernel(grad_device)
         for grads in per_dtype.values():
-            lo, hi = zip(*[torch.aminmax(g) for g in grads])
-            # max(hi, -lo) = max|x|; maximum propagates NaN, and -(-inf) = inf.
-            amax = torch.maximum(torch.stack(hi), torch.stack(lo).neg_())
-            vectors.append(amax.float().to(device, non_blocking=True))
+            vectors.append(to_device(kernel(grads).float(), device))
     if not vectors:
         return [], torch.zeros((), dtype=torch.float32, device=device)
     overall = torch.cat(vectors).max() if len(vectors) > 1 else vectors[0].max()

@@ -9,7 +9,8 @@ of the gradients on the non-fused path), and works in binades
 rounding to disagree about between host and device.
 
 The rule, as pseudocode (``e`` is the binade of the scaled amax: ``amax < 2**e``, i.e.
-``math.frexp(amax)[1]``; ``LIMIT = 16`` because FP16's max 65504 is just under 2**16; ``shift(s, k)``
+``math.frexp(amax)[1]``; ``LIMIT`` is the binade of the target format's max, 16 for FP16 because
+65504 is just under 2**16 (``AdaptivePolicy.limit_exp``, from :mod:`lossscale.formats`); ``shift(s, k)``
 is ``s * 2**k`` clamped to [min_scale, max_scale])::
 
     if amax is not finite: found_inf = True             # a non-finite amax is an overflow
@@ -18,7 +19,7 @@ is ``s * 2**k`` clamped to [min_scale, max_scale])::
         if found_inf:      scale = shift(scale, -search_bits)     # skipped; search down fast
         elif amax == 0:    scale = shift(scale, +search_bits)     # everything flushed; search up
         elif amax > 0:     scale = shift(scale, LIMIT - margin_bits - e)    # calibrate: jump there
-                           calibrated = True; window = EMPTY
+                           calibrated = True
     elif found_inf:                                       # overflow: skip and back off, as dynamic
         window = EMPTY; growth_tracker = 0
         hysteresis_tracker = max(hysteresis_tracker - 1, 0)
@@ -58,12 +59,12 @@ Why it is safe, and what it measures:
   zeros, so it cannot run away to ``max_scale`` the way a clean-step counter can).
 * **Power of two, bounds, no sync.** Moves are by whole binades (exact), the backoff by
   ``backoff_factor`` (0.5 by default), all clamped to [``min_scale``, ``max_scale``] (float32's
-  [2**-126, 2**127] when None). The device form (``lossscale._device_rules.adaptive_update_``) takes
+  [2**-126, 2**127] when None). The device form (:meth:`AdaptivePolicy.tensor_update`, below) takes
   every decision with tensor ops, ``frexp`` for the binade, and agrees with this one bitwise.
 
-State: the policy reuses :class:`~lossscale.policy.ScaleState`. ``amax_exp`` holds the window's
-largest binade (``NO_AMAX`` when the window measured nothing, ``CALIBRATING`` before the first
-measurement); ``growth_tracker`` counts the clean steps of the window.
+State (:class:`AdaptiveState`): the shared counters, ``growth_tracker`` (the clean steps of the
+window), ``hysteresis_tracker``, ``calibrated``, and ``window_exp``, the window's largest binade
+(``NO_AMAX`` while the window has measured nothing: ``EMPTY`` above).
 
 Example (a training loop drives the state; here by hand)::
 
@@ -83,30 +84,32 @@ Example (a training loop drives the state; here by hand)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from . import _policy_registry
+from . import formats
 from .policy import (
-    NO_AMAX,
+    SIGNED,
+    PolicyBase,
     ScaleState,
-    _check_flags,
-    _count,
-    _f32,
-    _positive_finite,
-    _validate_backoff,
-    _validate_stuck,
-    _warn_not_powers_of_two,
+    _torch,
+    count,
+    count_tensor,
+    f32,
+    positive_finite,
+    register,
+    stuck_at_bound_or_streak,
+    validate_backoff,
+    validate_int,
+    validate_stuck,
+    warn_not_powers_of_two,
 )
 
-__all__ = ["AdaptivePolicy", "CALIBRATING", "LIMIT_EXP"]
+__all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 
-#: FP16's largest finite value, 65504, is just under 2**16 (FP8 e5m2's 57344 too): a scaled amax
-#: below 2**(LIMIT_EXP - margin_bits) is at least ``margin_bits`` binades under overflow.
-LIMIT_EXP = 16
-
-#: ``ScaleState.amax_exp`` before the first measurable amax (below NO_AMAX and every real exponent).
-CALIBRATING = NO_AMAX - 1
+#: ``AdaptiveState.window_exp`` while the current window has measured no amax. Below the binade of
+#: every float32 (>= -148), so ``max(window, e)`` needs no special case.
+NO_AMAX = -(2**30)
 
 #: Bounds of the scale when ``min_scale`` / ``max_scale`` is None: float32's normal powers of two.
 LOWEST_SCALE, HIGHEST_SCALE = 2.0**-126, 2.0**127
@@ -115,13 +118,20 @@ LOWEST_SCALE, HIGHEST_SCALE = 2.0**-126, 2.0**127
 #: keeps ``scale * 2**k`` finite and normal in float64, where both forms compute it.
 MAX_SHIFT = 400
 
-_GRADSCALER_DEFAULT_INTERVAL = 2000  # GradScaler's growth_interval default (torch's)
-
 
 def _shift(scale: float, k: int, lo: float, hi: float) -> float:
     """``scale * 2**k`` clamped to [lo, hi], as float32 (exact: only the exponent moves)."""
     k = max(-MAX_SHIFT, min(MAX_SHIFT, k))
-    return _f32(min(max(math.ldexp(scale, k), lo), hi))
+    return f32(min(max(math.ldexp(scale, k), lo), hi))
+
+
+def _shift_tensor(scale, k, lo: float, hi: float):
+    """:func:`_shift` on device: ``2**k`` is built from its float64 bit pattern (exact for any
+    |k| <= 1022), and the product is taken in float64, where it cannot overflow or round, so the
+    result is bitwise the host's ``math.ldexp``."""
+    k = k.clamp(-MAX_SHIFT, MAX_SHIFT)
+    pow2 = ((k + 1023) << 52).view(_torch().float64)
+    return (scale.double() * pow2).clamp(lo, hi).float()
 
 
 def _binade(amax: float) -> int:
@@ -130,7 +140,26 @@ def _binade(amax: float) -> int:
 
 
 @dataclass(frozen=True)
-class AdaptivePolicy:
+class AdaptiveState(ScaleState):
+    """:class:`~lossscale.policy.ScaleState` plus the adaptive rule's window.
+
+    Attributes:
+        growth_tracker: clean steps in the current window.
+        hysteresis_tracker: overflows still tolerated before backing off (after calibration).
+        calibrated: whether a first amax has been measured (before: the scale searches).
+        window_exp: the largest binade ``e`` (``amax < 2**e``) of the scaled gradients in the current
+            window; ``NO_AMAX`` when the window measured nothing.
+    """
+
+    growth_tracker: int = 0
+    hysteresis_tracker: int = 1
+    calibrated: bool = False
+    window_exp: int = field(default=NO_AMAX, metadata=SIGNED)
+
+
+@register
+@dataclass(frozen=True)
+class AdaptivePolicy(PolicyBase):
     """Loss scaling from measured gradient statistics: calibrate, grow by headroom, back off on overflow.
 
     The rule is in this module's docstring. Use it with ``lossscale.GradScaler(policy="adaptive")``
@@ -140,7 +169,7 @@ class AdaptivePolicy:
 
     Args:
         init_scale: the scale of the first step, used until calibration. Default 2**16, torch's.
-        margin_bits: binades kept between the measured amax and FP16's overflow line (int >= 1).
+        margin_bits: binades kept between the measured amax and the format's overflow line (int >= 1).
             Default 5: covers the parameter-vs-activation proxy gap and the early rise of the
             gradients measured on the benchmark (see docs/policies.md); each binade of margin costs
             the bottom binade of the gradient distribution.
@@ -156,10 +185,16 @@ class AdaptivePolicy:
             :class:`~lossscale.DynamicPolicy`. Measured growth cannot run away on zero gradients, so
             ``max_scale=None`` is safe here when gradients really live below 2**-40.
         on_stuck, max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`.
+        fmt: the format the scaled gradients must fit (``lossscale.formats`` name, default "fp16"):
+            the overflow line is the binade of its largest value (:attr:`limit_exp`).
 
     ``update`` takes ``amax``: the max |g| over the *scaled* gradients of the iteration, as a float32
     value (None: not measured, nothing learned).
     """
+
+    name = "adaptive"
+    state_type = AdaptiveState
+    needs_amax = True
 
     init_scale: float = 2.0**16
     margin_bits: int = 5
@@ -172,25 +207,22 @@ class AdaptivePolicy:
     max_scale: Optional[float] = 2.0**24
     on_stuck: str = "warn"
     max_consecutive_skips: Optional[int] = None
-
-    torch_compatible = False
-    #: The scaler computes the amax of the scaled gradients for policies that set this. Across ranks it
-    #: passes the MAX of the ranks' finite amax (an inf/NaN one is sent as 0 in the flags' collective),
-    #: so a policy that sets it must ignore ``amax`` when ``found_inf`` (this one does, in both forms).
-    needs_amax = True
+    fmt: str = "fp16"
 
     def __post_init__(self):
-        _positive_finite("init_scale", self.init_scale)
-        for name, lo, hi in (("margin_bits", 1, 30), ("growth_interval", 1, None), ("search_bits", 1, 64),
-                             ("hysteresis", 1, None)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-                raise ValueError(f"{name}={v!r} must be an int in [{lo}, {hi if hi is not None else 'inf'}].")
-        _validate_backoff(self.backoff_factor)
+        positive_finite("init_scale", self.init_scale)
+        validate_int("margin_bits", self.margin_bits, 1, 30)
+        validate_int("growth_interval", self.growth_interval, 1)
+        validate_int("search_bits", self.search_bits, 1, 64)
+        validate_int("hysteresis", self.hysteresis, 1)
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError(f"consecutive_hysteresis={self.consecutive_hysteresis!r} must be a bool.")
+        validate_backoff(self.backoff_factor)
+        formats.get(self.fmt)  # raises ValueError naming fmt and the valid names
         for name in ("min_scale", "max_scale"):
             v = getattr(self, name)
             if v is not None:
-                _positive_finite(name, v)
+                positive_finite(name, v)
                 if not LOWEST_SCALE <= v <= HIGHEST_SCALE:
                     raise ValueError(f"{name}={v!r} must lie in float32's [2**-126, 2**127].")
         lo, hi = self.bounds()
@@ -198,21 +230,32 @@ class AdaptivePolicy:
             raise ValueError(f"min_scale={self.min_scale!r} is above max_scale={self.max_scale!r}; swap them.")
         if not lo <= self.init_scale <= hi:
             raise ValueError(f"init_scale={self.init_scale!r} is outside [min_scale={lo!r}, max_scale={hi!r}].")
-        _validate_stuck(self.on_stuck, self.max_consecutive_skips)
-        _warn_not_powers_of_two(self, ("init_scale", "backoff_factor", "min_scale", "max_scale"))
+        validate_stuck(self.on_stuck, self.max_consecutive_skips)
+        warn_not_powers_of_two(self, ("init_scale", "backoff_factor", "min_scale", "max_scale"))
+
+    @property
+    def limit_exp(self) -> int:
+        """The binade of the format's largest finite value (fp16: 65504 < 2**16, so 16)."""
+        return _binade(formats.get(self.fmt).max)
 
     def bounds(self) -> Tuple[float, float]:
         """(lowest, highest) scale as float32 values; float32's normal range where a bound is None."""
-        lo = LOWEST_SCALE if self.min_scale is None else _f32(self.min_scale)
-        hi = HIGHEST_SCALE if self.max_scale is None else _f32(self.max_scale)
+        lo = LOWEST_SCALE if self.min_scale is None else f32(self.min_scale)
+        hi = HIGHEST_SCALE if self.max_scale is None else f32(self.max_scale)
         return lo, hi
 
-    def init_state(self) -> ScaleState:
-        """The state before the first step (not yet calibrated)."""
-        return ScaleState(scale=_f32(self.init_scale), hysteresis_tracker=self.hysteresis, amax_exp=CALIBRATING)
+    def torch_state(self, state: AdaptiveState):
+        """torch's keys: a torch scaler that loads them grows by 2 once per window (it cannot measure)."""
+        out = super().torch_state(state)
+        out["growth_factor"] = 2.0
+        return out
 
-    def update(self, state: ScaleState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None) -> ScaleState:
+    def init_state(self) -> AdaptiveState:
+        """The state before the first step (not yet calibrated)."""
+        return AdaptiveState(scale=f32(self.init_scale), hysteresis_tracker=self.hysteresis)
+
+    def update(self, state: AdaptiveState, found_inf: bool, found_nan: bool = False,
+               amax: Optional[float] = None) -> AdaptiveState:
         """The next state after one iteration.
 
         ``found_inf``: any inf or NaN; ``found_nan``: NaN among them; ``amax``: max |g| of the scaled
@@ -220,65 +263,106 @@ class AdaptivePolicy:
         """
         if amax is not None and not math.isfinite(amax):
             found_inf, found_nan = True, bool(found_nan) or math.isnan(amax)
-        _check_flags(found_inf, found_nan)
-        counted = _count(state, found_inf, found_nan)
+        counted = count(state, found_inf, found_nan)
         lo, hi = self.bounds()
+        limit = self.limit_exp
         scale = state.scale
         measured = amax is not None and not found_inf and amax > 0
-        if state.amax_exp == CALIBRATING:
+        if not state.calibrated:
             if found_inf:
                 scale = _shift(scale, -self.search_bits, lo, hi)
             elif measured:
-                return counted.replace(scale=_shift(scale, LIMIT_EXP - self.margin_bits - _binade(amax), lo, hi),
-                                       growth_tracker=0, amax_exp=NO_AMAX)
+                return counted.replace(scale=_shift(scale, limit - self.margin_bits - _binade(amax), lo, hi),
+                                       growth_tracker=0, calibrated=True)
             elif amax == 0:  # every gradient flushed (or truly zero)
                 scale = _shift(scale, self.search_bits, lo, hi)
             return counted.replace(scale=scale, growth_tracker=0)
         if found_inf:
             hyst = max(state.hysteresis_tracker - 1, 0)
             if hyst == 0:
-                scale = max(_f32(scale * self.backoff_factor), lo)
-            return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst, amax_exp=NO_AMAX)
-        window = max(state.amax_exp, _binade(amax)) if measured else state.amax_exp
+                scale = max(f32(scale * self.backoff_factor), lo)
+            return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst, window_exp=NO_AMAX)
+        window = max(state.window_exp, _binade(amax)) if measured else state.window_exp
         growth = state.growth_tracker + 1
         hyst = self.hysteresis if self.consecutive_hysteresis else state.hysteresis_tracker
         if growth >= self.growth_interval:
-            k = LIMIT_EXP - self.margin_bits - window
+            k = limit - self.margin_bits - window
             if window != NO_AMAX and k > 0:
                 scale = _shift(scale, k, lo, hi)
             growth, window, hyst = 0, NO_AMAX, self.hysteresis
-        return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst, amax_exp=window)
+        return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst, window_exp=window)
 
-    def is_stuck(self, state: ScaleState, scale_before: float) -> bool:
+    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+        """:meth:`update` on device tensors, in place, without a host sync.
+
+        ``amax``: float32 0-dim tensor on the state's device, the max |g| of the scaled gradients
+        (NaN/inf when they hold one), or None when not measured.
+        """
+        torch = _torch()
+        overflow = found_inf > 0
+        nan = found_nan > 0
+        no = torch.zeros((), dtype=torch.bool, device=overflow.device)
+        if amax is None:
+            measured = zero = no
+            e = torch.zeros((), dtype=torch.int64, device=overflow.device)
+        else:
+            amax = amax.to(dtype=torch.float32)
+            overflow = overflow | ~torch.isfinite(amax)  # a non-finite amax is an overflow
+            nan = nan | torch.isnan(amax)
+            measured = ~overflow & (amax > 0)
+            zero = ~overflow & (amax == 0)
+            e = torch.frexp(amax)[1].to(torch.int64)  # amax < 2**e; meaningless unless measured
+        count_tensor(t, overflow, nan & overflow)
+        lo, hi = self.bounds()
+        window, hyst = t.window_exp, t.hysteresis_tracker
+        calibrating = t.calibrated == 0
+        scale = t.scale
+        top = self.limit_exp - self.margin_bits
+        # Before calibration: search on overflow / all-zero gradients, jump to the target on a measurement.
+        step = torch.where(overflow, -self.search_bits, self.search_bits).to(torch.int64)
+        searched = _shift_tensor(scale, step, lo, hi)
+        cal_scale = torch.where(measured, _shift_tensor(scale, top - e, lo, hi),
+                                torch.where(overflow | zero, searched, scale))
+        # After calibration: back off on overflow (hysteresis as dynamic), grow at the end of a clean window.
+        spent = (hyst - 1).clamp_min(0)
+        down = (scale.double() * self.backoff_factor).float().clamp_min(lo)
+        new_window = torch.where(measured, torch.maximum(window, e), window)
+        tracker = t.growth_tracker + 1
+        check = ~overflow & (tracker >= self.growth_interval)
+        k = top - new_window
+        grow = check & (new_window != NO_AMAX) & (k > 0)
+        run_scale = torch.where(overflow, torch.where(spent == 0, down, scale),
+                                torch.where(grow, _shift_tensor(scale, k, lo, hi), scale))
+        scale.copy_(torch.where(calibrating, cal_scale, run_scale))
+        t.growth_tracker.copy_(torch.where(calibrating | overflow | check, torch.zeros_like(tracker), tracker))
+        refill = torch.full_like(hyst, self.hysteresis)
+        keep = refill if self.consecutive_hysteresis else hyst
+        run_hyst = torch.where(overflow, spent, torch.where(check, refill, keep))
+        hyst.copy_(torch.where(calibrating, hyst, run_hyst))
+        run_window = torch.where(overflow | check, torch.full_like(window, NO_AMAX), new_window)
+        window.copy_(torch.where(calibrating, window, run_window))
+        t.calibrated.copy_(t.calibrated | (calibrating & measured))
+
+    def is_stuck(self, state: AdaptiveState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.
 
         An overflow while the scale already sat at its lower bound, or a streak of
         ``max_consecutive_skips``.
         """
-        if state.overflow_streak == 0:
-            return False
-        at_min = scale_before <= self.bounds()[0]
-        too_long = self.max_consecutive_skips is not None and state.overflow_streak >= self.max_consecutive_skips
-        return at_min or too_long
+        return stuck_at_bound_or_streak(self, state, scale_before, self.bounds()[0])
 
+    def scale_bounds(self):
+        """(lowest, highest) scale: float32's normal range where a bound is None."""
+        return self.bounds()
 
-def _from_gradscaler_kwargs(*, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                            consecutive_hysteresis, min_scale, max_scale, on_stuck, max_consecutive_skips):
-    """``GradScaler(policy="adaptive", ...)``: the scale keywords mapped onto :class:`AdaptivePolicy`.
-
-    ``growth_factor`` does not apply (growth is by measured headroom) and must stay at 2.0;
-    ``growth_interval`` sets the window when given, and its GradScaler default (2000, torch's) means
-    the adaptive default window.
-    """
-    if growth_factor != 2.0:
-        raise ValueError(
-            f"growth_factor={growth_factor!r} does not apply to policy='adaptive': it grows by as many "
-            "binades as the measured headroom allows. Leave growth_factor at its default."
-        )
-    extra = {} if growth_interval == _GRADSCALER_DEFAULT_INTERVAL else {"growth_interval": growth_interval}
-    return AdaptivePolicy(init_scale=init_scale, backoff_factor=backoff_factor, hysteresis=hysteresis,
-                          consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale, max_scale=max_scale,
-                          on_stuck=on_stuck, max_consecutive_skips=max_consecutive_skips, **extra)
-
-
-_policy_registry.register("adaptive", _from_gradscaler_kwargs, AdaptivePolicy)
+    def check_state(self, state: AdaptiveState) -> None:
+        """Generic checks, plus the window's invariants."""
+        super().check_state(state)
+        if state.hysteresis_tracker > self.hysteresis:
+            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} exceeds hysteresis={self.hysteresis}.")
+        if state.growth_tracker >= self.growth_interval:
+            raise ValueError(f"state.growth_tracker={state.growth_tracker} must be below "
+                             f"growth_interval={self.growth_interval}.")
+        if state.window_exp != NO_AMAX and not (state.calibrated and -160 <= state.window_exp <= 140):
+            raise ValueError(f"state.window_exp={state.window_exp} must be NO_AMAX ({NO_AMAX}) or a float32 binade "
+                             "of a calibrated policy.")

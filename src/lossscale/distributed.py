@@ -1,6 +1,6 @@
 """torch.distributed support: which group a scaler reduces over, a consistency check, pipeline stages.
 
-What :class:`lossscale.GradScaler` does across ranks (the reduction itself lives in ``scaler.py``)::
+What :class:`lossscale.GradScaler` does across ranks (its gradient check calls :func:`all_reduce_flags`)::
 
     per optimizer, in unscale_() or step():             # the same calls, in the same order, on every rank
         found_inf, found_nan = check(local gradients)   # a DTensor gradient: its local shard; none: 0, 0
@@ -15,7 +15,8 @@ The flags, not the gradients' max, decide: a MAX over values holding NaN is not 
 way by every backend (NCCL and gloo may drop it), while 0/1 flags reduce exactly. A needs_amax
 policy's amax rides along with its non-finite values sent as 0; the policy ignores it on overflow.
 
-Nothing here moves data except through torch.distributed collectives.
+Nothing here moves data except through torch.distributed collectives. The functions take process
+groups and tensors; the three that take a scaler use only its public methods.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 from .policy import ScaleState
 
-__all__ = ["reduction_group", "check_consistency", "init_stage", "reduce_stats"]
+__all__ = ["reduction_group", "resolve_group", "validate_group", "all_reduce_flags", "check_consistency",
+           "init_stage", "reduce_stats"]
 
 DEFAULT_GROUP = "default"  # GradScaler(process_group=...)'s default: the default group, when there is one
 
@@ -37,7 +39,7 @@ def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _validate_group(group: Any) -> Any:
+def validate_group(group: Any) -> Any:
     """``GradScaler(process_group=...)`` once checked: "default", None or a ProcessGroup.
 
     A rank outside a group made by ``torch.distributed.new_group`` receives the int sentinel
@@ -63,7 +65,7 @@ def _validate_group(group: Any) -> Any:
     )
 
 
-def _resolve(group: Any) -> Optional["torch.distributed.ProcessGroup"]:
+def resolve_group(group: Any) -> Optional["torch.distributed.ProcessGroup"]:
     """The ProcessGroup a ``process_group`` setting reduces over now, or None for no reduction.
 
     Evaluated at every use, so a scaler built before ``init_process_group`` picks the group up.
@@ -78,9 +80,8 @@ def _resolve(group: Any) -> Optional["torch.distributed.ProcessGroup"]:
 
 
 def _require_scaler(scaler: Any, call: str):
-    from .scaler import GradScaler
-
-    if not isinstance(scaler, GradScaler):
+    # Duck-typed: this module must not import the scaler (it is one of the scaler's parts).
+    if not all(callable(getattr(scaler, m, None)) for m in ("state", "init_device", "is_enabled")):
         raise ValueError(f"{call} takes a lossscale.GradScaler, got {type(scaler).__name__}.")
 
 
@@ -91,7 +92,25 @@ def reduction_group(scaler) -> Optional["torch.distributed.ProcessGroup"]:
     is initialised with more than one rank, and to None before (or with one rank). No sync.
     """
     _require_scaler(scaler, "reduction_group()")
-    return _resolve(scaler._process_group)
+    return resolve_group(scaler.process_group)
+
+
+def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor], group):
+    """MAX-reduce ``[found_inf, found_nan(, amax)]`` over ``group`` in ONE collective; returns the three
+    (``amax`` None when not given). No host sync.
+
+    ``amax`` (a needs_amax policy's max |g|) is sent as 0 where it is inf or NaN: a MAX over a NaN
+    is not reliably NaN on gloo or NCCL (gloo keeps or drops it by rank order), and it need not be.
+    A non-finite amax has set this rank's flags, which reduce exactly, and a needs_amax policy
+    ignores the amax of an overflow step.
+    """
+    if amax is None:
+        flags = torch.stack([found_inf, found_nan])
+    else:
+        flags = torch.stack([found_inf, found_nan, amax.nan_to_num(0.0, 0.0, 0.0)])
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    values = flags.unbind(0)
+    return values[0], values[1], (values[2] if amax is not None else None)
 
 
 def _collective_device(group, preferred: Optional[torch.device] = None) -> torch.device:
@@ -140,17 +159,17 @@ def check_consistency(scaler, group=None) -> ScaleState:
         raise ValueError(
             f"group={group!r} must be None (the scaler's group) or a torch.distributed ProcessGroup."
         )
-    state = scaler._scale_state()  # the sync
+    state = scaler.state()  # the sync
     if not _dist_ready():
         return state
     group = group or reduction_group(scaler) or torch.distributed.group.WORLD
     world = torch.distributed.get_world_size(group)
     if world <= 1:
         return state
-    fields = [f.name for f in dataclasses.fields(ScaleState)]
+    fields = [f.name for f in dataclasses.fields(state)]
     # float64 holds the float32 scales and every counter below 2**53 exactly.
     row = [float(scaler.is_enabled())] + [float(getattr(state, name)) for name in fields]
-    preferred = scaler._state.device if scaler._state is not None else None
+    preferred = scaler.device
     local = torch.tensor(row, dtype=torch.float64, device=_collective_device(group, preferred))
     gathered = [torch.empty_like(local) for _ in range(world)]
     torch.distributed.all_gather(gathered, local, group=group)
@@ -199,11 +218,7 @@ def init_stage(scaler, device) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     if not scaler.is_enabled():
         return
-    if scaler._state is not None:
-        if scaler._state.device != device:
-            raise ValueError(f"the scaler already runs on {scaler._state.device}; init_stage got device={device}.")
-        return
-    scaler._ensure_state(device)
+    scaler.init_device(device)
 
 
 def reduce_stats(stats, group=None):

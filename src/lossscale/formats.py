@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 __all__ = [
     "FloatFormat",
@@ -39,7 +39,10 @@ __all__ = [
     "FP32",
     "FP8_E4M3",
     "FP8_E5M2",
+    "FP6_E3M2",
+    "FP6_E2M3",
     "FORMATS",
+    "ENCODINGS",
     "TORCH_E4M3FN_CAST_SATURATES",
     "get",
     "round_to",
@@ -55,6 +58,9 @@ __all__ = [
 # against the installed torch, so a behaviour change shows up as a test failure.
 TORCH_E4M3FN_CAST_SATURATES = True
 
+#: How a format uses its all-ones exponent field: see :class:`FloatFormat`.
+ENCODINGS = ("ieee", "fn", "finite")
+
 
 @dataclass(frozen=True)
 class FloatFormat:
@@ -64,11 +70,15 @@ class FloatFormat:
         name: canonical name (``"fp16"``, ``"bf16"``, ``"fp32"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``).
         exponent_bits: width of the exponent field.
         mantissa_bits: width of the stored mantissa (fraction) field, ``p``.
-        has_inf: ``True`` for IEEE-754 style formats, whose all-ones exponent is reserved for
-            inf and NaN.  ``False`` for the OCP "fn" (finite) variant used by fp8 e4m3: there the
-            all-ones exponent holds ordinary numbers and only the all-ones bit pattern is NaN,
-            so the largest finite value has mantissa ``1...10`` (e4m3: 448) and there is no inf.
-        torch_name: name of the matching ``torch`` dtype attribute.
+        encoding: how the all-ones exponent field is used (see :data:`ENCODINGS`).
+            ``"ieee"``: reserved for inf and NaN (fp16, bf16, fp32, fp8 e5m2).
+            ``"fn"``: the OCP "finite" variant (fp8 e4m3fn): the all-ones exponent holds ordinary
+            numbers and only the all-ones bit pattern is NaN, so the largest finite value has
+            mantissa ``1...10`` (e4m3: 448) and there is no inf.
+            ``"finite"``: every bit pattern is a number, no inf and no NaN (the OCP MX fp6
+            formats e3m2 and e2m3): the top exponent field holds numbers with any mantissa.
+        torch_name: name of the matching ``torch`` dtype attribute, or None for a format torch
+            does not have (then :meth:`torch_dtype` raises).
 
     Every other figure is a property derived from these.  All figures are exact Python floats
     (every one of them is representable in float64).
@@ -77,8 +87,26 @@ class FloatFormat:
     name: str
     exponent_bits: int
     mantissa_bits: int
-    has_inf: bool
-    torch_name: str
+    encoding: str = "ieee"
+    torch_name: Optional[str] = None
+
+    def __post_init__(self):
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding={self.encoding!r} must be one of {ENCODINGS}.")
+        for name in ("exponent_bits", "mantissa_bits"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1.")
+
+    @property
+    def has_inf(self) -> bool:
+        """Whether the format has infinities (only the IEEE encoding does)."""
+        return self.encoding == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        """Whether the format has a NaN ("finite" formats such as fp6 have none)."""
+        return self.encoding != "finite"
 
     # ----- layout -------------------------------------------------------------------------
     @property
@@ -101,9 +129,9 @@ class FloatFormat:
         """Exponent of the largest finite number.
 
         IEEE formats reserve the all-ones field for inf/NaN, so the top finite field is
-        ``2^E - 2``; the "fn" variant uses the all-ones field for numbers too.
+        ``2^E - 2``; the "fn" and "finite" encodings use the all-ones field for numbers too.
         """
-        top_field = 2**self.exponent_bits - (2 if self.has_inf else 1)
+        top_field = 2**self.exponent_bits - (2 if self.encoding == "ieee" else 1)
         return top_field - self.bias
 
     # ----- range --------------------------------------------------------------------------
@@ -116,7 +144,8 @@ class FloatFormat:
         (e4m3: 448).
         """
         p = self.mantissa_bits
-        ulps_below_two = 1 if self.has_inf else 2
+        # "fn" spends the all-ones mantissa at the top exponent on NaN; the others keep it.
+        ulps_below_two = 2 if self.encoding == "fn" else 1
         return math.ldexp(2.0 - math.ldexp(ulps_below_two, -p), self.emax)
 
     @property
@@ -175,13 +204,20 @@ class FloatFormat:
 
         Round-half-to-even: the tie goes to whichever neighbour has an even mantissa.  IEEE
         ``max`` has an all-ones (odd) mantissa, so the tie goes up and overflows; the "fn"
-        ``max`` ends in 0 (even), so the tie stays at ``max``.
+        ``max`` ends in 0 (even), so the tie stays at ``max``; a "finite" format's ``max`` has
+        an all-ones mantissa again, so its tie overflows (to NaN or saturation: it has no inf).
         """
-        return self.has_inf
+        return self.encoding != "fn"
 
     # ----- helpers ------------------------------------------------------------------------
     def torch_dtype(self) -> Any:
-        """The matching ``torch.dtype`` (imports torch lazily)."""
+        """The matching ``torch.dtype`` (imports torch lazily).
+
+        Raises:
+            ValueError: the format has no torch dtype (``torch_name`` is None).
+        """
+        if self.torch_name is None:
+            raise ValueError(f"format {self.name!r} has no torch dtype; it can be described, not cast to.")
         import torch
 
         return getattr(torch, self.torch_name)
@@ -196,21 +232,32 @@ class FloatFormat:
         return self.name
 
 
-FP16 = FloatFormat("fp16", exponent_bits=5, mantissa_bits=10, has_inf=True, torch_name="float16")
-BF16 = FloatFormat("bf16", exponent_bits=8, mantissa_bits=7, has_inf=True, torch_name="bfloat16")
-FP32 = FloatFormat("fp32", exponent_bits=8, mantissa_bits=23, has_inf=True, torch_name="float32")
+FP16 = FloatFormat("fp16", exponent_bits=5, mantissa_bits=10, torch_name="float16")
+BF16 = FloatFormat("bf16", exponent_bits=8, mantissa_bits=7, torch_name="bfloat16")
+FP32 = FloatFormat("fp32", exponent_bits=8, mantissa_bits=23, torch_name="float32")
 FP8_E4M3 = FloatFormat(
-    "fp8_e4m3", exponent_bits=4, mantissa_bits=3, has_inf=False, torch_name="float8_e4m3fn"
+    "fp8_e4m3", exponent_bits=4, mantissa_bits=3, encoding="fn", torch_name="float8_e4m3fn"
 )
 FP8_E5M2 = FloatFormat(
-    "fp8_e5m2", exponent_bits=5, mantissa_bits=2, has_inf=True, torch_name="float8_e5m2"
+    "fp8_e5m2", exponent_bits=5, mantissa_bits=2, torch_name="float8_e5m2"
 )
+
+# The OCP Microscaling (MX) spec's 6-bit element formats. torch has no dtype for them; they are
+# described here so their cliffs can be compared with fp16's (e.g. ``lossscale formats``).
+FP6_E3M2 = FloatFormat("fp6_e3m2", exponent_bits=3, mantissa_bits=2, encoding="finite")
+FP6_E2M3 = FloatFormat("fp6_e2m3", exponent_bits=2, mantissa_bits=3, encoding="finite")
+
+#: Formats without a torch dtype, by canonical name (``get`` finds them; ``FORMATS`` holds torch's).
+DESCRIBED_ONLY: Mapping[str, FloatFormat] = {f.name: f for f in (FP6_E3M2, FP6_E2M3)}
 
 #: Canonical name -> format.
 FORMATS: Mapping[str, FloatFormat] = {f.name: f for f in (FP16, BF16, FP32, FP8_E4M3, FP8_E5M2)}
 
 _ALIASES: Mapping[str, FloatFormat] = {
     **FORMATS,
+    **DESCRIBED_ONLY,
+    "e3m2": FP6_E3M2,
+    "e2m3": FP6_E2M3,
     "float16": FP16,
     "half": FP16,
     "f16": FP16,
@@ -226,6 +273,11 @@ _ALIASES: Mapping[str, FloatFormat] = {
     "e5m2": FP8_E5M2,
     "float8_e5m2": FP8_E5M2,
 }
+
+
+def dtype_name(fmt: "str | FloatFormat") -> Optional[str]:
+    """The torch dtype name of a format given by name or alias (``"half"`` -> ``"float16"``), or None."""
+    return get(fmt).torch_name
 
 
 def get(fmt: "str | FloatFormat | Any") -> FloatFormat:

@@ -1,52 +1,34 @@
-"""Pure loss-scale policies: frozen configs, immutable state, one update rule each.
+"""What every loss-scale policy shares: the protocol, the common state, the bookkeeping, the registry.
 
-This module imports no torch. A policy is a frozen dataclass (its configuration) with two pure
-functions in jmp's shape::
+This module imports no torch, and neither does any policy module (``dynamic``, ``static``,
+``adaptive``, ``logmax``): a policy's tensor rule imports torch inside the function, when the scaler
+calls it. So the rules can be read, run and tested with plain Python values::
 
     state = policy.init_state()
-    state = policy.update(state, found_inf=..., found_nan=...)
+    state = policy.update(state, found_inf=..., found_nan=..., amax=...)
 
-so every rule can be tested with plain Python values, and the torch adapter
-(:class:`lossscale.GradScaler`) runs the *same* rule on device tensors (``_device_rules.py``; a test
-drives both forms with the same random sequences and asserts they agree bitwise).
+A policy is one file holding four things side by side (jmp's shape, plus the device form):
 
-The dynamic rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", torch's naming)::
+* its frozen config (a dataclass; validation in ``__post_init__``);
+* its own immutable state type, a subclass of :class:`ScaleState`;
+* ``update``: the readable pure rule, the spec a reader checks against the seed;
+* ``tensor_update``: the same rule as branch-free tensor ops on the state's device tensors, in
+  place, with no host sync. A hypothesis test drives both forms with the same random sequences and
+  requires bitwise agreement.
+
+What the scaler needs from a policy is :class:`Policy` (the protocol, with defaults in
+:class:`PolicyBase`). A policy registers itself under a name with :func:`register`, so
+``GradScaler(policy="name")`` and checkpoints find it; nothing else in lossscale lists policies.
+
+The bookkeeping every policy shares (:func:`count`, and :func:`count_tensor` on device)::
 
     steps += 1
-    if found_inf:                                   # overflow: the optimizer step is skipped
-        skipped += 1; streak += 1
-        inf_steps += not found_nan; nan_steps += found_nan
-        growth_tracker = 0
-        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
-        if hysteresis_tracker == 0:                 # tolerance spent: back off
-            scale = max(f32(scale * backoff_factor), min_scale)
-    else:                                           # clean step
-        streak = 0
-        growth_tracker += 1
-        if consecutive_hysteresis:
-            hysteresis_tracker = hysteresis         # DeepSpeed: only *consecutive* overflows count
-        if growth_tracker >= growth_interval:
-            grown = f32(scale * growth_factor)
-            if isfinite(grown):                     # torch: a non-finite growth is refused
-                scale = min(grown, max_scale)       # the cap: clamp, so max_scale is reachable
-            growth_tracker = 0
-            hysteresis_tracker = hysteresis
-
-With ``hysteresis=1`` and no bounds this is exactly ``torch.amp.GradScaler``'s rule
-(``torch._amp_update_scale_``), including its float32 rounding of the scale. With ``hysteresis > 1``
-and ``consecutive_hysteresis=False`` it is Megatron-core's ``DynamicGradScaler``: once the tolerance is
-spent, every overflow backs off until a growth refills it.
-
-Example (a training loop drives the state; here by hand)::
-
-    >>> policy = DynamicPolicy(init_scale=2.0**16, growth_interval=2)
-    >>> s = policy.init_state()
-    >>> s = policy.update(s, found_inf=True)     # overflow: back off, skip
-    >>> s.scale, s.skipped_steps
-    (32768.0, 1)
-    >>> s = policy.update(policy.update(s, found_inf=False), found_inf=False)
-    >>> s.scale                                  # two clean steps: grow
-    65536.0
+    if found_inf:                                 # "some gradient was inf or NaN" (torch's naming)
+        skipped_steps += 1; overflow_streak += 1  # the optimizer step is skipped
+        inf_steps += not found_nan; nan_steps += found_nan; streak_nan_steps += found_nan
+        if the streak just began: streak_start_scale = scale
+    else:
+        overflow_streak = streak_nan_steps = 0
 """
 
 from __future__ import annotations
@@ -56,32 +38,32 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, Type, runtime_checkable
 
 __all__ = [
     "ScaleState",
-    "DynamicPolicy",
-    "StaticPolicy",
     "Policy",
+    "PolicyBase",
+    "register",
+    "policy_class",
+    "policy_names",
+    "policy_types",
+    "count",
+    "count_tensor",
     "is_power_of_two",
     "diagnose",
     "STUCK_REACTIONS",
-    "NO_AMAX",
 ]
 
 STUCK_REACTIONS = ("raise", "warn", "ignore")
 
-#: ``ScaleState.amax_exp`` when no gradient amax has been measured; policies that do not measure the
-#: amax (dynamic, static) keep it. Below the binade of every float32 (>= -148).
-NO_AMAX = -(2**30)
 
-
-def _f32(x: float) -> float:
+def f32(x: float) -> float:
     """Round a Python float to the nearest float32, as the device scale tensor stores it.
 
     Why: torch keeps the scale in a float32 tensor and multiplies in double before storing
-    (``static_cast<float>(scale * growth_factor)``); mirroring that rounding keeps the pure rule
-    bitwise equal to the device one for any factor, not only powers of two.
+    (``static_cast<float>(scale * growth_factor)``); mirroring that rounding keeps a pure rule
+    bitwise equal to its tensor form for any factor, not only powers of two.
     """
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
@@ -91,18 +73,26 @@ def _f32(x: float) -> float:
 
 def is_power_of_two(x: float) -> bool:
     """True when ``x`` is a positive, finite power of two (2**k for any integer k, negative included)."""
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0 and math.frexp(x)[0] == 0.5
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+            and math.frexp(x)[0] == 0.5)
 
 
+def _torch():
+    """torch, imported when a tensor rule runs (never at import: the policies are pure Python)."""
+    import torch
+
+    return torch
+
+
+# ----------------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
 class ScaleState:
-    """Immutable state of a scale policy. Counters are Python ints: they never wrap.
+    """The state every policy's state extends: the scale and the shared counters.
+
+    Counters are Python ints: they never wrap (int64 on device).
 
     Attributes:
         scale: the current loss scale (a float32 value).
-        growth_tracker: consecutive clean steps since the last growth or overflow (torch's
-            ``_growth_tracker``).
-        hysteresis_tracker: overflows still tolerated before the scale backs off (Megatron/DeepSpeed).
         steps: iterations seen by ``update`` (skipped ones included).
         skipped_steps: iterations whose optimizer step was skipped because of inf/NaN gradients.
         inf_steps: skipped iterations whose gradients held inf but no NaN.
@@ -110,14 +100,9 @@ class ScaleState:
         overflow_streak: consecutive skipped iterations up to now (0 after a clean step).
         streak_nan_steps: how many of the current streak held NaN.
         streak_start_scale: the scale when the current streak began (for the diagnosis).
-        amax_exp: for policies that measure the gradient amax (:class:`lossscale.adaptive.AdaptivePolicy`):
-            the largest binade ``e`` (``amax < 2**e``) of the scaled gradients in the current growth
-            window; ``NO_AMAX`` when nothing was measured (always, for the other policies).
     """
 
     scale: float
-    growth_tracker: int = 0
-    hysteresis_tracker: int = 1
     steps: int = 0
     skipped_steps: int = 0
     inf_steps: int = 0
@@ -125,15 +110,42 @@ class ScaleState:
     overflow_streak: int = 0
     streak_nan_steps: int = 0
     streak_start_scale: float = 0.0
-    amax_exp: int = NO_AMAX
 
     def replace(self, **changes) -> "ScaleState":
         """A copy with ``changes`` applied (the state itself is frozen)."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the iteration that produced this state was skipped."""
+        return self.overflow_streak > 0
 
-def _count(state: ScaleState, found_inf: bool, found_nan: bool) -> ScaleState:
-    """The bookkeeping every policy shares: step, skip, inf/NaN and streak counters."""
+
+#: Field metadata marking a float field held in float64 on device (default for floats: float32).
+F64 = {"dtype": "f64"}
+#: Field metadata marking an int field that may be negative (checkpoint validation).
+SIGNED = {"signed": True}
+
+
+def field_kind(f: dataclasses.Field) -> str:
+    """How a state field is held on device: "f32", "f64" (float) or "i64" (int and bool)."""
+    if f.metadata.get("dtype"):
+        return f.metadata["dtype"]
+    kind = str(f.type)
+    if kind in ("float", "Optional[float]"):
+        return "f32"
+    if kind in ("int", "bool"):
+        return "i64"
+    raise TypeError(f"state field {f.name}: type {kind!r} has no device form; use float, int or bool.")
+
+
+def count(state: ScaleState, found_inf: bool, found_nan: bool) -> ScaleState:
+    """The bookkeeping every policy shares: step, skip, inf/NaN and streak counters (pure form)."""
+    if found_nan and not found_inf:
+        raise ValueError(
+            "found_nan=True with found_inf=False: found_inf means 'any inf or NaN', so a NaN step "
+            "must pass found_inf=True as well."
+        )
     if not found_inf:
         return state.replace(steps=state.steps + 1, overflow_streak=0, streak_nan_steps=0)
     return state.replace(
@@ -147,15 +159,220 @@ def _count(state: ScaleState, found_inf: bool, found_nan: bool) -> ScaleState:
     )
 
 
-def _check_flags(found_inf, found_nan) -> None:
-    if found_nan and not found_inf:
+def count_tensor(t, overflow, nan) -> None:
+    """:func:`count` on device, in place. ``overflow``, ``nan``: bool 0-dim tensors (nan implies overflow).
+
+    ``t`` is the scaler's tensor state: 0-dim views named like the state's fields, ``t.counts`` (the
+    six shared counters, contiguous, in :class:`ScaleState`'s order) and ``t.scale_before``. Call it
+    first in a tensor rule, while ``t.scale`` still holds the scale this iteration ran with.
+    """
+    torch = _torch()
+    o = overflow.to(torch.int64)
+    n = nan.to(torch.int64)
+    t.scale_before.copy_(t.scale)
+    # The streak starts at this iteration's scale when the previous streak length was 0.
+    torch.where(overflow & (t.overflow_streak == 0), t.scale, t.streak_start_scale, out=t.streak_start_scale)
+    one = torch.ones_like(o)
+    # steps, skipped, inf, nan, streak, streak_nan: one add and one multiply over the six.
+    t.counts.add_(torch.stack([one, o, o - n, n, one, n]))
+    t.counts[4:].mul_(o)  # a clean step ends the streak
+
+
+# ---------------------------------------------------------------------------------------- protocol
+@runtime_checkable
+class Policy(Protocol):
+    """What :class:`lossscale.GradScaler` needs from a scale policy.
+
+    Attributes:
+        name: the registry name (``GradScaler(policy=name)``).
+        state_type: the policy's immutable state, a :class:`ScaleState` subclass.
+        needs_amax: the scaler measures max|g| of the scaled gradients for it (one read pass) and
+            passes it as ``amax``; across ranks it passes the MAX of the ranks' finite amax (an
+            inf/NaN one is sent as 0: the flags carry the overflow), so such a policy must ignore
+            ``amax`` when ``found_inf``.
+    """
+
+    name: ClassVar[str]
+    state_type: ClassVar[type]
+    needs_amax: ClassVar[bool]
+    on_stuck: str
+    max_consecutive_skips: Optional[int]
+
+    def init_state(self) -> ScaleState:
+        """The state before the first step."""
+
+    def update(self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None):
+        """The next state after one iteration (pure)."""
+
+    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+        """The same rule on device tensors, in place, without a host sync."""
+
+    def is_stuck(self, state, scale_before: float) -> bool:
+        """Whether the update that produced ``state`` was an overflow the scale could not answer."""
+
+    def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:
+        """(lowest, highest) scale it allows; None where unbounded."""
+
+    def torch_state(self, state) -> Dict[str, Any]:
+        """torch's ``GradScaler.state_dict()`` keys for ``state``, with values a torch scaler can use."""
+
+    def check_state(self, state) -> None:
+        """Raise ValueError naming the field when ``state`` could not have come from this policy."""
+
+
+class PolicyBase:
+    """Defaults for the :class:`Policy` protocol; policies subclass it beside ``@dataclass(frozen=True)``.
+
+    Subclasses set ``name`` and ``state_type`` and write ``update`` and ``tensor_update``.
+    """
+
+    name: ClassVar[str] = ""
+    state_type: ClassVar[type] = ScaleState
+    needs_amax: ClassVar[bool] = False
+    #: GradScaler keywords that mean a field under another name (static: init_scale -> scale).
+    keyword_aliases: ClassVar[Dict[str, str]] = {}
+
+    # -- what the scaler calls
+    def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:
+        """(min_scale, max_scale) as configured; None where unbounded."""
+        return getattr(self, "min_scale", None), getattr(self, "max_scale", None)
+
+    def config(self) -> Dict[str, Any]:
+        """The configuration as a dict of the dataclass fields (what a checkpoint stores)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def torch_state(self, state) -> Dict[str, Any]:
+        """torch's five keys: the scale and tracker, with this policy's growth and backoff factors."""
+        return {
+            "scale": state.scale,
+            "growth_factor": float(getattr(self, "growth_factor", 2.0)),
+            "backoff_factor": float(getattr(self, "backoff_factor", 0.5)),
+            "growth_interval": int(getattr(self, "growth_interval", 2000)),
+            "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
+        }
+
+    def check_state(self, state) -> None:
+        """Raise ValueError naming the first field of ``state`` that this policy could not have produced.
+
+        Generic checks by field type (floats finite, ints >= 0 unless signed, bools bool), the scale
+        > 0 and within :meth:`scale_bounds`; subclasses add their own invariants.
+        """
+        if type(state) is not self.state_type:
+            raise ValueError(f"state is a {type(state).__name__}, not {self.state_type.__name__}.")
+        for f in dataclasses.fields(state):
+            v = getattr(state, f.name)
+            kind = field_kind(f)
+            if str(f.type) == "bool":
+                if not isinstance(v, bool):
+                    raise ValueError(f"state.{f.name}={v!r} must be a bool.")
+            elif kind == "i64":
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ValueError(f"state.{f.name}={v!r} must be an int.")
+                if v < 0 and not f.metadata.get("signed"):
+                    raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
+                if abs(v) >= 2**62:
+                    raise ValueError(f"state.{f.name}={v!r} does not fit the int64 device counter.")
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise ValueError(f"state.{f.name}={v!r} must be a finite float.")
+                if v < 0:
+                    raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
+        if state.scale <= 0:
+            raise ValueError(f"state.scale={state.scale!r} must be > 0: a zero scale would step on NaN gradients.")
+        lo, hi = self.scale_bounds()
+        if (lo is not None and state.scale < f32(lo)) or (hi is not None and state.scale > f32(hi)):
+            raise ValueError(f"state.scale={state.scale!r} is outside this policy's [min_scale={lo}, max_scale={hi}].")
+        if state.skipped_steps > state.steps or state.inf_steps + state.nan_steps != state.skipped_steps:
+            raise ValueError("state counters disagree: skipped_steps must be <= steps and equal inf_steps + nan_steps.")
+        if state.overflow_streak > state.skipped_steps or state.streak_nan_steps > state.overflow_streak:
+            raise ValueError("state.overflow_streak / streak_nan_steps exceed the skipped steps they count.")
+
+    # -- construction from GradScaler keywords
+    @classmethod
+    def from_scaler_kwargs(cls, **given):
+        """``GradScaler(policy=cls.name, **given)``: the keywords the user passed, mapped to fields.
+
+        Keywords that are not fields of this policy do not apply: each is validated by a policy that
+        has it (so ``hysteresis=0`` fails everywhere) and then warned about, since it changes nothing.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs, ignored = {}, []
+        for key, value in given.items():
+            field = cls.keyword_aliases.get(key, key)
+            if field in names:
+                kwargs[field] = value
+            else:
+                ignored.append(key)
+        for key in ignored:
+            _validate_elsewhere(cls, key, given[key])
+        if ignored:
+            warnings.warn(
+                f"lossscale.GradScaler: {', '.join(f'{k}={given[k]!r}' for k in ignored)} do(es) not apply to "
+                f"policy={cls.name!r} and is ignored; its keywords are: "
+                f"{', '.join(sorted(names | set(cls.keyword_aliases)))}.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return cls(**kwargs)
+
+
+def _validate_elsewhere(cls, key: str, value) -> None:
+    """Validate a keyword that ``cls`` does not have with a registered policy that has it."""
+    for other in _REGISTRY.values():
+        if other is cls:
+            continue
+        fields = {f.name for f in dataclasses.fields(other)}
+        field = other.keyword_aliases.get(key, key)
+        if field not in fields or field in ("init_scale", "scale", "min_scale", "max_scale"):
+            continue  # the bounds and the scale are only meaningful together with the others
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                other(**{field: value})
+        except ValueError as e:
+            raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
+        return
+    raise ValueError(
+        f"{key}={value!r} is not a keyword of any scale policy; known policies: {', '.join(policy_names())}."
+    )
+
+
+# ---------------------------------------------------------------------------------------- registry
+_REGISTRY: Dict[str, type] = {}
+
+
+def register(cls):
+    """Class decorator: register a policy under ``cls.name`` (for ``GradScaler(policy=...)`` and checkpoints)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a class attribute `name` to be registered.")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_class(name: str) -> type:
+    """The policy class registered under ``name``; ValueError listing the names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
         raise ValueError(
-            "found_nan=True with found_inf=False: found_inf means 'any inf or NaN', so a NaN step "
-            "must pass found_inf=True as well."
-        )
+            f"policy={name!r} is not known; use one of {', '.join(repr(n) for n in policy_names())}, or a "
+            "policy object such as lossscale.DynamicPolicy(...)."
+        ) from None
 
 
-def _validate_stuck(on_stuck: str, max_consecutive_skips: Optional[int]) -> None:
+def policy_names() -> List[str]:
+    """The registered policy names."""
+    return sorted(_REGISTRY)
+
+
+def policy_types() -> Dict[str, type]:
+    """Registered policy classes by class name (what checkpoints store)."""
+    return {cls.__name__: cls for cls in _REGISTRY.values()}
+
+
+# -------------------------------------------------------------------------------- shared validation
+def validate_stuck(on_stuck: str, max_consecutive_skips: Optional[int]) -> None:
+    """Validate the two stuck-reaction fields every policy has."""
     if on_stuck not in STUCK_REACTIONS:
         raise ValueError(f"on_stuck={on_stuck!r} is not one of {STUCK_REACTIONS}.")
     if max_consecutive_skips is not None and (
@@ -169,12 +386,40 @@ def _validate_stuck(on_stuck: str, max_consecutive_skips: Optional[int]) -> None
         )
 
 
-def _validate_backoff(value) -> None:
+def validate_backoff(value) -> None:
+    """``backoff_factor`` must lie in (0, 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value < 1.0):
         raise ValueError(f"backoff_factor={value!r} must be in (0, 1) (e.g. 0.5).")
 
 
-def _warn_not_powers_of_two(policy, names) -> None:
+def validate_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
+    """An int field in [lo, hi] (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value!r} must be an int in [{lo}, {hi if hi is not None else 'inf'}].")
+
+
+def positive_finite(name: str, value) -> None:
+    """A finite number > 0 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0.")
+
+
+def validate_bounds(policy) -> None:
+    """min_scale/max_scale finite and > 0 (or None), ordered, and init_scale between them."""
+    for name in ("min_scale", "max_scale"):
+        v = getattr(policy, name)
+        if v is not None:
+            positive_finite(name, v)
+    lo, hi, init = policy.min_scale, policy.max_scale, policy.init_scale
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"min_scale={lo!r} is above max_scale={hi!r}; swap them.")
+    if lo is not None and init < lo:
+        raise ValueError(f"init_scale={init!r} is below min_scale={lo!r}.")
+    if hi is not None and init > hi:
+        raise ValueError(f"init_scale={init!r} is above max_scale={hi!r}; raise max_scale or pass max_scale=None.")
+
+
+def warn_not_powers_of_two(policy, names) -> None:
     """Warn (once per config) about the ``names`` of ``policy`` that are not powers of two, and why."""
     bad = [f"{n}={getattr(policy, n)!r}" for n in names
            if getattr(policy, n) is not None and not is_power_of_two(getattr(policy, n))]
@@ -188,184 +433,24 @@ def _warn_not_powers_of_two(policy, names) -> None:
         )
 
 
-def _positive_finite(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite number > 0.")
+def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:
+    """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak."""
+    if state.overflow_streak == 0:
+        return False
+    at_min = lowest is not None and scale_before <= f32(lowest)
+    too_long = policy.max_consecutive_skips is not None and state.overflow_streak >= policy.max_consecutive_skips
+    return at_min or too_long
 
 
-@dataclass(frozen=True)
-class DynamicPolicy:
-    """Dynamic loss scaling: back off on overflow (with optional hysteresis), grow after clean streaks.
-
-    Args:
-        init_scale: first scale. Default 2**16, torch's.
-        growth_factor: multiplier after ``growth_interval`` clean steps; must be > 1.
-        backoff_factor: multiplier on overflow once hysteresis is spent; must be in (0, 1).
-        growth_interval: consecutive clean steps before a growth; int >= 1.
-        hysteresis: overflows tolerated before backing off (1 = back off on every overflow, torch).
-        consecutive_hysteresis: refill the hysteresis on every clean step, so only *consecutive*
-            overflows spend it (DeepSpeed); otherwise only a growth refills it (Megatron-core).
-        min_scale: lower bound of the scale, or None for none. Default 1.0: a scale below 1 shrinks
-            gradients instead of protecting them, so reaching it means the overflow is not the
-            scale's doing (torch documents the same symptom but does not stop there).
-        max_scale: upper bound, or None. Default 2**24: a gradient still flushed at 2**24 is below
-            2**-48 and could not move an FP32 master weight anyway, while an unbounded scale
-            (e.g. when some gradients are all zero for a while) must later burn one skipped step per
-            halving to come back.
-        on_stuck: what to do when training is stuck: an overflow at ``min_scale``, or
-            ``max_consecutive_skips`` skipped steps in a row. "raise" (RuntimeError with a diagnosis),
-            "warn" (once per streak), or "ignore".
-        max_consecutive_skips: the streak length that counts as stuck, or None (react only at the
-            minimum scale).
-
-    A configuration whose scale could leave the powers of two (non-power-of-two ``init_scale`` or
-    factors) is accepted but warned about: only a power-of-two scale multiplies and divides
-    gradients exactly, so any other value adds a rounding error to every gradient.
-    """
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    consecutive_hysteresis: bool = False
-    min_scale: Optional[float] = 1.0
-    max_scale: Optional[float] = 2.0**24
-    on_stuck: str = "warn"
-    max_consecutive_skips: Optional[int] = None
-
-    def __post_init__(self):
-        _positive_finite("init_scale", self.init_scale)
-        if not isinstance(self.growth_factor, (int, float)) or not (
-            math.isfinite(self.growth_factor) and self.growth_factor > 1.0
-        ):
-            raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1.0 (e.g. 2.0).")
-        _validate_backoff(self.backoff_factor)
-        for name in ("growth_interval", "hysteresis"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1.")
-        for name in ("min_scale", "max_scale"):
-            v = getattr(self, name)
-            if v is not None:
-                _positive_finite(name, v)
-        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
-            raise ValueError(f"min_scale={self.min_scale!r} is above max_scale={self.max_scale!r}; swap them.")
-        if self.min_scale is not None and self.init_scale < self.min_scale:
-            raise ValueError(f"init_scale={self.init_scale!r} is below min_scale={self.min_scale!r}.")
-        if self.max_scale is not None and self.init_scale > self.max_scale:
-            raise ValueError(
-                f"init_scale={self.init_scale!r} is above max_scale={self.max_scale!r}; raise max_scale "
-                "or pass max_scale=None."
-            )
-        _validate_stuck(self.on_stuck, self.max_consecutive_skips)
-        _warn_not_powers_of_two(self, ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"))
-
-    @property
-    def torch_compatible(self) -> bool:
-        """True when this rule is exactly ``torch.amp.GradScaler``'s (hysteresis 1, no bounds)."""
-        return self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
-
-    def init_state(self) -> ScaleState:
-        """The state before the first step."""
-        return ScaleState(scale=_f32(self.init_scale), hysteresis_tracker=self.hysteresis)
-
-    def update(self, state: ScaleState, found_inf: bool, found_nan: bool = False) -> ScaleState:
-        """The next state after one iteration. ``found_inf``: any inf or NaN; ``found_nan``: NaN among them."""
-        _check_flags(found_inf, found_nan)
-        counted = _count(state, found_inf, found_nan)
-        if found_inf:
-            hyst = max(state.hysteresis_tracker - 1, 0)
-            scale = state.scale
-            if hyst == 0:
-                scale = _f32(scale * self.backoff_factor)
-                if self.min_scale is not None:
-                    scale = max(scale, _f32(self.min_scale))
-            return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst)
-        growth = state.growth_tracker + 1
-        hyst = self.hysteresis if self.consecutive_hysteresis else state.hysteresis_tracker
-        scale = state.scale
-        if growth >= self.growth_interval:
-            grown = _f32(scale * self.growth_factor)
-            if math.isfinite(grown):
-                scale = grown if self.max_scale is None else min(grown, _f32(self.max_scale))
-            growth, hyst = 0, self.hysteresis
-        return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst)
-
-    def is_stuck(self, state: ScaleState, scale_before: float) -> bool:
-        """True when the update that produced ``state`` was an overflow the scale could not answer.
-
-        That is: an overflow while the scale already sat at ``min_scale`` (``scale_before``, the scale
-        that iteration ran with, could not back off), or a streak of ``max_consecutive_skips``.
-        """
-        if state.overflow_streak == 0:
-            return False
-        at_min = self.min_scale is not None and scale_before <= _f32(self.min_scale)
-        too_long = self.max_consecutive_skips is not None and state.overflow_streak >= self.max_consecutive_skips
-        return at_min or too_long
-
-
-@dataclass(frozen=True)
-class StaticPolicy:
-    """A fixed loss scale. Non-finite steps are still skipped and counted.
-
-    ``StaticPolicy(scale=1.0)`` is the pass-through for bf16 or fp32 training, which needs no scaling
-    but still wants a non-finite step skipped rather than written into the weights.
-
-    Args:
-        scale: the loss scale (a power of two keeps scaling exact; others are warned about).
-        on_stuck, max_consecutive_skips: as in :class:`DynamicPolicy`; a static scale cannot back
-            off, so every overflow is "at the minimum" when ``max_consecutive_skips`` is None.
-    """
-
-    scale: float = 2.0**16
-    on_stuck: str = "warn"
-    max_consecutive_skips: Optional[int] = None
-
-    def __post_init__(self):
-        _positive_finite("scale", self.scale)
-        _validate_stuck(self.on_stuck, self.max_consecutive_skips)
-        if not is_power_of_two(self.scale):
-            warnings.warn(
-                f"lossscale: static scale={self.scale!r} is not a power of two; multiplying by a power of "
-                "two only shifts the exponent and is exact, any other scale rounds every gradient.",
-                UserWarning,
-                stacklevel=3,
-            )
-
-    torch_compatible = False
-    init_scale = property(lambda self: self.scale)
-
-    def init_state(self) -> ScaleState:
-        """The state before the first step."""
-        return ScaleState(scale=_f32(self.scale), hysteresis_tracker=1)
-
-    def update(self, state: ScaleState, found_inf: bool, found_nan: bool = False) -> ScaleState:
-        """Counts the step; the scale never changes."""
-        _check_flags(found_inf, found_nan)
-        return _count(state, found_inf, found_nan).replace(
-            growth_tracker=0 if found_inf else state.growth_tracker + 1
-        )
-
-    def is_stuck(self, state: ScaleState, scale_before: float) -> bool:
-        """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``."""
-        if state.overflow_streak == 0:
-            return False
-        if self.max_consecutive_skips is None:
-            return True
-        return state.overflow_streak >= self.max_consecutive_skips
-
-
-Policy = Union[DynamicPolicy, StaticPolicy]
-
-
-def diagnose(policy: Policy, state: ScaleState) -> str:
+# ---------------------------------------------------------------------------------------- diagnosis
+def diagnose(policy, state: ScaleState) -> str:
     """A plain-language diagnosis of a stuck run, from the counters alone (no tensors needed)."""
     streak, nan = state.overflow_streak, state.streak_nan_steps
+    lo = policy.scale_bounds()[0]
     lines = [
         f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "
         f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"
-        + (f" (min_scale={policy.min_scale:g})." if getattr(policy, "min_scale", None) is not None else ".")
+        + (f" (min_scale={lo:g})." if lo is not None else ".")
     ]
     if nan and streak > 1 and state.streak_start_scale != state.scale:
         lines.append(

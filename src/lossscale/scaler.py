@@ -1,19 +1,27 @@
-"""``lossscale.GradScaler``: a drop-in for ``torch.amp.GradScaler`` around a pure scale policy.
+"""``lossscale.GradScaler``: a drop-in for ``torch.amp.GradScaler``, a thin adapter around a pure policy.
 
 Configured like torch (``hysteresis=1, min_scale=None, max_scale=None``) it is bitwise torch: the same
 float32 scale, the same fused check+unscale kernel with an inverse scale computed in float64, the same
-update kernel, the same skip decisions. Beyond torch it adds hysteresis and bounds, inf told from NaN,
-skip-awareness, a diagnosis when training is stuck, complete versioned checkpoints, a read-only check
-for fused optimizers, and a process-group reduction of the skip decision.
+update arithmetic, the same skip decisions. Beyond torch it adds hysteresis and bounds, inf told from
+NaN, skip-awareness, a diagnosis when training is stuck, complete versioned checkpoints, a read-only
+check for fused optimizers, and a process-group reduction of the skip decision.
+
+The parts (``docs/architecture.md``): the policy's rules (``lossscale.policy`` and one module per
+policy), its state on device (``_state``), the gradient check (``_check``: gather, check, unscale,
+clip, reduce), the deferred stuck check (``_observe``), checkpoints (``checkpoint``) and what differs
+between devices (``_device``). The same operations run on every device.
 
 Host-device syncs, per iteration (torch pays the same or more):
 
 * optimizers without amp-scaling support (SGD, Adam(foreach)): one sync, to decide whether to call
   ``optimizer.step()``. It happens in :meth:`unscale_` (or :meth:`step` when ``unscale_`` was not
   called) so that an overflow is classified and localised before user code (clipping) touches the
-  gradients. On an overflow, reading the state for the stuck check costs one more.
+  gradients.
 * optimizers with ``_step_supports_amp_scaling`` (``Adam(fused=True)``): none. The optimizer gets
   ``grad_scale``/``found_inf`` tensors and skips on device.
+
+The stuck check never adds one: it reads a snapshot of the state copied without blocking, at the
+next :meth:`update` (``lossscale._observe``).
 """
 
 from __future__ import annotations
@@ -25,20 +33,21 @@ import math
 import warnings
 import weakref
 from collections import abc
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from . import _kernels
+from . import _kernels, checkpoint
 from . import distributed as _distributed
-from ._device_rules import STREAK, DeviceState, count_, device_update_
-from .policy import DynamicPolicy, ScaleState, StaticPolicy, diagnose
+from ._check import Flags, GradientCheck, names_of, sum_flags
+from ._observe import Observer
+from ._state import TensorState
+from .policy import Policy, ScaleState, count_tensor, diagnose, policy_class
+from .static import StaticPolicy
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
-STATE_DICT_VERSION = 1
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_DEFAULT_GROUP = _distributed.DEFAULT_GROUP
+STATE_DICT_VERSION = checkpoint.STATE_DICT_VERSION
 
 
 class OptState(enum.Enum):
@@ -49,62 +58,25 @@ class OptState(enum.Enum):
     STEPPED = 2
 
 
-class _OptimizerRecord:
-    """What one iteration learned about one optimizer's gradients."""
+class _Record:
+    """One optimizer's stage and what the gradient check learned in this iteration."""
 
-    __slots__ = ("stage", "found_inf", "found_nan", "host_found", "amax_vectors", "params", "amax")
+    __slots__ = ("stage", "flags")
 
     def __init__(self):
         self.stage = OptState.READY
-        self.found_inf: Dict[torch.device, torch.Tensor] = {}
-        self.found_nan: Optional[torch.Tensor] = None  # on the scale's device
-        self.host_found: Optional[bool] = None  # known on the host only where a sync already happened
-        self.amax_vectors: List[torch.Tensor] = []  # per-parameter max|g|, only on the overflow path
-        self.params: List[torch.Tensor] = []
-        self.amax: Optional[torch.Tensor] = None  # max|g| of the scaled gradients, for needs_amax policies
+        self.flags: Optional[Flags] = None
 
 
-def _policy_from_kwargs(policy, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                        consecutive_hysteresis, min_scale, max_scale, on_stuck, max_consecutive_skips):
-    if isinstance(policy, str):
-        if policy == "dynamic":
-            return DynamicPolicy(
-                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                growth_interval=growth_interval, hysteresis=hysteresis,
-                consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale, max_scale=max_scale,
-                on_stuck=on_stuck, max_consecutive_skips=max_consecutive_skips,
-            )
-        if policy == "static":
-            return StaticPolicy(scale=init_scale, on_stuck=on_stuck, max_consecutive_skips=max_consecutive_skips)
-        from . import _policy_registry
+class _Default:
+    """The default of torch's positional scale keywords: "not given", so the policy's own default
+    applies (the defaults are spelled once, on the policy dataclasses)."""
 
-        factory = _policy_registry.get(policy)
-        if factory is None:
-            raise ValueError(
-                f"policy={policy!r} is not known; use 'dynamic', 'static', "
-                + "".join(f"{n!r}, " for n in _policy_registry.names())
-                + "or a policy object such as lossscale.DynamicPolicy(...)."
-            )
-        return factory(
-            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale, max_scale=max_scale,
-            on_stuck=on_stuck, max_consecutive_skips=max_consecutive_skips,
-        )
-    if not hasattr(policy, "update") or not hasattr(policy, "init_state"):
-        raise ValueError(f"policy={policy!r} is neither a name nor a policy object with init_state()/update().")
-    given = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                 growth_interval=growth_interval, hysteresis=hysteresis,
-                 consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale, max_scale=max_scale,
-                 on_stuck=on_stuck, max_consecutive_skips=max_consecutive_skips)
-    clashing = [k for k, v in given.items() if v != _KWARG_DEFAULTS[k]]
-    if clashing:
-        raise ValueError(
-            f"policy is a policy object, so {', '.join(clashing)} must be set on the object, not passed "
-            "to GradScaler as well."
-        )
-    return policy
+    def __repr__(self) -> str:
+        return "<policy default>"
 
+
+_DEFAULT = _Default()
 
 _GRAD_SCALER_KWARG: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -123,9 +95,17 @@ def _takes_grad_scaler(step) -> bool:
     return found
 
 
-_KWARG_DEFAULTS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                       hysteresis=1, consecutive_hysteresis=False, min_scale=1.0, max_scale=2.0**24,
-                       on_stuck="warn", max_consecutive_skips=None)
+def _make_policy(policy, given: Dict[str, Any]):
+    if isinstance(policy, str):
+        return policy_class(policy).from_scaler_kwargs(**given)
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
+    if given:
+        raise ValueError(
+            f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
+            "to GradScaler as well."
+        )
+    return policy
 
 
 class GradScaler:
@@ -134,26 +114,29 @@ class GradScaler:
     Args:
         device: "cpu", "cuda", a ``torch.device``, or None (default) to take the device of the first
             tensor passed to :meth:`scale`. Unlike torch there is no "cuda" default.
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch.
-        hysteresis: overflows tolerated before the scale backs off (1 = torch).
-        consecutive_hysteresis: only consecutive overflows spend the hysteresis (DeepSpeed).
-        min_scale: lower bound (default 1.0; None = unbounded, as torch).
-        max_scale: upper bound (default 2**24; None = unbounded, as torch). At the cap a growth clamps
-            to ``max_scale``. See :class:`lossscale.DynamicPolicy` for why these defaults.
-        policy: "dynamic" (default), "static" (a fixed ``init_scale``), "adaptive" (:class:`lossscale.AdaptivePolicy`), or
-            a policy object (then the scale keywords above must stay at their defaults).
-        on_stuck: "warn" (default, once per streak), "raise" (RuntimeError with a diagnosis) or
-            "ignore", when an overflow happens at ``min_scale`` or ``max_consecutive_skips`` steps in a
-            row are skipped.
-        max_consecutive_skips: the streak that counts as stuck; None reacts only at ``min_scale``.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch; left out,
+            the policy's own defaults apply (the dynamic policy's are torch's).
+        policy: "dynamic" (default, :class:`lossscale.DynamicPolicy`), "static" (a fixed
+            ``init_scale``), "adaptive" (:class:`lossscale.AdaptivePolicy`), "logmax"
+            (:class:`lossscale.LogMaxPolicy`), or a policy object (then no scale keyword may be given).
         model: an ``nn.Module`` or an iterable of ``(name, parameter)`` pairs, to name parameters in
             :meth:`overflow_report` and in error messages.
-        process_group: the group over which the skip decision (and an adaptive policy's amax, in the
-            same collective) is all-reduced (MAX), so every rank skips or steps together. "default" (the default): the default group when
-            torch.distributed is initialised with more than one rank. None: no reduction.
+        process_group: the group over which the skip decision (and an amax-measuring policy's amax, in
+            the same collective) is all-reduced (MAX), so every rank skips or steps together.
+            "default" (the default): the default group when torch.distributed is initialised with more
+            than one rank. None: no reduction.
         telemetry: None (off, the default), an int N (gradient statistics of the scaled gradients
             every N iterations), a dict of :class:`lossscale.Telemetry` arguments (``every``, ``per``,
-            ``fmt``) or a ``Telemetry``. Collecting adds no host sync; :meth:`metrics` reads them.
+            ``fmt``, ``reduce``) or a ``Telemetry``. Collecting adds no host sync; :meth:`metrics`
+            reads them.
+        **policy_keywords: the chosen policy's other fields, e.g. for "dynamic": ``hysteresis=1``
+            (overflows tolerated before backing off; 1 = torch), ``consecutive_hysteresis=False``
+            (DeepSpeed's), ``min_scale=1.0`` and ``max_scale=2**24`` (None: unbounded, as torch),
+            ``on_stuck="warn"`` ("raise", "warn" once per streak, or "ignore", when an overflow
+            happens at ``min_scale`` or ``max_consecutive_skips`` steps in a row are skipped),
+            ``max_consecutive_skips=None``; for "adaptive" also ``margin_bits``, ``search_bits``,
+            ``fmt``. A keyword of another policy is validated and warned about (it changes nothing);
+            an unknown one raises.
 
     The same training loop as torch::
 
@@ -177,22 +160,17 @@ class GradScaler:
     def __init__(
         self,
         device: Union[str, torch.device, None] = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = _DEFAULT,
+        growth_factor: float = _DEFAULT,
+        backoff_factor: float = _DEFAULT,
+        growth_interval: int = _DEFAULT,
         enabled: bool = True,
         *,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_scale: Optional[float] = 1.0,
-        max_scale: Optional[float] = 2.0**24,
         policy: Any = "dynamic",
-        on_stuck: str = "warn",
-        max_consecutive_skips: Optional[int] = None,
         model: Any = None,
-        process_group: Any = _DEFAULT_GROUP,
+        process_group: Any = _distributed.DEFAULT_GROUP,
         telemetry: Any = None,
+        **policy_keywords: Any,
     ) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
@@ -202,23 +180,23 @@ class GradScaler:
             warnings.warn("lossscale.GradScaler: device='cuda' but CUDA is not available; disabling scaling.",
                           stacklevel=2)
             self._enabled = False
-        self._policy = _policy_from_kwargs(policy, init_scale, growth_factor, backoff_factor, growth_interval,
-                                           hysteresis, consecutive_hysteresis, min_scale, max_scale, on_stuck,
-                                           max_consecutive_skips)
+        torch_named = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval)
+        given = {k: v for k, v in torch_named.items() if v is not _DEFAULT}
+        given.update(policy_keywords)
+        self._policy = _make_policy(policy, given)
         self._pending: ScaleState = self._policy.init_state()  # the state until the device is known
-        self._state: Optional[DeviceState] = None
-        self._records: Dict[int, _OptimizerRecord] = {}
+        self._t: Optional[TensorState] = None
+        self._records: Dict[int, _Record] = {}
         self._names: Dict[int, str] = {}
         if model is not None:
             self.name_parameters(model)
-        self._process_group = _distributed._validate_group(process_group)
-        self._last_skipped: Union[bool, torch.Tensor, None] = None
-        self._last_report: Optional[Dict[str, List[str]]] = None
+        self._check = GradientCheck(self._name_of, _distributed.validate_group(process_group))
+        self._observer = Observer()
+        self._last_skipped: Optional[bool] = None  # a host decision; None: read the device state
         self._report_source = None
+        self._last_report: Optional[Dict[str, List[str]]] = None
         self._warned_streak = False
-        self._host_obs: Optional[torch.Tensor] = None
-        self._obs_event = None
-        self._obs_ready = False
         self._telemetry = self._make_telemetry(telemetry)
 
     # ------------------------------------------------------------------ construction helpers
@@ -228,11 +206,19 @@ class GradScaler:
 
         bf16 and fp32 have fp32's exponent range, so nothing underflows that scaling would save; what
         is still worth having is a step that is skipped (and counted, and diagnosed) rather than
-        written into the weights when a gradient is inf or NaN.
+        written into the weights when a gradient is inf or NaN. Takes ``on_stuck``,
+        ``max_consecutive_skips`` and the scaler's other keywords (``model``, ``process_group``,
+        ``telemetry``, ``enabled``); the scale is not configurable.
         """
-        return cls(device, policy=StaticPolicy(scale=1.0, on_stuck=kwargs.pop("on_stuck", "warn"),
-                                               max_consecutive_skips=kwargs.pop("max_consecutive_skips", None)),
-                   **kwargs)
+        stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
+        scale_keys = [k for k in kwargs if k not in ("enabled", "model", "process_group", "telemetry")]
+        if scale_keys:
+            raise ValueError(
+                f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
+                "do(es) not apply. For a fixed scale S use GradScaler(policy='static', init_scale=S); for FP16 "
+                "use GradScaler()."
+            )
+        return cls(device, policy=StaticPolicy(scale=1.0, **stuck), **kwargs)
 
     def name_parameters(self, model_or_named_parameters) -> None:
         """Learn parameter names (from an ``nn.Module`` or ``(name, param)`` pairs) for reports."""
@@ -243,6 +229,9 @@ class GradScaler:
         except (TypeError, ValueError):
             raise ValueError("model must be an nn.Module or an iterable of (name, parameter) pairs.") from None
         self._names.update({id(p): n for n, p in pairs})
+
+    def _name_of(self, param) -> Optional[str]:
+        return self._names.get(id(param))
 
     @staticmethod
     def _make_telemetry(telemetry):
@@ -261,51 +250,67 @@ class GradScaler:
             "Telemetry arguments, or a lossscale.Telemetry."
         )
 
-    def metrics(self) -> Dict[str, Any]:
-        """A flat dict for TensorBoard's ``add_scalar`` or any logger. Syncs host and device (once).
-
-        Always: ``loss_scale``, ``steps``, ``skipped_steps``, ``inf_steps``, ``nan_steps``,
-        ``overflow_streak``, ``last_step_skipped``. With telemetry on, the figures of the last sampled
-        iteration: ``grad/flushed_frac``, ``grad/subnormal_frac``, ``grad/headroom_bits``, ``grad/amax``,
-        ... (and ``grad/<name>/...`` per parameter or module), labelled by ``grad/measured``.
-        """
-        out: Dict[str, Any] = {"loss_scale": self.get_scale()}
-        if self._enabled:
-            out.update(self.counters())
-        out["last_step_skipped"] = bool(self._last_skipped is not None and self.last_step_skipped)
-        if self._telemetry is not None:
-            figures = self._telemetry.metrics()
-            if figures:
-                figures["grad/measured"] = self._telemetry.measured
-            out.update(figures)
-        return out
-
+    # ------------------------------------------------------------------ properties
     @property
     def policy(self):
         """The scale policy (a frozen config object)."""
         return self._policy
 
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Where the scaler's state lives (None before the first :meth:`scale` or :meth:`init_device`)."""
+        return None if self._t is None else self._t.device
+
+    @property
+    def process_group(self) -> Any:
+        """The ``process_group`` setting ("default", None or a group); see :func:`lossscale.distributed.reduction_group`."""
+        return self._check.process_group
+
+    @property
+    def telemetry(self):
+        """The :class:`lossscale.Telemetry` collecting gradient statistics, or None."""
+        return self._telemetry
+
     # ------------------------------------------------------------------ state
-    def _ensure_state(self, device: torch.device) -> DeviceState:
-        if self._state is None:
+    def init_device(self, device: Union[str, torch.device]) -> None:
+        """Start the state on ``device`` now (the first :meth:`scale` does it otherwise). No sync.
+
+        For ranks that never call :meth:`scale` (pipeline stages before the last) and for frameworks
+        that restore a checkpoint before the first iteration. Raises ValueError if the scaler already
+        runs on another device.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._t is not None and self._t.device != device:
+            raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
+        self._ensure_state(device)
+
+    def _lazy_init_scale_growth_tracker(self, device) -> None:
+        """torch's private name for :meth:`init_device` (accelerate's FSDP2 ``load_state`` calls it)."""
+        if self._enabled:
+            self.init_device(device)
+
+    def _ensure_state(self, device: torch.device) -> TensorState:
+        if self._t is None:
             if self._device_type is not None and device.type != self._device_type:
                 raise ValueError(
                     f"GradScaler(device={self._device_type!r}) was given a tensor on {device}; pass "
                     f"device={device.type!r} or device=None to infer it."
                 )
-            self._state = DeviceState(self._pending, device)
-        return self._state
+            self._t = TensorState(self._pending, device)
+        return self._t
 
-    def _require_state(self, call: str) -> DeviceState:
-        if self._state is None:
+    def _require_state(self, call: str) -> TensorState:
+        if self._t is None:
             raise RuntimeError(
                 f"{call} was called before scale(): call scaler.scale(loss).backward() first in the iteration."
             )
-        return self._state
+        return self._t
 
-    def _scale_state(self) -> ScaleState:
-        """The pure state. Syncs host and device once the state lives on a device."""
-        return self._pending if self._state is None else self._state.to_state()
+    def state(self) -> ScaleState:
+        """The policy's state now (a frozen dataclass of plain Python values). Syncs host and device."""
+        return self._pending if self._t is None else self._t.to_state()
 
     # ------------------------------------------------------------------ torch's API
     def scale(self, outputs):
@@ -317,16 +322,16 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            st = self._ensure_state(outputs.device)
-            return outputs * st.scale.to(device=outputs.device, non_blocking=True)
+            t = self._ensure_state(outputs.device)
+            return outputs * _kernels.to_device(t.scale, outputs.device)
         per_device: Dict[torch.device, torch.Tensor] = {}
 
         def apply(value):
             if isinstance(value, torch.Tensor):
-                st = self._ensure_state(value.device)
+                t = self._ensure_state(value.device)
                 scale = per_device.get(value.device)
                 if scale is None:
-                    scale = per_device[value.device] = st.scale.to(device=value.device, non_blocking=True)
+                    scale = per_device[value.device] = _kernels.to_device(t.scale, value.device)
                 return value * scale
             if isinstance(value, dict):
                 return type(value)((k, apply(v)) for k, v in value.items())
@@ -341,149 +346,30 @@ class GradScaler:
 
         return apply(outputs)
 
-    def _record(self, optimizer) -> _OptimizerRecord:
+    def _record(self, optimizer) -> _Record:
         rec = self._records.get(id(optimizer))
         if rec is None:
-            rec = self._records[id(optimizer)] = _OptimizerRecord()
+            rec = self._records[id(optimizer)] = _Record()
         return rec
 
-    def _gather(self, optimizer, allow_half: bool) -> List[torch.Tensor]:
-        """The gradients to check, with torch's FP16-gradient error made actionable."""
-        grads, params, half = [], [], []
-        fp16 = torch.float16
-        dense = torch.Tensor
-        has_sparse = False
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, param in enumerate(group["params"]):
-                if not isinstance(param, torch.Tensor):
-                    raise ValueError(f"optimizer.param_groups[{gi}]['params'][{pi}] is not a tensor.")
-                grad = param.grad  # read once: a property, and this loop runs per parameter per step
-                if grad is None:
-                    continue
-                if not allow_half and grad.dtype == fp16:
-                    half.append(self._names.get(id(param), f"param_groups[{gi}][{pi}] {tuple(param.shape)}"))
-                    continue
-                if type(grad) is not dense or grad.is_sparse:  # plain dense gradients are checked as they are
-                    has_sparse = has_sparse or grad.is_sparse
-                    grad = _kernels.grad_to_check(param)
-                if grad.numel() == 0:
-                    # Nothing to check, and the inf-norm of an empty tensor raises. FSDP2 gives a rank
-                    # an empty local shard when a parameter's dim 0 is smaller than the world size.
-                    continue
-                grads.append(grad)
-                params.append(param)
-        if half:
-            raise ValueError(
-                f"{len(half)} parameter(s) have FP16 gradients ({', '.join(half[:5])}"
-                f"{', ...' if len(half) > 5 else ''}): unscaling them in FP16 would flush the small ones, "
-                "the very values loss scaling protects. Keep the parameters in FP32 and run the forward "
-                "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), or use an "
-                "optimizer that unscales itself (e.g. torch.optim.Adam(fused=True))."
-            )
-        self._record(optimizer).params = params
-        self._gathered_sparse = has_sparse  # read by clip_grad_norm_ (sparse norms need coalesced values)
-        return grads
+    def _passthrough(self) -> bool:
+        return isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0
 
-    def _reduce_flags(self, found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor] = None):
-        """All-reduce (MAX) the two flags, and ``amax`` when given, over the process group in ONE
-        collective, so every rank decides alike. Returns ``(found_inf, found_nan)``, or
-        ``(found_inf, found_nan, amax)`` when ``amax`` is given.
-
-        A collective: every rank of the group must make the same sequence of calls, so whether it
-        is called, and whether with ``amax``, may depend only on values that are already reduced or
-        the same on every rank (the policy's ``needs_amax``), never on local gradients.
-
-        ``amax`` (a needs_amax policy's max |g|) is sent as 0 where it is inf or NaN: a MAX over a
-        NaN is not reliably NaN on gloo or NCCL (gloo keeps or drops it by rank order), and it need
-        not be. A non-finite amax has set this rank's flags, which reduce exactly, and a needs_amax
-        policy ignores the amax of an overflow step.
-        Without a group nothing is reduced and ``amax`` is returned as it is (bitwise one process).
-        """
-        group = _distributed._resolve(self._process_group)
-        if group is None:
-            return (found_inf, found_nan) if amax is None else (found_inf, found_nan, amax)
-        if amax is None:
-            flags = torch.stack([found_inf, found_nan])
-        else:
-            flags = torch.stack([found_inf, found_nan, amax.nan_to_num(0.0, 0.0, 0.0)])
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-        return tuple(flags.unbind(0))
-
-    def _check(self, optimizer, unscale: bool, sync: bool) -> None:
-        """Check (and optionally unscale) one optimizer's gradients and record the flags.
-
-        ``sync``: decide on the host now (one sync) and, on overflow only, classify inf vs NaN and
-        localise it. Without ``sync`` the flags stay on device (read-only amax pass).
-        """
-        st = self._state
-        rec = self._record(optimizer)
-        passthrough = isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0
-        grads = self._gather(optimizer, allow_half=not unscale or passthrough)
-        groups = _kernels.group_grads(grads)
-        needs_amax = getattr(self._policy, "needs_amax", False)  # e.g. AdaptivePolicy
-        nan_pending = False  # found_nan is not known yet (the sync unscale path learns it on overflow only)
+    def _run_check(self, optimizer, unscale: bool, sync: bool) -> Flags:
+        gathered = self._check.gather(optimizer, allow_half=not unscale or self._passthrough())
         if self._telemetry is not None:
-            self._telemetry.observe(self, optimizer, rec.params, grads)
-        if len(groups) > 1 or any(len(per_dtype) > 1 for per_dtype in groups.values()):
-            # The amax vectors come per (device, dtype) group: line the parameters up with them, or
-            # overflow_report() names the wrong ones when dtypes interleave.
-            owner = {id(g): p for g, p in zip(grads, rec.params)}
-            rec.params = [owner[id(g)] for per_dtype in groups.values() for gs in per_dtype.values() for g in gs]
-        if unscale and not passthrough:
-            # Inverse in float64, like torch: a float32 reciprocal could be off by one ulp for a
-            # non-power-of-two scale on some compilers.
-            inv_scale = st.scale.double().reciprocal().float()
-            if sync and not needs_amax:
-                found = torch.zeros((), dtype=torch.float32, device=st.device)
-                per_device = _kernels.check_and_unscale_(groups, inv_scale, found)
-                found_inf = self._combine(per_device.values(), st.device)
-                found_nan = found_inf  # a placeholder: 0 when clean, learned below on an overflow
-                nan_pending = True
-            else:
-                # No sync allowed, or the policy needs the amax: learn inf vs NaN (and the amax) from a
-                # read-only amax pass, then torch's kernel.
-                vectors, amax = _kernels.amax_per_tensor(groups, st.device)
-                found_inf, found_nan = _kernels.flags_from_amax(amax)
-                _kernels.check_and_unscale_(groups, inv_scale, torch.zeros_like(found_inf))
-                rec.amax_vectors = vectors
-        else:
-            vectors, amax = _kernels.amax_per_tensor(groups, st.device)
-            found_inf, found_nan = _kernels.flags_from_amax(amax)
-            rec.amax_vectors = vectors
-        if needs_amax:
-            # Every rank must feed the policy the same amax, or their scales drift apart: the global
-            # max rides in the flags' collective (one all-reduce per check, not two).
-            found_inf, found_nan, rec.amax = self._reduce_flags(found_inf, found_nan, amax)
-        else:
-            found_inf, found_nan = self._reduce_flags(found_inf, found_nan)
-        rec.found_inf = {st.device: found_inf}
-        rec.found_nan = found_nan
-        if sync:
-            rec.host_found = bool(found_inf.item())  # THE sync of this optimizer's iteration
-            # Decided on reduced values only: a local condition (say, "this rank has amax vectors")
-            # would make ranks disagree on whether the second collective below happens.
-            if rec.host_found and nan_pending:
-                # Overflow path only: one read pass to tell inf from NaN and name the parameters.
-                vectors, amax = _kernels.amax_per_tensor(groups, st.device)
-                rec.amax_vectors = vectors
-                local_nan = torch.isnan(amax).float()
-                _, rec.found_nan = self._reduce_flags(found_inf, local_nan)
-
-    @staticmethod
-    def _combine(flags, device) -> torch.Tensor:
-        flags = [f.to(device, non_blocking=True) for f in flags]
-        if not flags:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        total = flags[0]
-        for f in flags[1:]:
-            total = total + f
-        return total
+            self._telemetry.observe(gathered.params, gathered.grads, self._name_of, self._t.scale)
+        flags = self._check.check_(gathered, self._t.scale, unscale=unscale and not self._passthrough(), sync=sync,
+                                   needs_amax=self._policy.needs_amax)
+        self._record(optimizer).flags = flags
+        return flags
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale (in place) and check them for inf/NaN.
 
         Optional, as in torch: call it before anything that reads gradient magnitudes (clipping,
-        norm logging). At most once per optimizer per iteration, before :meth:`step`.
+        norm logging). At most once per optimizer per iteration, before :meth:`step`. Unscaling the
+        same gradients twice in one iteration (through an optimizer wrapper) raises RuntimeError.
 
         Syncs host and device once for optimizers without amp-scaling support (the sync torch pays in
         ``step()``; here it moves earlier so an overflow is classified before clipping can turn inf
@@ -497,7 +383,7 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call it before step() in the iteration.")
-        self._check(optimizer, unscale=True, sync=not getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._run_check(optimizer, unscale=True, sync=not getattr(optimizer, "_step_supports_amp_scaling", False))
         rec.stage = OptState.UNSCALED
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -516,9 +402,30 @@ class GradScaler:
         Syncs like :meth:`unscale_`: once for optimizers without amp-scaling support, never for
         fused ones (the norm stays a device tensor).
         """
-        from ._clip import clip_grad_norm_
+        from . import _clip
 
-        return clip_grad_norm_(self, optimizer, max_norm, norm_type)
+        norm_type = _clip.validate(max_norm, norm_type)
+        if not self._enabled:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        t = self._require_state("clip_grad_norm_()")
+        rec = self._record(optimizer)
+        if rec.stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
+                "already called on this optimizer since the last update(); call only one of them per iteration."
+            )
+        if rec.stage is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step(); call it before step() in the iteration.")
+        sync = not getattr(optimizer, "_step_supports_amp_scaling", False)
+        with torch.no_grad():
+            gathered = self._check.gather(optimizer, allow_half=self._passthrough(), coalesce=True)
+            if self._telemetry is not None:
+                self._telemetry.observe(gathered.params, gathered.grads, self._name_of, t.scale)
+            true_norm, rec.flags = self._check.clip_(gathered, t.scale, max_norm, norm_type, sync=sync,
+                                                     needs_amax=self._policy.needs_amax)
+        rec.stage = OptState.UNSCALED
+        return true_norm
 
     def step(self, optimizer, *args, **kwargs):
         """Unscale (unless :meth:`unscale_` was called) and run ``optimizer.step()`` unless inf/NaN.
@@ -531,7 +438,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported if GradScaler is enabled (as in torch).")
-        st = self._require_state("step()")
+        t = self._require_state("step()")
         rec = self._record(optimizer)
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
@@ -544,13 +451,12 @@ class GradScaler:
                 rec.stage = OptState.STEPPED
                 return retval
             if rec.stage is OptState.READY:
-                self._check(optimizer, unscale=False, sync=False)
-            found_inf = self._combine(rec.found_inf.values(), st.device)
+                self._run_check(optimizer, unscale=False, sync=False)
             # Multiply by a grad_scale the user set on the optimizer, as torch does.
             user_scale = getattr(optimizer, "grad_scale", None)
             optimizer.grad_scale = (user_scale if rec.stage is OptState.UNSCALED
-                                    else st.scale if user_scale is None else st.scale * user_scale)
-            optimizer.found_inf = found_inf
+                                    else t.scale if user_scale is None else t.scale * user_scale)
+            optimizer.found_inf = rec.flags.found_inf
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -559,9 +465,9 @@ class GradScaler:
             rec.stage = OptState.STEPPED
             return retval
         if rec.stage is OptState.READY:
-            self._check(optimizer, unscale=True, sync=True)
+            self._run_check(optimizer, unscale=True, sync=True)
         retval = None
-        if not rec.host_found:
+        if not rec.flags.host_found:
             retval = optimizer.step(*args, **kwargs)
         rec.stage = OptState.STEPPED
         return retval
@@ -570,116 +476,85 @@ class GradScaler:
         """Advance the policy by one iteration (or set ``new_scale``), at the end of the iteration.
 
         Call after :meth:`step` for every optimizer of the iteration. A float ``new_scale`` must lie
-        within the bounds; a tensor one is copied and clamped to them (checking it would sync). The
-        step counters still count the iteration. No host sync, except on an overflow found on the
-        host (one, to check whether training is stuck).
+        within the bounds; a tensor one is copied on device, clamped to the bounds, and ignored when
+        it is not finite and > 0 (checking it on the host would sync). The step counters still count
+        the iteration. No host sync. A stuck run (see ``on_stuck``) is reported at the next update.
         """
         if not self._enabled:
             return
-        st = self._require_state("update()")
+        t = self._require_state("update()")
         if new_scale is not None:
             self._validate_new_scale(new_scale)
-        if not self._records or not any(r.found_inf for r in self._records.values()):
-            if new_scale is None:
-                raise RuntimeError(
-                    "update() found no inf checks since the last update(): call scaler.step(optimizer) "
-                    "(or unscale_) for each optimizer before update()."
-                )
-        records = list(self._records.values())
-        found_inf = self._combine([f for r in records for f in r.found_inf.values()], st.device)
-        host_known = all(r.host_found is not None for r in records) if records else True
-        known_clean = host_known and not any(r.host_found for r in records)
-        if not known_clean and st.device.type == "cpu":
-            # A CPU "device" is host memory: read the device-decided flag in place (no copy, no
-            # kernel, no sync) and take the same shortcut as a host-decided clean step.
-            known_clean = not found_inf.numpy().item()
-        # A clean step known on the host has found_nan = 0 = found_inf (a zero tensor already at hand).
-        found_nan = found_inf if known_clean else self._combine(
-            [r.found_nan for r in records if r.found_nan is not None], st.device)
-        # The scale before this update, for the stuck check of an iteration that may have overflowed:
-        # read in place on CPU (host memory, no kernel), a device copy elsewhere.
-        scale_before = (None if known_clean
-                        else float(st.scale.numpy()) if st.device.type == "cpu" else st.scale.clone())
+        flags = [r.flags for r in self._records.values() if r.flags is not None]
+        if not flags and new_scale is None:
+            raise RuntimeError(
+                "update() found no inf checks since the last update(): call scaler.step(optimizer) "
+                "(or unscale_) for each optimizer before update()."
+            )
+        found_inf = sum_flags([f.found_inf for f in flags], t.device)
+        found_nan = sum_flags([f.found_nan for f in flags], t.device)
+        host_known = all(f.host_found is not None for f in flags)
+        host_overflow = any(f.host_found for f in flags)
         if new_scale is not None:
-            if records:  # the iteration still happened: count it; torch leaves the trackers alone
-                count_(st, found_inf, found_nan)
-            if isinstance(new_scale, torch.Tensor):
-                st.scale.copy_(new_scale.detach().reshape(()).to(st.scale))
-                lo, hi = getattr(self._policy, "min_scale", None), getattr(self._policy, "max_scale", None)
-                if lo is not None or hi is not None:
-                    st.scale.clamp_(lo, hi)
-            else:
-                st.scale.fill_(new_scale)
-        elif getattr(self._policy, "needs_amax", False):
-            amaxes = [r.amax for r in records if r.amax is not None]
-            amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
-            device_update_(self._policy, st, found_inf, found_nan, amax=amax)
+            if flags:  # the iteration still happened: count it; torch leaves the trackers alone
+                overflow = found_inf > 0
+                count_tensor(t, overflow, (found_nan > 0) & overflow)
+            self._set_scale(t, new_scale)
         else:
-            # A clean step the host already decided (it synced) takes the rule's shortcut, if it has one.
-            device_update_(self._policy, st, found_inf, found_nan, known_clean=known_clean)
-        any_host_overflow = any(r.host_found for r in records)
-        # Device-decided: found_inf itself (> 0 means skipped), read only if asked.
-        self._last_skipped = any_host_overflow if host_known else found_inf
-        if any_host_overflow or not host_known:
-            self._remember_overflow(records)
+            amaxes = [f.amax for f in flags if f.amax is not None]
+            amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
+            self._policy.tensor_update(t, found_inf, found_nan, amax)
+        self._last_skipped = host_overflow if host_known else None
+        if host_overflow or not host_known:
+            self._report_source = [(f.params, f.amax_vectors) for f in flags if f.amax_vectors]
+            self._last_report = None
         self._records = {}
+        self._check.new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
-        self._observe(st, scale_before, now=any_host_overflow, skip=host_known and not any_host_overflow)
+        self._observe(t, clean=host_known and not host_overflow)
+
+    def _set_scale(self, t: TensorState, new_scale) -> None:
+        lo, hi = self._policy.scale_bounds()
+        if isinstance(new_scale, torch.Tensor):
+            value = new_scale.detach().reshape(()).to(t.scale)
+            if lo is not None or hi is not None:
+                value = value.clamp(lo, hi)
+            # A non-finite or non-positive scale would poison every later step: keep the old one
+            # (decided on device; a host check would sync).
+            t.scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value, t.scale))
+        else:
+            t.scale.fill_(new_scale)
 
     def _validate_new_scale(self, new_scale) -> None:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise ValueError("new_scale must be a float or a 1-element tensor with requires_grad=False.")
-            if self._state is not None and new_scale.device.type != self._state.device.type:
-                raise ValueError(f"new_scale is on {new_scale.device} but the scaler's state is on {self._state.device}.")
+            if self._t is not None and new_scale.device.type != self._t.device.type:
+                raise ValueError(f"new_scale is on {new_scale.device} but the scaler's state is on {self._t.device}.")
             return
         if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
             raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
         if not math.isfinite(new_scale) or new_scale <= 0:
             raise ValueError(f"new_scale={new_scale!r} must be finite and > 0.")
-        lo, hi = getattr(self._policy, "min_scale", None), getattr(self._policy, "max_scale", None)
+        lo, hi = self._policy.scale_bounds()
         if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
             raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
 
     # ------------------------------------------------------------------ observation (stuck check)
-    def _observe(self, st: DeviceState, scale_before, now: bool, skip: bool) -> None:
-        """Look at the state after an update, without a sync where possible, and react if stuck.
+    def _observe(self, t: TensorState, clean: bool) -> None:
+        """React to every landed snapshot of earlier updates, then queue one of this update's state.
 
-        ``skip``: the host knows this iteration was clean (nothing can be stuck). ``now``: the host
-        knows it overflowed, read the state now (one sync on the overflow path). Otherwise copy a
-        snapshot to a host buffer without blocking and look at it once it has arrived (at once on
-        CPU; on CUDA at a later update, when its event has completed).
+        ``clean``: the host knows this iteration stepped, so nothing can be stuck now (no snapshot).
         """
-        if skip:
+        for state, scale_before in self._observer.poll():
+            self._react(state, scale_before)
+        if clean:
             self._warned_streak = False
             return
-        if st.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # inside a CUDA graph: no host reads, no events (replays update the state on device)
-        if st.device.type == "cpu":
-            # The state is host memory: read it in place, no copy, no kernel unless a streak is on.
-            if not now and st.counters.numpy()[STREAK] == 0:
-                self._warned_streak = False
-                return
-            self._react([scale_before] + st.snapshot().numpy().tolist())
-            return
-        if self._host_obs is not None and self._obs_ready and (self._obs_event is None or self._obs_event.query()):
-            self._react(self._host_obs.tolist())
-            self._obs_ready = False
-        snap = torch.cat([scale_before.double().reshape(1), st.snapshot()])
-        if now:
-            self._react(snap.tolist())
-            return
-        if self._host_obs is None:
-            self._host_obs = torch.empty(snap.shape, dtype=torch.float64, pin_memory=torch.cuda.is_available())
-        self._host_obs.copy_(snap, non_blocking=True)
-        self._obs_event = torch.cuda.Event() if st.device.type == "cuda" else None
-        if self._obs_event is not None:
-            self._obs_event.record()
-        self._obs_ready = True
+        self._observer.push(t)
 
-    def _react(self, values: List[float]) -> None:
-        scale_before, state = values[0], DeviceState.from_snapshot(values[1:])
+    def _react(self, state: ScaleState, scale_before: float) -> None:
         if state.overflow_streak == 0:
             self._warned_streak = False
             return
@@ -689,34 +564,26 @@ class GradScaler:
         if self._policy.on_stuck == "raise":
             raise RuntimeError(message)
         if not self._warned_streak:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
             self._warned_streak = True
 
     # ------------------------------------------------------------------ overflow report
-    def _remember_overflow(self, records) -> None:
-        self._report_source = [(r.params, r.amax_vectors) for r in records if r.amax_vectors]
-        self._last_report = None
-
     def overflow_report(self) -> Dict[str, List[str]]:
         """Which parameters held inf and which held NaN on the last skipped step.
 
         Returns ``{"inf": [...], "nan": [...]}`` of parameter names (as given by ``model=`` or
-        :meth:`name_parameters`, else ``param_groups[g][i] shape``). Empty lists when the last step
-        was not skipped. Reading it syncs host and device when the overflow was found on device.
+        :meth:`name_parameters`, else ``param (shape)``). Empty lists when the last step was not
+        skipped. Reading it syncs host and device when the overflow was found on device.
         """
         if not self.last_step_skipped or not self._report_source:
             return {"inf": [], "nan": []}
         if self._last_report is None:
-            inf, nan = [], []
+            report = {"inf": [], "nan": []}
             for params, vectors in self._report_source:
                 values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
-                for p, v in zip(params, values):
-                    name = self._names.get(id(p), f"param {tuple(p.shape)}")
-                    if math.isnan(v):
-                        nan.append(name)
-                    elif math.isinf(v):
-                        inf.append(name)
-            self._last_report = {"inf": inf, "nan": nan}
+                for key, names in names_of(values, params, self._name_of).items():
+                    report[key].extend(names)
+            self._last_report = report
         return self._last_report
 
     # ------------------------------------------------------------------ skip-awareness
@@ -725,17 +592,19 @@ class GradScaler:
         """Whether the last iteration's optimizer step(s) were skipped (read after :meth:`update`).
 
         Free when the host already decided the step (optimizers without amp-scaling support); syncs
-        host and device for fused optimizers, whose skip happened on device.
+        host and device for fused optimizers, whose skip happened on device. Read from the device
+        state, so it stays right under CUDA-graph replay.
         """
-        value = self._last_skipped
-        if isinstance(value, torch.Tensor):
-            value = self._last_skipped = bool(value.item())
-        return bool(value)
+        if self._last_skipped is not None:
+            return self._last_skipped
+        if self._t is None:
+            return False
+        return bool(self._t.overflow_streak.item() > 0)
 
     @property
     def skipped_steps(self) -> int:
         """Skipped iterations so far. Syncs host and device."""
-        return self._scale_state().skipped_steps if self._enabled else 0
+        return self.state().skipped_steps if self._enabled else 0
 
     def step_scheduler(self, scheduler, *args, **kwargs) -> bool:
         """``scheduler.step()`` unless the last step was skipped; returns whether it stepped.
@@ -744,52 +613,79 @@ class GradScaler:
         the weights (torch warns "Detected call of lr_scheduler.step() before optimizer.step()").
         May sync: see :attr:`last_step_skipped`.
         """
-        if self._enabled and self._last_skipped is not None and self.last_step_skipped:
+        if self._enabled and self.last_step_skipped:
             return False
         scheduler.step(*args, **kwargs)
         return True
 
     def counters(self) -> Dict[str, int]:
         """Every counter as plain ints: steps, skipped, inf and NaN steps, current streak. Syncs."""
-        s = self._scale_state()
+        s = self.state()
         return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
                 "nan_steps": s.nan_steps, "overflow_streak": s.overflow_streak}
+
+    def metrics(self) -> Dict[str, Union[int, float, bool]]:
+        """A flat dict of numbers for any logger (TensorBoard's ``add_scalar``, W&B). Syncs host and device.
+
+        Always: ``loss_scale``, ``steps``, ``skipped_steps``, ``inf_steps``, ``nan_steps``,
+        ``overflow_streak``, ``last_step_skipped``. With telemetry on, the figures of the last sampled
+        iteration: ``grad/flushed_frac``, ``grad/subnormal_frac``, ``grad/headroom_bits``, ``grad/amax``,
+        ... (and ``grad/<name>/...`` per parameter or module); what they measure is in
+        :meth:`metric_labels`. With telemetry reducing across ranks, a collective.
+        """
+        out: Dict[str, Any] = {"loss_scale": self.get_scale()}
+        if self._enabled:
+            out.update(self.counters())
+        out["last_step_skipped"] = bool(self._enabled and self.last_step_skipped)
+        if self._telemetry is not None:
+            group = (_distributed.resolve_group(self.process_group) if self._telemetry.wants_reduction() else None)
+            out.update(self._telemetry.metrics(group=group, device=self.device))
+        return out
+
+    def metric_labels(self) -> Dict[str, str]:
+        """Text that goes with :meth:`metrics` (``grad/measured``: e.g. "float32 as fp16"). No sync."""
+        return {} if self._telemetry is None else self._telemetry.labels()
 
     # ------------------------------------------------------------------ getters / setters
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs host and device."""
         if not self._enabled:
             return 1.0
-        return self._pending.scale if self._state is None else float(self._state.scale.item())
+        return self._pending.scale if self._t is None else float(self._t.scale.item())
 
     def _get_scale_async(self) -> Optional[torch.Tensor]:
         """The scale tensor without a sync (None before the first :meth:`scale`), as in torch."""
-        return None if self._state is None else self._state.scale
+        return None if self._t is None else self._t.scale
+
+    def _config_value(self, name: str, default):
+        return self._policy.config().get(name, default)
 
     def _replace_policy(self, **changes) -> None:
-        if not isinstance(self._policy, DynamicPolicy):
-            raise RuntimeError(f"{', '.join(changes)} apply to the dynamic policy, not {type(self._policy).__name__}.")
+        fields = self._policy.config()
+        missing = [k for k in changes if k not in fields]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} do(es) not apply to the {type(self._policy).__name__}.")
         self._policy = dataclasses.replace(self._policy, **changes)  # validates the new value
 
     def get_growth_factor(self) -> float:
-        """The growth factor."""
-        return getattr(self._policy, "growth_factor", 1.0)
+        """The growth factor (1.0 for a policy without one)."""
+        return self._config_value("growth_factor", 1.0)
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (validated: > 1)."""
         self._replace_policy(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        """The backoff factor."""
-        return getattr(self._policy, "backoff_factor", 1.0)
+        """The backoff factor (1.0 for a policy without one)."""
+        return self._config_value("backoff_factor", 1.0)
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (validated: in (0, 1))."""
         self._replace_policy(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        """The growth interval."""
-        return getattr(self._policy, "growth_interval", 0)
+        """The growth interval (0 for a policy without one)."""
+        return self._config_value("growth_interval", 0)
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (validated: int >= 1).
@@ -798,14 +694,14 @@ class GradScaler:
         would then never grow again until an overflow reset its tracker).
         """
         self._replace_policy(growth_interval=new_interval)
-        if self._state is not None:
-            self._state.growth_tracker.clamp_(max=new_interval - 1)
+        if self._t is not None:
+            self._t.growth_tracker.clamp_(max=new_interval - 1)
         else:
             self._pending = self._pending.replace(growth_tracker=min(self._pending.growth_tracker, new_interval - 1))
 
     def _get_growth_tracker(self) -> int:
         """torch's private getter (used by some trainers). Syncs."""
-        return self._scale_state().growth_tracker if self._enabled else 0
+        return getattr(self.state(), "growth_tracker", 0) if self._enabled else 0
 
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
@@ -813,108 +709,65 @@ class GradScaler:
 
     def _found_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private accessor, used by some trainers: this iteration's found_inf per device."""
-        return self._record(optimizer).found_inf
+        flags = self._record(optimizer).flags
+        return {} if flags is None else {flags.found_inf.device: flags.found_inf}
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private read-only check, used by some trainers."""
         self._require_state("_check_inf_per_device()")
-        self._check(optimizer, unscale=False, sync=False)
-        return self._record(optimizer).found_inf
+        self._run_check(optimizer, unscale=False, sync=False)
+        return self._found_inf_per_device(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        """The complete, versioned state: config, scale, every tracker and counter.
+        """The complete, versioned state: config, scale, every tracker and counter (``lossscale.checkpoint``).
 
         It holds torch's five keys too, so ``torch.amp.GradScaler.load_state_dict`` accepts it.
         Empty when disabled (as torch). Syncs host and device. Call it after :meth:`update`.
         """
         if not self._enabled:
             return {}
-        s = self._scale_state()
-        policy = self._policy
-        config = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-        return {
-            "scale": s.scale,
-            "growth_factor": self.get_growth_factor(),
-            "backoff_factor": self.get_backoff_factor(),
-            "growth_interval": self.get_growth_interval(),
-            "_growth_tracker": s.growth_tracker,
-            "lossscale_version": STATE_DICT_VERSION,
-            "policy_type": type(policy).__name__,
-            "policy": config,
-            "state": dataclasses.asdict(s),
-        }
+        return checkpoint.to_dict(self._policy, self.state())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict`, or from ``torch.amp.GradScaler.state_dict()``.
 
         A torch state continues exactly as torch would: its scale, growth tracker and factors, with
         this scaler's hysteresis refilled and counters at zero. Works before the first :meth:`scale`.
-        Validates everything before changing anything.
+        Validates everything before changing anything (ValueError naming the key); the state tensors
+        are filled in place, so a CUDA graph captured before the load keeps reading the live scale.
+        The checkpoint's policy wins over the constructor's (with a warning when they differ).
         """
         if not self._enabled:
             return
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"load_state_dict takes a dict, got {type(state_dict).__name__}.")
-        if len(state_dict) == 0:
-            raise RuntimeError("The state dict is empty, possibly because it was saved from a disabled scaler.")
-        if "lossscale_version" in state_dict:
-            version = state_dict["lossscale_version"]
-            if version != STATE_DICT_VERSION:
-                raise ValueError(f"state dict version {version!r} is not supported (this lossscale reads {STATE_DICT_VERSION}).")
-            missing = [k for k in ("policy_type", "policy", "state") if k not in state_dict]
-            if missing:
-                raise ValueError(f"state dict is missing {missing}.")
-            policy = self._policy_from_state(state_dict["policy_type"], state_dict["policy"])
-            try:
-                state = ScaleState(**state_dict["state"])
-            except TypeError as e:
-                raise ValueError(f"state dict 'state' entry is malformed: {e}") from None
-        else:
-            missing = [k for k in _TORCH_KEYS if k not in state_dict]
-            if missing:
-                raise ValueError(f"state dict is missing {missing} (expected a lossscale or torch GradScaler state).")
-            if not isinstance(self._policy, DynamicPolicy):
-                raise ValueError("a torch GradScaler state dict needs a dynamic policy; this scaler's is "
-                                 f"{type(self._policy).__name__}.")
-            policy = dataclasses.replace(self._policy, init_scale=float(state_dict["scale"]),
-                                         growth_factor=float(state_dict["growth_factor"]),
-                                         backoff_factor=float(state_dict["backoff_factor"]),
-                                         growth_interval=int(state_dict["growth_interval"]))
-            state = policy.init_state().replace(growth_tracker=int(state_dict["_growth_tracker"]))
+        policy, state = checkpoint.load(state_dict, self._policy)
+        # Everything is validated: now swap.
+        if self._t is not None:
+            if self._t.state_type is type(state):
+                self._t.load_(state)
+            else:
+                self._t = TensorState(state, self._t.device)
         self._policy, self._pending = policy, state
-        if self._state is not None:
-            self._state = DeviceState(state, self._state.device)
         self._records = {}
-
-    @staticmethod
-    def _policy_from_state(type_name: str, config: Dict[str, Any]):
-        from . import _policy_registry
-
-        cls = {"DynamicPolicy": DynamicPolicy, "StaticPolicy": StaticPolicy, **_policy_registry.types()}.get(type_name)
-        if cls is None:
-            raise ValueError(f"state dict policy_type={type_name!r} is unknown.")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the power-of-two warning was given when it was created
-            try:
-                return cls(**config)
-            except TypeError as e:
-                raise ValueError(f"state dict policy config does not fit {type_name}: {e}") from None
+        self._check.new_iteration()
+        self._observer.reset()
+        self._last_skipped, self._report_source, self._last_report = None, None, None
+        self._warned_streak = False
 
     def __getstate__(self) -> Dict[str, Any]:
         if self._records:
             raise RuntimeError("A GradScaler can be pickled only between iterations (after update()).")
         state = self.__dict__.copy()
-        state["_pending"] = self._scale_state()
-        state["_state"] = None
-        state["_host_obs"], state["_obs_event"], state["_obs_ready"] = None, None, False
-        state["_last_skipped"] = None if isinstance(self._last_skipped, torch.Tensor) else self._last_skipped
-        state["_report_source"] = None
+        state["_pending"] = self.state()
+        state["_t"] = None
+        state["_observer"] = None
+        state["_report_source"], state["_last_report"] = None, None
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._observer = Observer()
 
     def __repr__(self) -> str:
-        where = "not started" if self._state is None else str(self._state.device)
+        where = "not started" if self._t is None else str(self._t.device)
         return f"lossscale.GradScaler(enabled={self._enabled}, policy={self._policy!r}, {where})"

@@ -8,7 +8,7 @@ What the figures measure depends on the gradients' dtype, and every record says 
 
 * FP32 parameter gradients (autocast with FP32 master weights): ``flushed``/``subnormal``/
   ``overflow`` are what FP16 *would* do to these scaled gradients (``grad/measured`` =
-  "fp32 as fp16"). The flushing that really happens under autocast is in the FP16 activation
+  "fp32 as fp16", in :meth:`GradScaler.metric_labels`). The flushing that really happens under autocast is in the FP16 activation
   gradients: see :mod:`lossscale.hooks`.
 * FP16 parameter gradients: they are measured as stored (``grad/measured`` = "fp16 as stored"), so a
   value that flushed is already 0 and counted among ``zeros``.
@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from . import formats
 from .stats import GradStats, grad_stats
 
 __all__ = ["Telemetry", "JsonlLogger", "flatten_stats"]
@@ -62,9 +63,9 @@ class Telemetry:
             raise ValueError(f"telemetry per={per!r} must be one of {_PER}.")
         if reduce not in ("auto", "sum", None):
             raise ValueError(f"telemetry reduce={reduce!r} must be 'auto', 'sum' or None.")
+        formats.get(fmt)  # ValueError naming fmt and the valid names, now rather than inside step()
         self.every, self.per, self.fmt, self.reduce = every, per, fmt, reduce
         self.sharded = False  # DTensor gradients seen (FSDP2): their local figures are partial
-        self._scaler = None
         self.iteration = 0
         self.step_collected: Optional[int] = None
         self.overall: Optional[GradStats] = None
@@ -76,24 +77,27 @@ class Telemetry:
         """Whether this iteration is sampled."""
         return self.iteration % self.every == 0
 
-    def observe(self, scaler, optimizer, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
-        """Collect the statistics of one optimizer's scaled gradients (called by the scaler)."""
-        self._scaler = scaler
+    def observe(self, params: List[torch.Tensor], grads: List[torch.Tensor], name_of: Callable, scale: torch.Tensor
+                ) -> None:
+        """Collect the statistics of one optimizer's scaled gradients (called by the scaler).
+
+        ``name_of``: ``param -> name or None``; ``scale``: the scale tensor these gradients carry.
+        """
         if not self.due() or not grads:
             return
         self.sharded = self.sharded or any(hasattr(p.grad, "_local_tensor") for p in params)
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
             # The scale these gradients carry (update() may change it before the figures are read).
-            self.scale_used = scaler._get_scale_async().clone()
+            self.scale_used = scale.clone()
         stats = grad_stats(grads, scale=1.0, fmt=self.fmt)
         self.overall = stats if self.overall is None else self.overall + stats
+        own = formats.dtype_name(self.fmt)
         dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads})
-        self.measured = ", ".join(f"{d} as {self.fmt}" if d != _fmt_dtype(self.fmt) else f"{d} as stored"
-                                  for d in dtypes)
+        self.measured = ", ".join(f"{d} as {self.fmt}" if d != own else f"{d} as stored" for d in dtypes)
         if self.per is None:
             return
-        names = [scaler._names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        names = [name_of(p) or f"param{i}" for i, p in enumerate(params)]
         if self.per == "module":
             buckets: Dict[str, List[torch.Tensor]] = {}
             for n, g in zip(names, grads):
@@ -104,28 +108,28 @@ class Telemetry:
             for n, g in zip(names, grads):
                 self.groups[n] = grad_stats([g], scale=1.0, fmt=self.fmt)
 
-    def _group(self):
-        """The process group to reduce over, or None."""
-        if self.reduce is None or self._scaler is None or (self.reduce == "auto" and not self.sharded):
-            return None
-        from .distributed import reduction_group
+    def wants_reduction(self) -> bool:
+        """Whether :meth:`metrics` should sum the figures over the scaler's group (see ``reduce``)."""
+        return self.reduce == "sum" or (self.reduce == "auto" and self.sharded)
 
-        return reduction_group(self._scaler)
+    def labels(self) -> Dict[str, str]:
+        """What the figures measure, as text (``{"grad/measured": "float32 as fp16"}``); empty before
+        the first sampled iteration. Kept out of :meth:`metrics`, whose values are all numbers."""
+        return {"grad/measured": self.measured} if self.overall is not None else {}
 
-    def metrics(self) -> Dict[str, float]:
+    def metrics(self, group=None, device: Optional[torch.device] = None) -> Dict[str, float]:
         """Flat figures of the last sampled iteration (empty before the first). Syncs.
 
-        A collective when figures are reduced across ranks (see ``reduce``): every rank calls it.
+        ``group``: the process group to sum the figures over (the scaler passes its own when
+        :meth:`wants_reduction`); a collective then: every rank of it calls this at the same
+        iterations. ``device``: where a rank without gradients makes its empty statistics.
         """
-        group = self._group()
         overall, groups = self.overall, self.groups
         if group is not None:
             from .distributed import reduce_stats
 
             if overall is None:  # a rank without gradients still joins, with empty statistics
-                device = self._scaler._get_scale_async()
-                overall = grad_stats([], scale=1.0, fmt=self.fmt,
-                                     device=device.device if device is not None else "cpu")
+                overall = grad_stats([], scale=1.0, fmt=self.fmt, device=device or "cpu")
             overall = reduce_stats(overall, group)
             if self.sharded:  # FSDP2: every rank holds a shard of the same parameters
                 groups = reduce_stats(groups, group)
@@ -139,11 +143,6 @@ class Telemetry:
         for name, s in groups.items():
             out.update(flatten_stats(f"grad/{name}", s))
         return out
-
-
-def _fmt_dtype(fmt: str) -> str:
-    return {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
-            "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}.get(fmt, fmt)
 
 
 class JsonlLogger:

@@ -1,0 +1,227 @@
+"""The gradient check: the per-iteration work that ``unscale_``, ``step`` and ``clip_grad_norm_`` share.
+
+For one optimizer it gathers the gradients (with torch's FP16-gradient error made actionable),
+groups them by device and dtype, checks them for inf/NaN (and unscales them, or clips them), measures
+the amax a policy may need, and reduces the flags across ranks in ONE collective. What it learns is
+a small :class:`Flags` record; the scaler keeps the records of an iteration and hands them to the
+policy in ``update()``.
+
+It also refuses to unscale the same gradients twice in one iteration, which an optimizer wrapper
+(Fabric's, accelerate's) over the same parameters would otherwise do silently: torch's scaler keys
+its bookkeeping by optimizer object, so ``unscale_(wrapper)`` after ``unscale_(inner)`` divides by
+the scale twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch
+
+from . import _clip, _device, _kernels
+from . import distributed as _distributed
+
+__all__ = ["Flags", "Gathered", "GradientCheck"]
+
+
+@dataclass
+class Gathered:
+    """One optimizer's gradients, as checked: ``grads[i]`` is the tensor checked for ``params[i]``."""
+
+    params: List[torch.Tensor]
+    grads: List[torch.Tensor]
+
+
+@dataclass
+class Flags:
+    """What one check learned, on the scale's device, reduced across ranks.
+
+    Attributes:
+        found_inf: float32 0-dim, > 0 when some gradient was inf or NaN (torch's found_inf).
+        found_nan: float32 0-dim, > 0 when NaN was among them.
+        amax: max|g| of the scaled gradients for policies that need it, else None.
+        host_found: the skip decision as a host bool where it was synced, else None (on device).
+        params, amax_vectors: the parameters in check order and per-parameter max|g| vectors
+            (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
+    """
+
+    found_inf: torch.Tensor
+    found_nan: torch.Tensor
+    amax: Optional[torch.Tensor] = None
+    host_found: Optional[bool] = None
+    params: List[torch.Tensor] = field(default_factory=list)
+    amax_vectors: List[torch.Tensor] = field(default_factory=list)
+
+
+class GradientCheck:
+    """Gathers, checks, unscales and reduces one optimizer's gradients at a time.
+
+    Args:
+        name_of: ``param -> name`` for error messages.
+        process_group: the scaler's ``process_group`` setting ("default", None or a group); resolved
+            at every use, so a scaler built before ``init_process_group`` picks the group up.
+    """
+
+    def __init__(self, name_of: Callable[[torch.Tensor], Optional[str]], process_group: Any):
+        self._name_of = name_of
+        self.process_group = process_group
+        self._unscaled: Set[int] = set()
+
+    def new_iteration(self) -> None:
+        """Forget which gradients were unscaled (called by ``update()``)."""
+        self._unscaled = set()
+
+    # ------------------------------------------------------------------------------ gathering
+    def gather(self, optimizer, allow_half: bool, coalesce: bool = False) -> Gathered:
+        """The gradients to check (dense tensors, local shards, or coalesced sparse values).
+
+        ``coalesce``: coalesce every sparse gradient (norms need it); FP16 sparse ones are always
+        coalesced, like torch, because a sum of duplicate scaled fp16 values may overflow.
+        """
+        grads, params, half = [], [], []
+        fp16 = torch.float16
+        dense = torch.Tensor
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, param in enumerate(group["params"]):
+                if not isinstance(param, torch.Tensor):
+                    raise ValueError(f"optimizer.param_groups[{gi}]['params'][{pi}] is not a tensor.")
+                grad = param.grad  # read once: a property, and this loop runs per parameter per step
+                if grad is None:
+                    continue
+                if not allow_half and grad.dtype == fp16:
+                    half.append(self._name_of(param) or f"param_groups[{gi}][{pi}] {tuple(param.shape)}")
+                    continue
+                if type(grad) is not dense or grad.is_sparse:  # plain dense gradients are checked as they are
+                    if coalesce and grad.is_sparse and not grad.is_coalesced():
+                        param.grad = grad.coalesce()
+                    grad = _kernels.grad_to_check(param)
+                if grad.numel() == 0:
+                    # Nothing to check, and the inf-norm of an empty tensor raises. FSDP2 gives a rank
+                    # an empty local shard when a parameter's dim 0 is smaller than the world size.
+                    continue
+                grads.append(grad)
+                params.append(param)
+        if half:
+            raise ValueError(
+                f"{len(half)} parameter(s) have FP16 gradients ({', '.join(half[:5])}"
+                f"{', ...' if len(half) > 5 else ''}): unscaling them in FP16 would flush the small ones, "
+                "the very values loss scaling protects. Keep the parameters in FP32 and run the forward "
+                "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), or use an "
+                "optimizer that unscales itself (e.g. torch.optim.Adam(fused=True))."
+            )
+        return Gathered(params, grads)
+
+    def _claim(self, gathered: Gathered) -> None:
+        """Refuse gradients already unscaled this iteration (before anything is rewritten)."""
+        ids = {id(p) for p in gathered.params}
+        again = ids & self._unscaled
+        if again:
+            names = [self._name_of(p) or f"param {tuple(p.shape)}" for p in gathered.params if id(p) in again]
+            raise RuntimeError(
+                f"{len(again)} gradient(s) were already unscaled in this iteration ({', '.join(names[:5])}"
+                f"{', ...' if len(names) > 5 else ''}): unscale_()/clip_grad_norm_() reached them through "
+                "another optimizer object over the same parameters (an optimizer wrapper such as Fabric's "
+                "or accelerate's, and its inner optimizer). Dividing by the scale twice would shrink them "
+                "silently; unscale through one of the two objects only."
+            )
+        self._unscaled |= ids
+
+    # ------------------------------------------------------------------------------ reduction
+    def reduce(self, found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor] = None):
+        """All-reduce (MAX) the flags, and ``amax`` when given, over the group in ONE collective.
+
+        Returns ``(found_inf, found_nan, amax)`` (``amax`` None when not given). A collective: whether
+        it runs, and with ``amax``, depends only on the group and the policy, never on local values.
+        """
+        group = _distributed.resolve_group(self.process_group)
+        if group is None:
+            return found_inf, found_nan, amax
+        return _distributed.all_reduce_flags(found_inf, found_nan, amax, group)
+
+    # ------------------------------------------------------------------------------ the checks
+    def check_(self, gathered: Gathered, scale: torch.Tensor, *, unscale: bool, sync: bool,
+               needs_amax: bool) -> Flags:
+        """Check (and optionally unscale in place) the gathered gradients; return the reduced flags.
+
+        ``sync``: decide on the host now (one sync) and, on overflow only, classify inf vs NaN with a
+        second read pass. Without ``sync`` the flags stay on device (read-only amax pass first).
+        ``unscale=False``: read-only (the fused-optimizer path).
+        """
+        device = scale.device
+        groups = _kernels.group_grads(gathered.grads)
+        params = gathered.params
+        if len(groups) > 1 or any(len(per_dtype) > 1 for per_dtype in groups.values()):
+            # The amax vectors come per (device, dtype) group: line the parameters up with them, or
+            # overflow_report() names the wrong ones when dtypes interleave.
+            owner = {id(g): p for g, p in zip(gathered.grads, gathered.params)}
+            params = [owner[id(g)] for per_dtype in groups.values() for gs in per_dtype.values() for g in gs]
+        if unscale:
+            self._claim(gathered)
+        flags = Flags(found_inf=None, found_nan=None, params=params)  # filled below
+        nan_pending = False
+        amax = None
+        if unscale and sync and not needs_amax:
+            # torch's fused check+unscale: one read+write pass. It cannot tell NaN from inf; that is
+            # learned below, on the overflow path only.
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            per_device = _kernels.check_and_unscale_(groups, _device.reciprocal(scale), found)
+            found_inf = _kernels.to_device(sum_flags(per_device.values(), device), device)
+            found_nan, nan_pending = found_inf, True  # a placeholder: 0 when clean
+        else:
+            # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.
+            flags.amax_vectors, amax = _kernels.amax_per_tensor(groups, device)
+            found_inf, found_nan = _kernels.flags_from_amax(amax)
+            if unscale:
+                _kernels.check_and_unscale_(groups, _device.reciprocal(scale), torch.zeros_like(found_inf))
+        # Every rank must feed the policy the same amax: it rides in the flags' collective.
+        flags.found_inf, flags.found_nan, flags.amax = self.reduce(found_inf, found_nan, amax if needs_amax else None)
+        if sync:
+            flags.host_found = bool(flags.found_inf.item())  # THE sync of this optimizer's iteration
+            # Decided on reduced values only, so every rank takes the same path to the collective below.
+            if flags.host_found and nan_pending:
+                flags.amax_vectors, local = _kernels.amax_per_tensor(groups, device)
+                _, flags.found_nan, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
+        return flags
+
+    def clip_(self, gathered: Gathered, scale: torch.Tensor, max_norm: float, norm_type: float, *, sync: bool,
+              needs_amax: bool):
+        """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``."""
+        self._claim(gathered)
+        amax = None
+        if needs_amax:
+            # max|g| of the *scaled* gradients, taken before anything below rewrites them.
+            _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
+        true_norm, bad, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type)
+        found_inf, found_nan, amax = self.reduce(bad[0], bad[1], amax)
+        # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
+        # holding a NaN and inf for one holding an inf, so it serves as an amax vector.
+        flags = Flags(found_inf, found_nan, amax, params=[gathered.params[i] for i in order],
+                      amax_vectors=[per_tensor] if order else [])
+        if sync:
+            flags.host_found = bool(found_inf.item())  # THE sync of this optimizer's iteration
+        return true_norm, flags
+
+
+def sum_flags(flags, device: torch.device) -> torch.Tensor:
+    """The sum of 0-dim flag tensors on ``device`` (> 0 when any is); zero for none. No sync."""
+    flags = [_kernels.to_device(f, device) for f in flags]
+    if not flags:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    total = flags[0]
+    for f in flags[1:]:
+        total = total + f
+    return total
+
+
+def names_of(values: List[float], params: List[torch.Tensor], name_of) -> Dict[str, List[str]]:
+    """``{"inf": [...], "nan": [...]}``: the parameters whose value is inf / NaN."""
+    inf, nan = [], []
+    for p, v in zip(params, values):
+        name = name_of(p) or f"param {tuple(p.shape)}"
+        if math.isnan(v):
+            nan.append(name)
+        elif math.isinf(v):
+            inf.append(name)
+    return {"inf": inf, "nan": nan}

@@ -1,0 +1,77 @@
+"""Everything that differs between devices, behind one tiny interface. Nothing else branches on them.
+
+The scaler runs the same sequence of operations on every device; only these primitives differ:
+
+* :func:`host_buffer`: where an asynchronous device-to-host copy lands. On CUDA pinned memory (a
+  ``non_blocking`` copy into it does not wait); on CPU a plain tensor (the "copy" is a memcpy).
+* :func:`record_event`: a marker that a copy has landed. On CUDA an event recorded on the stream of
+  the *state's* device (not the current device's); on CPU an event that is always complete.
+  On other accelerators (XPU, MPS, ...) no event is used and the copy is made blocking: correct,
+  at the cost of a sync per snapshot.
+* :func:`capturing`: whether the state's device is capturing a CUDA graph (no host reads then).
+* :func:`reciprocal`: ``1/scale`` as a float32, through float64 as torch does, or directly where a
+  device has no float64 (MPS; exact for the power-of-two scales lossscale keeps).
+
+Supported: CPU (the test bench) and CUDA (the product) run the same code; other accelerators are
+expected to work with the blocking fallback, untested.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["host_buffer", "record_event", "capturing", "reciprocal", "copy_to_host_"]
+
+_NO_FLOAT64 = ("mps",)
+
+
+class _Done:
+    """The event of a copy that has already landed (CPU memcpy, or a blocking copy)."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+
+_DONE = _Done()
+
+
+def _async(device: torch.device) -> bool:
+    """Whether copies from ``device`` to the host can be queued and waited for with an event."""
+    return device.type == "cuda"
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor shaped like ``like``, pinned when copies from its device are asynchronous."""
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=_async(like.device))
+
+
+def copy_to_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Queue ``dst <- src`` without waiting where the device allows it (see :func:`record_event`)."""
+    dst.copy_(src, non_blocking=_async(src.device))
+
+
+def record_event(device: torch.device):
+    """An object whose ``query()`` says whether the copies queued so far on ``device`` have landed."""
+    if not _async(device):
+        return _DONE
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1/scale`` as float32. In float64 and rounded once, as torch's GradScaler (a float32
+    reciprocal may be an ulp off for a non-power-of-two scale); directly in float32 where the device
+    has no float64, which is exact for a power-of-two scale."""
+    if scale.device.type in _NO_FLOAT64:
+        return scale.reciprocal()
+    return scale.double().reciprocal().float()

@@ -1,0 +1,195 @@
+"""Checkpoints: the scaler's state as a versioned dict, and its validation on the way back in.
+
+A lossscale state dict holds torch's five keys (so ``torch.amp.GradScaler.load_state_dict`` accepts
+it, with values a torch scaler can use: :meth:`~lossscale.policy.Policy.torch_state`) plus the whole
+policy config and state::
+
+    {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",   # torch's
+     "lossscale_version": 2, "policy_type": "DynamicPolicy", "policy": {...}, "state": {...}}
+
+Loading validates every key before anything changes (:func:`load`): the types, finiteness, the scale
+> 0 and within the bounds, counters >= 0, the trackers within their configured range. Every error is
+a ``ValueError`` naming the key. Version 1 dicts (lossscale 0.1, one state type for every policy with
+an ``amax_exp`` field) are converted. A torch dict continues exactly as torch would.
+
+Which policy wins: the checkpoint's. It restores the run that was saved, including a policy type or
+config that differs from the constructor's; a warning names what changed.
+
+Pure Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Dict, Tuple
+
+from .dynamic import DynamicPolicy
+from .policy import ScaleState, f32, policy_types
+
+__all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
+
+STATE_DICT_VERSION = 2
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_V1_NO_AMAX = -(2**30)  # lossscale 0.1's "nothing measured" amax_exp; one below it meant "calibrating"
+
+
+def to_dict(policy, state: ScaleState) -> Dict[str, Any]:
+    """The versioned state dict of ``policy`` in ``state``."""
+    return {
+        **policy.torch_state(state),
+        "lossscale_version": STATE_DICT_VERSION,
+        "policy_type": type(policy).__name__,
+        "policy": policy.config(),
+        "state": dataclasses.asdict(state),
+    }
+
+
+def load(state_dict: Any, current) -> Tuple[Any, ScaleState]:
+    """``(policy, state)`` from a lossscale or torch state dict, validated; ``current`` is the scaler's
+    policy (torch dicts continue it; a different lossscale policy is warned about). Changes nothing."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"load_state_dict takes a dict, got {type(state_dict).__name__}.")
+    if len(state_dict) == 0:
+        raise RuntimeError("The state dict is empty, possibly because it was saved from a disabled scaler.")
+    if "lossscale_version" in state_dict:
+        return _load_lossscale(state_dict, current)
+    return _load_torch(state_dict, current)
+
+
+def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
+    version = sd["lossscale_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version not in (1, STATE_DICT_VERSION):
+        raise ValueError(f"state dict 'lossscale_version'={version!r} is not supported (this lossscale reads 1 "
+                         f"and {STATE_DICT_VERSION}).")
+    missing = [k for k in ("policy_type", "policy", "state") if k not in sd]
+    if missing:
+        raise ValueError(f"state dict is missing {missing}.")
+    type_name = sd["policy_type"]
+    cls = policy_types().get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise ValueError(f"state dict 'policy_type'={type_name!r} is unknown; known: {sorted(policy_types())}.")
+    config, fields = sd["policy"], sd["state"]
+    for key, value in (("policy", config), ("state", fields)):
+        if not isinstance(value, dict):
+            raise ValueError(f"state dict '{key}' must be a dict, got {type(value).__name__}.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the power-of-two warning was given when it was created
+        try:
+            policy = cls(**config)
+        except TypeError as e:
+            raise ValueError(f"state dict 'policy' does not fit {type_name}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"state dict 'policy': {e}") from None
+    if version == 1:
+        fields = _from_v1(cls, dict(fields))
+    known = {f.name for f in dataclasses.fields(cls.state_type)}
+    unknown, absent = sorted(set(fields) - known), sorted(known - set(fields))
+    if unknown or absent:
+        raise ValueError(f"state dict 'state' does not fit {cls.state_type.__name__}: "
+                         + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
+                         + (f"missing keys {absent}" if absent else "") + ".")
+    _check_types(cls.state_type, fields)
+    state = cls.state_type(**fields)
+    try:
+        policy.check_state(state)
+    except ValueError as e:
+        raise ValueError(f"state dict {e}") from None
+    if policy != current:
+        _warn_replaced(current, policy)
+    return policy, state
+
+
+def _check_types(state_type, fields: Dict[str, Any]) -> None:
+    """Each field's Python type, before the dataclass is built (so the error names the key)."""
+    for f in dataclasses.fields(state_type):
+        v = fields[f.name]
+        kind = str(f.type)
+        if kind == "bool":
+            ok = isinstance(v, bool)
+        elif kind == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            raise ValueError(f"state dict state.{f.name}={v!r} must be {'an' if kind == 'int' else 'a'} {kind}.")
+
+
+def _from_v1(cls, fields: Dict[str, Any]) -> Dict[str, Any]:
+    """A version-1 state (one type, ``amax_exp``) as ``cls.state_type``'s fields."""
+    amax_exp = fields.pop("amax_exp", _V1_NO_AMAX)
+    names = {f.name for f in dataclasses.fields(cls.state_type)}
+    if "calibrated" in names:  # the adaptive policy: amax_exp held two sentinels and the window
+        if isinstance(amax_exp, bool) or not isinstance(amax_exp, int):
+            raise ValueError(f"state dict state.amax_exp={amax_exp!r} must be an int.")
+        fields["calibrated"] = amax_exp != _V1_NO_AMAX - 1
+        fields["window_exp"] = _V1_NO_AMAX if amax_exp == _V1_NO_AMAX - 1 else amax_exp
+    elif amax_exp != _V1_NO_AMAX:
+        raise ValueError(f"state dict state.amax_exp={amax_exp!r} is measured, but {cls.__name__} does not measure it.")
+    # Version 1 stored every tracker for every policy (static: a hysteresis tracker it never used).
+    return {k: v for k, v in fields.items() if k in names}
+
+
+def _torch_number(sd: Dict[str, Any], key: str, kind: type):
+    v = sd[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) and not (hasattr(v, "item") and hasattr(v, "numel")):
+        raise ValueError(f"state dict '{key}'={v!r} must be a number.")
+    if hasattr(v, "item"):  # a 1-element tensor, as some trainers save it
+        if v.numel() != 1:
+            raise ValueError(f"state dict '{key}' must hold one number, got {v.numel()}.")
+        v = v.item()
+    if kind is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(f"state dict '{key}'={v!r} must be an integer.")
+        return int(v)
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"state dict '{key}'={v!r} must be finite.")
+    return v
+
+
+def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
+    missing = [k for k in TORCH_KEYS if k not in sd]
+    if missing:
+        raise ValueError(f"state dict is missing {missing} (expected a lossscale or torch GradScaler state).")
+    if not isinstance(current, DynamicPolicy):
+        raise ValueError("a torch GradScaler state dict needs a dynamic policy; this scaler's is "
+                         f"{type(current).__name__}.")
+    scale = _torch_number(sd, "scale", float)
+    values = {"growth_factor": _torch_number(sd, "growth_factor", float),
+              "backoff_factor": _torch_number(sd, "backoff_factor", float),
+              "growth_interval": _torch_number(sd, "growth_interval", int)}
+    tracker = _torch_number(sd, "_growth_tracker", int)
+    if scale <= 0:
+        raise ValueError(f"state dict 'scale'={scale!r} must be > 0.")
+    lo, hi = current.min_scale, current.max_scale
+    if (lo is not None and scale < f32(lo)) or (hi is not None and scale > f32(hi)):
+        raise ValueError(f"state dict 'scale'={scale!r} is outside this scaler's [min_scale={lo}, max_scale={hi}]; "
+                         "build the scaler with bounds that hold it (min_scale=None / max_scale=None: torch's).")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for key, value in values.items():
+            try:
+                dataclasses.replace(current, **{key: value})
+            except ValueError as e:
+                raise ValueError(f"state dict '{key}': {e}") from None
+        policy = dataclasses.replace(current, **values)
+    if tracker < 0 or tracker >= policy.growth_interval:
+        raise ValueError(f"state dict '_growth_tracker'={tracker!r} must be in [0, growth_interval).")
+    state = policy.init_state().replace(scale=f32(scale), growth_tracker=tracker)
+    return policy, state
+
+
+def _warn_replaced(current, loaded) -> None:
+    if type(current) is not type(loaded):
+        what = f"policy {type(current).__name__} -> {type(loaded).__name__}"
+    else:
+        a, b = current.config(), loaded.config()
+        what = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
+    warnings.warn(
+        f"lossscale: the checkpoint's policy replaces the one this scaler was built with ({what}). A "
+        "checkpoint restores the run it saved; build the scaler with the same settings to silence this.",
+        UserWarning,
+        stacklevel=4,
+    )

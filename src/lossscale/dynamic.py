@@ -1,0 +1,211 @@
+"""Dynamic loss scaling (torch's, Megatron's, DeepSpeed's): back off on overflow, grow after clean streaks.
+
+The rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", torch's naming)::
+
+    count the step (steps, skipped, inf/NaN, streak)        # policy.count, shared by every policy
+    if found_inf:                                   # overflow: the optimizer step is skipped
+        growth_tracker = 0
+        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+        if hysteresis_tracker == 0:                 # tolerance spent: back off
+            scale = max(f32(scale * backoff_factor), min_scale)
+    else:                                           # clean step
+        growth_tracker += 1
+        if consecutive_hysteresis:
+            hysteresis_tracker = hysteresis         # DeepSpeed: only *consecutive* overflows count
+        if growth_tracker >= growth_interval:
+            grown = f32(scale * growth_factor)
+            if isfinite(grown):                     # torch: a non-finite growth is refused
+                scale = min(grown, max_scale)       # the cap: clamp, so max_scale is reachable
+            growth_tracker = 0
+            hysteresis_tracker = hysteresis
+
+With ``hysteresis=1`` and no bounds this is exactly ``torch.amp.GradScaler``'s rule
+(``torch._amp_update_scale_``), including its float32 rounding of the scale (``f32``: the product is
+taken in double and rounded once, as torch's kernel does). With ``hysteresis > 1`` and
+``consecutive_hysteresis=False`` it is Megatron-core's ``DynamicGradScaler``: once the tolerance is
+spent, every overflow backs off until a growth refills it.
+
+Example (a training loop drives the state; here by hand)::
+
+    >>> policy = DynamicPolicy(init_scale=2.0**16, growth_interval=2)
+    >>> s = policy.init_state()
+    >>> s = policy.update(s, found_inf=True)     # overflow: back off, skip
+    >>> s.scale, s.skipped_steps
+    (32768.0, 1)
+    >>> s = policy.update(policy.update(s, found_inf=False), found_inf=False)
+    >>> s.scale                                  # two clean steps: grow
+    65536.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .policy import (
+    PolicyBase,
+    ScaleState,
+    _torch,
+    count,
+    count_tensor,
+    f32,
+    positive_finite,
+    register,
+    stuck_at_bound_or_streak,
+    validate_backoff,
+    validate_bounds,
+    validate_int,
+    validate_stuck,
+    warn_not_powers_of_two,
+)
+
+__all__ = ["DynamicPolicy", "DynamicState"]
+
+
+@dataclass(frozen=True)
+class DynamicState(ScaleState):
+    """:class:`~lossscale.policy.ScaleState` plus the dynamic rule's two trackers.
+
+    Attributes:
+        growth_tracker: consecutive clean steps since the last growth or overflow (torch's
+            ``_growth_tracker``).
+        hysteresis_tracker: overflows still tolerated before the scale backs off (Megatron/DeepSpeed).
+    """
+
+    growth_tracker: int = 0
+    hysteresis_tracker: int = 1
+
+
+@register
+@dataclass(frozen=True)
+class DynamicPolicy(PolicyBase):
+    """Dynamic loss scaling: back off on overflow (with optional hysteresis), grow after clean streaks.
+
+    Args:
+        init_scale: first scale. Default 2**16, torch's.
+        growth_factor: multiplier after ``growth_interval`` clean steps; must be > 1.
+        backoff_factor: multiplier on overflow once hysteresis is spent; must be in (0, 1).
+        growth_interval: consecutive clean steps before a growth; int >= 1.
+        hysteresis: overflows tolerated before backing off (1 = back off on every overflow, torch).
+        consecutive_hysteresis: refill the hysteresis on every clean step, so only *consecutive*
+            overflows spend it (DeepSpeed); otherwise only a growth refills it (Megatron-core).
+        min_scale: lower bound of the scale, or None for none. Default 1.0: a scale below 1 shrinks
+            gradients instead of protecting them, so reaching it means the overflow is not the
+            scale's doing (torch documents the same symptom but does not stop there).
+        max_scale: upper bound, or None. Default 2**24: a gradient still flushed at 2**24 is below
+            2**-48 and could not move an FP32 master weight anyway, while an unbounded scale
+            (e.g. when some gradients are all zero for a while) must later burn one skipped step per
+            halving to come back.
+        on_stuck: what to do when training is stuck: an overflow at ``min_scale``, or
+            ``max_consecutive_skips`` skipped steps in a row. "raise" (RuntimeError with a diagnosis),
+            "warn" (once per streak), or "ignore".
+        max_consecutive_skips: the streak length that counts as stuck, or None (react only at the
+            minimum scale).
+
+    A configuration whose scale could leave the powers of two (non-power-of-two ``init_scale`` or
+    factors) is accepted but warned about: only a power-of-two scale multiplies and divides
+    gradients exactly, so any other value adds a rounding error to every gradient.
+    """
+
+    name = "dynamic"
+    state_type = DynamicState
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: Optional[float] = 1.0
+    max_scale: Optional[float] = 2.0**24
+    on_stuck: str = "warn"
+    max_consecutive_skips: Optional[int] = None
+
+    def __post_init__(self):
+        positive_finite("init_scale", self.init_scale)
+        if isinstance(self.growth_factor, bool) or not isinstance(self.growth_factor, (int, float)) or not (
+            math.isfinite(self.growth_factor) and self.growth_factor > 1.0
+        ):
+            raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1.0 (e.g. 2.0).")
+        validate_backoff(self.backoff_factor)
+        validate_int("growth_interval", self.growth_interval, 1)
+        validate_int("hysteresis", self.hysteresis, 1)
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError(f"consecutive_hysteresis={self.consecutive_hysteresis!r} must be a bool.")
+        validate_bounds(self)
+        validate_stuck(self.on_stuck, self.max_consecutive_skips)
+        warn_not_powers_of_two(self, ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"))
+
+    def init_state(self) -> DynamicState:
+        """The state before the first step."""
+        return DynamicState(scale=f32(self.init_scale), hysteresis_tracker=self.hysteresis)
+
+    def update(self, state: DynamicState, found_inf: bool, found_nan: bool = False,
+               amax: Optional[float] = None) -> DynamicState:
+        """The next state after one iteration. ``found_inf``: any inf or NaN; ``found_nan``: NaN among
+        them; ``amax`` is not used by this policy."""
+        counted = count(state, found_inf, found_nan)
+        if found_inf:
+            hyst = max(state.hysteresis_tracker - 1, 0)
+            scale = state.scale
+            if hyst == 0:
+                scale = f32(scale * self.backoff_factor)
+                if self.min_scale is not None:
+                    scale = max(scale, f32(self.min_scale))
+            return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst)
+        growth = state.growth_tracker + 1
+        hyst = self.hysteresis if self.consecutive_hysteresis else state.hysteresis_tracker
+        scale = state.scale
+        if growth >= self.growth_interval:
+            grown = f32(scale * self.growth_factor)
+            if math.isfinite(grown):
+                scale = grown if self.max_scale is None else min(grown, f32(self.max_scale))
+            growth, hyst = 0, self.hysteresis
+        return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst)
+
+    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+        """:meth:`update` on device tensors, in place, branch-free (no host sync, CUDA-graph safe).
+
+        ``found_inf`` / ``found_nan``: float32 0-dim tensors, > 0 meaning true (torch's convention:
+        found_inf is a sum of per-device flags).
+        """
+        torch = _torch()
+        overflow = found_inf > 0
+        count_tensor(t, overflow, (found_nan > 0) & overflow)
+        hyst = t.hysteresis_tracker
+        spent = (hyst - 1).clamp_min(0)
+        backoff = overflow & (spent == 0)
+        tracker = t.growth_tracker + 1
+        grow = ~overflow & (tracker >= self.growth_interval)
+        # Multiply in float64 and round once to float32, as torch's kernel does
+        # (static_cast<float>(scale * factor) with double factors).
+        down = (t.scale.double() * self.backoff_factor).float()
+        if self.min_scale is not None:
+            down = down.clamp_min(f32(self.min_scale))
+        up = (t.scale.double() * self.growth_factor).float()
+        up_ok = grow & torch.isfinite(up)
+        if self.max_scale is not None:
+            up = up.clamp_max(f32(self.max_scale))
+        t.scale.copy_(torch.where(backoff, down, torch.where(up_ok, up, t.scale)))
+        t.growth_tracker.copy_(torch.where(overflow | grow, torch.zeros_like(tracker), tracker))
+        refill = torch.full_like(hyst, self.hysteresis)
+        keep = refill if self.consecutive_hysteresis else hyst
+        hyst.copy_(torch.where(overflow, spent, torch.where(grow, refill, keep)))
+
+    def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
+        """True when the update that produced ``state`` was an overflow the scale could not answer.
+
+        That is: an overflow while the scale already sat at ``min_scale`` (``scale_before``, the scale
+        that iteration ran with, could not back off), or a streak of ``max_consecutive_skips``.
+        """
+        return stuck_at_bound_or_streak(self, state, scale_before, self.min_scale)
+
+    def check_state(self, state: DynamicState) -> None:
+        """Generic checks, plus: the trackers within this configuration's range."""
+        super().check_state(state)
+        if state.hysteresis_tracker > self.hysteresis:
+            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} exceeds hysteresis={self.hysteresis}.")
+        if state.growth_tracker >= self.growth_interval:
+            raise ValueError(f"state.growth_tracker={state.growth_tracker} must be below "
+                             f"growth_interval={self.growth_interval}.")

@@ -1,0 +1,100 @@
+"""Static loss scaling: one fixed scale; non-finite steps are still skipped, counted and diagnosed.
+
+The rule::
+
+    count the step (steps, skipped, inf/NaN, streak)    # policy.count, shared by every policy
+    growth_tracker = 0 if found_inf else growth_tracker + 1   # clean steps in a row (torch's field)
+    scale unchanged
+
+``StaticPolicy(scale=1.0)`` is the pass-through for bf16 or fp32 training
+(:meth:`lossscale.GradScaler.passthrough`), which needs no scaling but still wants a non-finite step
+skipped rather than written into the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .policy import (
+    PolicyBase,
+    ScaleState,
+    count,
+    count_tensor,
+    f32,
+    positive_finite,
+    register,
+    stuck_at_bound_or_streak,
+    validate_stuck,
+    warn_not_powers_of_two,
+)
+
+__all__ = ["StaticPolicy", "StaticState"]
+
+#: torch's growth tracker is an int32; a static scale written for torch never reaches its interval.
+_TORCH_NEVER = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class StaticState(ScaleState):
+    """:class:`~lossscale.policy.ScaleState` plus ``growth_tracker``: clean steps in a row."""
+
+    growth_tracker: int = 0
+
+
+@register
+@dataclass(frozen=True)
+class StaticPolicy(PolicyBase):
+    """A fixed loss scale. Non-finite steps are still skipped and counted.
+
+    Args:
+        scale: the loss scale (a power of two keeps scaling exact; others are warned about).
+            ``GradScaler(policy="static", init_scale=S)`` sets it.
+        on_stuck, max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`; a static scale
+            cannot back off, so every overflow is "at the minimum" when ``max_consecutive_skips`` is
+            None.
+    """
+
+    name = "static"
+    state_type = StaticState
+    keyword_aliases = {"init_scale": "scale"}
+
+    scale: float = 2.0**16
+    on_stuck: str = "warn"
+    max_consecutive_skips: Optional[int] = None
+
+    def __post_init__(self):
+        positive_finite("scale", self.scale)
+        validate_stuck(self.on_stuck, self.max_consecutive_skips)
+        warn_not_powers_of_two(self, ("scale",))
+
+    @property
+    def init_scale(self) -> float:
+        """The fixed scale (the name the other policies use for their first scale)."""
+        return self.scale
+
+    def torch_state(self, state: StaticState):
+        """torch's keys for a scale that never moves: factors of 1 and an interval torch never reaches."""
+        return {"scale": state.scale, "growth_factor": 1.0, "backoff_factor": 1.0,
+                "growth_interval": _TORCH_NEVER, "_growth_tracker": 0}
+
+    def init_state(self) -> StaticState:
+        """The state before the first step."""
+        return StaticState(scale=f32(self.scale))
+
+    def update(self, state: StaticState, found_inf: bool, found_nan: bool = False,
+               amax: Optional[float] = None) -> StaticState:
+        """Counts the step; the scale never changes."""
+        return count(state, found_inf, found_nan).replace(growth_tracker=0 if found_inf else state.growth_tracker + 1)
+
+    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+        """:meth:`update` on device tensors, in place: counters only."""
+        overflow = found_inf > 0
+        count_tensor(t, overflow, (found_nan > 0) & overflow)
+        t.growth_tracker.add_(1).mul_(~overflow)
+
+    def is_stuck(self, state: StaticState, scale_before: float) -> bool:
+        """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``."""
+        if self.max_consecutive_skips is None:
+            return state.overflow_streak > 0
+        return stuck_at_bound_or_streak(self, state, scale_before, None)

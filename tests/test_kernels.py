@@ -1,0 +1,128 @@
+"""The fused passes over gradients (``lossscale._kernels``) and the device state they feed: the
+read-only check's flags and per-tensor amax with every device type's kernel, a flag that is a sum of
+per-device flags, copies of the device state."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from lossscale import DynamicPolicy, GradScaler
+from lossscale import _kernels
+from lossscale._state import TensorState
+from lossscale._sync import count_host_syncs
+
+
+def test_found_inf_as_a_sum_of_device_flags_counts_once():
+    # torch's convention: found_inf is a sum over devices (2.0 here); the rule must count one overflow.
+    policy = DynamicPolicy(init_scale=2.0**4, growth_interval=3, hysteresis=1, min_scale=None, max_scale=None)
+    st = TensorState(policy.init_state(), torch.device("cpu"))
+    policy.tensor_update(st, torch.tensor(2.0), torch.tensor(1.0))
+    s = st.to_state()
+    assert (s.skipped_steps, s.nan_steps, s.inf_steps, s.overflow_streak, s.scale) == (1, 1, 0, 1, 8.0)
+
+
+KERNELS = sorted({*_kernels.AMAX_KERNELS.values(), _kernels.DEFAULT_AMAX_KERNEL}, key=lambda k: k.__name__)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_read_only_check_flags_and_amax_per_tensor(dtype, kernel, monkeypatch):
+    # Every device type's kernel, run here on CPU tensors: the same values, NaN and -inf included.
+    monkeypatch.setitem(_kernels.AMAX_KERNELS, "cpu", kernel)
+    grads = [torch.randn(n).to(dtype) for n in (1, 7, 1000, 4099)]
+    before = [g.clone() for g in grads]
+    grads[1][3] = -math.inf
+    grads[2][999] = math.nan
+    grads[3][0] = math.inf
+    grads[3][1] = -math.inf
+    vectors, amax = _kernels.amax_per_tensor(_kernels.group_grads(grads), torch.device("cpu"))
+    values = torch.cat(vectors).tolist()
+    assert values[0] == before[0].abs().max().float().item()
+    assert values[1] == math.inf and math.isnan(values[2]) and values[3] == math.inf
+    found_inf, found_nan = _kernels.flags_from_amax(amax)
+    assert (found_inf.item(), found_nan.item()) == (1.0, 1.0)
+    found_inf, found_nan = _kernels.flags_from_amax(torch.cat(vectors)[[0, 1, 3]].max())
+    assert (found_inf.item(), found_nan.item()) == (1.0, 0.0)
+    found_inf, found_nan = _kernels.flags_from_amax(torch.tensor(3.0e38))
+    assert (found_inf.item(), found_nan.item()) == (0.0, 0.0)
+    # Nothing was written.
+    assert torch.equal(grads[0], before[0])
+
+
+def test_a_copied_state_does_not_write_through_the_originals_views():
+    import copy
+
+    policy = DynamicPolicy(init_scale=2.0**4, growth_interval=2, hysteresis=1, min_scale=None, max_scale=None)
+    st = TensorState(policy.init_state(), torch.device("cpu"))
+    zero = torch.zeros(())
+    policy.tensor_update(st, zero, zero)
+    twin = copy.deepcopy(st)
+    policy.tensor_update(twin, zero, zero)
+    assert st.to_state().steps == 1 and twin.to_state().steps == 2
+
+
+@pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
+def test_overflow_report_names_the_right_parameter_when_dtypes_interleave(kind):
+    # Gradients are checked per (device, dtype) group; the report must map each amax back to its
+    # parameter (fp32, bf16, fp32: the bf16 one sits between the two fp32 ones in parameter order).
+    ps = [torch.nn.Parameter(torch.zeros(3, dtype=d)) for d in (torch.float32, torch.bfloat16, torch.float32)]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(ps, lr=0.1) if kind == "sgd" else torch.optim.Adam(ps, fused=True)
+    scaler = GradScaler.passthrough(on_stuck="ignore")  # bf16 gradients: scale 1, no unscale pass
+    scaler.name_parameters([(f"p{i}", p) for i, p in enumerate(ps)])
+    scaler.scale(torch.ones(()))
+    ps[1].grad[0] = math.nan
+    ps[2].grad[1] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.overflow_report() == {"inf": ["p2"], "nan": ["p1"]}
+
+
+def _ops(kernel, n_tensors):
+    """The aten ops one read-only pass dispatches over ``n_tensors`` gradients (a dispatch mode sees
+    each operator call once, as a device would see each launch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    grads = [torch.randn(5) for _ in range(n_tensors)]
+    with Count() as c:
+        kernel(grads)
+    return c.n
+
+
+def test_the_accelerator_kernel_launches_a_constant_number_of_ops():
+    # The kernel CUDA uses must not launch per parameter (hundreds of launches per step); CPU's does,
+    # where per-tensor aminmax was measured fastest (docs/performance.md).
+    cuda_kernel = _kernels.amax_kernel(torch.device("cuda"))
+    assert cuda_kernel is _kernels.DEFAULT_AMAX_KERNEL
+    assert _ops(cuda_kernel, 4) == _ops(cuda_kernel, 400)
+    assert _ops(_kernels.AMAX_KERNELS["cpu"], 400) > _ops(_kernels.AMAX_KERNELS["cpu"], 4)
+
+
+def test_a_copy_to_the_cpu_that_is_read_at_once_is_blocking(monkeypatch):
+    # A non_blocking device-to-CPU copy fills a pinned buffer asynchronously; a CPU kernel reading it
+    # at once would race (CPU-offloaded gradients with CUDA state). to_device() blocks on copies to
+    # the CPU and queues copies to an accelerator. "meta" stands in for the accelerator here.
+    seen = []
+
+    def spy(self, device, non_blocking=False):
+        seen.append((str(device), non_blocking))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    _kernels.to_device(torch.ones(3), torch.device("meta"))
+    _kernels.to_device(torch.ones(3, device="meta"), torch.device("cpu"))
+    y = torch.ones(3)
+    assert _kernels.to_device(y, torch.device("cpu")) is y  # same device: no copy at all
+    assert seen == [("meta", True), ("cpu", False)]
