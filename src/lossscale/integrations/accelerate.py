@@ -1,0 +1,139 @@
+"""HF accelerate: ``attach(accelerator)`` puts a ``lossscale.GradScaler`` where accelerate keeps its scaler.
+
+::
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    scaler = lossscale.integrations.accelerate.attach(accelerator)        # before prepare()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    # the loop is unchanged: accelerator.backward(loss), accelerator.clip_grad_norm_(...),
+    # optimizer.step(), scheduler.step()
+
+What it changes in accelerate (1.x; line numbers are accelerate 1.15.0's):
+
+* FP16 autocast and loss scaling on CPU too: accelerate enables them only off CPU
+  (accelerator.py:564-570).
+* ``accelerator.optimizer_step_was_skipped`` (and so accelerate's wrapped schedulers and the HF
+  Trainer's scheduler) is True exactly on the steps the scaler skipped, fused optimizers included:
+  accelerate infers a skip from whether the inner ``optimizer.step()`` ran (optimizer.py:176-179), and
+  a fused optimizer always runs and skips inside its kernel (accelerate issue #4242). Reading the
+  flag costs one host sync per step for fused optimizers (none otherwise), paid once.
+
+Tested with accelerate 1.15.0 on CPU; see docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["attach"]
+
+_SKIP_AWARE_NAME = "SkipAwareAcceleratedOptimizer"
+
+
+def attach(accelerator, scaler=None, **scaler_kwargs):
+    """Make ``accelerator`` scale FP16 losses with a ``lossscale.GradScaler``; returns the scaler.
+
+    Call it on an ``Accelerator(mixed_precision="fp16")`` before ``accelerator.prepare(...)``. On
+    CUDA it replaces the torch ``GradScaler`` accelerate built; on CPU, where accelerate turns FP16
+    off, it turns FP16 autocast and scaling on. After it, ``accelerator.backward`` scales,
+    ``accelerator.clip_grad_norm_`` unscales before clipping, ``accelerator.optimizer_step_was_skipped``
+    is True exactly on skipped steps (fused optimizers included) so accelerate's prepared schedulers
+    do not advance then, and ``save_state``/``load_state`` carry the scaler's complete state.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="fp16"``.
+        scaler: a ``lossscale.GradScaler``, or None to build one from ``scaler_kwargs`` (and from the
+            accelerator's ``GradScalerKwargs`` handler, if one was given; ``scaler_kwargs`` win).
+        **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from ..scaler import GradScaler
+
+    if not isinstance(accelerator, Accelerator):
+        raise ValueError(f"accelerator={accelerator!r} must be an accelerate.Accelerator.")
+    if accelerator.mixed_precision != "fp16":
+        # The autocast dtype comes from accelerate's process-wide state (utils/modeling.py:2097) and
+        # unscaling happens only for "fp16" (accelerator.py:2946): neither can be switched afterwards.
+        raise ValueError(
+            f"accelerator.mixed_precision is {accelerator.mixed_precision!r}; build it with "
+            'Accelerator(mixed_precision="fp16") (or `accelerate launch --mixed_precision fp16`) to use a '
+            "loss scaler. bf16 needs none."
+        )
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise ValueError(f"accelerator.distributed_type is {accelerator.distributed_type}, whose engine scales "
+                         "the loss itself (accelerator.py:568); configure its loss scaler instead.")
+    if accelerator._models or accelerator._optimizers:
+        # prepare() wraps the model's forward in autocast only if native_amp is already set
+        # (accelerator.py:1824) and hands each optimizer the scaler it finds then (accelerator.py:2784).
+        raise RuntimeError("attach() was called after accelerator.prepare(...); call it right after "
+                           "building the Accelerator, before prepare().")
+    if scaler is None:
+        handler = accelerator.scaler_handler  # GradScalerKwargs, read by accelerate at accelerator.py:578
+        kwargs = dict(handler.to_kwargs()) if handler is not None else {}
+        kwargs.update(scaler_kwargs)
+        kwargs.setdefault("device", accelerator.device.type)
+        scaler = GradScaler(**kwargs)
+    elif scaler_kwargs:
+        raise ValueError(f"pass either scaler= or GradScaler keywords ({', '.join(scaler_kwargs)}), not both.")
+    elif not isinstance(scaler, GradScaler):
+        raise ValueError(f"scaler={scaler!r} must be a lossscale.GradScaler (or None to build one).")
+
+    # accelerator.py:563-570 sets these only off CPU; native_amp gates autocast in prepare_model
+    # (1824) and unscaling in unscale_gradients (2946), scaler gates scaling in backward (2856).
+    accelerator.scaler = scaler
+    accelerator.native_amp = True
+    if not getattr(accelerator.prepare_optimizer, "_lossscale", False):
+        accelerator.prepare_optimizer = _reporting_prepare_optimizer(accelerator.prepare_optimizer)
+    return scaler
+
+
+def _reporting_prepare_optimizer(prepare_optimizer):
+    """Wrap ``Accelerator.prepare_optimizer`` (accelerator.py:2744, the one place that builds an
+    ``AcceleratedOptimizer``, at 2784) so each prepared optimizer reports skips from the scaler."""
+
+    def wrapped(optimizer, device_placement=None):
+        prepared = prepare_optimizer(optimizer, device_placement=device_placement)
+        cls = _skip_aware_class()
+        if type(prepared) is cls.__base__:
+            prepared.__class__ = cls
+        return prepared
+
+    wrapped._lossscale = True
+    wrapped.__doc__ = prepare_optimizer.__doc__
+    return wrapped
+
+
+def _skip_aware_class():
+    """``AcceleratedOptimizer`` whose ``step_was_skipped`` comes from the scaler (built once, lazily)."""
+    cls = globals().get(_SKIP_AWARE_NAME)
+    if cls is not None:
+        return cls
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from ..scaler import GradScaler
+
+    class SkipAwareAcceleratedOptimizer(AcceleratedOptimizer):
+        """accelerate's optimizer wrapper, reporting skipped steps as the lossscale scaler decided them."""
+
+        def step(self, *args: Any, **kwargs: Any):
+            """accelerate's step, then ``step_was_skipped`` from the scaler (see the module docstring)."""
+            out = super().step(*args, **kwargs)
+            # optimizer.py:176-179 infers a skip from whether the inner step() ran; a fused optimizer
+            # always runs and skips in its kernel. The scaler knows (one host sync for fused, cached).
+            if isinstance(self.scaler, GradScaler) and self.gradient_state.sync_gradients:
+                self._is_overflow = self.scaler.last_step_skipped
+            return out
+
+    SkipAwareAcceleratedOptimizer.__module__ = __name__
+    SkipAwareAcceleratedOptimizer.__qualname__ = _SKIP_AWARE_NAME
+    globals()[_SKIP_AWARE_NAME] = SkipAwareAcceleratedOptimizer
+    return SkipAwareAcceleratedOptimizer
+
+
+def __getattr__(name: str):
+    # Pickle finds the class by name; build it on first lookup (importing accelerate then, not before).
+    if name == _SKIP_AWARE_NAME:
+        return _skip_aware_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,92 @@
+"""HF transformers: ``attach(trainer)`` gives a ``Trainer`` a ``lossscale.GradScaler``.
+
+::
+
+    args = TrainingArguments(..., fp16=True)              # use_cpu=True works too
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    scaler = lossscale.integrations.transformers.attach(trainer)
+    trainer.train()
+
+The Trainer runs on accelerate: this is :func:`lossscale.integrations.accelerate.attach` on
+``trainer.accelerator`` (FP16 on CPU too, skipped steps reported exactly, fused optimizers
+included, so the Trainer's ``if not accelerator.optimizer_step_was_skipped: lr_scheduler.step()``
+(trainer.py:1949, transformers 5.24.0) holds the LR on skipped steps), plus a callback that adds
+``scaler.metrics()`` (prefixed ``scaler/``) to the Trainer's training logs: ``trainer.state.log_history``
+and every ``report_to`` logger. The Trainer's checkpoints already save and restore the scaler
+(``scaler.pt``, trainer.py:3605 and 4023, loaded with ``weights_only=True``).
+
+Tested with transformers 5.24.0 (accelerate 1.15.0) on CPU; see docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["attach"]
+
+
+def attach(trainer, scaler=None, **scaler_kwargs):
+    """Make a ``transformers.Trainer`` scale FP16 losses with a ``lossscale.GradScaler``; returns it.
+
+    Call it after constructing the Trainer with ``TrainingArguments(fp16=True)`` and before
+    ``trainer.train()``. Works on CUDA and on CPU (``use_cpu=True``, where the Trainer would
+    otherwise train in FP32 without a word), and with the default fused AdamW: a skipped step does
+    not advance the LR (one host sync per step for fused optimizers, to read the skip flag).
+    ``scaler.metrics()`` appear in the Trainer's training logs under ``scaler/`` at its logging
+    steps (one host sync each); checkpoints and ``resume_from_checkpoint`` restore the scaler.
+
+    Args:
+        trainer: a ``transformers.Trainer`` whose ``args.fp16`` is True.
+        scaler: a ``lossscale.GradScaler``, or None to build one from ``scaler_kwargs``.
+        **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
+    """
+    from transformers import Trainer
+
+    from . import accelerate as _accelerate
+
+    if not isinstance(trainer, Trainer):
+        raise ValueError(f"trainer={trainer!r} must be a transformers.Trainer.")
+    if not trainer.args.fp16:
+        # training_args.py:1615 turns fp16=True into the accelerator's mixed_precision="fp16".
+        raise ValueError("trainer.args.fp16 is False; build the Trainer with TrainingArguments(fp16=True) "
+                         "to use a loss scaler (bf16=True needs none).")
+    scaler = _accelerate.attach(trainer.accelerator, scaler, **scaler_kwargs)
+    callbacks = trainer.callback_handler.callbacks
+    callbacks[:] = [cb for cb in callbacks if not getattr(cb, "_lossscale", False)]
+    # First in line: on_log callbacks share one `logs` dict, so the report_to loggers after it see
+    # the scaler's figures too.
+    callbacks.insert(0, _metrics_callback(trainer, scaler))
+    return scaler
+
+
+def _metrics_callback(trainer, scaler):
+    from transformers import TrainerCallback
+
+    trainer_ref = weakref.ref(trainer)
+
+    class LossScaleCallback(TrainerCallback):
+        """Adds ``scaler.metrics()`` to the Trainer's training logs; checks the scaler is in place."""
+
+        _lossscale = True
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            """Refuse to train if the Trainer rebuilt its accelerator after attach()."""
+            trainer = trainer_ref()
+            if trainer is not None and trainer.accelerator.scaler is not scaler:
+                # trainer.py:4658 (hyperparameter_search) builds a new accelerator per trial.
+                raise RuntimeError("The Trainer rebuilt its accelerator after lossscale attach(), so "
+                                   "training would run without the scaler. hyperparameter_search does this "
+                                   "for every trial and is not supported; call attach(trainer) last, right "
+                                   "before trainer.train().")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            """Add the scaler's figures to a training log (the one with "loss")."""
+            if logs is None or "loss" not in logs:
+                return
+            figures = {f"scaler/{k}": v for k, v in scaler.metrics().items()}
+            logs.update(figures)
+            # trainer.py:4209-4211 appends a copy of `logs` to log_history before calling on_log.
+            if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
+                state.log_history[-1].update(figures)
+
+    return LossScaleCallback()
