@@ -21,12 +21,22 @@ PNGS = ("curves.png", "fp16_number_line.png", "gradients_unscaled.png", "gradien
 
 
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    """One ``lossscale demo --quick`` for every test of this module (it is the expensive part)."""
+def quick_run(tmp_path_factory):
+    """One ``lossscale demo --quick`` for every test of this module (it is the expensive part), and what it printed."""
+    import contextlib
+    import io
+
     out = tmp_path_factory.mktemp("quick")
-    rc = cli.main(["demo", "--quick", "--out", str(out), "--no-progress", "--seed", "0"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = cli.main(["demo", "--quick", "--out", str(out), "--no-progress", "--seed", "0"])
     with open(out / "summary.json", encoding="utf-8") as fh:
-        return rc, out, json.load(fh)
+        return rc, out, json.load(fh), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run):
+    return quick_run[:3]
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -84,7 +94,43 @@ def test_demo_without_the_extras_says_how_to_install(monkeypatch, capsys):
     assert "pip install 'lossscale[demo]'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["file", "under_a_file", "proc"])
+def test_demo_out_is_checked_before_training(tmp_path, monkeypatch, capsys, where):
+    """Issue 12: a bad --out trained for a minute first, then died with a traceback."""
+    from lossscale.demo import run
+
+    monkeypatch.setattr(run, "execute", lambda *a, **k: pytest.fail("trained before checking --out"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = {"file": blocker, "under_a_file": blocker / "sub", "proc": "/proc/nope"}[where]
+    assert cli.main(["demo", "--quick", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lossscale demo: --out {out}: ") and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match=str(out)):
+        run.run_demo(str(out), quick=True)  # the library entry point checks first too
+
+
+def test_gitignore_covers_the_default_report_folders():
+    """Issue 12: .gitignore had lossscale-report/ but not lossscale-run-report/ (``lossscale report``'s default)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ignored = {line.strip() for line in open(os.path.join(root, ".gitignore"), encoding="utf-8")}
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for cmd in ("demo", "report"):
+        default = subs[cmd].get_default("out")
+        assert default.rstrip("/") + "/" in ignored, (cmd, default)
+
+
 # ---------------------------------------------------------------------------------------------- --quick
+def test_quick_demo_terminal_output_reads_well(quick_run):
+    """Issue 12: the header in plain words, the run rows in one column, the uncapped dynamic run explained."""
+    printed = quick_run[3]
+    assert "On purpose" in printed and "FP32 is unaffected" in printed and "lr / 2^-" not in printed
+    rows = [line for line in printed.splitlines() if "  acc " in line]
+    assert len(rows) >= 14
+    assert len({line.index("  acc ") for line in rows}) == 1, rows  # the adaptive label overran the column
+    assert "dynamic: uncapped (max_scale=None)" in printed
+    assert "GradScaler's default cap of 2^24" in printed
 def test_quick_demo_writes_the_report(quick_report):
     rc, out, summary = quick_report
     assert rc == 0

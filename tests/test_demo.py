@@ -151,7 +151,11 @@ def test_c6_fails_without_the_measurements_its_checks_need():
 
 
 def test_demo_scalers_record_telemetry_every_step():
-    """C6's overflow line is the scaler's own per-step headroom: every lossscale run of the demo records it."""
+    """C6's overflow line is the scaler's own per-step headroom: every lossscale run of the demo records it.
+
+    Read through ``scaler.metrics()`` after ``step()``, as the demo's observer does.  The weight
+    gradients grow 16x per step, so a figure that was not refreshed on a step would repeat the last one.
+    """
     from lossscale.demo import run
 
     main, sweep = run.plan(run.DemoConfig.quick_preset(), observe=None)
@@ -161,4 +165,58 @@ def test_demo_scalers_record_telemetry_every_step():
         if spec.make_scaler is None or spec.name == "torch_default":
             continue
         scaler = spec.make_scaler()
-        assert scaler._telemetry is not None and scaler._telemetry.every == 1, spec.name
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        headroom = []
+        for k in range(3):
+            x = torch.full((2, 4), 2.0 ** (4 * k))
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            # Divided by the scale: the scaled gradients stay near 1 at any scale (no overflow).
+            loss = out.float().sum() / scaler.get_scale()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            headroom.append(scaler.metrics().get("grad/headroom_bits"))
+            scaler.update()
+        assert all(isinstance(h, float) for h in headroom) and len(set(headroom)) == 3, (spec.name, headroom)
+
+
+# ---------------------------------------------------------------------------------------------- the page
+def test_formats_table_is_an_html_table_that_fits_the_page():
+    """Issue 12: C1's formats table was ~200 characters of preformatted text and ran off the page."""
+    from lossscale import formats
+    from lossscale.demo import render
+    from lossscale.report import html
+
+    sec = render._claim_section(C.c1_fp16_facts())
+    assert sec.pre is None and sec.grid_wrap
+    header, rows = sec.grid
+    assert header[:3] == ["format", "layout", "max"] and len(header) >= 7
+    assert [r[0] for r in rows] == list(formats.FORMATS)
+    # Nothing lost in the parse: each row holds the words of its text line, in order.
+    lines = formats.table().splitlines()[2:]
+    assert [" ".join(" ".join(r).split()) for r in rows] == [" ".join(line.split()) for line in lines]
+    page = html._section(sec)
+    assert '<table class="wrap">' in page and "<pre>" not in page
+
+
+def test_text_table_grid_declines_what_it_cannot_parse():
+    from lossscale.demo.render import text_table_grid
+
+    assert text_table_grid("just a line") is None
+    assert text_table_grid("a  b\nno dashes here\n1  2") is None
+    assert text_table_grid("a   bb\n--  --\n1   22\n") == (["a", "bb"], [["1", "22"]])
+
+
+def test_header_says_what_the_shift_is_for_in_plain_words():
+    """Issue 12: "loss x 2^-20 with lr / 2^-20" was cryptic (dividing by 2^-20 multiplies)."""
+    from lossscale.demo import run
+
+    text = "\n".join(run.header(run.DemoConfig.quick_preset(), 22))
+    assert "lr / 2^-" not in text
+    for words in ("On purpose", "multiplies the loss by 2^-20", "learning rate by 2^20", "underflow cliff",
+                  "FP32 is unaffected"):
+        assert words in text, words
+    assert max(len(line) for line in text.splitlines()) <= 110

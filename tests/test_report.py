@@ -249,8 +249,10 @@ def test_report_figures_name_the_series_they_are_over(tmp_path):
     render_run_report(str(path), str(tmp_path / "rep"))
     text = (tmp_path / "rep" / "index.html").read_text()
     assert "act_flushed_frac_max: max over steps of act/flushed_frac (all watched modules together)" in text
-    assert "act_flushed_frac_mean[fc1]: mean over steps of act/fc1/flushed_frac (fc1 alone)" in text
-    assert "param_flushed_frac_mean[fc1.weight]: mean over steps of param/fc1.weight/flushed_frac" in text
+    assert "act_flushed_frac_mean: mean over steps of act/flushed_frac (all watched modules together)" in text
+    assert "act_flushed_frac_mean_per_layer[fc1]: mean over steps of act/fc1/flushed_frac (fc1 alone)" in text
+    assert ("param_flushed_frac_mean_per_layer[fc1.weight]: mean over steps of param/fc1.weight/flushed_frac"
+            in text)
     assert "grad_headroom_bits_min_clean: min over unskipped steps of grad/headroom_bits" in text
     assert "A small layer&#x27;s mean can therefore exceed the overall max" in text
 
@@ -281,7 +283,8 @@ def test_report_on_a_generated_jsonl(tmp_path):
     summary = render_run_report(str(path), str(out))
     assert summary["steps"] == 30 and summary["skipped_steps"] == 2 and summary["backoffs"] == 2
     assert summary["growths"] == summarize(schema.read_jsonl(str(path)))["growths"] > 0
-    assert summary["act_flushed_frac_mean"]["fc1"] == pytest.approx(0.03)
+    assert summary["act_flushed_frac_mean_per_layer"]["fc1"] == pytest.approx(0.03)
+    assert summary["act_flushed_frac_mean"] == pytest.approx(0.02)  # the overall series, not replaced
     for name in ("index.html", "summary.json", "telemetry.png", "layers_act.png", "layers_param.png"):
         assert (out / name).is_file(), name
     assert _is_png(out / "telemetry.png")

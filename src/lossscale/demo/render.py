@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -101,10 +102,36 @@ def _claim_section(cr: ClaimResult) -> Section:
                  pct(f["overflow_frac"][i], 3)] for i, k in enumerate(f["log2_scales"])]
         grid = (header, body)
     text = [cr.method] if cr.method else []
-    pre = f.get("table") if cr.id == "C1" else None
+    pre, wrap = None, False
+    if cr.id == "C1" and f.get("table"):
+        # The formats table is ~200 characters wide: as preformatted text it ran off the page.
+        # As an HTML table its cells wrap ("65504 =" over "2^15*1.999...") and it fits.
+        parsed = text_table_grid(f["table"])
+        if parsed is not None and grid is None:
+            grid, wrap = parsed, True
+        else:
+            pre = f["table"]
     return Section(f"{cr.id} · {cr.title}", verdict=cr.verdict, claim=cr.claim, text=text, figures=rows,
                    checks=[(c.name, c.passed, c.detail) for c in cr.checks], images=list(cr.images), grid=grid,
-                   pre=pre, anchor=cr.id)
+                   grid_wrap=wrap, pre=pre, anchor=cr.id)
+
+
+def text_table_grid(text: str):
+    """``(header, rows)`` of a plain-text table laid out as ``lossscale.formats.table()`` does it, or None.
+
+    The layout: a header line, a line of dashes with one run of ``-`` per column, then the rows,
+    every column starting where its dashes start.
+    """
+    lines = text.splitlines()
+    if len(lines) < 3 or not lines[1].strip() or set(lines[1]) - {"-", " "}:
+        return None
+    starts = [m.start() for m in re.finditer(r"-+", lines[1])]
+    bounds = list(zip(starts, starts[1:] + [None]))
+
+    def cells(line: str) -> List[str]:
+        return [line[a:b].strip() for a, b in bounds]
+
+    return cells(lines[0]), [cells(line) for line in lines[2:] if line.strip()]
 
 
 def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str, Any]:
@@ -119,7 +146,7 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
                       "train_loss": [e["train_loss"] for e in runs[n].epochs],
                       "test_acc": [e["test_acc"] for e in runs[n].epochs]} for n in _CURVE_RUNS if n in runs}
     plots.plot_curves(img("curves.png"), curve_runs, chance=result.chance,
-                      title=f"Digits MLP, loss x 2^-{cfg.shift_log2} and lr / 2^-{cfg.shift_log2}: "
+                      title=f"Digits MLP, loss x 2^-{cfg.shift_log2} and lr x 2^{cfg.shift_log2} on purpose: "
                             "identical in FP32, lost in FP16 without scaling")
     data["curves"] = {"caption": "Training loss and test accuracy per epoch. FP32 (dashed) is the reference; every "
                       "FP16 run uses FP32 master weights under autocast. Compare FP16 without scaling (red) with "
@@ -307,6 +334,13 @@ def terminal_summary(summary: Dict[str, Any], out_dir: str) -> str:
     for name, r in summary["runs"].items():
         fs = r["final_scale"]
         lines.append(f"{name:<16} {pct(r['final_acc']):>8} {r['skipped_steps']:>8} {p2(fs):>9} {r['wall_s']:>5.1f}s")
+    if "dynamic" in summary["runs"]:
+        from .run import uncapped_note
+
+        dyn = summary["claims"].get("C6", {}).get("figures", {}).get("dynamic", {})
+        reached = dyn.get("max_scale") if isinstance(dyn, dict) else None
+        lines.append(uncapped_note(summary["config"]["shift_log2"],
+                                   reached if isinstance(reached, (int, float)) else None))
     t = summary["timings"]
     lines.append("")
     lines.append(f"report: {os.path.join(out_dir, 'index.html')}   figures: {os.path.join(out_dir, 'summary.json')}"

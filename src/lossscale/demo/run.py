@@ -6,7 +6,8 @@ The runs (all on the same data, model init and batch order, under the shift ``c 
 fp32           FP32 throughout: the reference (identical for every c)
 fp16_noscale   FP16 autocast, no loss scaling (C2)
 static         FP16 + ``GradScaler(policy="static", init_scale=2**static_log2)`` (C3)
-dynamic        FP16 + lossscale's dynamic rule from torch's 2**16, short growth interval, no cap (C6)
+dynamic        FP16 + lossscale's dynamic rule from torch's 2**16, short growth interval, no cap: the
+               overflow line C6 looks for lies above the default cap 2**24 under the shift (C6)
 torch_default  FP16 + ``torch.amp.GradScaler("cpu")`` as shipped (C6)
 adaptive       FP16 + ``GradScaler(policy="adaptive")`` (C6)
 clip_right     static, unscale_ -> clip_grad_norm_ -> step (C4)
@@ -32,7 +33,7 @@ from . import claims as C
 from .observe import make_observer
 from .workload import Data, RunResult, RunSpec, TrainConfig, load_digits_data, reference_grads, steps_per_epoch, train
 
-__all__ = ["DemoConfig", "DemoResult", "run_demo", "execute"]
+__all__ = ["DemoConfig", "DemoResult", "run_demo", "execute", "header", "uncapped_note"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def plan(cfg: DemoConfig, observe) -> Tuple[List[RunSpec], List[Tuple[int, RunSp
         RunSpec("fp16_noscale", "FP16, no scaling", observe=observe),
         RunSpec("static", f"FP16, static S=2^{cfg.static_log2}", make_scaler=_lossscale_scaler(**static),
                 observe=observe),
-        RunSpec("dynamic", f"FP16, lossscale dynamic (interval {cfg.growth_interval})",
+        RunSpec("dynamic", f"FP16, lossscale dynamic (interval {cfg.growth_interval}, uncapped)",
                 make_scaler=_lossscale_scaler(init_scale=2.0**16, growth_interval=cfg.growth_interval,
                                               max_scale=None), observe=observe),
         RunSpec("torch_default", "FP16, torch.amp.GradScaler()", make_scaler=_torch_scaler, observe=observe),
@@ -170,6 +171,26 @@ def execute(cfg: DemoConfig, *, progress: bool = True, log: Callable[[str], None
         torch.set_num_threads(threads)
 
 
+def header(cfg: DemoConfig, steps_per_epoch: int) -> List[str]:
+    """The lines ``lossscale demo`` starts with: what it trains, and the loss shift in plain words."""
+    k = cfg.shift_log2
+    return [
+        f"lossscale demo: a small MLP {list(cfg.hidden)} on sklearn's digits, {cfg.epochs} epochs of "
+        f"{steps_per_epoch} steps" + (" (quick)" if cfg.quick else ""),
+        f"  On purpose, the demo multiplies the loss by 2^-{k} (and the learning rate by 2^{k} to make up",
+        "  for it), so that this small model's gradients are as tiny as a deep network's and fall off FP16's",
+        "  underflow cliff. FP32 is unaffected: it trains bit for bit as without the shift.",
+    ]
+
+
+def uncapped_note(shift_log2: int, reached: Optional[float] = None) -> str:
+    """Why the dynamic run has no ``max_scale`` (the terminal says it under the run table)."""
+    got = "" if reached is None or not reached > 0 else f" (this run reached 2^{math.log2(reached):g})"
+    return ("dynamic: uncapped (max_scale=None), unlike GradScaler's default cap of 2^24. C6 checks that the\n"
+            f"  scale finds FP16's overflow line by itself; under the 2^-{shift_log2} loss shift that line lies above\n"
+            f"  2^24{got}.")
+
+
 def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> DemoResult:
     t_start = time.perf_counter()
     timings: Dict[str, float] = {}
@@ -180,6 +201,7 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
     spe = steps_per_epoch(tc, data)
     open_bar = _progress_factory(progress)
     runs: Dict[str, RunResult] = {}
+    width = max(len(spec.label) for spec in main + [spec for _, spec in sweep_specs])  # one column for all
 
     def do(spec: RunSpec) -> RunResult:
         epochs = spec.epochs if spec.epochs is not None else tc.epochs
@@ -188,13 +210,13 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
             res = train(spec, tc, data, progress=update)
         finally:
             close()
-        log(f"  {spec.label:<44} acc {100 * res.final_acc:5.1f}%  skipped {res.skipped_steps:4d}  "
+        log(f"  {spec.label:<{width}}  acc {100 * res.final_acc:5.1f}%  skipped {res.skipped_steps:4d}  "
             f"{res.wall_s:5.1f}s")
         timings[spec.name] = round(res.wall_s, 3)
         return res
 
-    log(f"lossscale demo: digits MLP {list(cfg.hidden)}, loss x 2^-{cfg.shift_log2} with lr / 2^-{cfg.shift_log2}, "
-        f"{tc.epochs} epochs of {spe} steps" + (" (quick)" if cfg.quick else ""))
+    for line in header(cfg, spe):
+        log(line)
     for spec in main:
         runs[spec.name] = do(spec)
     log(f"static-scale sweep: 2^{cfg.sweep_log2[0]} .. 2^{cfg.sweep_log2[-1]}, {cfg.sweep_epochs} epochs each")
@@ -246,10 +268,15 @@ def run_demo(out_dir: str = "lossscale-report", *, quick: bool = False, seed: in
     """Run the demo and write ``out_dir/index.html``, its PNGs and ``summary.json``; returns the summary.
 
     ``changes`` override :class:`DemoConfig` fields (e.g. ``epochs=5``).
+
+    Raises:
+        ValueError: ``out_dir`` is a file or cannot be created or written; checked before training.
     """
+    from ..report.html import check_out_dir
     from .render import render, terminal_summary
 
     cfg = DemoConfig.quick_preset(seed, **changes) if quick else DemoConfig.full(seed, **changes)
+    check_out_dir(out_dir)  # before a minute of training, not after it
     t0 = time.perf_counter()
     result = execute(cfg, progress=progress, log=log)
     t1 = time.perf_counter()

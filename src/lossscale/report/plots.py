@@ -326,13 +326,13 @@ def plot_telemetry(path: str, step: Sequence[int], loss_scale: Sequence[float], 
     ls2 = _log2(loss_scale)
     ax.step(step, ls2, where="post", color="#1f77b4", lw=1.6, label="loss scale")
     if headroom:
-        first = next(iter(headroom.values()))
+        first_label, first = next(iter(headroom.items()))
         line = [s + h if h is not None and math.isfinite(s) and math.isfinite(h) else float("nan")
                 for s, h in zip(ls2, first)]
         pts = [(s, v) for s, v in zip(step, line) if math.isfinite(v)]
         if pts:
             ax.plot([s for s, _ in pts], [v for _, v in pts], "--", color="#1f77b4", alpha=0.5, lw=0.9,
-                    label="overflow line (scale × 2^headroom)")
+                    label=f"overflow line: scale × 2^headroom of {first_label}")  # which series it rests on
     sk = [(s, y) for s, y, k in zip(step, ls2, skipped) if k]
     if sk:
         ax.scatter([s for s, _ in sk], [y for _, y in sk], marker="x", color="#d62728", s=28, zorder=5,

@@ -28,6 +28,8 @@ def summarize(tel: Telemetry) -> Dict[str, Any]:
 
     ``scale_min``/``scale_max`` are over the finite scales; ``nonfinite_scales`` counts the NaN/inf
     ones (a broken scale, logged as such); ``bad_lines`` counts the lines the reader skipped.
+    ``<kind>_flushed_frac_mean``/``_max`` are over the overall series ``<kind>/flushed_frac``;
+    ``<kind>_flushed_frac_mean_per_layer`` maps each layer to the mean of ``<kind>/<layer>/flushed_frac``.
     """
     n = len(tel)
     scales = tel.loss_scale
@@ -60,7 +62,9 @@ def summarize(tel: Telemetry) -> Dict[str, Any]:
     for kind in ("act", "param"):
         per = tel.layer_series(kind, "flushed_frac")
         if per:
-            out[f"{kind}_flushed_frac_mean"] = {layer: _stat(v, statistics.fmean) for layer, v in per.items()}
+            # Its own key: it once shared "act_flushed_frac_mean" and replaced the overall mean.
+            out[f"{kind}_flushed_frac_mean_per_layer"] = {layer: _stat(v, statistics.fmean)
+                                                          for layer, v in per.items()}
     return out
 
 
@@ -88,10 +92,10 @@ def describe(key: str, layer: Optional[str] = None) -> str:
     """What a summary figure is, naming the JSONL series it is computed over.
 
     E.g. ``act_flushed_frac_max`` is the max over steps of ``act/flushed_frac`` (all watched modules
-    together), while ``act_flushed_frac_mean[fc1]`` is the mean of ``act/fc1/flushed_frac`` (one
-    module): the two are over different series, so a layer's mean can exceed the overall max.
+    together), while ``act_flushed_frac_mean_per_layer[fc1]`` is the mean of ``act/fc1/flushed_frac``
+    (one module): the two are over different series, so a layer's mean can exceed the overall max.
     """
-    if layer is not None:  # {kind}_flushed_frac_mean[layer]
+    if layer is not None:  # {kind}_flushed_frac_mean_per_layer[layer]
         kind = key.split("_", 1)[0]
         return f"{key}[{layer}]: mean over steps of {kind}/{layer}/flushed_frac ({layer} alone)"
     for stat, words in (("_flushed_frac_mean", "mean over steps of {k}/flushed_frac"),
@@ -140,8 +144,11 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
     plots.plot_telemetry(os.path.join(out_dir, "telemetry.png"), tel.step, tel.loss_scale, tel.skipped,
                          flushed=flushed or None, headroom=headroom or None,
                          title=f"{os.path.basename(jsonl_path)}: loss scale, skipped steps, underflow, headroom")
-    images.append(("telemetry.png", "Loss scale per step (skipped steps marked, dashed: the overflow line "
-                   "loss_scale·2^headroom), fraction of nonzero gradients flushed to 0, headroom in binades."))
+    first_hr = next(iter(headroom), None)
+    images.append(("telemetry.png", "Top: loss scale per step (x: skipped steps" + (
+                   f"; dashed: the overflow line, loss_scale·2^headroom of {first_hr}" if first_hr else "") +
+                   "). Below: share flushed to 0 and headroom in binades, each line one JSONL series as logged "
+                   "(its key in the legend)."))
     for kind, overall, what in (("act", "act", "activation gradients"), ("param", "grad", "parameter gradients")):
         fl = tel.layer_series(kind, "flushed_frac")
         hr = tel.layer_series(kind, "headroom_bits")
