@@ -198,3 +198,14 @@ def test_quick_demo_telemetry_feeds_lossscale_report(quick_report, tmp_path):
     run = summary["runs"]["dynamic"]
     assert got["steps"] == run["steps"] and got["skipped_steps"] == run["skipped_steps"]
     assert math.isclose(got["scale_last"], run["final_scale"])
+
+
+def test_readme_explains_the_demo_shift_where_it_first_describes_the_demo():
+    """Issue 12: the README's first paragraph about the demo says in plain words why the loss is shifted."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    first = next(p for p in text.split("\n\n") if "`lossscale demo`" in p)
+    flat = " ".join(first.split())
+    for words in ("On purpose", "multiplies the loss by 2^-20", "learning rate by 2^20", "underflow cliff",
+                  "FP32 is unaffected"):
+        assert words in flat, words
