@@ -16,8 +16,9 @@ Configurations:
   growth the cap is not needed for safety; this shows where the rule goes when let.
 * ``adaptive_m<k>`` (not run by default): the adaptive defaults with ``margin_bits=k``, for the margin
   ablation in docs/policies.md (``--configs torch,adaptive_m2,adaptive_m3,... --out <dir>``).
-* ``logmax``: OpenSeq2Seq's LogMax (``benchmarks/logmax_policy.py``), driven by a host loop that
-  unscales, checks and skips as OpenSeq2Seq does.
+* ``logmax``: OpenSeq2Seq's LogMax as lossscale ships it, ``lossscale.GradScaler(policy="logmax")``
+  (``lossscale/logmax.py``: kept to powers of two, and an overflow no longer pins the scale at its
+  floor; the results committed before it moved into the library were taken with the published rule).
 
 Figures per run: skipped optimizer steps; the flushed fraction of the activation gradients, i.e. of
 the exact (FP32-shadow) gradients at every Linear's output, the share FP16 flushes to zero at the
@@ -54,7 +55,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from logmax_policy import LogMaxPolicy  # noqa: E402
 
 import lossscale  # noqa: E402
 
@@ -142,6 +142,8 @@ def _make_scaler(config: str):
         return lossscale.GradScaler(policy="adaptive")
     if config == "adaptive_uncapped":
         return lossscale.GradScaler(policy="adaptive", max_scale=None)
+    if config == "logmax":
+        return lossscale.GradScaler(policy="logmax")
     if config.startswith("adaptive_m"):
         from lossscale.adaptive import AdaptivePolicy
 
@@ -150,6 +152,8 @@ def _make_scaler(config: str):
 
 
 def _label(config: str) -> str:
+    if config == "logmax":
+        return lossscale.GradScaler(policy="logmax")
     if config.startswith("adaptive_m"):
         return f"lossscale adaptive, margin_bits={config[len('adaptive_m'):]}"
     return LABELS[config]
@@ -166,8 +170,6 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
     opt = torch.optim.SGD(params, lr=lr / c, momentum=momentum)  # lr/c * (c*g) == lr*g exactly
     fp16 = config != "fp32"
     scaler = _make_scaler(config)
-    logmax = LogMaxPolicy() if config == "logmax" else None
-    lm_state = logmax.init_state() if logmax else None
     loss_fn = lambda out, y: F.cross_entropy(out, y) * c  # noqa: E731
     gen = torch.Generator().manual_seed(seed)
     skipped, step = 0, 0
@@ -179,8 +181,6 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
             x, y = x_tr[idx], y_tr[idx]
             if scaler is not None:
                 scale = scaler.get_scale()
-            elif logmax is not None:
-                scale = lm_state.scale
             else:
                 scale = 1.0
             probing = step % probe_every == 0
@@ -199,16 +199,6 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
                     was_skipped = scaler.last_step_skipped
                 else:  # torch: a skipped step is exactly one whose update backed the scale off
                     was_skipped = scaler.get_scale() < scale
-            elif logmax is not None:
-                (loss * scale).backward()
-                grads = [p.grad for p in params]
-                for g in grads:
-                    g.div_(scale)  # OpenSeq2Seq divides the gradients by the loss scale
-                amax = float(torch.stack([g.abs().max() for g in grads]).max())
-                was_skipped = not math.isfinite(amax)
-                if not was_skipped:
-                    opt.step()
-                lm_state = logmax.update(lm_state, was_skipped, amax)
             else:
                 loss.backward()
                 param_amax = float(torch.stack([p.grad.abs().max() for p in params]).max())
@@ -224,7 +214,7 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
             step += 1
     with torch.no_grad():
         acc = float((model(x_te).argmax(1) == y_te).float().mean())
-    final_scale = scaler.get_scale() if scaler is not None else (lm_state.scale if logmax else 1.0)
+    final_scale = scaler.get_scale() if scaler is not None else 1.0
     out = {
         "config": config, "log2_c": log2_c, "seed": seed, "steps": step, "skipped": skipped,
         "flushed_frac": statistics.fmean(flushed_all) if flushed_all else None,

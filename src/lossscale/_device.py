@@ -8,7 +8,8 @@ The scaler runs the same sequence of operations on every device; only these prim
   the *state's* device (not the current device's); on CPU an event that is always complete.
   On other accelerators (XPU, MPS, ...) no event is used and the copy is made blocking: correct,
   at the cost of a sync per snapshot.
-* :func:`capturing`: whether the state's device is capturing a CUDA graph (no host reads then).
+* :func:`capturing`: whether the state's device is capturing a CUDA graph, or torch.compile is
+  tracing (no host reads then, on any device).
 * :func:`reciprocal`: ``1/scale`` as a float32, through float64 as torch does, or directly where a
   device has no float64 (MPS; exact for the power-of-two scales lossscale keeps).
 
@@ -23,6 +24,11 @@ import torch
 __all__ = ["host_buffer", "record_event", "capturing", "reciprocal", "copy_to_host_"]
 
 _NO_FLOAT64 = ("mps",)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 class _Done:
@@ -61,7 +67,10 @@ def record_event(device: torch.device):
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    """Whether the host cannot look at values now: ``torch.compile`` is tracing (a host read would
+    break the graph), or ``device``'s current stream is capturing a CUDA graph."""
+    if _compiling():
+        return True
     if device.type != "cuda":
         return False
     with torch.cuda.device(device):

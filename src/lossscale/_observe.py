@@ -58,9 +58,7 @@ class Observer:
             slot.state = slot.event = None
 
     def push(self, t: TensorState) -> None:
-        """Queue a snapshot of ``t`` (no sync). Skipped while the device captures a CUDA graph."""
-        if _device.capturing(t.device):
-            return  # replays update the state on device; the host reads nothing inside a graph
+        """Queue a snapshot of ``t`` (no sync). The caller skips it during CUDA-graph capture."""
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         vectors = t.vectors()

@@ -21,6 +21,9 @@ What is counted (each call once):
 * copies from a non-CPU device to the CPU (``t.cpu()``, ``t.to("cpu")``, ``t.tolist()`` and
   ``t.numpy()`` of a device tensor), except a ``non_blocking`` copy into pinned memory, which the
   host does not wait for;
+* copies from pageable (not pinned) host memory to a device (``torch.tensor(list, device="cuda")``,
+  ``t.to("cuda")`` of a CPU tensor): the host waits for the stream before it may reuse the memory,
+  and inside a CUDA-graph capture such a copy fails;
 * operators whose output *shape* depends on tensor values, which must read them on the host:
   ``nonzero``, ``masked_select``, ``unique`` and friends, and indexing with a boolean mask.
 
@@ -74,6 +77,15 @@ class SyncCounter:
         self.ops.append(name)
 
 
+def _is_pageable_to_device(func, args, out) -> bool:
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+    else:
+        dst, src = out, args[0]
+    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type == "cpu"
+            and dst.device.type != "cpu" and not src.is_pinned())
+
+
 def _is_device_to_host(func, args, kwargs, out) -> bool:
     if func is _aten.copy_.default:
         dst, src = args[0], args[1]
@@ -111,7 +123,7 @@ class _SyncCountingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _VALUE_DEPENDENT_SHAPE or _is_mask_index(func, args):
             self.counter._add(str(func))
-        elif func in _COPIES and _is_device_to_host(func, args, kwargs, out):
+        elif func in _COPIES and (_is_device_to_host(func, args, kwargs, out) or _is_pageable_to_device(func, args, out)):
             self.counter._add(str(func))
         return out
 

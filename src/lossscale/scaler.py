@@ -26,6 +26,7 @@ next :meth:`update` (``lossscale._observe``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import inspect
@@ -33,16 +34,16 @@ import math
 import warnings
 import weakref
 from collections import abc
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _kernels, checkpoint
+from . import _device, _kernels, checkpoint
 from . import distributed as _distributed
 from ._check import Flags, GradientCheck, names_of, sum_flags
 from ._observe import Observer
 from ._state import TensorState
-from .policy import Policy, ScaleState, count_tensor, diagnose, policy_class
+from .policy import Policy, ScaleState, count_tensor, diagnose, f32, policy_class
 from .static import StaticPolicy
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
@@ -78,20 +79,18 @@ class _Default:
 
 _DEFAULT = _Default()
 
-_GRAD_SCALER_KWARG: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Optimizer step functions (a handful per process, alive as long as their classes): a plain dict, which
+# torch.compile traces (a WeakKeyDictionary lookup does not survive tracing).
+_GRAD_SCALER_KWARG: Dict[Any, bool] = {}
 
 
 def _takes_grad_scaler(step) -> bool:
     """Whether ``step`` takes ``grad_scaler=`` (torch's deprecated contract), cached per function:
     ``inspect.signature`` costs ~100 us, more than the rest of a small fused step."""
     func = getattr(step, "__func__", step)
-    try:
-        return _GRAD_SCALER_KWARG[func]
-    except KeyError:
-        pass
-    except TypeError:  # not weak-referenceable
-        return "grad_scaler" in inspect.signature(step).parameters
-    found = _GRAD_SCALER_KWARG[func] = "grad_scaler" in inspect.signature(step).parameters
+    found = _GRAD_SCALER_KWARG.get(func)
+    if found is None:
+        found = _GRAD_SCALER_KWARG[func] = "grad_scaler" in inspect.signature(step).parameters
     return found
 
 
@@ -188,7 +187,7 @@ class GradScaler:
         self._pending: ScaleState = self._policy.init_state()  # the state until the device is known
         self._t: Optional[TensorState] = None
         self._records: Dict[int, _Record] = {}
-        self._names: Dict[int, str] = {}
+        self._names: Dict[int, Tuple[weakref.ref, str]] = {}  # id(param) -> (the param, weakly; its name)
         if model is not None:
             self.name_parameters(model)
         self._check = GradientCheck(self._name_of, _distributed.validate_group(process_group))
@@ -221,17 +220,39 @@ class GradScaler:
         return cls(device, policy=StaticPolicy(scale=1.0, **stuck), **kwargs)
 
     def name_parameters(self, model_or_named_parameters) -> None:
-        """Learn parameter names (from an ``nn.Module`` or ``(name, param)`` pairs) for reports."""
+        """Learn parameter names (from an ``nn.Module`` or ``(name, param)`` pairs) for reports.
+
+        The names survive pickling or deep-copying the model and the scaler, together or apart: each
+        parameter also carries its name as the attribute ``_lossscale_name`` (pickled with the
+        parameter), and a deep copy maps the copied parameters. Pickling the scaler alone pickles no
+        parameter.
+        """
         named = (model_or_named_parameters.named_parameters()
                  if isinstance(model_or_named_parameters, torch.nn.Module) else model_or_named_parameters)
         try:
             pairs = [(str(n), p) for n, p in named]
         except (TypeError, ValueError):
             raise ValueError("model must be an nn.Module or an iterable of (name, parameter) pairs.") from None
-        self._names.update({id(p): n for n, p in pairs})
+        bad = [n for n, p in pairs if not isinstance(p, torch.Tensor)]
+        if bad:
+            raise ValueError(f"model: {bad[0]!r} is paired with a {type(dict(pairs)[bad[0]]).__name__}, not a "
+                             "parameter; pass an nn.Module or (name, parameter) pairs.")
+        for name, param in pairs:
+            self._remember(param, name)
+
+    def _remember(self, param: torch.Tensor, name: str) -> None:
+        # Keyed by id for speed, with a weak reference to tell a reused id from the parameter itself.
+        self._names[id(param)] = (weakref.ref(param), name)
+        try:
+            param._lossscale_name = name  # travels with the parameter through pickle and torch.save
+        except (AttributeError, TypeError):  # a tensor type without a __dict__: the id map still names it
+            pass
 
     def _name_of(self, param) -> Optional[str]:
-        return self._names.get(id(param))
+        entry = self._names.get(id(param))
+        if entry is not None and entry[0]() is param:
+            return entry[1]
+        return getattr(param, "_lossscale_name", None)  # a parameter named, then pickled (a new id)
 
     @staticmethod
     def _make_telemetry(telemetry):
@@ -518,11 +539,13 @@ class GradScaler:
         lo, hi = self._policy.scale_bounds()
         if isinstance(new_scale, torch.Tensor):
             value = new_scale.detach().reshape(()).to(t.scale)
+            # A non-finite or non-positive scale would poison every later step: keep the old one,
+            # decided on device (a host check would sync) and before the clamp, which would turn
+            # inf into max_scale and 0 into min_scale as if they had been asked for.
+            ok = torch.isfinite(value) & (value > 0)
             if lo is not None or hi is not None:
                 value = value.clamp(lo, hi)
-            # A non-finite or non-positive scale would poison every later step: keep the old one
-            # (decided on device; a host check would sync).
-            t.scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value, t.scale))
+            t.scale.copy_(torch.where(ok, value, t.scale))
         else:
             t.scale.fill_(new_scale)
 
@@ -537,6 +560,8 @@ class GradScaler:
             raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
         if not math.isfinite(new_scale) or new_scale <= 0:
             raise ValueError(f"new_scale={new_scale!r} must be finite and > 0.")
+        if not 0 < f32(new_scale) < math.inf:
+            raise ValueError(f"new_scale={new_scale!r} is outside float32's range, in which the scale is kept.")
         lo, hi = self._policy.scale_bounds()
         if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
             raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
@@ -546,7 +571,11 @@ class GradScaler:
         """React to every landed snapshot of earlier updates, then queue one of this update's state.
 
         ``clean``: the host knows this iteration stepped, so nothing can be stuck now (no snapshot).
+        Nothing happens while a CUDA graph is captured or torch.compile traces: the host reads nothing
+        there (graph replays update the state on device; the next eager update looks at it).
         """
+        if _device.capturing(t.device):
+            return
         for state, scale_before in self._observer.poll():
             self._react(state, scale_before)
         if clean:
@@ -762,11 +791,29 @@ class GradScaler:
         state["_t"] = None
         state["_observer"] = None
         state["_report_source"], state["_last_report"] = None, None
+        # Parameter names: ids mean nothing elsewhere and the parameters are not ours to pickle; each
+        # named parameter carries its name (``_lossscale_name``), and __deepcopy__ maps copied ones.
+        state["_names"] = {}
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._observer = Observer()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "GradScaler":
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin  # first, so copied references to this scaler (bound methods) reach the twin
+        twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        # torch's Parameter.__deepcopy__ drops attributes: name the copies of our parameters that
+        # were deep-copied before the scaler (memo maps id(original) -> copy), and keep the originals.
+        for key, (ref, name) in self._names.items():
+            param = ref()
+            if param is not None:
+                twin._names[key] = (ref, name)
+                copied = memo.get(id(param))
+                if isinstance(copied, torch.Tensor):
+                    twin._remember(copied, name)
+        return twin
 
     def __repr__(self) -> str:
         where = "not started" if self._t is None else str(self._t.device)

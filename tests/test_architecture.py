@@ -1,0 +1,238 @@
+"""The structure's promises: a torch-free core, one code path on every device (the deferred stuck
+check and the snapshot ring run on CPU exactly as on CUDA), in-place state, a compile-friendly
+fused step, and a policy protocol that a new policy plugs into without touching the scaler."""
+
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import lossscale
+from lossscale import _observe
+from lossscale._sync import count_host_syncs
+from lossscale.policy import Policy, policy_names
+
+
+def test_the_policy_core_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import lossscale.policy, lossscale.dynamic, lossscale.static, lossscale.adaptive, lossscale.logmax\n"
+            "import lossscale.checkpoint, lossscale.formats\n"
+            "from lossscale import DynamicPolicy, AdaptivePolicy, LogMaxPolicy\n"
+            "p = DynamicPolicy(growth_interval=1); s = p.update(p.init_state(), False)\n"
+            "assert s.scale == 2.0**17, s\n"
+            "try:\n    lossscale.GradScaler\nexcept ImportError:\n    print('lazy')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "lazy"  # the torch-facing names load on first use, and need torch
+
+
+def test_every_registered_policy_follows_the_protocol():
+    assert policy_names() == ["adaptive", "dynamic", "logmax", "static"]
+    for name in policy_names():
+        policy = lossscale.policy.policy_class(name)()
+        assert isinstance(policy, Policy), name
+        assert isinstance(policy.init_state(), lossscale.ScaleState)
+
+
+def test_the_public_surface_is_pinned():
+    assert lossscale.__all__ == [
+        "GradScaler", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
+        "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
+        "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale", "ActivationGradRecorder",
+        "activation_grad_probe", "Telemetry", "JsonlLogger",
+    ]
+
+
+# ------------------------------------------------------------------ the deferred stuck check
+class LateEvents:
+    """An event stand-in for ``Observer``: each event reports complete only after ``lag`` queries,
+    like a CUDA copy that lands while the host has moved on."""
+
+    def __init__(self, lag):
+        self.lag = lag
+
+    def __call__(self, device):
+        lag = self.lag
+
+        class Event:
+            def __init__(self):
+                self.left = lag
+
+            def query(self):
+                self.left -= 1
+                return self.left < 0
+
+        return Event()
+
+
+def _stuck_run(scaler, steps, bad_from):
+    """A one-parameter loop whose gradients are inf from ``bad_from`` on; returns the update at which
+    on_stuck='raise' fired (None if never)."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale((p * p).sum()).backward()
+        if step >= bad_from:
+            p.grad[0] = math.inf
+        scaler.step(opt)
+        try:
+            scaler.update()
+        except RuntimeError as e:
+            assert "consecutive skipped step" in str(e)
+            return step
+    return None
+
+
+def test_on_stuck_fires_one_update_after_the_stuck_step_on_every_device():
+    # The stuck check reads a snapshot copied without blocking: on CPU its "event" is complete at
+    # once, so the streak that reaches max_consecutive_skips at update 4 is reported at update 5.
+    # CUDA runs the same code; its event is complete by then unless the device lags (next test).
+    scaler = lossscale.GradScaler("cpu", on_stuck="raise", max_consecutive_skips=2)
+    assert _stuck_run(scaler, 10, bad_from=3) == 5
+
+
+def test_a_lagging_device_reports_later_but_never_loses_the_stuck_state(monkeypatch):
+    scaler = lossscale.GradScaler("cpu", on_stuck="raise", max_consecutive_skips=2)
+    scaler._observer = _observe.Observer(record_event=LateEvents(lag=2))
+    fired = _stuck_run(scaler, 12, bad_from=3)
+    assert fired is not None and fired > 5
+
+
+def test_a_caught_raise_does_not_raise_again_once_training_is_clean():
+    scaler = lossscale.GradScaler("cpu", on_stuck="raise", max_consecutive_skips=1)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    raised = []
+    for step in range(8):
+        opt.zero_grad()
+        scaler.scale((p * p).sum()).backward()
+        if step == 2:
+            p.grad[0] = math.inf
+        scaler.step(opt)
+        try:
+            scaler.update()
+        except RuntimeError:
+            raised.append(step)
+    assert raised == [3]  # once, at the update after the skipped step; never again
+
+
+def test_the_ring_keeps_snapshots_in_flight_and_reads_them_in_order():
+    # Events that complete late: four updates in flight, none lost, each read once, oldest first.
+    obs = _observe.Observer(slots=4, record_event=LateEvents(lag=3))
+    scaler = lossscale.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    t = scaler._t
+    seen = []
+    for k in range(4):
+        t.steps.fill_(k)
+        obs.push(t)
+        seen += [s.steps for s, _ in obs.poll()]
+    for _ in range(4):
+        seen += [s.steps for s, _ in obs.poll()]
+    assert seen == [0, 1, 2, 3]
+
+
+def test_a_checkpoint_load_fills_the_state_in_place():
+    # A CUDA graph captured before the load keeps reading the same tensors: identity must survive.
+    scaler = lossscale.GradScaler("cpu", growth_interval=2)
+    scaler.scale(torch.ones(()))
+    scale = scaler._get_scale_async()
+    other = lossscale.GradScaler("cpu", growth_interval=2)
+    other.load_state_dict({**other.state_dict(), "scale": 2.0**10, "state": {**other.state_dict()["state"],
+                                                                              "scale": 2.0**10}})
+    scaler.load_state_dict(other.state_dict())
+    assert scaler._get_scale_async() is scale and scale.item() == 2.0**10
+
+
+def test_no_cpu_branch_is_left_in_the_hot_path():
+    # The scaler, rules, clip path and policies take the same path on every device: the only
+    # device-type decisions are the kernel table (_kernels), _device and to_device's blocking rule.
+    import inspect
+
+    from lossscale import _check, _clip, _observe as obs, _state, adaptive, dynamic, logmax, policy, scaler, static
+
+    for module in (scaler, _check, _clip, obs, _state, policy, dynamic, static, adaptive, logmax):
+        source = inspect.getsource(module)
+        assert '== "cpu"' not in source and ".numpy()" not in source, module.__name__
+
+
+# ------------------------------------------------------------------ compile-friendly
+class FusedSGD:
+    """A minimal optimizer with torch's amp-scaling contract (reads grad_scale/found_inf, skips on
+    device): plain tensor ops, so dynamo can trace it. torch.optim's own fused optimizers are not
+    traced by ``torch._dynamo.explain`` at all (it reports -1 graph breaks for them, with or without
+    a scaler), so they cannot show whether the scaler's part breaks the graph."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr=0.1):
+        self.param_groups = [{"params": list(params)}]
+        self.lr = lr
+
+    def step(self):
+        keep = 1.0 - self.found_inf.clamp(max=1.0)  # skip on device
+        for p in self.param_groups[0]["params"]:
+            p.data.sub_(p.grad / self.grad_scale * self.lr * keep)
+
+
+def test_a_fused_step_and_update_trace_without_graph_breaks():
+    import torch._dynamo
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = FusedSGD([p])
+    scaler = lossscale.GradScaler("cpu")
+    scaler.scale((p * p).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+    def iteration():
+        scaler.step(opt)
+        scaler.update()
+
+    scaler.scale((p * p).sum()).backward()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(iteration)()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+# ------------------------------------------------------------------ syncs
+def test_an_overflow_decided_on_the_host_costs_one_sync_like_torch():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = lossscale.GradScaler("cpu")
+    scaler.scale((p * p).sum()).backward()
+    p.grad[0] = math.inf
+    with count_host_syncs() as syncs:
+        scaler.step(opt)
+        scaler.update()
+    assert syncs.count == 1, syncs.ops  # the skip decision; the stuck check reads a snapshot later
+
+
+def test_sync_counter_sees_copies_from_pageable_host_memory():
+    # A host-to-device copy from pageable memory waits for the stream on CUDA ("meta" stands in here).
+    with count_host_syncs() as syncs:
+        torch.ones(3).to("meta")
+    assert syncs.count == 1
+    with count_host_syncs() as syncs:
+        torch.ones(3, device="meta") * 2
+    assert syncs.count == 0
+
+
+# ------------------------------------------------------------------ keywords
+def test_scale_keywords_come_from_the_policy_fields():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = lossscale.GradScaler(policy="adaptive", margin_bits=3, fmt="fp8_e5m2")
+    assert s.policy == lossscale.AdaptivePolicy(margin_bits=3, fmt="fp8_e5m2")
+    with pytest.warns(UserWarning, match="do\\(es\\) not apply to policy='static'"):
+        s = lossscale.GradScaler(policy="static", init_scale=2.0**10, growth_factor=4.0)
+    assert s.policy == lossscale.StaticPolicy(scale=2.0**10)
+    with pytest.raises(ValueError, match="hysteresis=0"):
+        lossscale.GradScaler(policy="static", hysteresis=0)
+    with pytest.raises(ValueError, match="not a keyword of any scale policy"):
+        lossscale.GradScaler(hysterisis=2)
