@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -56,11 +57,21 @@ def train(steps: int = 20, inject_at: int = -1, log=print) -> lossscale.GradScal
     return scaler
 
 
-def main() -> None:
+# What torchrun sets in every process it starts; init_process_group("env://") reads them.
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--inject-at", type=int, default=-1, help="plant an inf on the last rank at this step")
     args = parser.parse_args()
+    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    if missing:  # run directly: torch would fail with "environment variable RANK expected, but not set"
+        cmd = " ".join(["torchrun --standalone --nproc_per_node=2", sys.argv[0], *sys.argv[1:]])
+        print(f"{sys.argv[0]} runs one process per rank and must be started by torchrun (not set: "
+              f"{', '.join(missing)}). Run:\n    {cmd}", file=sys.stderr)
+        return 2
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # torchrun's env:// settings
@@ -68,7 +79,8 @@ def main() -> None:
         train(args.steps, args.inject_at)
     finally:
         dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,7 +28,8 @@ def main(epochs: int = 8, seed: int = 0) -> float:
         order = train[torch.randperm(len(train))]
         total = 0.0
         batches = order.split(32)
-        for idx in tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False):
+        # disable=None: no bar when stderr is not a terminal (a pipe or a log file gets no \r floods).
+        for idx in tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=None):
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.float16):  # fp16 compute, FP32 master weights
                 loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
