@@ -51,6 +51,14 @@ import lossscale  # noqa: E402
 from lossscale._sync import count_host_syncs  # noqa: E402
 
 SCALE = 2.0**16
+DEVICE = torch.device("cpu")  # --device; the scalers, parameters and gradients live there
+
+
+def clock() -> float:
+    """``time.perf_counter()`` once the device has finished what was queued (CUDA runs async)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
 TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
 FULL_SIZES = [(1_000_000, 16), (1_000_000, 200), (10_000_000, 16), (10_000_000, 200), (50_000_000, 16),
               (50_000_000, 200)]
@@ -107,7 +115,7 @@ class Side:
         self.params = params
         self.grads = [p.grad for p in self.params]
         self.optimizers = {}
-        scaler.scale(torch.ones(()))  # fixes the device; scale = 2**16
+        scaler.scale(torch.ones((), device=DEVICE))  # fixes the device; scale = 2**16
 
     def opt(self, kind):
         if kind not in self.optimizers:
@@ -162,9 +170,9 @@ def _timed_loop(sides, fn, grads0, repeats, after, times, ratios):
         this = {}
         for side in order:
             torch._foreach_copy_(side.grads, grads0)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn(side)
-            this[side.name] = time.perf_counter() - t0
+            this[side.name] = clock() - t0
             if after is not None:
                 after(side)
         for k, v in this.items():
@@ -208,7 +216,7 @@ def read_only_kernels(grads0, repeats):
     """The candidates for the fused path's read-only check, each over torch's check+unscale kernel
     (inverse scale 1.0, what torch runs for fused optimizers). Medians, interleaved."""
     grads = [g.clone() for g in grads0]
-    flag, one = torch.zeros(()), torch.ones(())
+    flag, one = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
     candidates = {
         "torch check+unscale (1.0), read+write": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one),
         "aminmax per tensor (lossscale)": lambda: [torch.aminmax(g) for g in grads],
@@ -222,9 +230,9 @@ def read_only_kernels(grads0, repeats):
     try:
         for _ in range(repeats):
             for k, fn in candidates.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(clock() - t0)
     finally:
         gc.enable()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -237,14 +245,14 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
     shapes = [per] * n_tensors
     g = torch.Generator().manual_seed(seed)
     # Typical scaled FP32 gradients: |g| around 1e-3 * S, no inf, nothing near a subnormal.
-    grads0 = [torch.randn(per, generator=g).mul_(1e-3 * SCALE) for _ in shapes]
+    grads0 = [torch.randn(per, generator=g).mul_(1e-3 * SCALE).to(DEVICE) for _ in shapes]
     cfg = dict(init_scale=SCALE, growth_interval=10**9)
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    params = [torch.nn.Parameter(torch.zeros(s, device=DEVICE)) for s in shapes]
     for p, g in zip(params, grads0):
         p.grad = g.clone()
-    t = Side("torch", torch.amp.GradScaler("cpu", **cfg), params)
-    ours = Side("lossscale", lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE), params)
-    tel = Side("lossscale", lossscale.GradScaler("cpu", **cfg, **TORCH_LIKE, telemetry=1), params)
+    t = Side("torch", torch.amp.GradScaler(DEVICE.type, **cfg), params)
+    ours = Side("lossscale", lossscale.GradScaler(DEVICE.type, **cfg, **TORCH_LIKE), params)
+    tel = Side("lossscale", lossscale.GradScaler(DEVICE.type, **cfg, **TORCH_LIKE, telemetry=1), params)
     sides = [t, ours]
     rows = {}
     cheap, full = repeats
@@ -261,9 +269,9 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
     buf = [torch.empty_like(x) for x in grads0]
     memcpy = []
     for _ in range(cheap):
-        t0 = time.perf_counter()
+        t0 = clock()
         torch._foreach_copy_(buf, grads0)
-        memcpy.append(time.perf_counter() - t0)
+        memcpy.append(clock() - t0)
     memcpy_ms = statistics.median(memcpy) * 1e3
 
     pair("check+unscale+update", lambda s: iteration(s, "noop", clip=False))
@@ -282,9 +290,9 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
     obs = []
     for _ in range(cheap):
         telemetry.iteration = 0  # due
-        t0 = time.perf_counter()
+        t0 = clock()
         telemetry.observe(tel.params, tel.grads, lambda p: None, scale)
-        obs.append(time.perf_counter() - t0)
+        obs.append(clock() - t0)
     tel_ms = statistics.median(obs) * 1e3
     rows["telemetry (a sampled iteration)"] = {"torch_ms": None, "lossscale_ms": tel_ms, "memcpy_ms": memcpy_ms,
                                                 "ratio": tel_ms / memcpy_ms}
@@ -366,10 +374,13 @@ def markdown(results) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats (a smoke test)")
+    ap.add_argument("--device", default="cpu", help="where to measure: cpu (default) or cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sizes", default=None, help="comma list of PARAMSxTENSORS, e.g. 1000000x16,1000000x200")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if args.sizes:
@@ -388,12 +399,13 @@ def main(argv=None):
         "python": platform.python_version(),
         "threads": args.threads,
         "command": "python benchmarks/bench_scaler.py" + (" --quick" if args.quick else "")
+        + (f" --device {args.device}" if args.device != "cpu" else "")
         + (f" --threads {args.threads}" if args.threads != 1 else "") + (f" --sizes {args.sizes}" if args.sizes else ""),
         "wall_s": time.time() - start,
         "goals": GOALS,
     }
     os.makedirs(args.out, exist_ok=True)
-    stem = "bench_scaler_quick" if args.quick else "bench_scaler"
+    stem = ("bench_scaler_quick" if args.quick else "bench_scaler") + ("" if DEVICE.type == "cpu" else f"_{DEVICE.type}")
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     table = markdown(results)

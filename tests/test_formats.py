@@ -292,3 +292,22 @@ def test_classify_via_fp32():
     assert formats.classify(FP16, x, via_fp32=True) == "flushed"
     assert formats.classify(FP16, 1e300, via_fp32=True) == "overflow"
     assert formats.CATEGORIES[:5] == ("zero", "flushed", "subnormal", "normal", "overflow")
+
+
+def test_formats_torch_lacks_are_described_by_their_encoding():
+    # OCP MX fp6: every bit pattern is a number (no inf, no NaN), so the top exponent field holds
+    # numbers with any mantissa. Figures from the OCP Microscaling spec v1.0, table 3.
+    from lossscale.formats import FP6_E2M3, FP6_E3M2
+
+    assert (FP6_E2M3.max, FP6_E2M3.smallest_normal, FP6_E2M3.smallest_subnormal) == (7.5, 1.0, 0.125)
+    assert (FP6_E3M2.max, FP6_E3M2.smallest_normal, FP6_E3M2.smallest_subnormal) == (28.0, 0.25, 0.0625)
+    assert not FP6_E2M3.has_inf and not FP6_E2M3.has_nan and FP6_E2M3.encoding == "finite"
+    assert formats.get("e3m2") is FP6_E3M2 and formats.get("fp6_e2m3") is FP6_E2M3
+    with pytest.raises(ValueError, match="no torch dtype"):
+        FP6_E3M2.torch_dtype()
+    assert FP8_E4M3.encoding == "fn" and FP16.encoding == "ieee" and FP8_E4M3.has_nan
+
+
+def test_a_bad_encoding_is_refused():
+    with pytest.raises(ValueError, match="encoding"):
+        formats.FloatFormat("x", exponent_bits=3, mantissa_bits=2, encoding="fnuz")
