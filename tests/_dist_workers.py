@@ -563,4 +563,36 @@ def example(rank, world, steps: int, inject_at: int):
     return dict(lines=lines, counters=scaler.counters(), scale=scaler.get_scale())
 
 
-SCENARIOS = {f.__name__: f for f in (ddp, fsdp, pipeline, adaptive, no_grads, groups, diverged, stats, example)}
+def fsdp_empty_rank(rank, world, per):
+    """FSDP2 where rank 1 holds only empty local shards (every parameter has one row), with the
+    scaler's telemetry reducing across ranks: both ranks must take the same collectives, and their
+    figures must be the whole gradient's (rank 0 holds all of it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lossscale.stats import grad_stats
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    fully_shard(model, mesh=mesh)
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = lossscale.GradScaler("cpu", model=model, telemetry=dict(every=1, per=per))
+    figures = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        scaler.scale(model(x).square().mean()).backward()
+        whole = grad_stats([p.grad.full_tensor() for p in model.parameters()], scale=1.0, fmt="fp16")
+        scaler.step(opt)
+        scaler.update()
+        m = scaler.metrics()  # a collective on both ranks
+        figures.append(dict(numel=m["grad/numel"], zeros=m["grad/zeros"], whole_numel=whole.numel,
+                            keys=sorted(k for k in m if k.startswith("grad/")),
+                            per_group={k: v for k, v in m.items() if k.endswith("/numel") and k != "grad/numel"}))
+    return dict(local_numel=local_numel, figures=figures)
+
+
+SCENARIOS = {f.__name__: f for f in (ddp, fsdp, pipeline, adaptive, no_grads, groups, diverged, stats, example,
+                                     fsdp_empty_rank)}

@@ -194,6 +194,20 @@ def test_rank_without_gradients_joins_every_collective(run, passthrough, optimiz
 
 
 @needs_gloo
+@pytest.mark.parametrize("per", [None, "param", "module"])
+def test_telemetry_with_a_rank_holding_only_empty_shards(run, per):
+    # The sharded/reduce decision comes from the parameters (DTensors on every rank), not from a
+    # rank's own gradients: rank 1 holds nothing, yet joins the same collectives with the same names.
+    r0, r1 = run("fsdp_empty_rank", per=per)
+    assert r0["local_numel"] == 5 and r1["local_numel"] == 0
+    assert r0["figures"] == r1["figures"]
+    for f in r0["figures"]:
+        assert f["numel"] == f["whole_numel"] == 5
+        if per is not None:
+            assert f["per_group"] and sum(f["per_group"].values()) == 5, f
+
+
+@needs_gloo
 @needs_stats
 def test_reduce_stats_of_shards_equals_stats_of_the_whole(run):
     r0, r1 = run("stats")

@@ -28,10 +28,17 @@ __all__ = ["Flags", "Gathered", "GradientCheck"]
 
 @dataclass
 class Gathered:
-    """One optimizer's gradients, as checked: ``grads[i]`` is the tensor checked for ``params[i]``."""
+    """One optimizer's gradients, as checked: ``grads[i]`` is the tensor checked for ``params[i]``.
+
+    ``all_params``: every parameter with a gradient, in the optimizer's order, empty local shards
+    included; ``sharded``: whether the parameters are DTensors (FSDP2). Both are the same on every
+    rank, unlike ``params`` (a rank may hold only empty shards), so collectives are decided on them.
+    """
 
     params: List[torch.Tensor]
     grads: List[torch.Tensor]
+    all_params: List[torch.Tensor] = field(default_factory=list)
+    sharded: bool = False
 
 
 @dataclass
@@ -80,7 +87,8 @@ class GradientCheck:
         ``coalesce``: coalesce every sparse gradient (norms need it); FP16 sparse ones are always
         coalesced, like torch, because a sum of duplicate scaled fp16 values may overflow.
         """
-        grads, params, half = [], [], []
+        grads, params, half, every = [], [], [], []
+        sharded = False
         fp16 = torch.float16
         dense = torch.Tensor
         for gi, group in enumerate(optimizer.param_groups):
@@ -90,10 +98,12 @@ class GradientCheck:
                 grad = param.grad  # read once: a property, and this loop runs per parameter per step
                 if grad is None:
                     continue
+                every.append(param)
                 if not allow_half and grad.dtype == fp16:
                     half.append(self._name_of(param) or f"param_groups[{gi}][{pi}] {tuple(param.shape)}")
                     continue
                 if type(grad) is not dense or grad.is_sparse:  # plain dense gradients are checked as they are
+                    sharded = sharded or hasattr(grad, "_local_tensor")  # a DTensor on every rank alike
                     if coalesce and grad.is_sparse and not grad.is_coalesced():
                         param.grad = grad.coalesce()
                     grad = _kernels.grad_to_check(param)
@@ -111,7 +121,7 @@ class GradientCheck:
                 "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), or use an "
                 "optimizer that unscales itself (e.g. torch.optim.Adam(fused=True))."
             )
-        return Gathered(params, grads)
+        return Gathered(params, grads, every, sharded)
 
     def _claim(self, gathered: Gathered) -> None:
         """Refuse gradients already unscaled this iteration (before anything is rewritten)."""

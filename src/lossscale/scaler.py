@@ -379,7 +379,8 @@ class GradScaler:
     def _run_check(self, optimizer, unscale: bool, sync: bool) -> Flags:
         gathered = self._check.gather(optimizer, allow_half=not unscale or self._passthrough())
         if self._telemetry is not None:
-            self._telemetry.observe(gathered.params, gathered.grads, self._name_of, self._t.scale)
+            self._telemetry.observe(gathered.params, gathered.grads, self._name_of, self._t.scale,
+                                    all_params=gathered.all_params, sharded=gathered.sharded)
         flags = self._check.check_(gathered, self._t.scale, unscale=unscale and not self._passthrough(), sync=sync,
                                    needs_amax=self._policy.needs_amax)
         self._record(optimizer).flags = flags
@@ -442,7 +443,8 @@ class GradScaler:
         with torch.no_grad():
             gathered = self._check.gather(optimizer, allow_half=self._passthrough(), coalesce=True)
             if self._telemetry is not None:
-                self._telemetry.observe(gathered.params, gathered.grads, self._name_of, t.scale)
+                self._telemetry.observe(gathered.params, gathered.grads, self._name_of, t.scale,
+                                        all_params=gathered.all_params, sharded=gathered.sharded)
             true_norm, rec.flags = self._check.clip_(gathered, t.scale, max_norm, norm_type, sync=sync,
                                                      needs_amax=self._policy.needs_amax)
         rec.stage = OptState.UNSCALED

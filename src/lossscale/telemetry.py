@@ -77,36 +77,46 @@ class Telemetry:
         """Whether this iteration is sampled."""
         return self.iteration % self.every == 0
 
-    def observe(self, params: List[torch.Tensor], grads: List[torch.Tensor], name_of: Callable, scale: torch.Tensor
-                ) -> None:
+    def observe(self, params: List[torch.Tensor], grads: List[torch.Tensor], name_of: Callable, scale: torch.Tensor,
+                *, all_params: Optional[List[torch.Tensor]] = None, sharded: bool = False) -> None:
         """Collect the statistics of one optimizer's scaled gradients (called by the scaler).
 
-        ``name_of``: ``param -> name or None``; ``scale``: the scale tensor these gradients carry.
+        ``grads[i]`` is the checked tensor of ``params[i]``; ``name_of``: ``param -> name or None``;
+        ``scale``: the scale tensor these gradients carry. ``all_params`` (every parameter with a
+        gradient, empty local shards included) and ``sharded`` (DTensor parameters) are the same on
+        every rank: with sharded gradients a rank that holds only empty shards still records (empty)
+        figures under the same names, so every rank passes the same structure to the reduction.
         """
-        if not self.due() or not grads:
+        if not self.due():
             return
-        self.sharded = self.sharded or any(hasattr(p.grad, "_local_tensor") for p in params)
+        self.sharded = self.sharded or sharded
+        if not grads and not self.sharded:
+            return
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
             # The scale these gradients carry (update() may change it before the figures are read).
             self.scale_used = scale.clone()
-        stats = grad_stats(grads, scale=1.0, fmt=self.fmt)
+        device = scale.device
+        stats = grad_stats(grads, scale=1.0, fmt=self.fmt, device=device)
         self.overall = stats if self.overall is None else self.overall + stats
-        own = formats.dtype_name(self.fmt)
-        dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads})
-        self.measured = ", ".join(f"{d} as {self.fmt}" if d != own else f"{d} as stored" for d in dtypes)
+        if grads:
+            own = formats.dtype_name(self.fmt)
+            dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads})
+            self.measured = ", ".join(f"{d} as {self.fmt}" if d != own else f"{d} as stored" for d in dtypes)
         if self.per is None:
             return
-        names = [name_of(p) or f"param{i}" for i, p in enumerate(params)]
-        if self.per == "module":
-            buckets: Dict[str, List[torch.Tensor]] = {}
-            for n, g in zip(names, grads):
-                buckets.setdefault(n.rsplit(".", 1)[0] if "." in n else n, []).append(g)
-            for n, gs in buckets.items():
-                self.groups[n] = grad_stats(gs, scale=1.0, fmt=self.fmt)
-        else:
-            for n, g in zip(names, grads):
-                self.groups[n] = grad_stats([g], scale=1.0, fmt=self.fmt)
+        everyone = all_params if all_params is not None else params
+        checked = {id(p): g for p, g in zip(params, grads)}
+        # Names by position in the full list: the same on every rank, empty shards included.
+        named = [(name_of(p) or f"param{i}", checked.get(id(p))) for i, p in enumerate(everyone)]
+        buckets: Dict[str, List[torch.Tensor]] = {}
+        for n, g in named:
+            key = n.rsplit(".", 1)[0] if self.per == "module" and "." in n else n
+            bucket = buckets.setdefault(key, [])
+            if g is not None:
+                bucket.append(g)
+        for n, gs in buckets.items():
+            self.groups[n] = grad_stats(gs, scale=1.0, fmt=self.fmt, device=device)
 
     def wants_reduction(self) -> bool:
         """Whether :meth:`metrics` should sum the figures over the scaler's group (see ``reduce``)."""
