@@ -10,11 +10,22 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # lossscale configured as torch's GradScaler: bitwise the same trajectory.
 TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
 INIT_SCALE = 2.0**10  # small enough that no step overflows by itself: only the injected inf does
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Run each test on one CPU thread: at these sizes OpenMP's barriers cost more than the math (ten
+    times the run time on a busy 2-core machine). Test modules import this name to use it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:

@@ -93,7 +93,7 @@ def skip_aware(scheduler: S, scaler) -> S:
                          "scaler.step_scheduler(scheduler) in the training loop instead.")
     base = getattr(type(scheduler), "_lossscale_base", type(scheduler))
     skip_cls = type(f"SkipAware{base.__name__}", (base,), {
-        "__module__": base.__module__,
+        "__module__": __name__,
         "__doc__": f"{base.__name__} that does not step on iterations the lossscale.GradScaler skipped.",
         "_lossscale_base": base,
         "_lossscale_scaler": scaler,

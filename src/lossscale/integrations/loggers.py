@@ -51,7 +51,8 @@ def log_tensorboard(writer, scaler_or_metrics: Union[object, Mapping[str, object
     elif callable(getattr(scaler_or_metrics, "metrics", None)):
         metrics = scaler_or_metrics.metrics()
     else:
-        raise ValueError(f"scaler_or_metrics={scaler_or_metrics!r} must be a lossscale.GradScaler or a dict of metrics.")
+        raise ValueError(f"scaler_or_metrics={scaler_or_metrics!r} must be a lossscale.GradScaler or a dict "
+                         "of metrics.")
     values = scalars(metrics, prefix)
     for tag, value in values.items():
         writer.add_scalar(tag, value, int(step))
