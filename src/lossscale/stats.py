@@ -199,14 +199,15 @@ def _category_matrix(thresholds: Tuple[int, ...], bounds: Tuple[int, int, int], 
     straddle = torch.gt(hi, lo) & torch.ne(rank(hi - 1), r_lo)  # hi - 1: the bin's last pattern
     category = r_lo + _FLUSHED
     top = _NUM_CLASSES * (_NUM_FIELDS - 1)
-    category[0] = _ZERO  # the pattern 0 alone (threshold 1 again)
-    category[top] = _INF  # top field, mantissa 0
-    category[top + 1 :] = _NAN  # top field, any other mantissa
-    straddle[0] = False
-    straddle[top:] = False
+    # fill_ on slices, not ``t[i] = v``: on CUDA, item assignment goes through a CPU scalar tensor.
+    category[:1].fill_(_ZERO)  # the pattern 0 alone (threshold 1 again)
+    category[top : top + 1].fill_(_INF)  # top field, mantissa 0
+    category[top + 1 :].fill_(_NAN)  # top field, any other mantissa
+    straddle[:1].fill_(False)
+    straddle[top:].fill_(False)
     rows = torch.arange(_NUM_ROWS, dtype=i64, device=device).unsqueeze(1)
     w = torch.eq(category.unsqueeze(0), rows).to(i64)  # category <= 6: row 7 stays 0 here
-    w[_STRADDLE] = straddle
+    w[_STRADDLE].copy_(straddle)  # device to device
     return w
 
 
