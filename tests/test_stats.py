@@ -580,6 +580,17 @@ def test_hist_is_one_int64_tensor():
     assert int(s.hist.sum()) == s.numel == 100
 
 
+def test_first_measurement_on_a_device_counts_no_sync():
+    """The sync counter counts pageable host-to-device copies: a cold first call on a device is sync-free."""
+    meta = torch.empty(700, device="meta")
+    stats._device_tables.clear()
+    with count_host_syncs() as syncs:
+        s = grad_stats([meta, meta.half(), meta.bfloat16()], scale=5.0)
+        s.counts_tensor()
+        s.at(2.0**-7).counts_tensor()
+    assert syncs.count == 0, syncs.ops
+
+
 # ----- recommend_scale ---------------------------------------------------------------------------
 
 
