@@ -265,10 +265,11 @@ def reduce_stats(stats, group=None):
         raise ValueError(f"group={group!r} must be None (the default group) or a torch.distributed ProcessGroup.")
     if not _dist_ready() or torch.distributed.get_world_size(group) <= 1:
         return stats
-    devices = {s.hist.device for s in items}
-    if len(devices) > 1:
-        raise ValueError(f"stats live on several devices {sorted(map(str, devices))}; move them to one first.")
-    device = devices.pop() if devices else _collective_device(group or torch.distributed.group.WORLD)
+    # Statistics of a model spread over several devices of one rank (model parallel) are reduced on
+    # the collective's device: their histograms are small, and the copies are blocking onto the CPU.
+    device = _collective_device(group or torch.distributed.group.WORLD, items[0].hist.device if items else None)
+    items = [s if s.hist.device == device else
+             dataclasses.replace(s, hist=s.hist.to(device), amax_tensor=s.amax_tensor.to(device)) for s in items]
     # A signature of the structure, below 2**48 so float64 holds it exactly. MAX-reducing it and its
     # negation gives max and -min: equal on every rank iff every rank passed the same structure.
     layout = repr((kind, names, [(s.fmt.name, s.scale, tuple(s.thresholds), s.hist.numel()) for s in items]))
