@@ -1,0 +1,49 @@
+"""The integration examples run (shortened) and do what their docstrings say: FP16 steps skipped at
+the start, the LR schedule advanced only on taken steps, TensorBoard logs written."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from accelerate.state import AcceleratorState, GradientState
+
+from _integration_models import one_thread  # noqa: F401  (autouse fixture)
+
+pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accelerate_example(tmp_path):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        result = _load("accelerate_fp16").main(steps=40, logdir=str(tmp_path))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert result["skipped"] > 0  # init_scale=2**24 overflows FP16 at first
+    assert result["scheduler_steps"] == 40 - result["skipped"]
+    assert any(tmp_path.glob("events.out.tfevents*"))
+
+
+def test_transformers_example(tmp_path):
+    last = _load("transformers_trainer_fp16").main(steps=12, output_dir=str(tmp_path))
+    assert last["scaler/skipped_steps"] > 0
+    assert last["step"] == 12
+    assert any(tmp_path.rglob("events.out.tfevents*"))
+
+
+@pytest.mark.parametrize("fabric", [False, True])
+def test_lightning_example(tmp_path, fabric):
+    result = _load("lightning_fp16").main(steps=40, fabric=fabric, logdir=str(tmp_path))
+    assert result["skipped"] > 0
+    assert result["scheduler_steps"] == 40 - result["skipped"]
+    assert any(Path(result["logdir"]).glob("events.out.tfevents*"))
