@@ -21,14 +21,18 @@ def _load(name):
     return module
 
 
-def test_accelerate_example(tmp_path):
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    # accelerate (under the Trainer too) keeps process-wide state: start and leave it empty.
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    try:
-        result = _load("accelerate_fp16").main(steps=40, logdir=str(tmp_path))
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_accelerate_example(tmp_path):
+    result = _load("accelerate_fp16").main(steps=40, logdir=str(tmp_path))
     assert result["skipped"] > 0  # init_scale=2**24 overflows FP16 at first
     assert result["scheduler_steps"] == 40 - result["skipped"]
     assert any(tmp_path.glob("events.out.tfevents*"))

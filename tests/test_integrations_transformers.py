@@ -11,6 +11,18 @@ from _integration_models import one_thread  # noqa: F401  (autouse fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, TokenData, all_equal, lr_reference,
                                  read_tensorboard, snapshot, tiny_gpt2)
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    # The Trainer's accelerator lives in accelerate's process-wide state: start and leave it empty.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 K = 7        # the step whose gradient gets an inf
 STEPS = 20
 LR = 1e-3
