@@ -85,8 +85,8 @@ def _metrics_callback(trainer, scaler):
                 return
             figures = {f"scaler/{k}": v for k, v in scaler.metrics().items()}
             logs.update(figures)
-            # trainer.py:4209-4211 appends a copy of `logs` to log_history before calling on_log.
-            if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
+            # trainer.py:4209-4211 appends a copy of `logs` (plus "step") to log_history, then calls on_log.
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(figures)
 
     return LossScaleCallback()
