@@ -139,6 +139,9 @@ def test_trainer_checkpoint_round_trip(tmp_path):
     native = LightningMixedPrecision("16-mixed", "cpu")
     native.load_state_dict(ckpt["MixedPrecision"])
     assert native.scaler.get_scale() == INIT_SCALE / 2
+    # An adaptive-policy checkpoint gives torch's scaler a real growth factor and interval (it keeps growing).
+    native.load_state_dict(MixedPrecision(policy="adaptive").state_dict())
+    assert native.scaler.get_growth_factor() == 2.0 and 1 <= native.scaler.get_growth_interval() <= 2000
 
 
 def _fabric_run(plugin, schedule, *, steps=range(STEPS), save=None, load=None, clip=True):
