@@ -8,12 +8,16 @@ policy config and state::
      "lossscale_version": 2, "policy_type": "DynamicPolicy", "policy": {...}, "state": {...}}
 
 Loading validates every key before anything changes (:func:`load`): the types, finiteness, the scale
-> 0 and within the bounds, counters >= 0, the trackers within their configured range. Every error is
-a ``ValueError`` naming the key. Version 1 dicts (lossscale 0.1, one state type for every policy with
-an ``amax_exp`` field) are converted. A torch dict continues exactly as torch would.
+> 0, within the bounds and within float32, counters >= 0, the trackers within their configured range,
+every config field, and the torch keys of a lossscale dict equal to what its state implies (they are
+copies; a mismatch means the dict was edited, and which one to believe is not ours to guess). Every
+error is a ``ValueError`` naming the key. Version 1 dicts (lossscale 0.1, one state type for every
+policy with an ``amax_exp`` field, torch keys not checked) are converted. A torch dict continues
+exactly as torch would; its numbers may be 1-element tensors, as some trainers save them.
 
 Which policy wins: the checkpoint's. It restores the run that was saved, including a policy type or
-config that differs from the constructor's; a warning names what changed.
+config that differs from the constructor's (a torch dict: its growth and backoff factors and growth
+interval); a warning names what changed.
 
 Pure Python: this module imports no torch.
 """
@@ -26,13 +30,14 @@ import warnings
 from typing import Any, Dict, Tuple
 
 from .dynamic import DynamicPolicy
-from .policy import ScaleState, f32, policy_types
+from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
 
 __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
 
 STATE_DICT_VERSION = 2
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _V1_NO_AMAX = -(2**30)  # lossscale 0.1's "nothing measured" amax_exp; one below it meant "calibrating"
+_V1_LACKS = {"AdaptivePolicy": {"fmt"}}  # config fields added since version 1 (fp16, the default, then)
 
 
 def to_dict(policy, state: ScaleState) -> Dict[str, Any]:
@@ -55,6 +60,10 @@ def load(state_dict: Any, current) -> Tuple[Any, ScaleState]:
         raise RuntimeError("The state dict is empty, possibly because it was saved from a disabled scaler.")
     if "lossscale_version" in state_dict:
         return _load_lossscale(state_dict, current)
+    ours = [k for k in ("policy_type", "policy", "state") if k in state_dict]
+    if ours:  # read as a torch dict, it would silently drop the policy and every counter
+        raise ValueError(f"state dict has {ours} but no 'lossscale_version': a lossscale state dict that lost "
+                         f"its version key. Add 'lossscale_version': {STATE_DICT_VERSION} (1 for lossscale 0.1).")
     return _load_torch(state_dict, current)
 
 
@@ -74,31 +83,55 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     for key, value in (("policy", config), ("state", fields)):
         if not isinstance(value, dict):
             raise ValueError(f"state dict '{key}' must be a dict, got {type(value).__name__}.")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(map(str, set(config) - names))
+    # Version 1 predates some fields: their defaults are what it ran with.
+    absent = sorted(names - set(config) - (_V1_LACKS.get(type_name, set()) if version == 1 else set()))
+    if unknown or absent:
+        raise ValueError(f"state dict 'policy' does not fit {type_name} of 'lossscale_version'={version}: "
+                         + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
+                         + (f"missing keys {absent}" if absent else "") + ".")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the power-of-two warning was given when it was created
         try:
             policy = cls(**config)
-        except TypeError as e:
-            raise ValueError(f"state dict 'policy' does not fit {type_name}: {e}") from None
-        except ValueError as e:
-            raise ValueError(f"state dict 'policy': {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"state dict 'policy' ({type_name}): {e}") from None
     if version == 1:
         fields = _from_v1(cls, dict(fields))
     known = {f.name for f in dataclasses.fields(cls.state_type)}
-    unknown, absent = sorted(set(fields) - known), sorted(known - set(fields))
+    unknown, absent = sorted(map(str, set(fields) - known)), sorted(known - set(fields))
     if unknown or absent:
-        raise ValueError(f"state dict 'state' does not fit {cls.state_type.__name__}: "
+        raise ValueError(f"state dict 'state' does not fit {cls.state_type.__name__} of 'lossscale_version'={version}: "
                          + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
                          + (f"missing keys {absent}" if absent else "") + ".")
     _check_types(cls.state_type, fields)
-    state = cls.state_type(**fields)
     try:
-        policy.check_state(state)
+        policy.check_state(cls.state_type(**fields))
     except ValueError as e:
         raise ValueError(f"state dict {e}") from None
+    # As the device will hold them (an int scale as a float32 float), so the state reads the same
+    # before the first step as after.
+    state = cls.state_type(**{f.name: _as_held(f, fields[f.name]) for f in dataclasses.fields(cls.state_type)})
+    if version == STATE_DICT_VERSION:
+        _check_torch_copies(sd, policy.torch_state(state))
     if policy != current:
         _warn_replaced(current, policy)
     return policy, state
+
+
+def _check_torch_copies(sd: Dict[str, Any], expected: Dict[str, Any]) -> None:
+    """A lossscale dict's torch keys, where present, must say what its policy and state say."""
+    for key in TORCH_KEYS:
+        if key not in sd:
+            continue  # only torch reads them, and it reports its own missing keys
+        value = _torch_number(sd, key, float)
+        if value != expected[key]:
+            raise ValueError(
+                f"state dict '{key}'={sd[key]!r} disagrees with the lossscale state it copies ({expected[key]!r}). "
+                "A lossscale dict loads from 'policy' and 'state': edit those, or drop 'lossscale_version', "
+                "'policy_type', 'policy' and 'state' to load it as a torch state dict."
+            )
 
 
 def _check_types(state_type, fields: Dict[str, Any]) -> None:
@@ -116,13 +149,23 @@ def _check_types(state_type, fields: Dict[str, Any]) -> None:
             raise ValueError(f"state dict state.{f.name}={v!r} must be {'an' if kind == 'int' else 'a'} {kind}.")
 
 
+def _as_held(f: dataclasses.Field, value):
+    kind = field_kind(f)
+    return f32(float(value)) if kind == "f32" else float(value) if kind == "f64" else value
+
+
 def _from_v1(cls, fields: Dict[str, Any]) -> Dict[str, Any]:
     """A version-1 state (one type, ``amax_exp``) as ``cls.state_type``'s fields."""
-    amax_exp = fields.pop("amax_exp", _V1_NO_AMAX)
+    if "amax_exp" not in fields:  # lossscale 0.1 always wrote it: without it, this is no version-1 state
+        raise ValueError("state dict 'state' has no amax_exp, which every state of 'lossscale_version'=1 has.")
+    amax_exp = fields.pop("amax_exp")
+    if isinstance(amax_exp, bool) or not isinstance(amax_exp, int):
+        raise ValueError(f"state dict state.amax_exp={amax_exp!r} must be an int.")
     names = {f.name for f in dataclasses.fields(cls.state_type)}
     if "calibrated" in names:  # the adaptive policy: amax_exp held two sentinels and the window
-        if isinstance(amax_exp, bool) or not isinstance(amax_exp, int):
-            raise ValueError(f"state dict state.amax_exp={amax_exp!r} must be an int.")
+        if amax_exp not in (_V1_NO_AMAX, _V1_NO_AMAX - 1) and not -160 <= amax_exp <= 140:
+            raise ValueError(f"state dict state.amax_exp={amax_exp!r} must be {_V1_NO_AMAX} (nothing measured), "
+                             f"{_V1_NO_AMAX - 1} (calibrating) or a float32 binade.")
         fields["calibrated"] = amax_exp != _V1_NO_AMAX - 1
         fields["window_exp"] = _V1_NO_AMAX if amax_exp == _V1_NO_AMAX - 1 else amax_exp
     elif amax_exp != _V1_NO_AMAX:
@@ -133,12 +176,13 @@ def _from_v1(cls, fields: Dict[str, Any]) -> Dict[str, Any]:
 
 def _torch_number(sd: Dict[str, Any], key: str, kind: type):
     v = sd[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) and not (hasattr(v, "item") and hasattr(v, "numel")):
-        raise ValueError(f"state dict '{key}'={v!r} must be a number.")
-    if hasattr(v, "item"):  # a 1-element tensor, as some trainers save it
-        if v.numel() != 1:
-            raise ValueError(f"state dict '{key}' must hold one number, got {v.numel()}.")
+    if not isinstance(v, (int, float)) and hasattr(v, "item"):  # a 1-element tensor (or numpy number),
+        n = v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)  # as some trainers save them
+        if n != 1:
+            raise ValueError(f"state dict '{key}' must hold one number, got {n}.")
         v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"state dict '{key}'={sd[key]!r} must be a number.")
     if kind is int:
         if isinstance(v, float) and not v.is_integer():
             raise ValueError(f"state dict '{key}'={v!r} must be an integer.")
@@ -161,8 +205,9 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
               "backoff_factor": _torch_number(sd, "backoff_factor", float),
               "growth_interval": _torch_number(sd, "growth_interval", int)}
     tracker = _torch_number(sd, "_growth_tracker", int)
-    if scale <= 0:
-        raise ValueError(f"state dict 'scale'={scale!r} must be > 0.")
+    if not SMALLEST_SCALE <= f32(scale) < math.inf:
+        raise ValueError(f"state dict 'scale'={scale!r} must be > 0 and within float32's normal range "
+                         "[2**-126, 3.4e38], where the scale is kept.")
     lo, hi = current.min_scale, current.max_scale
     if (lo is not None and scale < f32(lo)) or (hi is not None and scale > f32(hi)):
         raise ValueError(f"state dict 'scale'={scale!r} is outside this scaler's [min_scale={lo}, max_scale={hi}]; "
@@ -178,6 +223,12 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     if tracker < 0 or tracker >= policy.growth_interval:
         raise ValueError(f"state dict '_growth_tracker'={tracker!r} must be in [0, growth_interval).")
     state = policy.init_state().replace(scale=f32(scale), growth_tracker=tracker)
+    try:
+        policy.check_state(state)  # nothing above should let a bad state through; this keeps it so
+    except ValueError as e:
+        raise ValueError(f"state dict (torch format) gives {e}") from None
+    if policy != current:
+        _warn_replaced(current, policy)
     return policy, state
 
 
@@ -191,5 +242,5 @@ def _warn_replaced(current, loaded) -> None:
         f"lossscale: the checkpoint's policy replaces the one this scaler was built with ({what}). A "
         "checkpoint restores the run it saved; build the scaler with the same settings to silence this.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=5,  # the user's load_state_dict call: here <- _load_* <- load <- load_state_dict <- user
     )

@@ -7,7 +7,7 @@ The rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", tor
         growth_tracker = 0
         hysteresis_tracker = max(hysteresis_tracker - 1, 0)
         if hysteresis_tracker == 0:                 # tolerance spent: back off
-            scale = max(f32(scale * backoff_factor), min_scale)
+            scale = max(f32(scale * backoff_factor), min_scale)   # min_scale None: SMALLEST_SCALE
     else:                                           # clean step
         growth_tracker += 1
         if consecutive_hysteresis:
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .policy import (
+    SMALLEST_SCALE,
     PolicyBase,
     ScaleState,
     _torch,
@@ -90,7 +91,8 @@ class DynamicPolicy(PolicyBase):
         hysteresis: overflows tolerated before backing off (1 = back off on every overflow, torch).
         consecutive_hysteresis: refill the hysteresis on every clean step, so only *consecutive*
             overflows spend it (DeepSpeed); otherwise only a growth refills it (Megatron-core).
-        min_scale: lower bound of the scale, or None for none. Default 1.0: a scale below 1 shrinks
+        min_scale: lower bound of the scale, or None for float32's smallest normal, 2**-126 (torch would
+            go on to 0, whose inverse is inf: every later step NaN). Default 1.0: a scale below 1 shrinks
             gradients instead of protecting them, so reaching it means the overflow is not the
             scale's doing (torch documents the same symptom but does not stop there).
         max_scale: upper bound, or None. Default 2**24: a gradient still flushed at 2**24 is below
@@ -150,9 +152,7 @@ class DynamicPolicy(PolicyBase):
             hyst = max(state.hysteresis_tracker - 1, 0)
             scale = state.scale
             if hyst == 0:
-                scale = f32(scale * self.backoff_factor)
-                if self.min_scale is not None:
-                    scale = max(scale, f32(self.min_scale))
+                scale = max(f32(scale * self.backoff_factor), self.lowest())
             return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst)
         growth = state.growth_tracker + 1
         hyst = self.hysteresis if self.consecutive_hysteresis else state.hysteresis_tracker
@@ -180,9 +180,7 @@ class DynamicPolicy(PolicyBase):
         grow = ~overflow & (tracker >= self.growth_interval)
         # Multiply in float64 and round once to float32, as torch's kernel does
         # (static_cast<float>(scale * factor) with double factors).
-        down = (t.scale.double() * self.backoff_factor).float()
-        if self.min_scale is not None:
-            down = down.clamp_min(f32(self.min_scale))
+        down = (t.scale.double() * self.backoff_factor).float().clamp_min(self.lowest())
         up = (t.scale.double() * self.growth_factor).float()
         up_ok = grow & torch.isfinite(up)
         if self.max_scale is not None:
@@ -199,7 +197,11 @@ class DynamicPolicy(PolicyBase):
         That is: an overflow while the scale already sat at ``min_scale`` (``scale_before``, the scale
         that iteration ran with, could not back off), or a streak of ``max_consecutive_skips``.
         """
-        return stuck_at_bound_or_streak(self, state, scale_before, self.min_scale)
+        return stuck_at_bound_or_streak(self, state, scale_before, self.lowest())
+
+    def lowest(self) -> float:
+        """The scale the backoff stops at: ``min_scale`` as float32, or :data:`SMALLEST_SCALE` when None."""
+        return SMALLEST_SCALE if self.min_scale is None else f32(self.min_scale)
 
     def check_state(self, state: DynamicState) -> None:
         """Generic checks, plus: the trackers within this configuration's range."""

@@ -70,6 +70,9 @@ __all__ = ["LogMaxPolicy", "LogMaxState"]
 #: ``log2(amax)`` is rounded down to a multiple of 1/GRID binade (see the module doc, q()).
 GRID = 2.0**16
 
+#: A bound on |x| (float32 binades span [-149, 128], the scale's [-126, 127]): checkpoint validation.
+X_BOUND = 1024.0
+
 
 @dataclass(frozen=True)
 class LogMaxState(ScaleState):
@@ -125,8 +128,8 @@ class LogMaxPolicy(PolicyBase):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < 1.0:
                 raise ValueError(f"{name}={v!r} must be in (0, 1) (e.g. 0.99).")
         v = self.overflow_std_dev
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"overflow_std_dev={v!r} must be a finite number >= 0 (e.g. 3.09).")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 100):
+            raise ValueError(f"overflow_std_dev={v!r} must be a number of standard deviations in [0, 100] (e.g. 3.09).")
         formats.get(self.fmt)
         validate_stuck(self.on_stuck, self.max_consecutive_skips)
 
@@ -232,3 +235,11 @@ class LogMaxPolicy(PolicyBase):
         for n in ("b1_correction", "b2_correction"):
             if not 0.0 < getattr(state, n) <= 1.0:
                 raise ValueError(f"state.{n}={getattr(state, n)!r} must be in (0, 1].")
+        # Every x is a difference of two float32 binades, so |x| < X_BOUND: the averages of x stay
+        # within it and the average of x*x within its square. Outside, the rule squares its way to
+        # inf - inf = NaN and the scale's exponent becomes garbage.
+        for n in x_fields:
+            bound = X_BOUND**2 if n == "xsquared_hat" else X_BOUND
+            if not -bound <= getattr(state, n) <= bound or (n == "xsquared_hat" and state.xsquared_hat < 0):
+                raise ValueError(f"state.{n}={getattr(state, n)!r} must be in [{0 if n == 'xsquared_hat' else -bound}, "
+                                 f"{bound}] (an average of log2 amaxes{' squared' if n == 'xsquared_hat' else ''}).")

@@ -58,6 +58,12 @@ __all__ = [
 STUCK_REACTIONS = ("raise", "warn", "ignore")
 
 
+#: The smallest scale lossscale keeps: float32's smallest normal. Below it, the unscale's 1/scale
+#: (computed in float64, applied in float32, as torch does) leaves float32's range near 2**-128, and the
+#: unscaled gradients become inf and NaN that the check, which reads the *scaled* ones, cannot see.
+SMALLEST_SCALE = 2.0**-126
+
+
 def f32(x: float) -> float:
     """Round a Python float to the nearest float32, as the device scale tensor stores it.
 
@@ -279,6 +285,13 @@ class PolicyBase:
                     raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
         if state.scale <= 0:
             raise ValueError(f"state.scale={state.scale!r} must be > 0: a zero scale would step on NaN gradients.")
+        if not SMALLEST_SCALE <= f32(state.scale) < math.inf:
+            raise ValueError(f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
+                             "where the device keeps the scale.")
+        for f in dataclasses.fields(state):  # the device holds these in float32: they must fit it
+            v = getattr(state, f.name)
+            if field_kind(f) == "f32" and not math.isfinite(f32(v)):
+                raise ValueError(f"state.{f.name}={v!r} is outside float32's range, in which the device holds it.")
         lo, hi = self.scale_bounds()
         if (lo is not None and state.scale < f32(lo)) or (hi is not None and state.scale > f32(hi)):
             raise ValueError(f"state.scale={state.scale!r} is outside this policy's [min_scale={lo}, max_scale={hi}].")
@@ -323,8 +336,16 @@ def _validate_elsewhere(cls, key: str, value) -> None:
             continue
         fields = {f.name for f in dataclasses.fields(other)}
         field = other.keyword_aliases.get(key, key)
-        if field not in fields or field in ("init_scale", "scale", "min_scale", "max_scale"):
-            continue  # the bounds and the scale are only meaningful together with the others
+        if field not in fields:
+            continue
+        if field in ("init_scale", "scale", "min_scale", "max_scale"):
+            # The bounds and the scale only make sense beside each other: check the value alone.
+            if not (value is None and field in ("min_scale", "max_scale")):
+                try:
+                    positive_finite(key, value)
+                except ValueError as e:
+                    raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
+            return
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -392,16 +413,25 @@ def validate_backoff(value) -> None:
         raise ValueError(f"backoff_factor={value!r} must be in (0, 1) (e.g. 0.5).")
 
 
+#: The largest int a config field may hold: the tensor rules compare it with int64 device counters.
+MAX_INT = 2**62
+
+
 def validate_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
-    """An int field in [lo, hi] (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name}={value!r} must be an int in [{lo}, {hi if hi is not None else 'inf'}].")
+    """An int field in [lo, hi] (bools refused); hi=None: up to :data:`MAX_INT`."""
+    hi = MAX_INT if hi is None else hi
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or value > hi:
+        raise ValueError(f"{name}={value!r} must be an int in [{lo}, {'2**62' if hi == MAX_INT else hi}].")
 
 
 def positive_finite(name: str, value) -> None:
-    """A finite number > 0 (bools refused)."""
+    """A scale: a number > 0 in float32's normal range (bools refused). The device keeps scales in
+    float32, where 1e39 is inf, and unscales by 1/scale, which is inf below :data:`SMALLEST_SCALE`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0.")
+    if not SMALLEST_SCALE <= f32(value) < math.inf:
+        raise ValueError(f"{name}={value!r} is outside float32's normal range [2**-126, 3.4e38], where the "
+                         "device keeps the scale.")
 
 
 def validate_bounds(policy) -> None:
@@ -437,6 +467,8 @@ def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, low
     """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak."""
     if state.overflow_streak == 0:
         return False
+    if not (math.isfinite(state.scale) and state.scale > 0):
+        return True  # a scale of NaN, inf or 0 that the update kept skips every step from now on
     at_min = lowest is not None and scale_before <= f32(lowest)
     too_long = policy.max_consecutive_skips is not None and state.overflow_streak >= policy.max_consecutive_skips
     return at_min or too_long
@@ -452,7 +484,14 @@ def diagnose(policy, state: ScaleState) -> str:
         f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"
         + (f" (min_scale={lo:g})." if lo is not None else ".")
     ]
-    if nan and streak > 1 and state.streak_start_scale != state.scale:
+    if not (math.isfinite(state.scale) and state.scale > 0):
+        lines.append(
+            f"The scale itself is {state.scale:g}, so every step overflows and is skipped. lossscale never "
+            "sets such a scale (update(new_scale=...) ignores one); something wrote it into the scale tensor "
+            "(scaler._get_scale_async()), or min_scale=None let the backoff reach 0. Set a good one with "
+            "scaler.update(new_scale=2.0**16) after a step."
+        )
+    elif nan and streak > 1 and state.streak_start_scale != state.scale:
         lines.append(
             f"NaN persisted while the scale fell {state.streak_start_scale / state.scale:g}x: the scale is "
             "not the cause (a smaller scale cures inf, never NaN). NaN comes from the model or data: 0/0, "

@@ -43,7 +43,7 @@ from . import distributed as _distributed
 from ._check import Flags, GradientCheck, names_of, sum_flags
 from ._observe import Observer
 from ._state import TensorState
-from .policy import Policy, ScaleState, count_tensor, diagnose, f32, policy_class
+from .policy import SMALLEST_SCALE, Policy, ScaleState, count_tensor, diagnose, f32, policy_class
 from .static import StaticPolicy
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
@@ -499,9 +499,10 @@ class GradScaler:
         """Advance the policy by one iteration (or set ``new_scale``), at the end of the iteration.
 
         Call after :meth:`step` for every optimizer of the iteration. A float ``new_scale`` must lie
-        within the bounds; a tensor one is copied on device, clamped to the bounds, and ignored when
-        it is not finite and > 0 (checking it on the host would sync). The step counters still count
-        the iteration. No host sync. A stuck run (see ``on_stuck``) is reported at the next update.
+        within the bounds; a tensor one is copied on device, ignored when it is not finite or below
+        2**-126 (float32's smallest normal; checking it on the host would sync), then clamped to the
+        bounds. The step counters still count the iteration. No host sync. A stuck run (see
+        ``on_stuck``) is reported at the next update.
         """
         if not self._enabled:
             return
@@ -544,7 +545,7 @@ class GradScaler:
             # A non-finite or non-positive scale would poison every later step: keep the old one,
             # decided on device (a host check would sync) and before the clamp, which would turn
             # inf into max_scale and 0 into min_scale as if they had been asked for.
-            ok = torch.isfinite(value) & (value > 0)
+            ok = torch.isfinite(value) & (value >= SMALLEST_SCALE)
             if lo is not None or hi is not None:
                 value = value.clamp(lo, hi)
             t.scale.copy_(torch.where(ok, value, t.scale))
@@ -562,8 +563,9 @@ class GradScaler:
             raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
         if not math.isfinite(new_scale) or new_scale <= 0:
             raise ValueError(f"new_scale={new_scale!r} must be finite and > 0.")
-        if not 0 < f32(new_scale) < math.inf:
-            raise ValueError(f"new_scale={new_scale!r} is outside float32's range, in which the scale is kept.")
+        if not SMALLEST_SCALE <= f32(new_scale) < math.inf:
+            raise ValueError(f"new_scale={new_scale!r} is outside float32's normal range [2**-126, 3.4e38], where "
+                             "the scale is kept.")
         lo, hi = self._policy.scale_bounds()
         if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
             raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")

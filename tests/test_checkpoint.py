@@ -1,0 +1,678 @@
+"""Checkpoints (``lossscale.checkpoint``, ``GradScaler.state_dict/load_state_dict``) and the scaler's
+other round trips: issue 12's bugs 1-3 and 6-9, each with a regression test, and the property test
+that every loader must pass.
+
+The standard (issue 12): a corrupted checkpoint either loads a state that trains with finite weights,
+or raises ``ValueError`` naming the key, with the scaler's ``state_dict()`` unchanged.
+"""
+
+import copy
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lossscale
+from _models import backward, drive, tiny_mlp
+from lossscale.adaptive import NO_AMAX
+from lossscale.policy import policy_class
+
+NAN, INF = float("nan"), float("inf")
+
+#: lossscale 0.1's sentinels in the flat v1 state's ``amax_exp``.
+V1_NOTHING_MEASURED, V1_CALIBRATING = -(2**30), -(2**30) - 1
+
+
+def train(scaler, steps=3, model=None, first=0):
+    """A few real iterations of the tiny MLP under fp16 autocast (CPU); returns the model."""
+    model = model if model is not None else tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        backward(model, scaler, step)
+        scaler.step(opt)
+        scaler.update()
+    return model
+
+
+def finite(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def quiet(make):
+    """``make()`` with the warnings that fire by design (power of two, replaced policy) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make()
+
+
+def refuses(scaler, state_dict, match):
+    """``load_state_dict`` raises ValueError matching ``match`` and changes nothing."""
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict(state_dict)
+    assert scaler.state_dict() == before
+
+
+# ------------------------------------------------------------------------------------------ bug 1
+def test_zero_scale_is_refused_instead_of_training_into_nan():
+    # The issue's reproduction: accepted before, and the next iteration wrote NaN into the weights.
+    scaler = lossscale.GradScaler()
+    sd = copy.deepcopy(scaler.state_dict())
+    sd["state"]["scale"] = 0.0
+    refuses(scaler, sd, r"state\.scale")
+    assert finite(train(scaler))
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, NAN, INF, 2.0**30, True, "abc", None])
+def test_bad_state_scale_is_refused(value):
+    scaler = lossscale.GradScaler()
+    train(scaler, 1)
+    sd = copy.deepcopy(scaler.state_dict())
+    sd["state"]["scale"] = value
+    refuses(scaler, sd, r"state\.scale")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("steps", -1, r"state\.steps"),
+    ("steps", 1.5, r"state\.steps"),
+    ("steps", True, r"state\.steps"),
+    ("steps", 2**70, r"state\.steps"),
+    ("skipped_steps", 99, "skipped_steps"),
+    ("nan_steps", 1, "nan_steps"),
+    ("overflow_streak", 5, "overflow_streak"),
+    ("streak_start_scale", NAN, r"state\.streak_start_scale"),
+    ("streak_start_scale", 1e39, r"state\.streak_start_scale"),  # inf in the float32 device vector
+    ("growth_tracker", 7, r"state\.growth_tracker.*growth_interval"),
+    ("growth_tracker", "x", r"state\.growth_tracker"),
+    ("hysteresis_tracker", 4, r"state\.hysteresis_tracker.*hysteresis=3"),
+    ("hysteresis_tracker", -1, r"state\.hysteresis_tracker"),
+])
+def test_every_dynamic_state_field_is_validated(field, value, match):
+    scaler = lossscale.GradScaler(growth_interval=7, hysteresis=3)
+    drive(scaler, (True, False, True))
+    sd = copy.deepcopy(scaler.state_dict())
+    sd["state"][field] = value
+    refuses(scaler, sd, match)
+
+
+def test_scale_beyond_float32_is_refused_when_unbounded():
+    # With max_scale=None / min_scale=None the bounds cannot catch it, but the float32 device scale
+    # would hold inf / 0.
+    scaler = lossscale.GradScaler(min_scale=None, max_scale=None)
+    for value in (1e39, 1e-50, 1e-40):  # inf, 0 and a subnormal (whose inverse is inf) in float32
+        sd = scaler.state_dict()
+        sd["state"]["scale"] = value
+        refuses(scaler, sd, r"state\.scale")
+
+
+@pytest.mark.parametrize("value", [True, "2", 2.0, None, 3])
+def test_version_must_be_a_known_int(value):
+    scaler = lossscale.GradScaler()
+    sd = scaler.state_dict()
+    sd["lossscale_version"] = value
+    refuses(scaler, sd, "lossscale_version")
+
+
+def test_lossscale_dict_without_its_version_is_not_read_as_a_torch_dict():
+    # Read as a torch dict it would keep the scale but silently drop the policy and every counter.
+    scaler = lossscale.GradScaler()
+    drive(scaler, (True, False))
+    sd = scaler.state_dict()
+    del sd["lossscale_version"]
+    refuses(lossscale.GradScaler(), sd, "lossscale_version")
+
+
+@pytest.mark.parametrize("policy, field, value, match", [
+    ("adaptive", "window_exp", 500, r"state\.window_exp"),
+    ("adaptive", "calibrated", 1, r"state\.calibrated"),
+    ("logmax", "b1_correction", 0.0, r"state\.b1_correction"),
+    ("logmax", "x_hat", 1e300, r"state\.x_hat"),            # squared to inf - inf = NaN in the rule
+    ("logmax", "xsquared_hat", -1.0, r"state\.xsquared_hat"),
+    ("logmax", "scale", 3.0, r"state\.scale.*power of two"),
+])
+def test_measuring_policies_validate_their_own_fields(policy, field, value, match):
+    scaler = lossscale.GradScaler(policy=policy)
+    train(scaler, 2)
+    sd = copy.deepcopy(scaler.state_dict())
+    sd["state"][field] = value
+    refuses(scaler, sd, match)
+
+
+def test_adaptive_window_needs_calibration():
+    # A measured window in a policy that never calibrated: "an amax field consistent with its policy".
+    scaler = lossscale.GradScaler(policy="adaptive")
+    sd = scaler.state_dict()
+    assert sd["state"]["calibrated"] is False
+    sd["state"]["window_exp"] = 3
+    refuses(scaler, sd, r"state\.window_exp")
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("init_scale", NAN, "init_scale"),
+    ("growth_interval", 0, "growth_interval"),
+    ("growth_interval", 2**70, "growth_interval"),  # would overflow the int64 device comparison
+    ("hysteresis", True, "hysteresis"),
+    ("on_stuck", "maybe", "on_stuck"),
+    ("bogus", 1, "bogus"),
+])
+def test_every_policy_config_field_is_validated(key, value, match):
+    scaler = lossscale.GradScaler()
+    sd = scaler.state_dict()
+    sd["policy"][key] = value
+    refuses(scaler, sd, match)
+
+
+def test_missing_policy_config_key_is_refused():
+    # A default silently standing in for a saved setting is jmp's round-trip bug.
+    scaler = lossscale.GradScaler(hysteresis=4)
+    sd = scaler.state_dict()
+    del sd["policy"]["hysteresis"]
+    refuses(scaler, sd, "hysteresis")
+
+
+@pytest.mark.parametrize("key, value", [("scale", 2.0**3), ("_growth_tracker", 1), ("growth_interval", 5)])
+def test_torch_keys_of_a_lossscale_dict_must_agree_with_its_state(key, value):
+    # They are copies for torch's loader; an edited copy is ambiguous, so it is refused, not ignored.
+    scaler = lossscale.GradScaler()
+    sd = scaler.state_dict()
+    sd[key] = value
+    refuses(scaler, sd, f"'{key}'.*disagrees")
+
+
+@pytest.mark.parametrize("key, value", [("scale", "abc"), ("_growth_tracker", None), ("growth_factor", NAN),
+                                        ("growth_interval", 2.5), ("backoff_factor", True), ("scale", -2.0)])
+def test_torch_dict_errors_name_the_key(key, value):
+    sd = torch.amp.GradScaler("cpu").state_dict()
+    sd[key] = value
+    refuses(lossscale.GradScaler(), sd, f"'{key}'")
+
+
+def test_torch_scale_above_max_scale_blames_the_scale_not_init_scale():
+    sd = torch.amp.GradScaler("cpu", init_scale=2.0**30).state_dict()
+    scaler = lossscale.GradScaler()
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match="'scale'.*max_scale") as e:
+        scaler.load_state_dict(sd)
+    assert "init_scale" not in str(e.value) and scaler.state_dict() == before
+    unbounded = lossscale.GradScaler(max_scale=None)  # what the message suggests
+    unbounded.load_state_dict(sd)
+    assert unbounded.get_scale() == 2.0**30
+
+
+# ------------------------------------------------------------------------------------------ bug 2
+def test_failed_load_leaves_nothing_half_changed():
+    # The issue's case: a lossscale dict whose policy differs and whose growth_tracker is "x". Before,
+    # the policy and pending state were swapped in, then building the device state failed.
+    scaler = lossscale.GradScaler(init_scale=2.0**8, growth_interval=10)
+    model = train(scaler, 2)
+    twin, twin_model = copy.deepcopy(scaler), copy.deepcopy(model)
+    other = lossscale.GradScaler(init_scale=2.0**4, growth_interval=50, hysteresis=2)
+    sd = other.state_dict()
+    sd["state"]["growth_tracker"] = "x"
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=r"state\.growth_tracker"):
+        quiet(lambda: scaler.load_state_dict(sd))
+    assert scaler.state_dict() == before
+    assert scaler.policy == twin.policy and scaler.get_growth_interval() == 10
+    # ... and it trains on exactly as an untouched twin.
+    train(scaler, 3, model, first=2)
+    train(twin, 3, twin_model, first=2)
+    assert scaler.state_dict() == twin.state_dict()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_failed_load_before_the_first_step_changes_nothing():
+    scaler = lossscale.GradScaler(growth_interval=10)
+    sd = lossscale.GradScaler(policy="adaptive").state_dict()
+    sd["state"]["window_exp"] = "x"
+    refuses(scaler, sd, r"state\.window_exp")
+    assert isinstance(scaler.policy, lossscale.DynamicPolicy) and scaler.device is None
+
+
+# ------------------------------------------------------------------------------------------ bug 3
+@pytest.mark.parametrize("bounded", [True, False])
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, 0.0, -4.0, 1e-40])
+def test_bad_tensor_new_scale_is_ignored_on_device(bad, bounded):
+    bounds = {} if bounded else dict(min_scale=None, max_scale=None)
+    scaler = lossscale.GradScaler(init_scale=2.0**8, **bounds)
+    model = train(scaler, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    backward(model, scaler, 1)
+    scaler.step(opt)
+    # Not clamped to a bound either: inf is no request for max_scale, nor 0 for min_scale.
+    scaler.update(new_scale=torch.tensor(bad))
+    assert scaler.get_scale() == 2.0**8 and scaler.state().steps == 2
+    assert finite(train(scaler, 3, model, first=2))
+    assert math.isfinite(scaler.get_scale()) and scaler.get_scale() > 0
+
+
+def test_good_tensor_new_scale_is_clamped_to_the_bounds():
+    scaler = lossscale.GradScaler(init_scale=2.0**8, max_scale=2.0**10)
+    train(scaler, 1)
+    scaler.update(new_scale=torch.tensor(2.0**20))
+    assert scaler.get_scale() == 2.0**10
+    scaler.update(new_scale=torch.tensor(2.0**5, dtype=torch.float64))
+    assert scaler.get_scale() == 2.0**5
+
+
+@pytest.mark.parametrize("bad", [1e39, 1e-50, 1e-40])
+def test_float_new_scale_beyond_float32_is_refused(bad):
+    scaler = lossscale.GradScaler(min_scale=None, max_scale=None)
+    train(scaler, 1)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=bad)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("bad", [NAN, INF])
+def test_stuck_check_catches_a_bad_scale_written_from_outside(bad):
+    # update() no longer lets one in, but the scale tensor is reachable (torch's _get_scale_async,
+    # which frameworks use). Every step is then skipped: the stuck check must say why, at once.
+    scaler = lossscale.GradScaler(init_scale=2.0**8, on_stuck="raise")
+    model = train(scaler, 1)
+    scaler._get_scale_async().fill_(bad)
+    with pytest.raises(RuntimeError, match=f"scale itself is {bad:g}"):
+        train(scaler, 3, model, first=1)
+    assert finite(model)
+
+
+def test_unbounded_backoff_stops_at_float32s_smallest_normal_and_is_stuck_there():
+    # torch's setting (min_scale=None) went on halving into the subnormals and then to 0, whose
+    # float32 inverse is inf: the unscaled gradients turn NaN unseen and the weights with them.
+    scaler = lossscale.GradScaler(init_scale=2.0**-125, min_scale=None)
+    with pytest.warns(RuntimeWarning, match="consecutive skipped"):
+        drive(scaler, (True, True, True))
+    assert scaler.get_scale() == 2.0**-126
+    p = scaler.policy
+    assert p.update(p.update(p.init_state(), found_inf=True), found_inf=True).scale == 2.0**-126  # pure form
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "static", "adaptive", "logmax"])
+def test_every_policy_calls_a_nonfinite_scale_stuck(policy):
+    p = lossscale.GradScaler(policy=policy, max_consecutive_skips=50).policy
+    for bad in (NAN, INF, 0.0):
+        state = p.init_state().replace(scale=bad, steps=1, skipped_steps=1, inf_steps=1, overflow_streak=1)
+        assert p.is_stuck(state, bad)
+        assert "scale itself" in lossscale.diagnose(p, state)
+
+
+# ------------------------------------------------------------------------------------------ bug 6
+@pytest.mark.parametrize("policy, kwargs", [
+    ("static", dict(growth_factor=4)),
+    ("static", dict(min_scale=2**20)),
+    ("static", dict(max_scale=None)),
+    ("logmax", dict(hysteresis=2)),
+    ("dynamic", dict(margin_bits=3)),
+    ("dynamic", dict(scale=8.0)),
+])
+def test_keywords_of_another_policy_are_warned_about(policy, kwargs):
+    with pytest.warns(UserWarning, match=f"{next(iter(kwargs))}=.*not apply to policy='{policy}'") as record:
+        scaler = lossscale.GradScaler(policy=policy, **kwargs)
+    assert record[0].filename == __file__  # points at the user's line
+    assert scaler.policy == policy_class(policy)()  # and changes nothing
+
+
+@pytest.mark.parametrize("policy, kwargs, match", [
+    ("static", dict(hysteresis=0), "hysteresis"),
+    ("static", dict(growth_factor=0.5), "growth_factor"),
+    ("static", dict(min_scale=-1.0), "min_scale"),
+    ("dynamic", dict(margin_bits=0), "margin_bits"),
+    ("dynamic", dict(fmt="fp17"), "fmt"),
+    ("static", dict(bogus=1), "bogus"),
+])
+def test_keywords_of_another_policy_are_validated_as_that_policy_would(policy, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quiet(lambda: lossscale.GradScaler(policy=policy, **kwargs))
+
+
+# ------------------------------------------------------------------------------------------ bug 7
+def test_passthrough_says_what_it_does_with_a_scale():
+    with pytest.raises(ValueError, match="passthrough.*fixes the scale at 1") as e:
+        lossscale.GradScaler.passthrough(init_scale=1024)
+    assert "policy object" not in str(e.value)  # the user passed no policy
+    assert "policy='static'" in str(e.value)     # and it says how to get a fixed scale
+
+
+# ------------------------------------------------------------------------------------------ bug 8
+def test_checkpoint_policy_wins_with_a_warning_naming_the_change():
+    saved = lossscale.GradScaler(policy="adaptive")
+    train(saved, 2)
+    scaler = lossscale.GradScaler()
+    with pytest.warns(UserWarning, match="DynamicPolicy -> AdaptivePolicy") as record:
+        scaler.load_state_dict(saved.state_dict())
+    assert record[0].filename == __file__
+    assert scaler.policy == saved.policy and scaler.state() == saved.state()
+
+
+def test_changed_config_is_named_field_by_field():
+    saved = lossscale.GradScaler(hysteresis=3, on_stuck="ignore")
+    scaler = lossscale.GradScaler()
+    with pytest.warns(UserWarning, match=r"hysteresis: 1 -> 3, on_stuck: 'warn' -> 'ignore'"):
+        scaler.load_state_dict(saved.state_dict())
+    assert scaler.policy == saved.policy
+
+
+def test_same_policy_loads_silently():
+    saved = lossscale.GradScaler(hysteresis=3)
+    drive(saved, (True, False))
+    scaler = lossscale.GradScaler(hysteresis=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.load_state_dict(saved.state_dict())
+    assert scaler.state_dict() == saved.state_dict()
+
+
+def test_torch_dict_factors_win_with_a_warning():
+    sd = torch.amp.GradScaler("cpu", growth_interval=100).state_dict()
+    scaler = lossscale.GradScaler(hysteresis=2)
+    with pytest.warns(UserWarning, match="growth_interval: 2000 -> 100"):
+        scaler.load_state_dict(sd)
+    assert scaler.get_growth_interval() == 100 and scaler.policy.hysteresis == 2  # ours kept: torch has none
+
+
+# ------------------------------------------------------------------------------------------ bug 9
+def _overflow_names(model, scaler):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    backward(model, scaler, 7)
+    model[0].weight.grad[0, 0] = INF
+    model[2].bias.grad[0] = NAN
+    scaler.step(opt)
+    scaler.update()
+    return scaler.overflow_report()
+
+
+@pytest.mark.parametrize("round_trip", [
+    lambda m, s: pickle.loads(pickle.dumps((m, s))),
+    lambda m, s: pickle.loads(pickle.dumps((s, m)))[::-1],
+    lambda m, s: copy.deepcopy((m, s)),
+    lambda m, s: copy.deepcopy({"model": m, "scaler": s}).values(),
+], ids=["pickle", "pickle-scaler-first", "deepcopy", "deepcopy-dict"])
+def test_overflow_report_names_survive_a_round_trip(round_trip):
+    model = tiny_mlp()
+    scaler = lossscale.GradScaler(model=model, on_stuck="ignore")
+    train(scaler, 1, model)
+    model2, scaler2 = round_trip(model, scaler)
+    assert _overflow_names(model2, scaler2) == {"inf": ["0.weight"], "nan": ["2.bias"]}
+    assert _overflow_names(model, scaler) == {"inf": ["0.weight"], "nan": ["2.bias"]}  # the original too
+
+
+def test_pickling_the_scaler_alone_pickles_no_parameter():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256))  # 256 KiB of weights
+    scaler = lossscale.GradScaler(model=model)
+    assert len(pickle.dumps(scaler)) < 16_384
+    alone = pickle.loads(pickle.dumps(scaler))
+    assert alone._name_of(model[0].weight) == "0.weight"  # the same process's parameters: still named
+    twin = copy.deepcopy(scaler)
+    assert twin._name_of(model[0].weight) == "0.weight"
+
+
+def test_a_reused_id_does_not_inherit_a_stale_name():
+    scaler = lossscale.GradScaler(model=[("gone", torch.zeros(3))])  # freed at once; its id may come back
+    fresh = [torch.zeros(3) for _ in range(64)]
+    assert all(scaler._name_of(t) is None for t in fresh)
+
+
+def test_name_parameters_refuses_what_is_not_a_tensor():
+    with pytest.raises(ValueError, match="'w'"):
+        lossscale.GradScaler(model=[("w", 3.0)])
+
+
+# ----------------------------------------------------------------- torch dicts of tensors, version 1
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_torch_dict_of_one_element_tensors_loads(shape):
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=5)
+    sd = {k: torch.tensor(v).reshape(shape) for k, v in ref.state_dict().items()}
+    sd["_growth_tracker"] = torch.tensor(3, dtype=torch.int32).reshape(shape)
+    scaler = lossscale.GradScaler()
+    quiet(lambda: scaler.load_state_dict(sd))
+    assert scaler.get_scale() == 2.0**10 and scaler._get_growth_tracker() == 3
+    assert scaler.get_growth_interval() == 5 and scaler.get_growth_factor() == 2.0
+    assert finite(train(scaler))
+    sd["scale"] = torch.tensor([2.0, 4.0])
+    refuses(scaler, sd, "'scale' must hold one number")
+
+
+def _v1(policy_type, policy, state, torch_keys):
+    """A version-1 dict exactly as lossscale 0.1 wrote it."""
+    return {**torch_keys, "lossscale_version": 1, "policy_type": policy_type, "policy": policy, "state": state}
+
+
+def _v1_state(**changes):
+    state = dict(scale=65536.0, growth_tracker=0, hysteresis_tracker=1, steps=0, skipped_steps=0, inf_steps=0,
+                 nan_steps=0, overflow_streak=0, streak_nan_steps=0, streak_start_scale=0.0,
+                 amax_exp=V1_NOTHING_MEASURED)
+    return {**state, **changes}
+
+
+_V1_DYNAMIC = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=2,
+                   consecutive_hysteresis=False, min_scale=1.0, max_scale=16777216.0, on_stuck="warn",
+                   max_consecutive_skips=None)
+_V1_ADAPTIVE = dict(init_scale=65536.0, margin_bits=5, growth_interval=100, search_bits=16, backoff_factor=0.5,
+                    hysteresis=1, consecutive_hysteresis=False, min_scale=1.0, max_scale=16777216.0,
+                    on_stuck="warn", max_consecutive_skips=None)  # no fmt yet: fp16, the default
+_V1_TORCH = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, _growth_tracker=0)
+
+
+def test_v1_dynamic_dict_loads():
+    state = _v1_state(scale=2.0**12, growth_tracker=5, hysteresis_tracker=1, steps=9, skipped_steps=2,
+                      inf_steps=1, nan_steps=1, overflow_streak=0, streak_start_scale=2.0**13)
+    scaler = lossscale.GradScaler(hysteresis=2)
+    scaler.load_state_dict(_v1("DynamicPolicy", _V1_DYNAMIC, state, _V1_TORCH))
+    s = scaler.state()
+    assert isinstance(s, lossscale.DynamicState)
+    assert (s.scale, s.growth_tracker, s.hysteresis_tracker, s.steps, s.nan_steps) == (2.0**12, 5, 1, 9, 1)
+    assert finite(train(scaler))
+
+
+def test_v1_static_dict_loads_and_drops_the_unused_tracker():
+    sd = _v1("StaticPolicy", dict(scale=65536.0, on_stuck="warn", max_consecutive_skips=None),
+             _v1_state(growth_tracker=4, steps=4),
+             dict(scale=65536.0, growth_factor=1.0, backoff_factor=1.0, growth_interval=0, _growth_tracker=4))
+    scaler = lossscale.GradScaler(policy="static")
+    scaler.load_state_dict(sd)
+    assert scaler.state() == lossscale.StaticState(scale=65536.0, growth_tracker=4, steps=4)
+
+
+@pytest.mark.parametrize("amax_exp, calibrated, window", [
+    (V1_CALIBRATING, False, NO_AMAX), (V1_NOTHING_MEASURED, True, NO_AMAX), (3, True, 3)])
+def test_v1_adaptive_dict_loads_its_amax_exp(amax_exp, calibrated, window):
+    sd = _v1("AdaptivePolicy", _V1_ADAPTIVE, _v1_state(amax_exp=amax_exp, growth_tracker=2, steps=2),
+             {**_V1_TORCH, "growth_factor": 1.0, "growth_interval": 100, "_growth_tracker": 2})
+    scaler = lossscale.GradScaler(policy="adaptive")
+    scaler.load_state_dict(sd)
+    s = scaler.state()
+    assert (s.calibrated, s.window_exp, s.growth_tracker) == (calibrated, window, 2)
+    assert scaler.policy == lossscale.AdaptivePolicy()
+    assert finite(train(scaler))
+
+
+@pytest.mark.parametrize("policy_type, amax_exp", [("DynamicPolicy", 3), ("DynamicPolicy", "x"),
+                                                   ("AdaptivePolicy", -500), ("AdaptivePolicy", True)])
+def test_v1_bad_amax_exp_is_refused(policy_type, amax_exp):
+    config = _V1_DYNAMIC if policy_type == "DynamicPolicy" else _V1_ADAPTIVE
+    sd = _v1(policy_type, config, _v1_state(amax_exp=amax_exp), _V1_TORCH)
+    refuses(lossscale.GradScaler(), sd, r"state\.amax_exp")
+
+
+# ------------------------------------------------------------------------------------- property test
+# Valid checkpoints from real short runs (tiny MLP, fp16 autocast on CPU, a few injected overflows so
+# the counters and trackers are not at their defaults), of every policy and format.
+_CONFIGS = {
+    "dynamic": dict(policy="dynamic", init_scale=2.0**12, growth_interval=3, hysteresis=3, max_consecutive_skips=9),
+    "static": dict(policy="static", init_scale=2.0**10),
+    "adaptive": dict(policy="adaptive", growth_interval=3, hysteresis=2, max_scale=None),
+    "logmax": dict(policy="logmax"),
+}
+_POLICY_TYPES = {"dynamic": "DynamicPolicy", "static": "StaticPolicy", "adaptive": "AdaptivePolicy",
+                 "logmax": "LogMaxPolicy"}
+
+
+def _real_run(config):
+    scaler = lossscale.GradScaler(on_stuck="ignore", **config)
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(7):
+        opt.zero_grad()
+        backward(model, scaler, step)
+        if step in (2, 3):
+            next(model.parameters()).grad[0, 0] = NAN if step == 2 else INF
+        scaler.step(opt)
+        scaler.update()
+    return scaler.state_dict()
+
+
+def _as_v1(sd):
+    """The dict lossscale 0.1 would have written for the same run (dynamic, static, adaptive)."""
+    state = dict(sd["state"])
+    if "calibrated" in state:
+        calibrated, window = state.pop("calibrated"), state.pop("window_exp")
+        state["amax_exp"] = window if calibrated else V1_CALIBRATING
+    else:
+        state["amax_exp"] = V1_NOTHING_MEASURED
+    state.setdefault("hysteresis_tracker", 1)
+    state.setdefault("growth_tracker", 0)
+    policy = {k: v for k, v in sd["policy"].items() if k != "fmt"}
+    return {**sd, "lossscale_version": 1, "policy": policy, "state": state}
+
+
+_BASES = {}
+
+
+def bases():
+    if not _BASES:
+        for name, config in _CONFIGS.items():
+            _BASES[f"v2-{name}"] = quiet(lambda config=config: _real_run(config))
+            if name != "logmax":
+                _BASES[f"v1-{name}"] = _as_v1(_BASES[f"v2-{name}"])
+        ref = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+        model = tiny_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(5):
+            opt.zero_grad()
+            backward(model, ref, step)
+            ref.step(opt)
+            ref.update()
+        _BASES["torch"] = ref.state_dict()
+        _BASES["torch-tensors"] = {k: torch.tensor(v) for k, v in ref.state_dict().items()}
+    return _BASES
+
+
+def _paths(sd):
+    out = [(k,) for k in sd]
+    for top in ("policy", "state"):
+        if isinstance(sd.get(top), dict):
+            out += [(top, k) for k in sd[top]]
+    return out
+
+
+def _corrupt(value, how):
+    """The corruption ``how`` applied to ``value``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if how == "negative":
+        return -abs(value) if number and value else -1
+    if how == "str":
+        return "x" if not isinstance(value, str) else "not-a-" + value
+    if how in ("to-float", "to-int", "plus-one", "times-two", "half", "tensor"):
+        if not number or abs(value) > 2**60:
+            return {"tensor": torch.tensor([1.0, 2.0])}.get(how, 1.5)
+        return {"to-float": float(value), "to-int": int(value), "plus-one": value + 1, "times-two": value * 2,
+                "half": value / 2, "tensor": torch.tensor(value)}[how]
+    return {"nan": NAN, "inf": INF, "-inf": -INF, "zero": 0, "huge": 1e300, "huge-int": 2**70,
+            "int64-edge": 2**63 - 1, "tiny": 1e-300, "subnormal": 1e-40, "true": True, "false": False, "none": None,
+            "list": [value], "dict": {}}[how]
+
+
+_HOWS = ("drop", "nan", "inf", "-inf", "zero", "negative", "huge", "huge-int", "int64-edge", "tiny", "subnormal",
+         "true", "false", "none", "str", "list", "dict", "to-float", "to-int", "plus-one", "times-two", "half",
+         "tensor")
+
+
+@st.composite
+def corrupted_checkpoints(draw):
+    """(base name, corrupted dict, the keys corrupted): one to three corruptions of a valid checkpoint."""
+    name = draw(st.sampled_from(sorted(bases())))
+    sd = copy.deepcopy(bases()[name])
+    keys = []
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(sd)
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        how = draw(st.sampled_from(_HOWS))
+        parent = sd if len(path) == 1 else sd[path[0]]
+        if how == "drop":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = _corrupt(parent[path[-1]], how)
+        keys.append(path)
+    return name, sd, keys
+
+
+def _same(a, b) -> bool:
+    """state_dict equality (a lossscale dict holds no tensors and no NaN after a validated load)."""
+    return a == b
+
+
+def check_corrupted_checkpoint(case, target, started):
+    """The property: a corrupted checkpoint loads a state that trains with finite weights, or raises
+    ValueError naming a corrupted key, with ``state_dict()`` unchanged."""
+    name, sd, keys = case
+    if name.startswith("torch"):
+        target = "dynamic"  # a torch dict needs a dynamic scaler (any other is refused, for that reason)
+    scaler = quiet(lambda: lossscale.GradScaler(policy=target, on_stuck="ignore"))
+    if started:
+        scaler.init_device("cpu")
+    before = scaler.state_dict()
+    try:
+        quiet(lambda: scaler.load_state_dict(sd))
+    except ValueError as e:
+        message = str(e)
+        assert any(path[-1] in message for path in keys), (message, keys)
+        assert _same(scaler.state_dict(), before), (message, keys)
+        assert finite(train(scaler, 2))  # still usable
+        return
+    loaded = scaler.state_dict()
+    s = scaler.state()
+    assert math.isfinite(s.scale) and s.scale > 0, (keys, s)
+    # What loaded round-trips, and trains with finite weights.
+    again = quiet(lambda: lossscale.GradScaler(policy=target))
+    quiet(lambda: again.load_state_dict(loaded))
+    assert again.state_dict() == loaded
+    model = quiet(lambda: train(scaler, 3))
+    assert finite(model), (keys, scaler.state())
+    assert math.isfinite(scaler.get_scale()) and scaler.get_scale() > 0
+
+
+_TARGETS = st.sampled_from(sorted(_CONFIGS))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=corrupted_checkpoints(), target=_TARGETS, started=st.booleans())
+def test_corrupted_checkpoint_loads_and_trains_or_is_refused_naming_the_key(case, target, started):
+    check_corrupted_checkpoint(case, target, started)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("'slow' not in config.getoption('markexpr')", reason="slow: run with -m slow")
+@settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=corrupted_checkpoints(), target=_TARGETS, started=st.booleans())
+def test_corrupted_checkpoint_property_slow(case, target, started):
+    check_corrupted_checkpoint(case, target, started)
+
+
+def test_every_base_checkpoint_round_trips_and_trains():
+    # The property test's starting points are valid: each loads into a fresh scaler of its policy
+    # (a v1 dict converts) and trains.
+    for name, sd in bases().items():
+        kind = "dynamic" if name.startswith("torch") else name.split("-", 1)[1]
+        scaler = quiet(lambda kind=kind: lossscale.GradScaler(policy=kind))
+        scaler.load_state_dict(sd)
+        if name.startswith("v2"):
+            assert scaler.state_dict() == sd, name
+        assert finite(train(scaler)), name
