@@ -307,6 +307,17 @@ class GradScaler:
             raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
         self._ensure_state(device)
 
+    @property
+    def _device(self) -> str:
+        """torch's private attribute (a device string), which accelerate's FSDP2 ``load_state`` passes
+        back to :meth:`_lazy_init_scale_growth_tracker`: where the state lives, else the device given
+        to the constructor, else "cuda" when available (torch's default), else "cpu"."""
+        if self._t is not None:
+            return str(self._t.device)
+        if self._device_type is not None:
+            return self._device_type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def _lazy_init_scale_growth_tracker(self, device) -> None:
         """torch's private name for :meth:`init_device` (accelerate's FSDP2 ``load_state`` calls it)."""
         if self._enabled:
