@@ -149,9 +149,6 @@ def test_checkpoint_round_trip(tmp_path, fused):
     assert torch_scaler.get_scale() == whole["scales"][12]
 
 
-@pytest.mark.xfail(not hasattr(lossscale.GradScaler(), "_device"), raises=AttributeError, strict=True,
-                   reason="accelerate reads torch's private scaler._device (accelerator.py:3873); "
-                          "lossscale.GradScaler has no _device yet (a scaler-side change)")
 def test_fsdp2_load_path(tmp_path, monkeypatch):
     # accelerate's FSDP2 load_state restores the scaler first, then calls torch's private
     # scaler._lazy_init_scale_growth_tracker(scaler._device) (accelerator.py:3867-3873). Run that
