@@ -2,6 +2,7 @@
 # The standing mutation score of the policy core (docs/testing.md), outside CI.
 #
 #   bash benchmarks/mutation.sh [REV]      # REV: the commit to measure (default HEAD)
+#   MUTATION_EMPTY="tests/test_strength.py" bash benchmarks/mutation.sh   # the score without those tests
 #
 # mutmut rewrites the code it mutates, so it never runs in this checkout: REV is exported into a
 # fresh folder ($MUTATION_DIR, default /tmp/lossscale-mutation), this checkout's setup.cfg (the
@@ -9,34 +10,40 @@
 # worker. mutmut itself lives in its own virtual environment ($MUTATION_VENV), made on first use
 # on top of the project's environment (torch, pytest, hypothesis).
 set -euo pipefail
-REPO="$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
-REV="${1:-HEAD}"
-WORK="${MUTATION_DIR:-/tmp/lossscale-mutation}"
-VENV="${MUTATION_VENV:-/tmp/lossscale-mutmut-venv}"
-MUTMUT_VERSION=3.8.1
 
-if ! "$VENV/bin/mutmut" --version 2>/dev/null | grep -q "$MUTMUT_VERSION"; then
-    python -m venv --system-site-packages "$VENV"
-    "$VENV/bin/pip" install -q "mutmut==$MUTMUT_VERSION"
-fi
-case "$WORK" in "$REPO"|"$REPO"/*) echo "MUTATION_DIR must lie outside the checkout" >&2; exit 2;; esac
-rm -rf "$WORK" && mkdir -p "$WORK"
-git -C "$REPO" archive "$REV" | tar -x -C "$WORK"
-cp "$REPO/setup.cfg" "$WORK/setup.cfg"
-cd "$WORK"
-# One thread per process: the CPU is shared, and mutmut forks the test process (OpenMP after fork).
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-start=$(date +%s)
-"$VENV/bin/mutmut" run --max-children 1 > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
-echo "run time: $(( $(date +%s) - start )) s"
-"$VENV/bin/mutmut" results --all true > results.txt
-python - <<'PY'
-import collections, re
+main() {  # one function, read whole before it runs: editing this file mid-run cannot derail it
+    local repo rev work venv version=3.8.1 start
+    repo="${MUTATION_REPO:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}"
+    rev="${1:-HEAD}"
+    work="${MUTATION_DIR:-/tmp/lossscale-mutation}"
+    venv="${MUTATION_VENV:-/tmp/lossscale-mutmut-venv}"
+    if ! "$venv/bin/mutmut" --version 2>/dev/null | grep -q "$version"; then
+        python -m venv --system-site-packages "$venv"
+        "$venv/bin/pip" install -q "mutmut==$version"
+    fi
+    case "$work" in "$repo"|"$repo"/*) echo "MUTATION_DIR must lie outside the checkout" >&2; exit 2;; esac
+    rm -rf "$work" && mkdir -p "$work"
+    git -C "$repo" archive "$rev" | tar -x -C "$work"
+    cp "$repo/setup.cfg" "$work/setup.cfg"
+    local f
+    for f in ${MUTATION_EMPTY:-}; do : > "$work/$f"; done  # emptied, not removed: setup.cfg names them
+    cd "$work"
+    # One thread per process: the CPU is shared, and mutmut forks the test process (OpenMP after fork).
+    export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+    start=$(date +%s)
+    "$venv/bin/mutmut" run --max-children 1 > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
+    echo "commit $(git -C "$repo" rev-parse --short "$rev"), run time $(( $(date +%s) - start )) s"
+    "$venv/bin/mutmut" results --all true > results.txt
+    python - <<'PY'
+import collections
 counts = collections.Counter(line.rsplit(": ", 1)[1].strip() for line in open("results.txt") if ": " in line)
 total = sum(counts.values())
 killed = counts["killed"] + counts["timeout"]  # mutmut counts a timeout as a kill too
 print(dict(counts))
-print(f"killed {killed} of {total} (a mutant no selected test reaches counts as a survivor) = {100 * killed / total:.1f}%")
+print(f"killed {killed} of {total} = {100 * killed / total:.1f}% (a mutant no selected test reaches counts as a survivor)")
 PY
-grep -v -E ": (killed|timeout)$" results.txt > survivors.txt || true
-echo "survivors (and untested mutants): $WORK/survivors.txt; show one with: cd $WORK && $VENV/bin/mutmut show NAME"
+    grep -v -E ": (killed|timeout)$" results.txt > survivors.txt || true
+    echo "not killed: $work/survivors.txt; see one with: cd $work && $venv/bin/mutmut show NAME"
+}
+
+main "$@"

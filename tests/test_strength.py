@@ -123,8 +123,8 @@ def test_two_optimizers_overflow_in_the_first_is_counted_and_skips_both():
 # --------------------------------------------------------------- 2. state_dict() keeps every field
 def _every_field_set():
     """A policy of each kind and a state in which every field differs from its default."""
-    shared = dict(scale=2.0**10, steps=9, skipped_steps=5, inf_steps=3, nan_steps=2, overflow_streak=2,
-                  streak_nan_steps=1, streak_start_scale=2.0**12)
+    shared = dict(scale=2.0**10, steps=9, skipped_steps=5, inf_steps=3, nan_steps=2, bad_loss_steps=2,
+                  overflow_streak=2, streak_nan_steps=1, streak_bad_loss_steps=1, streak_start_scale=2.0**12)
     return [
         (DynamicPolicy(init_scale=2.0**14, growth_interval=10, hysteresis=3, max_consecutive_skips=9),
          DynamicState(**shared, growth_tracker=4, hysteresis_tracker=2)),
@@ -248,7 +248,7 @@ def test_dynamic_pure_and_device_rules_agree_for_any_factor_and_bound(policy, se
     """Widens test_policy's configs: non-power-of-two scales and factors, bounds on a tie. Kills the
     two rounding changes above and any min/max clamp that is off by one comparison."""
     s, dev = policy.init_state(), TensorForm(policy)
-    lo = None if policy.min_scale is None else f32(policy.min_scale)
+    lo = policy.lowest()  # min_scale, or float32's smallest normal when None
     hi = None if policy.max_scale is None else f32(policy.max_scale)
     for overflow, nan in seq:
         before = s
@@ -258,14 +258,14 @@ def test_dynamic_pure_and_device_rules_agree_for_any_factor_and_bound(policy, se
         # the rule itself, with float32 rounding and the bounds, from the previous state
         if overflow and before.hysteresis_tracker <= 1:
             want = f32(before.scale * policy.backoff_factor)
-            assert s.scale == (want if lo is None else max(want, lo))
+            assert s.scale == max(want, lo)
         elif not overflow and s.growth_tracker == 0:
             grown = f32(before.scale * policy.growth_factor)
             want = before.scale if not math.isfinite(grown) else grown if hi is None else min(grown, hi)
             assert s.scale == want
         else:
             assert s.scale == before.scale
-        assert (lo is None or s.scale >= lo) and (hi is None or s.scale <= hi)
+        assert s.scale >= lo and (hi is None or s.scale <= hi)
 
 
 @settings(max_examples=100, deadline=None)
