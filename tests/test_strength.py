@@ -11,6 +11,7 @@ disagree), and values that sit exactly on a boundary (a backoff landing on ``min
 """
 
 import dataclasses
+import inspect
 import math
 import pickle
 import warnings
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 import lossscale
 from _rules import TensorForm
-from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy, formats
+from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, ScaleState, StaticPolicy, formats
 from lossscale.adaptive import NO_AMAX, AdaptiveState
 from lossscale.checkpoint import to_dict
 from lossscale.dynamic import DynamicState
@@ -33,7 +34,11 @@ from lossscale.policy import f32
 from lossscale.static import StaticState
 from lossscale.stats import grad_stats, recommend_scale
 
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
+TORCH_RULE = dict(hysteresis=1, min_scale=None, max_scale=None)  # the dynamic rule as torch runs it
+# A scaler configured like torch: the rule, and no look at the loss before scaling (a check torch does
+# not make), where this lossscale has that check.
+TORCH_LIKE = {**TORCH_RULE, **({"loss_check": False} if "loss_check" in inspect.signature(lossscale.GradScaler).parameters
+                               else {})}
 
 
 def quiet(make):
@@ -121,10 +126,14 @@ def test_two_optimizers_overflow_in_the_first_is_counted_and_skips_both():
 
 
 # --------------------------------------------------------------- 2. state_dict() keeps every field
+#: A value off its default for every shared field (a consistent state: check_state accepts it).
+_SHARED = dict(scale=2.0**10, steps=9, skipped_steps=5, inf_steps=3, nan_steps=2, bad_loss_steps=2, overflow_streak=2,
+               streak_nan_steps=1, streak_bad_loss_steps=1, streak_start_scale=2.0**12)
+
+
 def _every_field_set():
     """A policy of each kind and a state in which every field differs from its default."""
-    shared = dict(scale=2.0**10, steps=9, skipped_steps=5, inf_steps=3, nan_steps=2, bad_loss_steps=2,
-                  overflow_streak=2, streak_nan_steps=1, streak_bad_loss_steps=1, streak_start_scale=2.0**12)
+    shared = {f.name: _SHARED[f.name] for f in dataclasses.fields(ScaleState)}  # a new field must be added
     return [
         (DynamicPolicy(init_scale=2.0**14, growth_interval=10, hysteresis=3, max_consecutive_skips=9),
          DynamicState(**shared, growth_tracker=4, hysteresis_tracker=2)),
@@ -273,7 +282,7 @@ def test_dynamic_pure_and_device_rules_agree_for_any_factor_and_bound(policy, se
 def test_hysteresis_one_is_torchs_kernel_for_any_factor(init, bf, gf, interval, seq):
     """The pure rule against torch's own ``_amp_update_scale_`` with non-power-of-two factors."""
     p = quiet(lambda: DynamicPolicy(init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval,
-                                    **TORCH_LIKE))
+                                    **TORCH_RULE))
     s = p.init_state()
     scale, tracker = torch.tensor(f32(init)), torch.zeros((), dtype=torch.int32)
     for overflow in seq:
@@ -372,3 +381,310 @@ def test_recommend_scale_is_the_largest_power_of_two_that_fits_ties_included(fmt
         return
     rec = recommend_scale(grad_stats(torch.tensor([amax]), fmt=fmt), margin_bits=margin)
     assert rec.scale == 2.0 ** _largest_power_of_two_scale(amax, fmt.max, margin)
+
+
+# =====================================================================================================
+# What the mutation run found (docs/testing.md): each test below kills mutants that survived the older
+# tests; the docstring names them by what they change.
+# =====================================================================================================
+ALL_POLICIES = [DynamicPolicy, StaticPolicy, AdaptivePolicy, LogMaxPolicy]
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: DynamicPolicy(init_scale=0.0), "init_scale"),
+    (lambda: DynamicPolicy(init_scale=True), "init_scale"),
+    (lambda: DynamicPolicy(init_scale="1"), "init_scale"),
+    (lambda: DynamicPolicy(growth_factor=True), "growth_factor"),
+    (lambda: DynamicPolicy(growth_factor="2.0"), "growth_factor"),
+    (lambda: DynamicPolicy(backoff_factor="0.5"), "backoff_factor"),
+    (lambda: DynamicPolicy(growth_interval=0), "growth_interval"),
+    (lambda: DynamicPolicy(hysteresis=0), "hysteresis"),
+    (lambda: StaticPolicy(scale=0.0), "scale"),
+    (lambda: AdaptivePolicy(init_scale=0.0), "init_scale"),
+    (lambda: AdaptivePolicy(margin_bits=31), "margin_bits"),
+    (lambda: AdaptivePolicy(growth_interval=0), "growth_interval"),
+    (lambda: AdaptivePolicy(search_bits=65), "search_bits"),
+    (lambda: AdaptivePolicy(min_scale=0.0), "min_scale"),
+    (lambda: AdaptivePolicy(min_scale=2.0**-127), "min_scale"),
+    (lambda: AdaptivePolicy(max_scale=2.0**128), "max_scale"),
+    (lambda: LogMaxPolicy(min_scale=2.0**-127), "min_scale"),
+    (lambda: LogMaxPolicy(max_scale=2.0**128), "max_scale"),
+    (lambda: LogMaxPolicy(beta1=True), "beta1"),
+    (lambda: LogMaxPolicy(beta1=0.0), "beta1"),
+    (lambda: LogMaxPolicy(beta2=1.0), "beta2"),
+    (lambda: LogMaxPolicy(overflow_std_dev=True), "overflow_std_dev"),
+    (lambda: LogMaxPolicy(overflow_std_dev=-1.0), "overflow_std_dev"),
+    (lambda: LogMaxPolicy(overflow_std_dev=math.inf), "overflow_std_dev"),
+    *[(lambda cls=cls, v=v: cls(max_consecutive_skips=v), "max_consecutive_skips")
+      for cls in ALL_POLICIES for v in (0, True, 2.5)],
+])
+def test_config_errors_are_value_errors_that_start_with_the_argument(make, name):
+    """Kills: a validator handed another name (``"XXscaleXX"``, None), a dropped argument
+    (``validate_stuck(on_stuck, None)``), ``or`` turned ``and`` in a type check (then a bool passes,
+    or a string reaches a comparison and raises TypeError instead of ValueError)."""
+    with pytest.raises(ValueError, match=f"^{name}="):
+        quiet(make)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: AdaptivePolicy(margin_bits=30),
+    lambda: AdaptivePolicy(search_bits=64),
+    lambda: AdaptivePolicy(init_scale=2.0**-126, min_scale=2.0**-126, max_scale=2.0**127),
+    lambda: LogMaxPolicy(init_scale=2.0**-126, min_scale=2.0**-126, max_scale=2.0**127),
+    lambda: LogMaxPolicy(overflow_std_dev=0.0),
+    lambda: DynamicPolicy(init_scale=2.0**-126, min_scale=None),
+])
+def test_configs_on_the_edge_of_the_valid_range_are_accepted(make):
+    """Kills every bound made strict or moved by one (``<=`` to ``<``, 30 to 31, 2**-126 to 2**-127)."""
+    quiet(make)
+
+
+@pytest.mark.parametrize("cls", ALL_POLICIES)
+def test_update_counts_an_overflow_as_inf_unless_told_nan(cls):
+    """Kills: the default ``found_nan=False`` of ``update`` turned True."""
+    p = cls()
+    s = p.update(p.init_state(), True, amax=None) if p.needs_amax else p.update(p.init_state(), True)
+    assert (s.inf_steps, s.nan_steps) == (1, 0)
+
+
+@pytest.mark.parametrize("policy, want", [
+    (DynamicPolicy(growth_factor=4.0, backoff_factor=0.25, growth_interval=7), (4.0, 0.25, 7)),
+    (StaticPolicy(scale=2.0**10), (1.0, 1.0, 2**31 - 1)),
+    (AdaptivePolicy(backoff_factor=0.25, growth_interval=9), (2.0, 0.25, 9)),
+    (LogMaxPolicy(), (2.0, 0.5, 2000)),
+])
+def test_torch_state_gives_torch_a_scaler_it_can_run(policy, want):
+    """Kills: any of torch's five keys renamed, or given another value (growth_factor 3.0, tracker 1)."""
+    state = policy.init_state()
+    if hasattr(state, "growth_tracker") and not isinstance(policy, StaticPolicy):
+        state = state.replace(growth_tracker=3)
+    got = policy.torch_state(state)
+    tracker = 3 if hasattr(state, "growth_tracker") and not isinstance(policy, StaticPolicy) else 0
+    assert got == {"scale": state.scale, "growth_factor": want[0], "backoff_factor": want[1],
+                   "growth_interval": want[2], "_growth_tracker": tracker}
+    assert all(type(got[k]) is float for k in ("scale", "growth_factor", "backoff_factor"))
+
+
+def test_scale_bounds_of_every_policy():
+    """Kills: ``scale_bounds`` reading another attribute, or losing getattr's default (static has none)."""
+    assert DynamicPolicy(min_scale=2.0, max_scale=2.0**20).scale_bounds() == (2.0, 2.0**20)
+    assert StaticPolicy().scale_bounds() == (None, None)
+    assert LogMaxPolicy(init_scale=2.0, min_scale=2.0, max_scale=2.0**20).scale_bounds() == (2.0, 2.0**20)
+    assert AdaptivePolicy(min_scale=None, max_scale=None).scale_bounds() == (2.0**-126, 2.0**127)
+
+
+def test_static_is_stuck_on_every_overflow_unless_a_streak_is_set():
+    """Kills every change to StaticPolicy.is_stuck (no selected test called it)."""
+    p, q = StaticPolicy(), StaticPolicy(max_consecutive_skips=3)
+    s = p.init_state()
+    assert not p.is_stuck(p.update(s, False), s.scale)
+    assert p.is_stuck(p.update(s, True), s.scale)
+    streak = s
+    for n in range(1, 5):
+        streak = q.update(streak, True)
+        assert q.is_stuck(streak, s.scale) == (n >= 3)
+    assert not q.is_stuck(q.update(streak, False), s.scale)
+
+
+def test_is_stuck_at_the_lower_bound_for_the_measuring_policies():
+    """Kills: logmax's and adaptive's stuck check looking at no bound, or at the upper one."""
+    lm = LogMaxPolicy(init_scale=2.0**3, min_scale=2.0**3, max_scale=2.0**20)
+    s = lm.init_state()
+    assert lm.is_stuck(lm.update(s, True), scale_before=2.0**3)
+    ad = AdaptivePolicy(init_scale=2.0, min_scale=2.0, max_scale=2.0**20)
+    s = ad.init_state()
+    assert ad.is_stuck(ad.update(s, True), scale_before=2.0)
+    assert not ad.is_stuck(ad.update(s.replace(scale=2.0**20), True), scale_before=2.0**20)
+
+
+def test_logmax_scale_floors_at_min_scale_exactly():
+    """Kills: ``_exponent_range`` off by one or two binades at the bottom."""
+    p = LogMaxPolicy(init_scale=2.0**-3, min_scale=2.0**-3, max_scale=2.0**20)
+    s, dev = p.init_state(), TensorForm(p)
+    for _ in range(5):
+        s = p.update(s, found_inf=True)
+        dev.step(True)
+    assert s.scale == dev.to_state().scale == 2.0**-3
+
+
+def test_logmax_constant_amax_has_zero_spread_on_device_too():
+    """Kills: the device rule's variance clamped at 1 instead of 0 (a constant amax has none)."""
+    p = LogMaxPolicy(overflow_std_dev=3.09)
+    s, dev = p.init_state(), TensorForm(p)
+    for _ in range(8):
+        amax = 2.0**-12 * s.scale  # the same unscaled amax every step
+        s = p.update(s, found_inf=False, amax=amax)
+        dev.step(False, False, amax)
+        assert dev.to_state() == s
+
+
+def test_adaptive_grows_by_a_single_binade_of_headroom():
+    """Kills: growth only for ``k > 1`` binades of room (pure and device rules)."""
+    p = AdaptivePolicy(margin_bits=4, growth_interval=2, max_scale=None)  # the target binade: 16 - 4 = 12
+    s, dev = p.init_state().replace(calibrated=True), TensorForm(p, p.init_state().replace(calibrated=True))
+    for _ in range(2):
+        s = p.update(s, found_inf=False, amax=1500.0)  # binade 11: one binade of room
+        dev.step(False, False, 1500.0)
+    assert s.scale == dev.to_state().scale == 2.0**17
+
+
+@st.composite
+def adaptive_states(draw, policy):
+    """Any state an AdaptivePolicy could load from a checkpoint (not only the ones its updates reach)."""
+    calibrated = draw(st.booleans())
+    return policy.init_state().replace(
+        scale=2.0 ** draw(st.integers(0, 24)), calibrated=calibrated,
+        growth_tracker=draw(st.integers(0, policy.growth_interval - 1)),
+        hysteresis_tracker=draw(st.integers(0, policy.hysteresis)),
+        window_exp=draw(st.one_of(st.just(NO_AMAX), st.integers(-140, 130))) if calibrated else NO_AMAX)
+
+
+@settings(max_examples=60, deadline=None)
+@given(adaptive_configs.flatmap(lambda p: st.tuples(st.just(p), adaptive_states(p))), adaptive_events)
+def test_adaptive_rules_agree_from_any_loadable_state(policy_state, seq):
+    """Kills: the calibration's ``growth_tracker=0`` dropped (a loaded, uncalibrated state may hold one)."""
+    policy, s = policy_state
+    lo, hi = policy.bounds()
+    s = s.replace(scale=min(max(s.scale, lo), hi))
+    policy.check_state(s)
+    dev = TensorForm(policy, s)
+    for found_inf, found_nan, amax in seq[:20]:
+        s = policy.update(s, found_inf=found_inf, found_nan=found_nan, amax=amax)
+        dev.step(found_inf, found_nan, amax)
+        assert dev.to_state() == s
+
+
+def test_a_counter_near_the_int64_limit_reaches_the_device_exactly():
+    """Kills: TensorState filling int fields through float (2**62 - 1 is not a float64)."""
+    p = DynamicPolicy()
+    s = p.init_state().replace(steps=2**62 - 1)
+    p.check_state(s)
+    assert TensorForm(p, s).to_state().steps == 2**62 - 1
+
+
+# --------------------------------------------------------------------------- check_state's edges
+def _dyn():
+    return DynamicPolicy(init_scale=2.0**4, growth_interval=5, hysteresis=3, min_scale=2.0, max_scale=2.0**20)
+
+
+def _ad():
+    return AdaptivePolicy(growth_interval=5, hysteresis=3, max_scale=None)
+
+
+_COUNTS = dict(steps=5, skipped_steps=3, inf_steps=2, nan_steps=1, overflow_streak=2, streak_nan_steps=1)
+
+
+@pytest.mark.parametrize("policy, changes", [
+    (_dyn(), dict(growth_tracker=4, hysteresis_tracker=3)),
+    (_dyn(), dict(scale=2.0)),                       # on min_scale
+    (_dyn(), dict(scale=2.0**20)),                   # on max_scale
+    (_dyn(), dict(steps=2**62 - 1)),
+    (_dyn(), _COUNTS),
+    (StaticPolicy(scale=1.0), dict(scale=1.0)),
+    (_ad(), dict(calibrated=True, window_exp=-160)),
+    (_ad(), dict(calibrated=True, window_exp=140)),
+    (_ad(), dict(calibrated=True, window_exp=-5, growth_tracker=4)),
+    (LogMaxPolicy(), dict(b1_correction=1.0, b2_correction=1e-300)),
+])
+def test_check_state_accepts_states_on_the_edge(policy, changes):
+    """Kills every bound of check_state moved inward (``>=`` for ``>``, 140 to 139, ``<= 1``)."""
+    policy.check_state(policy.init_state().replace(**changes))
+
+
+@pytest.mark.parametrize("policy, changes, name", [
+    (_dyn(), dict(growth_tracker=5), "growth_tracker"),
+    (_dyn(), dict(hysteresis_tracker=4), "hysteresis_tracker"),
+    (_dyn(), dict(growth_tracker=-1), "growth_tracker"),
+    (_dyn(), dict(steps=2**62), "steps"),
+    (_dyn(), dict(steps=True), "steps"),
+    (_dyn(), dict(steps=1.0), "steps"),
+    (_dyn(), dict(streak_start_scale=True), "streak_start_scale"),
+    (_dyn(), dict(streak_start_scale="1.0"), "streak_start_scale"),
+    (_dyn(), dict(streak_start_scale=math.inf), "streak_start_scale"),
+    (_dyn(), dict(scale=f32(2.0 * (1 - 2**-23))), "scale"),          # one float32 step under min_scale
+    (_dyn(), dict(scale=2.0**20 * (1 + 2**-23)), "scale"),           # one step over max_scale
+    (StaticPolicy(scale=1.0), dict(scale=0.0), "scale"),
+    (_dyn(), dict(steps=2, skipped_steps=3, inf_steps=3), "counters"),
+    (_dyn(), dict(steps=5, skipped_steps=3, inf_steps=1), "counters"),
+    (_dyn(), dict(steps=5, skipped_steps=1, inf_steps=1, overflow_streak=2), "overflow_streak"),
+    (_dyn(), dict(steps=5, skipped_steps=2, inf_steps=2, overflow_streak=1, streak_nan_steps=2), "overflow_streak"),
+    (_ad(), dict(growth_tracker=5), "growth_tracker"),
+    (_ad(), dict(calibrated=True, window_exp=-161), "window_exp"),
+    (_ad(), dict(calibrated=True, window_exp=141), "window_exp"),
+    (_ad(), dict(calibrated=False, window_exp=-5), "window_exp"),
+    (LogMaxPolicy(), dict(b1_correction=0.0), "b1_correction"),
+    (LogMaxPolicy(), dict(b2_correction=1.5), "b2_correction"),
+])
+def test_check_state_refuses_naming_the_field(policy, changes, name):
+    """Kills: a check of check_state weakened (``and`` for ``or``, a bound moved outward, a type test
+    that lets a bool or a string through to a comparison)."""
+    with pytest.raises(ValueError, match=name):
+        policy.check_state(policy.init_state().replace(**changes))
+
+
+def test_a_loaded_state_reads_as_the_device_holds_it_before_the_first_step():
+    """Kills: ``field_kind`` naming float32 fields otherwise (then a loaded int scale, or a float64
+    streak start, is not rounded to float32 until the first step)."""
+    p = DynamicPolicy()
+    sd = to_dict(p, p.init_state())
+    sd["state"] = {**sd["state"], "scale": 1024, "streak_start_scale": 0.1}
+    sd["scale"] = 1024.0
+    scaler = lossscale.GradScaler()
+    scaler.load_state_dict(sd)
+    s = scaler.state()
+    assert type(s.scale) is float and s.streak_start_scale == f32(0.1)
+
+
+def test_field_kind_for_a_new_state_type():
+    """Kills: ``Optional[float]`` and the other field types mapped to the wrong device vector."""
+    from lossscale.policy import field_kind
+    fields = dataclasses.fields(dataclasses.make_dataclass(
+        "S", [("a", "float"), ("b", "Optional[float]"), ("c", "int"), ("d", "bool"),
+              ("e", "float", dataclasses.field(default=0.0, metadata={"dtype": "f64"}))]))
+    assert [field_kind(f) for f in fields] == ["f32", "f32", "i64", "i64", "f64"]
+    with pytest.raises(TypeError, match="no device form"):
+        field_kind(dataclasses.fields(dataclasses.make_dataclass("T", [("x", "str")]))[0])
+
+
+def test_f32_of_a_value_beyond_float32_is_a_signed_inf():
+    """Kills: the OverflowError branch of f32 losing its sign or its inf."""
+    assert f32(1e39) == math.inf and f32(-1e39) == -math.inf
+
+
+def test_register_refuses_a_nameless_policy_and_registers_the_class():
+    """Kills: register's name check inverted, or the registry holding None."""
+    from lossscale.policy import policy_class, register
+    for name, cls in (("dynamic", DynamicPolicy), ("static", StaticPolicy), ("adaptive", AdaptivePolicy),
+                      ("logmax", LogMaxPolicy)):
+        assert policy_class(name) is cls
+    nameless = type("Nameless", (), {"name": ""})
+    with pytest.raises(ValueError, match="name"):
+        register(nameless)
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_scale=2.0**20), dict(max_scale=2.0), dict(min_scale=None)])
+def test_a_bound_for_another_policy_is_checked_alone_and_only_warned_about(kwargs):
+    """Kills: the bound names missing from _validate_elsewhere's list (then DynamicPolicy(min_scale=2**20)
+    is built and refuses, with its own init_scale, a value that was never wrong)."""
+    with pytest.warns(UserWarning, match="not apply"):
+        scaler = lossscale.GradScaler(policy="static", **kwargs)
+    assert scaler.policy == StaticPolicy()
+
+
+def test_diagnose_tells_nan_at_the_floor_from_nan_that_persisted():
+    """Kills: the diagnosis's bound (min_scale, not max_scale), its streak test moved by one, and its
+    closing pointer to overflow_report()."""
+    from lossscale.policy import diagnose
+    p = DynamicPolicy()
+    once = p.init_state().replace(scale=1.0, streak_start_scale=2.0, skipped_steps=1, nan_steps=1,
+                                  overflow_streak=1, streak_nan_steps=1, steps=1)
+    text = diagnose(p, once)
+    lines = text.split("\n")
+    assert lines[0].startswith("lossscale: 1 consecutive") and "(min_scale=1)." in lines[0]
+    assert lines[1].startswith("NaN at the smallest scale")
+    assert lines[-1].startswith("scaler.overflow_report() names the parameters that held inf and NaN")
+    twice = once.replace(skipped_steps=2, nan_steps=2, overflow_streak=2, streak_nan_steps=2, steps=2,
+                         streak_start_scale=4.0)
+    assert diagnose(p, twice).split("\n")[1].startswith("NaN persisted")
+    assert diagnose(StaticPolicy(), StaticPolicy().update(StaticPolicy().init_state(), True)).split("\n")[0].endswith(
+        "to 65536.")
