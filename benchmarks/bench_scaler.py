@@ -59,7 +59,7 @@ def clock() -> float:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
     return time.perf_counter()
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
+TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 FULL_SIZES = [(1_000_000, 16), (1_000_000, 200), (10_000_000, 16), (10_000_000, 200), (50_000_000, 16),
               (50_000_000, 200)]
 QUICK_SIZES = [(20_000, 16), (20_000, 200)]

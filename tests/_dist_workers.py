@@ -451,7 +451,8 @@ def adaptive(rank, world, steps: int, rate: float, reduce: bool = True, optimize
     own = ref[:2] if rank == 0 else ref[2:]
     return dict(record=record, counters=scaler.counters(), ref_counters=ref_scaler.counters(),
                 pure_counters=dict(steps=state.steps, skipped_steps=state.skipped_steps, inf_steps=state.inf_steps,
-                                   nan_steps=state.nan_steps, overflow_streak=state.overflow_streak),
+                                   nan_steps=state.nan_steps, bad_loss_steps=state.bad_loss_steps,
+                                   overflow_streak=state.overflow_streak),
                 params_equal=all(torch.equal(a, b) for a, b in zip(mine, own)), consistency=_consistency(scaler))
 
 

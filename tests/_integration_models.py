@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # lossscale configured as torch's GradScaler: bitwise the same trajectory.
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
+TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 INIT_SCALE = 2.0**10  # small enough that no step overflows by itself: only the injected inf does
 
 

@@ -14,10 +14,12 @@ class TensorForm:
         self.policy = policy
         self.t = TensorState(policy.init_state() if state is None else state, torch.device("cpu"))
 
-    def step(self, found_inf, found_nan=False, amax=None) -> None:
-        """One iteration with host flags (as float32 0-dim tensors, torch's convention) and an amax."""
+    def step(self, found_inf, found_nan=False, amax=None, bad_loss=None) -> None:
+        """One iteration with host flags (as float32 0-dim tensors, torch's convention), an amax, and
+        the non-finite-loss flag (None: the scaler does not check the loss)."""
         self.policy.tensor_update(self.t, torch.tensor(float(found_inf)), torch.tensor(float(found_nan)),
-                                  None if amax is None else torch.tensor(amax, dtype=torch.float32))
+                                  None if amax is None else torch.tensor(amax, dtype=torch.float32),
+                                  None if bad_loss is None else torch.tensor(bool(bad_loss)))
 
     def to_state(self):
         """The pure state the tensors hold."""

@@ -384,7 +384,7 @@ def _overflow_names(model, scaler):
     model[2].bias.grad[0] = NAN
     scaler.step(opt)
     scaler.update()
-    return scaler.overflow_report()
+    return {k: v for k, v in scaler.overflow_report().items() if k in ("inf", "nan")}
 
 
 @pytest.mark.parametrize("round_trip", [

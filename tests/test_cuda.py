@@ -21,7 +21,7 @@ from _models import tiny_mlp
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]
 
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
+TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 CUDA = torch.device("cuda")
 
 

@@ -6,7 +6,7 @@ import torch
 import lossscale
 from _models import backward, inject, make_optimizer, params_equal, states_equal, twins
 
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
+TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "fused_adam"])

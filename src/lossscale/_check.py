@@ -50,6 +50,9 @@ class Flags:
         found_nan: float32 0-dim, > 0 when NaN was among them.
         amax: max|g| of the scaled gradients for policies that need it, else None.
         host_found: the skip decision as a host bool where it was synced, else None (on device).
+        bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling on
+            some rank; None when the scaler does not check. ``found_inf`` includes it (the step is
+            skipped), and the policy learns from it that the scale was not the cause.
         params, amax_vectors: the parameters in check order and per-parameter max|g| vectors
             (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
     """
@@ -58,6 +61,7 @@ class Flags:
     found_nan: torch.Tensor
     amax: Optional[torch.Tensor] = None
     host_found: Optional[bool] = None
+    bad_loss: Optional[torch.Tensor] = None
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
 
@@ -139,21 +143,33 @@ class GradientCheck:
         self._unscaled |= ids
 
     # ------------------------------------------------------------------------------ reduction
-    def reduce(self, found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor] = None):
-        """All-reduce (MAX) the flags, and ``amax`` when given, over the group in ONE collective.
+    def reduce(self, found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor] = None,
+               bad_loss: Optional[torch.Tensor] = None):
+        """All-reduce (MAX) the flags, and ``amax``/``bad_loss`` when given, over the group in ONE collective.
 
-        Returns ``(found_inf, found_nan, amax)`` (``amax`` None when not given). A collective: whether
-        it runs, and with ``amax``, depends only on the group and the policy, never on local values.
+        Returns ``(found_inf, found_nan, amax, bad_loss)`` (None where not given). A collective:
+        whether it runs, and with what, depends only on the group, the policy and the scaler's
+        settings, never on local values.
         """
         group = _distributed.resolve_group(self.process_group)
         if group is None:
-            return found_inf, found_nan, amax
-        return _distributed.all_reduce_flags(found_inf, found_nan, amax, group)
+            return found_inf, found_nan, amax, bad_loss
+        return _distributed.all_reduce_flags(found_inf, found_nan, amax, group, bad_loss)
+
+    @staticmethod
+    def _with_bad_loss(flags: "Flags", bad_loss: Optional[torch.Tensor]) -> None:
+        """A reduced non-finite loss skips the step: fold it into found_inf; keep it as a bool."""
+        if bad_loss is not None:
+            flags.found_inf = flags.found_inf + bad_loss.to(flags.found_inf.dtype)
+            flags.bad_loss = bad_loss > 0
 
     # ------------------------------------------------------------------------------ the checks
     def check_(self, gathered: Gathered, scale: torch.Tensor, *, unscale: bool, sync: bool,
-               needs_amax: bool) -> Flags:
+               needs_amax: bool, bad_loss: Optional[torch.Tensor] = None) -> Flags:
         """Check (and optionally unscale in place) the gathered gradients; return the reduced flags.
+
+        ``bad_loss``: a 0-dim flag that the loss was non-finite before scaling (or None: not checked);
+        reduced with the others and folded into ``found_inf``.
 
         ``sync``: decide on the host now (one sync) and, on overflow only, classify inf vs NaN with a
         second read pass. Without ``sync`` the flags stay on device (read-only amax pass first).
@@ -186,17 +202,19 @@ class GradientCheck:
             if unscale:
                 _kernels.check_and_unscale_(groups, _device.reciprocal(scale), torch.zeros_like(found_inf))
         # Every rank must feed the policy the same amax: it rides in the flags' collective.
-        flags.found_inf, flags.found_nan, flags.amax = self.reduce(found_inf, found_nan, amax if needs_amax else None)
+        flags.found_inf, flags.found_nan, flags.amax, bad = self.reduce(found_inf, found_nan,
+                                                                        amax if needs_amax else None, bad_loss)
+        self._with_bad_loss(flags, bad)
         if sync:
             flags.host_found = bool(flags.found_inf.item())  # THE sync of this optimizer's iteration
             # Decided on reduced values only, so every rank takes the same path to the collective below.
             if flags.host_found and nan_pending:
                 flags.amax_vectors, local = _kernels.amax_per_tensor(groups, device)
-                _, flags.found_nan, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
+                _, flags.found_nan, _, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
         return flags
 
     def clip_(self, gathered: Gathered, scale: torch.Tensor, max_norm: float, norm_type: float, *, sync: bool,
-              needs_amax: bool):
+              needs_amax: bool, bad_loss: Optional[torch.Tensor] = None):
         """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``."""
         self._claim(gathered)
         amax = None
@@ -204,13 +222,14 @@ class GradientCheck:
             # max|g| of the *scaled* gradients, taken before anything below rewrites them.
             _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
         true_norm, bad, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type)
-        found_inf, found_nan, amax = self.reduce(bad[0], bad[1], amax)
+        found_inf, found_nan, amax, reduced_bad = self.reduce(bad[0], bad[1], amax, bad_loss)
         # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
         # holding a NaN and inf for one holding an inf, so it serves as an amax vector.
         flags = Flags(found_inf, found_nan, amax, params=[gathered.params[i] for i in order],
                       amax_vectors=[per_tensor] if order else [])
+        self._with_bad_loss(flags, reduced_bad)
         if sync:
-            flags.host_found = bool(found_inf.item())  # THE sync of this optimizer's iteration
+            flags.host_found = bool(flags.found_inf.item())  # THE sync of this optimizer's iteration
         return true_norm, flags
 
 

@@ -5,8 +5,8 @@ Any :class:`~lossscale.policy.ScaleState` subclass maps onto three vectors by it
 
 * ``f32``: ``[scale, streak_start_scale, scale_before, <the policy's float fields>]``. The scale is a
   float32, as torch's GradScaler keeps it, so ``loss * scale`` is bitwise torch's.
-* ``i64``: ``[steps, skipped, inf, nan, streak, streak_nan, <the policy's int and bool fields>]``; the
-  six shared counters are contiguous (``counts``), so the bookkeeping is two kernels.
+* ``i64``: ``[steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss, <the policy's int and bool fields>]``; the
+  eight shared counters are contiguous (``counts``), so the bookkeeping is two kernels.
 * ``f64``: the fields a policy marks ``F64`` (LogMax's moving averages).
 
 Every field is also a 0-dim *view* attribute (``t.scale``, ``t.growth_tracker``, ...), which the
@@ -27,7 +27,7 @@ from .policy import ScaleState, field_kind
 
 _DTYPES = {"f32": torch.float32, "i64": torch.int64, "f64": torch.float64}
 _SHARED_F32 = ("scale", "streak_start_scale", "scale_before")
-_N_COUNTS = 6  # steps, skipped_steps, inf_steps, nan_steps, overflow_streak, streak_nan_steps
+_N_COUNTS = 8  # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss
 
 
 def layout(state_type: type) -> Dict[str, Tuple[str, ...]]:

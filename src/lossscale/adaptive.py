@@ -99,6 +99,7 @@ from .policy import (
     positive_finite,
     register,
     stuck_at_bound_or_streak,
+    unless_bad,
     validate_backoff,
     validate_int,
     validate_stuck,
@@ -255,7 +256,7 @@ class AdaptivePolicy(PolicyBase):
         return AdaptiveState(scale=f32(self.init_scale), hysteresis_tracker=self.hysteresis)
 
     def update(self, state: AdaptiveState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None) -> AdaptiveState:
+               amax: Optional[float] = None, bad_loss: bool = False) -> AdaptiveState:
         """The next state after one iteration.
 
         ``found_inf``: any inf or NaN; ``found_nan``: NaN among them; ``amax``: max |g| of the scaled
@@ -263,6 +264,8 @@ class AdaptivePolicy(PolicyBase):
         """
         if amax is not None and not math.isfinite(amax):
             found_inf, found_nan = True, bool(found_nan) or math.isnan(amax)
+        if bad_loss:  # non-finite before scaling: nothing to learn, nothing to move
+            return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
         lo, hi = self.bounds()
         limit = self.limit_exp
@@ -292,7 +295,7 @@ class AdaptivePolicy(PolicyBase):
             growth, window, hyst = 0, NO_AMAX, self.hysteresis
         return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst, window_exp=window)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync.
 
         ``amax``: float32 0-dim tensor on the state's device, the max |g| of the scaled gradients
@@ -312,7 +315,10 @@ class AdaptivePolicy(PolicyBase):
             measured = ~overflow & (amax > 0)
             zero = ~overflow & (amax == 0)
             e = torch.frexp(amax)[1].to(torch.int64)  # amax < 2**e; meaningless unless measured
-        count_tensor(t, overflow, nan & overflow)
+        if bad_loss is not None:
+            overflow = overflow | bad_loss
+        count_tensor(t, overflow, nan & overflow, bad_loss)
+        hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker", "calibrated", "window_exp"))
         lo, hi = self.bounds()
         window, hyst = t.window_exp, t.hysteresis_tracker
         calibrating = t.calibrated == 0
@@ -342,6 +348,7 @@ class AdaptivePolicy(PolicyBase):
         run_window = torch.where(overflow | check, torch.full_like(window, NO_AMAX), new_window)
         window.copy_(torch.where(calibrating, window, run_window))
         t.calibrated.copy_(t.calibrated | (calibrating & measured))
+        hold()
 
     def is_stuck(self, state: AdaptiveState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

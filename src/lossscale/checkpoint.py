@@ -170,8 +170,12 @@ def _from_v1(cls, fields: Dict[str, Any]) -> Dict[str, Any]:
         fields["window_exp"] = _V1_NO_AMAX if amax_exp == _V1_NO_AMAX - 1 else amax_exp
     elif amax_exp != _V1_NO_AMAX:
         raise ValueError(f"state dict state.amax_exp={amax_exp!r} is measured, but {cls.__name__} does not measure it.")
-    # Version 1 stored every tracker for every policy (static: a hysteresis tracker it never used).
-    return {k: v for k, v in fields.items() if k in names}
+    # Version 1 stored every tracker for every policy (static: a hysteresis tracker it never used),
+    # and had no bad-loss counters (lossscale 0.1 did not check the loss): none were counted.
+    out = {k: v for k, v in fields.items() if k in names}
+    out.setdefault("bad_loss_steps", 0)
+    out.setdefault("streak_bad_loss_steps", 0)
+    return out
 
 
 def _torch_number(sd: Dict[str, Any], key: str, kind: type):

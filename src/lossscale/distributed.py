@@ -95,22 +95,27 @@ def reduction_group(scaler) -> Optional["torch.distributed.ProcessGroup"]:
     return resolve_group(scaler.process_group)
 
 
-def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor], group):
-    """MAX-reduce ``[found_inf, found_nan(, amax)]`` over ``group`` in ONE collective; returns the three
-    (``amax`` None when not given). No host sync.
+def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor], group,
+                     bad_loss: Optional[torch.Tensor] = None):
+    """MAX-reduce ``[found_inf, found_nan(, bad_loss)(, amax)]`` over ``group`` in ONE collective;
+    returns the four (``amax``/``bad_loss`` None when not given). No host sync.
 
     ``amax`` (a needs_amax policy's max |g|) is sent as 0 where it is inf or NaN: a MAX over a NaN
     is not reliably NaN on gloo or NCCL (gloo keeps or drops it by rank order), and it need not be.
     A non-finite amax has set this rank's flags, which reduce exactly, and a needs_amax policy
     ignores the amax of an overflow step.
     """
-    if amax is None:
-        flags = torch.stack([found_inf, found_nan])
-    else:
-        flags = torch.stack([found_inf, found_nan, amax.nan_to_num(0.0, 0.0, 0.0)])
+    parts = [found_inf, found_nan]
+    if bad_loss is not None:
+        parts.append(bad_loss.to(found_inf.dtype))
+    if amax is not None:
+        parts.append(amax.nan_to_num(0.0, 0.0, 0.0))
+    flags = torch.stack(parts)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    values = flags.unbind(0)
-    return values[0], values[1], (values[2] if amax is not None else None)
+    values = list(flags.unbind(0))
+    reduced_amax = values.pop() if amax is not None else None
+    reduced_bad = values.pop() if bad_loss is not None else None
+    return values[0], values[1], reduced_amax, reduced_bad
 
 
 def _collective_device(group, preferred: Optional[torch.device] = None) -> torch.device:

@@ -54,6 +54,7 @@ from .policy import (
     positive_finite,
     register,
     stuck_at_bound_or_streak,
+    unless_bad,
     validate_backoff,
     validate_bounds,
     validate_int,
@@ -144,9 +145,12 @@ class DynamicPolicy(PolicyBase):
         return DynamicState(scale=f32(self.init_scale), hysteresis_tracker=self.hysteresis)
 
     def update(self, state: DynamicState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None) -> DynamicState:
+               amax: Optional[float] = None, bad_loss: bool = False) -> DynamicState:
         """The next state after one iteration. ``found_inf``: any inf or NaN; ``found_nan``: NaN among
-        them; ``amax`` is not used by this policy."""
+        them; ``amax`` is not used by this policy. ``bad_loss``: the loss was non-finite before scaling (not the scale's doing): the step is
+        skipped and counted, the scale and trackers are left as they were."""
+        if bad_loss:
+            return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
         if found_inf:
             hyst = max(state.hysteresis_tracker - 1, 0)
@@ -164,15 +168,16 @@ class DynamicPolicy(PolicyBase):
             growth, hyst = 0, self.hysteresis
         return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
         """:meth:`update` on device tensors, in place, branch-free (no host sync, CUDA-graph safe).
 
         ``found_inf`` / ``found_nan``: float32 0-dim tensors, > 0 meaning true (torch's convention:
         found_inf is a sum of per-device flags).
         """
         torch = _torch()
-        overflow = found_inf > 0
-        count_tensor(t, overflow, (found_nan > 0) & overflow)
+        overflow = found_inf > 0 if bad_loss is None else (found_inf > 0) | bad_loss
+        count_tensor(t, overflow, (found_nan > 0) & overflow, bad_loss)
+        hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker"))
         hyst = t.hysteresis_tracker
         spent = (hyst - 1).clamp_min(0)
         backoff = overflow & (spent == 0)
@@ -190,6 +195,7 @@ class DynamicPolicy(PolicyBase):
         refill = torch.full_like(hyst, self.hysteresis)
         keep = refill if self.consecutive_hysteresis else hyst
         hyst.copy_(torch.where(overflow, spent, torch.where(grow, refill, keep)))
+        hold()
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

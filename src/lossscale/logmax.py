@@ -151,11 +151,14 @@ class LogMaxPolicy(PolicyBase):
         return math.frexp(self.min_scale)[1] - 1, math.frexp(self.max_scale)[1] - 1
 
     def update(self, state: LogMaxState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None) -> LogMaxState:
+               amax: Optional[float] = None, bad_loss: bool = False) -> LogMaxState:
         """The next state after one iteration; ``amax``: max |g| of the *scaled* gradients (None: not
-        measured, then only the step is counted). A non-finite ``amax`` counts as an overflow."""
+        measured, then only the step is counted). A non-finite ``amax`` counts as an overflow.
+        ``bad_loss`` (a loss non-finite before scaling): skipped and counted, nothing learned."""
         if amax is not None and not math.isfinite(amax):
             found_inf, found_nan = True, bool(found_nan) or math.isnan(amax)
+        if bad_loss:
+            return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
         if amax is None and not found_inf:
             return counted
@@ -181,7 +184,7 @@ class LogMaxPolicy(PolicyBase):
         return counted.replace(scale=math.ldexp(1.0, k), x_hat=x_hat, slow_x_hat=slow, xsquared_hat=xsq,
                                b1_correction=b1c, b2_correction=b2c)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync (float64 arithmetic in
         the pure rule's order, so the two agree bitwise)."""
         torch = _torch()
@@ -195,7 +198,10 @@ class LogMaxPolicy(PolicyBase):
             overflow = overflow | ~torch.isfinite(amax)
             nan = nan | torch.isnan(amax)
             learn = torch.ones_like(overflow)
-        count_tensor(t, overflow, nan & overflow)
+        if bad_loss is not None:  # non-finite before scaling: counted, nothing learned
+            overflow = overflow | bad_loss
+            learn = learn & ~bad_loss
+        count_tensor(t, overflow, nan & overflow, bad_loss)
         f64 = torch.float64
         log2_scale = (torch.frexp(t.scale)[1] - 1).to(f64)
         measured = torch.floor(torch.log2(amax.to(f64)) * GRID) / GRID

@@ -23,12 +23,21 @@ What the scaler needs from a policy is :class:`Policy` (the protocol, with defau
 The bookkeeping every policy shares (:func:`count`, and :func:`count_tensor` on device)::
 
     steps += 1
+    found_inf = found_inf or bad_loss             # a non-finite loss skips the step too
     if found_inf:                                 # "some gradient was inf or NaN" (torch's naming)
         skipped_steps += 1; overflow_streak += 1  # the optimizer step is skipped
         inf_steps += not found_nan; nan_steps += found_nan; streak_nan_steps += found_nan
+        bad_loss_steps += bad_loss; streak_bad_loss_steps += bad_loss
         if the streak just began: streak_start_scale = scale
     else:
-        overflow_streak = streak_nan_steps = 0
+        overflow_streak = streak_nan_steps = streak_bad_loss_steps = 0
+
+**The cause is an input.** ``bad_loss`` says the loss (or, with tracing, a forward output) was
+already non-finite before any scaling: the scale did not cause it and cannot cure it, so every policy
+skips such a step *without* backing off and leaves its trackers as they were (:func:`unless_bad`
+holds them on device). A streak of them is stuck after ``max_consecutive_skips`` steps, or
+:data:`BAD_LOSS_STREAK` when that is None: the scale no longer falls, so "an overflow at min_scale"
+can never catch an endless run of bad batches.
 """
 
 from __future__ import annotations
@@ -62,6 +71,9 @@ STUCK_REACTIONS = ("raise", "warn", "ignore")
 #: (computed in float64, applied in float32, as torch does) leaves float32's range near 2**-128, and the
 #: unscaled gradients become inf and NaN that the check, which reads the *scaled* ones, cannot see.
 SMALLEST_SCALE = 2.0**-126
+
+#: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
+BAD_LOSS_STREAK = 10
 
 
 def f32(x: float) -> float:
@@ -103,8 +115,11 @@ class ScaleState:
         skipped_steps: iterations whose optimizer step was skipped because of inf/NaN gradients.
         inf_steps: skipped iterations whose gradients held inf but no NaN.
         nan_steps: skipped iterations whose gradients held NaN (a NaN dominates an inf).
+        bad_loss_steps: skipped iterations whose loss (or, with tracing, a forward output) was
+            non-finite before scaling: skipped without backing off (also counted as inf or NaN).
         overflow_streak: consecutive skipped iterations up to now (0 after a clean step).
         streak_nan_steps: how many of the current streak held NaN.
+        streak_bad_loss_steps: how many of the current streak had a non-finite loss.
         streak_start_scale: the scale when the current streak began (for the diagnosis).
     """
 
@@ -113,8 +128,10 @@ class ScaleState:
     skipped_steps: int = 0
     inf_steps: int = 0
     nan_steps: int = 0
+    bad_loss_steps: int = 0
     overflow_streak: int = 0
     streak_nan_steps: int = 0
+    streak_bad_loss_steps: int = 0
     streak_start_scale: float = 0.0
 
     def replace(self, **changes) -> "ScaleState":
@@ -145,43 +162,66 @@ def field_kind(f: dataclasses.Field) -> str:
     raise TypeError(f"state field {f.name}: type {kind!r} has no device form; use float, int or bool.")
 
 
-def count(state: ScaleState, found_inf: bool, found_nan: bool) -> ScaleState:
-    """The bookkeeping every policy shares: step, skip, inf/NaN and streak counters (pure form)."""
+def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = False) -> ScaleState:
+    """The bookkeeping every policy shares: step, skip, inf/NaN, bad-loss and streak counters (pure form)."""
     if found_nan and not found_inf:
         raise ValueError(
             "found_nan=True with found_inf=False: found_inf means 'any inf or NaN', so a NaN step "
             "must pass found_inf=True as well."
         )
-    if not found_inf:
-        return state.replace(steps=state.steps + 1, overflow_streak=0, streak_nan_steps=0)
+    bad_loss = bool(bad_loss)
+    if not (found_inf or bad_loss):
+        return state.replace(steps=state.steps + 1, overflow_streak=0, streak_nan_steps=0, streak_bad_loss_steps=0)
     return state.replace(
         steps=state.steps + 1,
         skipped_steps=state.skipped_steps + 1,
         inf_steps=state.inf_steps + (not found_nan),
         nan_steps=state.nan_steps + bool(found_nan),
+        bad_loss_steps=state.bad_loss_steps + bad_loss,
         overflow_streak=state.overflow_streak + 1,
         streak_nan_steps=state.streak_nan_steps + bool(found_nan),
+        streak_bad_loss_steps=state.streak_bad_loss_steps + bad_loss,
         streak_start_scale=state.scale if state.overflow_streak == 0 else state.streak_start_scale,
     )
 
 
-def count_tensor(t, overflow, nan) -> None:
-    """:func:`count` on device, in place. ``overflow``, ``nan``: bool 0-dim tensors (nan implies overflow).
+def count_tensor(t, overflow, nan, bad_loss=None) -> None:
+    """:func:`count` on device, in place. ``overflow``, ``nan``: bool 0-dim tensors (nan implies
+    overflow); ``bad_loss``: a bool 0-dim tensor (implies overflow: the caller ORs it in) or None.
 
     ``t`` is the scaler's tensor state: 0-dim views named like the state's fields, ``t.counts`` (the
-    six shared counters, contiguous, in :class:`ScaleState`'s order) and ``t.scale_before``. Call it
+    eight shared counters, contiguous, in :class:`ScaleState`'s order) and ``t.scale_before``. Call it
     first in a tensor rule, while ``t.scale`` still holds the scale this iteration ran with.
     """
     torch = _torch()
     o = overflow.to(torch.int64)
     n = nan.to(torch.int64)
+    b = torch.zeros_like(o) if bad_loss is None else bad_loss.to(torch.int64)
     t.scale_before.copy_(t.scale)
     # The streak starts at this iteration's scale when the previous streak length was 0.
     torch.where(overflow & (t.overflow_streak == 0), t.scale, t.streak_start_scale, out=t.streak_start_scale)
     one = torch.ones_like(o)
-    # steps, skipped, inf, nan, streak, streak_nan: one add and one multiply over the six.
-    t.counts.add_(torch.stack([one, o, o - n, n, one, n]))
-    t.counts[4:].mul_(o)  # a clean step ends the streak
+    # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss: one add, one multiply.
+    t.counts.add_(torch.stack([one, o, o - n, n, b, one, n, b]))
+    t.counts[5:].mul_(o)  # a clean step ends the streak
+
+
+def unless_bad(t, bad_loss, names):
+    """Hold the fields ``names`` of ``t`` as they are when ``bad_loss`` (a bool 0-dim tensor, or None).
+
+    A tensor rule calls ``hold = unless_bad(t, bad_loss, names)`` before it writes, and ``hold()``
+    after: every named field then keeps its old value on a step whose loss was non-finite, which
+    the scale did not cause (the pure rules return ``count(...)`` alone for such a step).
+    """
+    if bad_loss is None:
+        return lambda: None
+    torch = _torch()
+    saved = [(getattr(t, n), getattr(t, n).clone()) for n in names]
+
+    def restore():
+        for field, old in saved:
+            field.copy_(torch.where(bad_loss, old, field))
+    return restore
 
 
 # ---------------------------------------------------------------------------------------- protocol
@@ -207,10 +247,12 @@ class Policy(Protocol):
     def init_state(self) -> ScaleState:
         """The state before the first step."""
 
-    def update(self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None):
-        """The next state after one iteration (pure)."""
+    def update(self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None,
+               bad_loss: bool = False):
+        """The next state after one iteration (pure). ``bad_loss``: the loss was non-finite before
+        scaling: skip without touching the scale or the trackers."""
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
         """The same rule on device tensors, in place, without a host sync."""
 
     def is_stuck(self, state, scale_before: float) -> bool:
@@ -299,6 +341,9 @@ class PolicyBase:
             raise ValueError("state counters disagree: skipped_steps must be <= steps and equal inf_steps + nan_steps.")
         if state.overflow_streak > state.skipped_steps or state.streak_nan_steps > state.overflow_streak:
             raise ValueError("state.overflow_streak / streak_nan_steps exceed the skipped steps they count.")
+        if (state.bad_loss_steps > state.skipped_steps or state.streak_bad_loss_steps > state.overflow_streak
+                or state.streak_bad_loss_steps > state.bad_loss_steps):
+            raise ValueError("state.bad_loss_steps / streak_bad_loss_steps exceed the skipped steps they count.")
 
     # -- construction from GradScaler keywords
     @classmethod
@@ -464,11 +509,18 @@ def warn_not_powers_of_two(policy, names) -> None:
 
 
 def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:
-    """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak."""
+    """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak.
+
+    A streak made only of non-finite losses is stuck after ``max_consecutive_skips`` (or
+    :data:`BAD_LOSS_STREAK`) steps: the scale is not theirs to answer, so the floor does not apply.
+    """
     if state.overflow_streak == 0:
         return False
     if not (math.isfinite(state.scale) and state.scale > 0):
         return True  # a scale of NaN, inf or 0 that the update kept skips every step from now on
+    if state.streak_bad_loss_steps == state.overflow_streak:
+        limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
+        return state.overflow_streak >= limit
     at_min = lowest is not None and scale_before <= f32(lowest)
     too_long = policy.max_consecutive_skips is not None and state.overflow_streak >= policy.max_consecutive_skips
     return at_min or too_long
@@ -479,6 +531,16 @@ def diagnose(policy, state: ScaleState) -> str:
     """A plain-language diagnosis of a stuck run, from the counters alone (no tensors needed)."""
     streak, nan = state.overflow_streak, state.streak_nan_steps
     lo = policy.scale_bounds()[0]
+    if state.streak_bad_loss_steps == streak:
+        return (
+            f"lossscale: the loss was non-finite before any scaling in {streak} consecutive step(s) "
+            f"({nan} with NaN gradients); every one was skipped and the scale kept at {state.scale:g}: the "
+            "scale is not the cause (it only multiplies the backward). This is a data or model problem: a "
+            "bad batch (NaN/inf inputs or labels), a log or sqrt of zero or a negative, a division by zero, "
+            "an fp16 activation that overflowed in the forward, or weights that are already NaN. "
+            "GradScaler(model=model, trace=True) names the first module whose output was non-finite "
+            "(overflow_report()['forward'])."
+        )
     lines = [
         f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "
         f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"

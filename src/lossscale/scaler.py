@@ -1,6 +1,6 @@
 """``lossscale.GradScaler``: a drop-in for ``torch.amp.GradScaler``, a thin adapter around a pure policy.
 
-Configured like torch (``hysteresis=1, min_scale=None, max_scale=None``) it is bitwise torch: the same
+Configured like torch (``hysteresis=1, min_scale=None, max_scale=None, loss_check=False``) it is bitwise torch: the same
 float32 scale, the same fused check+unscale kernel with an inverse scale computed in float64, the same
 update arithmetic, the same skip decisions. Beyond torch it adds hysteresis and bounds, inf told from
 NaN, skip-awareness, a diagnosis when training is stuck, complete versioned checkpoints, a read-only
@@ -107,6 +107,30 @@ def _make_policy(policy, given: Dict[str, Any]):
     return policy
 
 
+def _binades(scale: Optional[float]) -> str:
+    """``2^17`` for a power of two, else the number."""
+    if scale is None:
+        return "?"
+    m, e = math.frexp(scale)
+    return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"
+
+
+def _explain(report: Dict[str, Any]) -> str:
+    """A one-line diagnosis of a skipped step from :meth:`GradScaler.overflow_report`'s fields."""
+    kind = "NaN" if report["nan"] or report["loss"] == "nan" else "inf"
+    if report["forward"] is not None:
+        return (f"{kind} first appeared in the forward output of `{report['forward']}` (before any scaling): "
+                "a model or data problem, not the loss scale (kept).")
+    if report["loss"] != "finite":
+        return (f"the loss itself was {report['loss']} before scaling: a data or model problem (a bad batch, "
+                "log of 0, an overflowed fp16 activation), not the loss scale (kept).")
+    if report["backward"] is not None:
+        return (f"the backward of `{report['backward']}` overflowed fp16 at scale {_binades(report['scale'])}: "
+                "the loss scale (backed off).")
+    where = ", ".join(report["nan"] + report["inf"])[:200] or "some gradient"
+    return f"{kind} in the gradients ({where}) at scale {_binades(report['scale'])}: the loss scale (backed off)."
+
+
 class GradScaler:
     """Loss scaling for FP16 training: torch's ``GradScaler`` contract, exact arithmetic, and more.
 
@@ -169,6 +193,8 @@ class GradScaler:
         model: Any = None,
         process_group: Any = _distributed.DEFAULT_GROUP,
         telemetry: Any = None,
+        loss_check: bool = True,
+        trace: bool = False,
         **policy_keywords: Any,
     ) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
@@ -197,6 +223,22 @@ class GradScaler:
         self._last_report: Optional[Dict[str, List[str]]] = None
         self._warned_streak = False
         self._telemetry = self._make_telemetry(telemetry)
+        for name, value in (("loss_check", loss_check), ("trace", trace)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False.")
+        self._loss_check = loss_check
+        self._tracer = None
+        if trace:
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError("trace=True hooks the model's modules: pass model=<the nn.Module> as well.")
+            from .trace import Tracer
+
+            self._tracer = Tracer(model)
+        self._loss_bad: Optional[torch.Tensor] = None  # this iteration's losses: some non-finite
+        self._losses: List[torch.Tensor] = []  # this iteration's losses, detached (the report's "loss")
+        self._cause = None  # the last possibly skipped iteration's first-cause tensors, for the report
+        self._skip_read: Optional[bool] = None  # the device's skip flag, read once per update()
+        self._skip_cacheable = True  # False after an update() captured in a CUDA graph
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -353,14 +395,18 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
+        if self._tracer is not None:
+            self._tracer.end_forward()  # the forward that produced these outputs is over
         if isinstance(outputs, torch.Tensor):
             t = self._ensure_state(outputs.device)
+            self._check_loss(outputs, t)
             return outputs * _kernels.to_device(t.scale, outputs.device)
         per_device: Dict[torch.device, torch.Tensor] = {}
 
         def apply(value):
             if isinstance(value, torch.Tensor):
                 t = self._ensure_state(value.device)
+                self._check_loss(value, t)
                 scale = per_device.get(value.device)
                 if scale is None:
                     scale = per_device[value.device] = _kernels.to_device(t.scale, value.device)
@@ -378,6 +424,36 @@ class GradScaler:
 
         return apply(outputs)
 
+    def _check_loss(self, loss: torch.Tensor, t: TensorState) -> None:
+        """Remember, on device, whether ``loss`` is non-finite *before* scaling (two small kernels, no
+        sync): then the scale did not cause it, and the step is skipped without backing off.
+
+        An FP16 loss that overflows only once multiplied by the scale is finite here: that one is
+        the scale's doing, and the policy backs off as usual.
+        """
+        if not self._loss_check:
+            return
+        x = loss.detach()
+        # x - x is NaN exactly where x is inf or NaN: one subtraction and one isnan.
+        bad = torch.isnan(x - x)
+        bad = _kernels.to_device(bad if bad.dim() == 0 else bad.any(), t.device)
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        self._losses.append(x)  # for overflow_report()'s "loss" (inf or NaN), read only if asked
+
+    def _bad_loss(self) -> Optional[torch.Tensor]:
+        """This iteration's "non-finite before scaling" flag (loss check, and the traced forward), as a
+        float32 0-dim tensor on the state's device; None when neither is on. A rank that never called
+        :meth:`scale` (a pipeline stage) sends 0, so every rank joins the same collective."""
+        if not self._loss_check and self._tracer is None:
+            return None
+        device = self._t.device
+        bad = torch.zeros((), dtype=torch.bool, device=device) if self._loss_bad is None else self._loss_bad
+        if self._tracer is not None:
+            forward = self._tracer.forward_flag()
+            if forward is not None:
+                bad = bad | _kernels.to_device(forward, device)
+        return bad.float()
+
     def _record(self, optimizer) -> _Record:
         rec = self._records.get(id(optimizer))
         if rec is None:
@@ -392,8 +468,10 @@ class GradScaler:
         if self._telemetry is not None:
             self._telemetry.observe(gathered.params, gathered.grads, self._name_of, self._t.scale,
                                     all_params=gathered.all_params, sharded=gathered.sharded)
+        if self._tracer is not None:
+            self._tracer.end_backward()
         flags = self._check.check_(gathered, self._t.scale, unscale=unscale and not self._passthrough(), sync=sync,
-                                   needs_amax=self._policy.needs_amax)
+                                   needs_amax=self._policy.needs_amax, bad_loss=self._bad_loss())
         self._record(optimizer).flags = flags
         return flags
 
@@ -456,8 +534,10 @@ class GradScaler:
             if self._telemetry is not None:
                 self._telemetry.observe(gathered.params, gathered.grads, self._name_of, t.scale,
                                         all_params=gathered.all_params, sharded=gathered.sharded)
+            if self._tracer is not None:
+                self._tracer.end_backward()
             true_norm, rec.flags = self._check.clip_(gathered, t.scale, max_norm, norm_type, sync=sync,
-                                                     needs_amax=self._policy.needs_amax)
+                                                     needs_amax=self._policy.needs_amax, bad_loss=self._bad_loss())
         rec.stage = OptState.UNSCALED
         return true_norm
 
@@ -530,16 +610,25 @@ class GradScaler:
         found_nan = sum_flags([f.found_nan for f in flags], t.device)
         host_known = all(f.host_found is not None for f in flags)
         host_overflow = any(f.host_found for f in flags)
+        bads = [f.bad_loss for f in flags if f.bad_loss is not None]
+        bad_loss = None if not bads else bads[0] if len(bads) == 1 else torch.stack(bads).any()
+        if not (host_known and not host_overflow):  # possibly skipped: keep what the report needs
+            self._cause = dict(loss_bad=self._loss_bad, losses=self._losses, scale=t.scale.clone(),
+                               trace=None if self._tracer is None else self._tracer.snapshot())
+        elif self._tracer is not None:
+            self._tracer.snapshot()  # a clean iteration: start the next one afresh
         if new_scale is not None:
             if flags:  # the iteration still happened: count it; torch leaves the trackers alone
                 overflow = found_inf > 0
-                count_tensor(t, overflow, (found_nan > 0) & overflow)
+                count_tensor(t, overflow, (found_nan > 0) & overflow, bad_loss)
             self._set_scale(t, new_scale)
         else:
             amaxes = [f.amax for f in flags if f.amax is not None]
             amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
-            self._policy.tensor_update(t, found_inf, found_nan, amax)
+            self._policy.tensor_update(t, found_inf, found_nan, amax, bad_loss)
+        self._loss_bad, self._losses = None, []
         self._last_skipped = host_overflow if host_known else None
+        self._skip_read, self._skip_cacheable = None, not _device.capturing(t.device)
         if host_overflow or not host_known:
             self._report_source = [(f.params, f.amax_vectors) for f in flags if f.amax_vectors]
             self._last_report = None
@@ -605,6 +694,9 @@ class GradScaler:
         if not self._policy.is_stuck(state, scale_before) or self._policy.on_stuck == "ignore":
             return
         message = diagnose(self._policy, state)
+        if self._cause is not None and (self._loss_check or self._tracer is not None):
+            # Rare (the run is stuck): one sync to say where the last skipped step's trouble began.
+            message += "\nThe last skipped step: " + self.overflow_report()["cause"]
         if self._policy.on_stuck == "raise":
             raise RuntimeError(message)
         if not self._warned_streak:
@@ -612,38 +704,74 @@ class GradScaler:
             self._warned_streak = True
 
     # ------------------------------------------------------------------ overflow report
-    def overflow_report(self) -> Dict[str, List[str]]:
-        """Which parameters held inf and which held NaN on the last skipped step.
+    def overflow_report(self) -> Dict[str, Any]:
+        """Why the last step was skipped: which parameters held inf and NaN, and where it began.
 
-        Returns ``{"inf": [...], "nan": [...]}`` of parameter names (as given by ``model=`` or
-        :meth:`name_parameters`, else ``param (shape)``). Empty lists when the last step was not
-        skipped. Reading it syncs host and device when the overflow was found on device.
+        Returns a dict:
+
+        * ``"inf"``, ``"nan"``: names of the parameters whose gradients held inf / NaN (as given by
+          ``model=`` or :meth:`name_parameters`, else ``param (shape)``);
+        * ``"loss"``: ``"finite"``, ``"inf"`` or ``"nan"``: the loss before scaling (``loss_check``);
+        * ``"forward"``: the first module, in execution order, whose output was non-finite, or None;
+        * ``"backward"``: the first module, in backward order, whose input gradient was non-finite, or
+          None (both need ``trace=True``);
+        * ``"scale"``: the scale the step ran with;
+        * ``"cause"``: a one-line diagnosis from the above.
+
+        Empty lists and None when the last step was not skipped. Reading it syncs host and device.
         """
-        if not self.last_step_skipped or not self._report_source:
-            return {"inf": [], "nan": []}
+        empty = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
+                 "cause": "the last step was not skipped."}
+        if not self.last_step_skipped:
+            return empty
         if self._last_report is None:
-            report = {"inf": [], "nan": []}
-            for params, vectors in self._report_source:
+            report = dict(empty, inf=[], nan=[])
+            for params, vectors in self._report_source or []:
                 values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
                 for key, names in names_of(values, params, self._name_of).items():
                     report[key].extend(names)
+            cause = self._cause or {}
+            if cause.get("loss_bad") is not None and bool(cause["loss_bad"].item()):
+                report["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in cause["losses"]) else "inf"
+            if cause.get("trace") is not None:
+                report.update(self._tracer.names_of(cause["trace"]))
+            if cause.get("scale") is not None:
+                report["scale"] = float(cause["scale"].item())
+            report["cause"] = _explain(report)
             self._last_report = report
         return self._last_report
+
+    def close(self) -> None:
+        """Remove the tracing hooks (``trace=True``); the scaler keeps working without them. Idempotent."""
+        if self._tracer is not None:
+            self._tracer.close()
+
+    def __enter__(self) -> "GradScaler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ skip-awareness
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last iteration's optimizer step(s) were skipped (read after :meth:`update`).
 
-        Free when the host already decided the step (optimizers without amp-scaling support); syncs
-        host and device for fused optimizers, whose skip happened on device. Read from the device
-        state, so it stays right under CUDA-graph replay.
+        Free when the host already decided the step (optimizers without amp-scaling support); for
+        fused optimizers, whose skip happened on device, the first read after an :meth:`update` syncs
+        host and device and later reads reuse it. When that update was captured in a CUDA graph, every
+        read syncs: replays change the device state without calling :meth:`update`.
         """
         if self._last_skipped is not None:
             return self._last_skipped
         if self._t is None:
             return False
-        return bool(self._t.overflow_streak.item() > 0)
+        if self._skip_read is not None:
+            return self._skip_read
+        skipped = bool(self._t.overflow_streak.item() > 0)
+        if self._skip_cacheable:
+            self._skip_read = skipped
+        return skipped
 
     @property
     def skipped_steps(self) -> int:
@@ -666,7 +794,7 @@ class GradScaler:
         """Every counter as plain ints: steps, skipped, inf and NaN steps, current streak. Syncs."""
         s = self.state()
         return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
-                "nan_steps": s.nan_steps, "overflow_streak": s.overflow_streak}
+                "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
 
     def metrics(self) -> Dict[str, Union[int, float, bool]]:
         """A flat dict of numbers for any logger (TensorBoard's ``add_scalar``, W&B). Syncs host and device.
@@ -796,6 +924,7 @@ class GradScaler:
         self._check.new_iteration()
         self._observer.reset()
         self._last_skipped, self._report_source, self._last_report = None, None, None
+        self._skip_read, self._cause, self._loss_bad, self._losses = None, None, None, []
         self._warned_streak = False
 
     def __getstate__(self) -> Dict[str, Any]:

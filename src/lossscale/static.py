@@ -25,6 +25,7 @@ from .policy import (
     positive_finite,
     register,
     stuck_at_bound_or_streak,
+    unless_bad,
     validate_stuck,
     warn_not_powers_of_two,
 )
@@ -83,18 +84,24 @@ class StaticPolicy(PolicyBase):
         return StaticState(scale=f32(self.scale))
 
     def update(self, state: StaticState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None) -> StaticState:
-        """Counts the step; the scale never changes."""
+               amax: Optional[float] = None, bad_loss: bool = False) -> StaticState:
+        """Counts the step; the scale never changes. A step with a non-finite loss (``bad_loss``)
+        leaves the clean-step tracker as it was."""
+        if bad_loss:
+            return count(state, True, found_nan, bad_loss=True)
         return count(state, found_inf, found_nan).replace(growth_tracker=0 if found_inf else state.growth_tracker + 1)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
         """:meth:`update` on device tensors, in place: counters only."""
-        overflow = found_inf > 0
-        count_tensor(t, overflow, (found_nan > 0) & overflow)
+        overflow = found_inf > 0 if bad_loss is None else (found_inf > 0) | bad_loss
+        count_tensor(t, overflow, (found_nan > 0) & overflow, bad_loss)
+        hold = unless_bad(t, bad_loss, ("growth_tracker",))
         t.growth_tracker.add_(1).mul_(~overflow)
+        hold()
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
-        """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``."""
-        if self.max_consecutive_skips is None:
-            return state.overflow_streak > 0
+        """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``;
+        a streak of non-finite losses only after ``max_consecutive_skips`` (or ``BAD_LOSS_STREAK``)."""
+        if self.max_consecutive_skips is None and state.streak_bad_loss_steps < state.overflow_streak:
+            return True  # a static scale cannot answer an overflow: every one is "at the minimum"
         return stuck_at_bound_or_streak(self, state, scale_before, None)

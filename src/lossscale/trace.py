@@ -3,10 +3,11 @@ and the first in backward order whose gradient, held inf or NaN. On device, with
 
 By the time the scaler checks the parameter gradients, a NaN has spread backward through every layer
 below its source, so ``overflow_report()`` names them all. A :class:`Tracer` hooks every leaf module
-and keeps, per hook call, one boolean on device ("this output was non-finite"); at the end of the
-forward (the scaler's ``scale(loss)``) and of the backward (its check) the booleans are stacked and
-the first ``True`` is found with tensor ops, so the per-module cost is two small kernels
-(``isfinite(x).all()``) and a list append. Nothing is read on the host until ``overflow_report()``.
+and keeps, per checked tensor, its float32 sum on device (non-finite exactly when the tensor holds
+inf or NaN); at the end of the forward (the scaler's ``scale(loss)``) and of the backward (its
+check) the sums are stacked and the first non-finite one is found with a few tensor ops, so the
+per-module cost is one small kernel and a list append. Nothing is read on the host until
+``overflow_report()``.
 
 Host syncs: none while training; one when a report is read.
 
@@ -14,10 +15,10 @@ Usage (``GradScaler(model=model, trace=True)`` does this for you)::
 
     tracer = Tracer(model)
     ...forward...
-    tracer.end_forward()          # stacks the forward flags (no sync)
+    tracer.end_forward()          # stacks the forward checks (no sync)
     ...backward...
     tracer.end_backward()
-    tracer.first()                # {"forward": "encoder.3.attn" or None, "backward": ...}  (syncs)
+    tracer.names_of(tracer.snapshot())   # {"forward": "encoder.3.attn" or None, "backward": ...}  (syncs)
     tracer.close()                # removes every hook (also: ``with Tracer(model) as t:``)
 """
 
@@ -41,43 +42,57 @@ def _tensors(value) -> List[torch.Tensor]:
     return []
 
 
-def _bad(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A bool 0-dim tensor: any of ``tensors`` holds inf or NaN (None when there is nothing to check)."""
-    out = None
-    for t in tensors:
-        if t.numel():
-            bad = ~torch.isfinite(t.detach()).all()
-            out = bad if out is None else out | bad
-    return out
+def _sums(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """One float32 sum per tensor: non-finite exactly when the tensor holds an inf or a NaN.
 
-
-#: A pass's events are coded ``order * _SLOTS + module_index`` so one ``min`` finds the first in call
-#: order and says which module it was; ``_NONE`` marks "finite".
-_SLOTS = 2**20
-_NONE = 2**62
+    One kernel per tensor, where ``isfinite(x).all()`` costs two. Summed in float32 (an fp16 sum
+    would overflow at 65504); a false alarm needs finite values adding up past 3.4e38.
+    """
+    return [t.detach().sum(dtype=torch.float32) for t in tensors if t.numel()]
 
 
 class _Pass:
-    """One direction's events for the current iteration, as int64 codes on device."""
+    """One direction's checks for the current iteration, on device until a report is read.
+
+    Each hook call appends one float32 sum per tensor and its module index (a host list). A pass ends
+    at :meth:`close`: the sums are stacked and the position of the first non-finite one is found
+    with a handful of kernels, whatever the number of modules; which module that is stays on the
+    host list, so nothing is copied to the device and nothing read back until the report.
+    """
 
     def __init__(self):
-        self.codes: List[torch.Tensor] = []
-        self.first: Optional[torch.Tensor] = None  # int64 0-dim: module index, or -1
+        self.indices: List[int] = []
+        self.sums: List[torch.Tensor] = []
+        self.closed: List[tuple] = []  # (indices, first position tensor, any tensor) per pass
 
-    def add(self, index: int, flag: Optional[torch.Tensor]) -> None:
-        if flag is not None:
-            # A where() with Python scalars: no host-to-device copy, no sync.
-            self.codes.append(torch.where(flag, len(self.codes) * _SLOTS + index, _NONE))
+    def add(self, index: int, sums: List[torch.Tensor]) -> None:
+        self.indices.extend([index] * len(sums))
+        self.sums.extend(sums)
 
     def close(self) -> None:
-        """Fold this pass's events into ``first`` (the first flagged module over the iteration's passes)."""
-        if not self.codes:
+        if not self.sums:
             return
-        device = self.codes[0].device
-        low = torch.stack([c.to(device) for c in self.codes]).min()
-        found = torch.where(low < _NONE, low % _SLOTS, -1)
-        self.first = found if self.first is None else torch.where(self.first >= 0, self.first, found)
-        self.codes = []
+        device = self.sums[0].device
+        bad = ~torch.isfinite(torch.stack([x.to(device) for x in self.sums]))
+        # argmax of a bool vector is its first True (0 when none: read with ``any``).
+        self.closed.append((self.indices, torch.argmax(bad.to(torch.uint8)), bad.any()))
+        self.indices, self.sums = [], []
+
+    def any(self) -> Optional[torch.Tensor]:
+        """A bool 0-dim tensor: some closed pass found a non-finite value (None: nothing checked)."""
+        flags = [a for _, _, a in self.closed]
+        if not flags:
+            return None
+        out = flags[0]
+        for f in flags[1:]:
+            out = out | f
+        return out
+
+    def take(self) -> List[tuple]:
+        """The closed passes, handed over (for a report) and forgotten."""
+        self.close()
+        out, self.closed = self.closed, []
+        return out
 
 
 class Tracer:
@@ -103,8 +118,6 @@ class Tracer:
             if next(module.children(), None) is not None:
                 continue  # leaves only: a container's output is its last leaf's
             index = len(self.names)
-            if index >= _SLOTS:
-                raise ValueError(f"trace=True supports up to {_SLOTS} leaf modules.")
             self.names.append(name or type(module).__name__)
             self._handles.append(module.register_forward_pre_hook(self._inputs_hook(index)))
             self._handles.append(module.register_forward_hook(self._outputs_hook(index)))
@@ -116,12 +129,12 @@ class Tracer:
             if torch.is_grad_enabled():
                 for x in _tensors(args):
                     if x.requires_grad:
-                        x.register_hook(lambda g, i=index: self._bwd.add(i, _bad([g])))
+                        x.register_hook(lambda g, i=index: self._bwd.add(i, _sums([g])))
         return hook
 
     def _outputs_hook(self, index: int):
         def hook(module, args, output):
-            self._fwd.add(index, _bad(_tensors(output)))
+            self._fwd.add(index, _sums(_tensors(output)))
         return hook
 
     # ---------------------------------------------------------------------------------- iteration
@@ -135,22 +148,22 @@ class Tracer:
 
     def forward_flag(self) -> Optional[torch.Tensor]:
         """A bool 0-dim tensor: some forward output of this iteration was non-finite (None: nothing traced)."""
-        return None if self._fwd.first is None else self._fwd.first >= 0
+        return self._fwd.any()
 
-    def snapshot(self) -> Dict[str, Optional[torch.Tensor]]:
-        """This iteration's first-module tensors, kept for the report; then start the next iteration."""
-        self.end_forward()
-        self.end_backward()
-        out = {"forward": self._fwd.first, "backward": self._bwd.first}
-        self._fwd.first = self._bwd.first = None
-        return out
+    def snapshot(self) -> Dict[str, List[tuple]]:
+        """This iteration's checks, kept for the report; then start the next iteration. No sync."""
+        return {"forward": self._fwd.take(), "backward": self._bwd.take()}
 
-    def names_of(self, snap: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[str]]:
-        """``{"forward": name or None, "backward": name or None}`` for a :meth:`snapshot`. Syncs."""
+    def names_of(self, snap: Dict[str, List[tuple]]) -> Dict[str, Optional[str]]:
+        """``{"forward": name or None, "backward": name or None}`` for a :meth:`snapshot`: the first
+        module, over the iteration's passes in order, whose checked value was non-finite. Syncs."""
         out = {}
-        for key, first in snap.items():
-            k = -1 if first is None else int(first.item())
-            out[key] = self.names[k] if k >= 0 else None
+        for key, passes in snap.items():
+            out[key] = None
+            for indices, first, found in passes:
+                if bool(found.item()):
+                    out[key] = self.names[indices[int(first.item())]]
+                    break
         return out
 
     # ---------------------------------------------------------------------------------- lifetime
