@@ -662,7 +662,7 @@ def test_register_refuses_a_nameless_policy_and_registers_the_class():
         register(nameless)
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_scale=2.0**20), dict(max_scale=2.0), dict(min_scale=None)])
+@pytest.mark.parametrize("kwargs", [dict(min_scale=2.0**20), dict(max_scale=2.0), dict(min_scale=None), dict(max_scale=None)])
 def test_a_bound_for_another_policy_is_checked_alone_and_only_warned_about(kwargs):
     """Kills: the bound names missing from _validate_elsewhere's list (then DynamicPolicy(min_scale=2**20)
     is built and refuses, with its own init_scale, a value that was never wrong)."""
@@ -688,3 +688,146 @@ def test_diagnose_tells_nan_at_the_floor_from_nan_that_persisted():
     assert diagnose(p, twice).split("\n")[1].startswith("NaN persisted")
     assert diagnose(StaticPolicy(), StaticPolicy().update(StaticPolicy().init_state(), True)).split("\n")[0].endswith(
         "to 65536.")
+
+
+# ---------------------------------------------------------------- checkpoint: the loader's edges
+def _sd(policy=None, state=None, **changes):
+    """A lossscale state dict (of a dynamic policy unless given), with top-level keys changed."""
+    policy = DynamicPolicy() if policy is None else policy
+    return {**to_dict(policy, policy.init_state() if state is None else state), **changes}
+
+
+def _refused(sd, match, scaler=None):
+    scaler = lossscale.GradScaler() if scaler is None else scaler
+    before = scaler.state()
+    with pytest.raises(ValueError, match=match):
+        quiet(lambda: scaler.load_state_dict(sd))
+    assert scaler.state() == before
+
+
+def test_lossscale_dict_refusals_name_what_is_wrong():
+    """Kills: the loader's lists of missing/unknown keys emptied or ``or`` turned ``and`` (a dict then
+    fails later with a TypeError or KeyError, or loads a default in place of a missing key), the names
+    in its type checks, an unhashable policy_type reaching the registry."""
+    base = _sd()
+    _refused({"lossscale_version": 2}, "missing")
+    _refused({**base, "policy_type": ["DynamicPolicy"]}, "policy_type")
+    _refused({**base, "policy": []}, "'policy' must be a dict")
+    _refused({**base, "state": []}, "'state' must be a dict")
+    _refused({**base, "policy": {**base["policy"], "bogus": 1}}, "unknown keys")
+    config = dict(base["policy"])
+    del config["hysteresis"]
+    _refused({**base, "policy": config}, "missing keys")
+    adaptive = _sd(AdaptivePolicy())
+    del adaptive["policy"]["fmt"]  # only version 1 may lack it
+    _refused(adaptive, "missing keys")
+    _refused({**base, "state": {**base["state"], "bogus": 1}}, "unknown keys")
+    state = dict(base["state"])
+    del state["steps"]
+    _refused({**base, "state": state}, "missing keys")
+
+
+def test_every_torch_copy_in_a_lossscale_dict_is_checked():
+    """Kills: the torch-key check stopping at the first key that is absent (``break`` for ``continue``)."""
+    sd = _sd()
+    del sd["scale"]
+    sd["growth_factor"] = 3.0
+    _refused(sd, "'growth_factor'")
+
+
+def test_a_loaded_measuring_state_holds_floats_where_the_device_does():
+    """Kills: ``_as_held`` not converting float64 fields (an int x_hat stays an int until the first step)."""
+    p = LogMaxPolicy()
+    sd = _sd(p, p.init_state().replace(x_hat=1, slow_x_hat=2, xsquared_hat=4))
+    scaler = lossscale.GradScaler()
+    quiet(lambda: scaler.load_state_dict(sd))
+    s = scaler.state()
+    assert all(type(getattr(s, n)) is float for n in ("x_hat", "slow_x_hat", "xsquared_hat"))
+
+
+def _v1_adaptive(amax_exp):
+    config = dict(init_scale=65536.0, margin_bits=5, growth_interval=100, search_bits=16, backoff_factor=0.5,
+                  hysteresis=1, consecutive_hysteresis=False, min_scale=1.0, max_scale=16777216.0, on_stuck="warn",
+                  max_consecutive_skips=None)
+    state = dict(scale=65536.0, growth_tracker=0, hysteresis_tracker=1, steps=0, skipped_steps=0, inf_steps=0,
+                 nan_steps=0, overflow_streak=0, streak_nan_steps=0, streak_start_scale=0.0, amax_exp=amax_exp)
+    return {"scale": 65536.0, "growth_factor": 1.0, "backoff_factor": 0.5, "growth_interval": 100,
+            "_growth_tracker": 0, "lossscale_version": 1, "policy_type": "AdaptivePolicy", "policy": config,
+            "state": state}
+
+
+@pytest.mark.parametrize("amax_exp", [-160, 140])
+def test_v1_adaptive_window_on_the_edge_loads(amax_exp):
+    """Kills: version 1's amax_exp range moved inward by one."""
+    scaler = lossscale.GradScaler(policy="adaptive")
+    scaler.load_state_dict(_v1_adaptive(amax_exp))
+    assert scaler.state().window_exp == amax_exp
+
+
+@pytest.mark.parametrize("amax_exp", [-161, 141])
+def test_v1_adaptive_window_beyond_the_edge_is_refused(amax_exp):
+    _refused(_v1_adaptive(amax_exp), "amax_exp", lossscale.GradScaler(policy="adaptive"))
+
+
+def test_torch_dict_edges():
+    """Kills: the torch loader's bounds made strict (a scale on min_scale, max_scale or float32's
+    smallest normal refused), its tracker check weakened (then check_state refuses it instead, without
+    naming the torch key), its per-key validation dropped (the error no longer names the key), and a
+    numpy value's size read from anywhere but ``size``."""
+    torch_sd = dict(scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=5, _growth_tracker=4)
+    for scale in (2.0, 2.0**20):
+        s = lossscale.GradScaler(min_scale=2.0, max_scale=2.0**20, growth_interval=5)
+        s.load_state_dict({**torch_sd, "scale": scale})
+        assert s.get_scale() == scale and s._get_growth_tracker() == 4
+    tiny = lossscale.GradScaler(min_scale=None, growth_interval=5)
+    tiny.load_state_dict({**torch_sd, "scale": 2.0**-126})
+    assert tiny.get_scale() == 2.0**-126
+    _refused({**torch_sd, "_growth_tracker": 5}, "'_growth_tracker'", lossscale.GradScaler(growth_interval=5))
+    _refused({**torch_sd, "growth_factor": 0.5}, "^state dict 'growth_factor'", lossscale.GradScaler(growth_interval=5))
+    s = lossscale.GradScaler(growth_interval=5)
+    s.load_state_dict({**torch_sd, "scale": np.float32(8.0), "_growth_tracker": np.int64(3)})
+    assert s.get_scale() == 8.0 and s._get_growth_tracker() == 3
+    _refused({**torch_sd, "scale": np.array([2.0, 4.0])}, "one number", lossscale.GradScaler(growth_interval=5))
+
+
+def test_a_replaced_policy_is_named_in_the_warning():
+    """Kills: the warning's ``what`` losing the two policy names (test_checkpoint's version of this
+    also checks the warning's line, which mutmut's trampolines move, so the mutation run leaves it out)."""
+    scaler = lossscale.GradScaler()
+    with pytest.warns(UserWarning, match="DynamicPolicy -> AdaptivePolicy"):
+        scaler.load_state_dict(_sd(AdaptivePolicy()))
+
+
+@pytest.mark.parametrize("changes, name", [
+    (dict(x_hat=1024.0, slow_x_hat=-1024.0, xsquared_hat=1024.0**2), None),
+    (dict(xsquared_hat=0.0), None),
+    (dict(x_hat=1024.5), "x_hat"),
+    (dict(slow_x_hat=-1024.5), "slow_x_hat"),
+    (dict(xsquared_hat=1024.0**2 + 1), "xsquared_hat"),
+    (dict(xsquared_hat=-1.0), "xsquared_hat"),
+    (dict(b1_correction=1.5), "b1_correction"),
+])
+def test_logmax_state_bounds(changes, name):
+    """Kills: LogMax's bounds on its averages moved or swapped (x*x is bounded by the square)."""
+    p = LogMaxPolicy()
+    s = p.init_state().replace(**changes)
+    if name is None:
+        p.check_state(s)
+    else:
+        with pytest.raises(ValueError, match=name):
+            p.check_state(s)
+
+
+def test_check_state_keeps_the_scale_within_float32s_normal_range():
+    """Kills: the smallest normal refused (``<`` for ``<=``)."""
+    p = DynamicPolicy(init_scale=1.0, min_scale=None)
+    p.check_state(p.init_state().replace(scale=2.0**-126))
+    with pytest.raises(ValueError, match="scale"):
+        p.check_state(p.init_state().replace(scale=2.0**-127))
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(min_scale=-1.0), "min_scale"), (dict(max_scale=0.0), "max_scale")])
+def test_a_bad_bound_for_another_policy_is_refused_by_name(kwargs, name):
+    """Kills: _validate_elsewhere checking the bound under another name, or not at all."""
+    with pytest.raises(ValueError, match=f"^{name}="):
+        lossscale.GradScaler(policy="static", **kwargs)
