@@ -119,7 +119,7 @@ def _explain(report: Dict[str, Any]) -> str:
     """A one-line diagnosis of a skipped step from :meth:`GradScaler.overflow_report`'s fields."""
     kind = "NaN" if report["nan"] or report["loss"] == "nan" else "inf"
     if report["forward"] is not None:
-        return (f"{kind} first appeared in the forward output of `{report['forward']}` (before any scaling): "
+        return (f"inf/NaN first appeared in the forward output of `{report['forward']}` (before any scaling): "
                 "a model or data problem, not the loss scale (kept).")
     if report["loss"] != "finite":
         return (f"the loss itself was {report['loss']} before scaling: a data or model problem (a bad batch, "
