@@ -95,11 +95,18 @@ class _Pass:
         return out
 
 
+#: Leaf modules that cannot *originate* a non-finite value: finite inputs give finite outputs and
+#: finite gradients (bounded, or a mask of their input), so a non-finite value there was already
+#: non-finite in a neighbour, which is checked. Not hooking them halves the cost on a plain MLP.
+PASS_THROUGH = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.Tanh, torch.nn.Sigmoid,
+                torch.nn.Hardtanh, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten)
+
+
 class Tracer:
     """Hooks on every leaf module of ``model`` that find the first non-finite forward output and the
     first module whose backward produced a non-finite gradient.
 
-    Forward: a forward hook checks each leaf's output. Backward: a tensor hook on each leaf's inputs
+    Forward: a forward hook checks each leaf's output (leaves in :data:`PASS_THROUGH` are skipped). Backward: a tensor hook on each leaf's inputs
     sees the gradient *its* backward computed (a module hook would wrap outputs and break in-place
     ops such as ``ReLU(inplace=True)``). The gradient of the loss itself is not a module's: a
     non-finite loss shows as the last module in backward order, and the scaler's loss check names it.
@@ -115,8 +122,8 @@ class Tracer:
         self._handles = []
         self._fwd, self._bwd = _Pass(), _Pass()
         for name, module in model.named_modules():
-            if next(module.children(), None) is not None:
-                continue  # leaves only: a container's output is its last leaf's
+            if next(module.children(), None) is not None or isinstance(module, PASS_THROUGH):
+                continue  # leaves only (a container's output is its last leaf's), and not pass-throughs
             index = len(self.names)
             self.names.append(name or type(module).__name__)
             self._handles.append(module.register_forward_pre_hook(self._inputs_hook(index)))
