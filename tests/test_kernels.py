@@ -127,3 +127,34 @@ def test_a_copy_to_the_cpu_that_is_read_at_once_is_blocking(monkeypatch):
     y = torch.ones(3)
     assert _kernels.to_device(y, torch.device("cpu")) is y  # same device: no copy at all
     assert seen == [("meta", True), ("cpu", False)]
+
+
+def test_a_device_without_float64_unscales_by_the_exact_float32_reciprocal(monkeypatch):
+    # MPS has no float64: the reciprocal is taken in float32 there, which is exact for a power of two
+    # (and equal to the float64 route torch takes elsewhere). CPU stands in for such a device here.
+    from lossscale import _device
+
+    scales = [torch.tensor(2.0**k) for k in (-20, 0, 16, 24)]
+    via64 = [_device.reciprocal(s) for s in scales]
+    monkeypatch.setattr(_device, "_NO_FLOAT64", ("cpu",))
+    direct = [_device.reciprocal(s) for s in scales]
+    assert all(torch.equal(a, b) and a.dtype == torch.float32 for a, b in zip(via64, direct))
+
+
+def test_snapshots_from_a_device_without_events_are_blocking_copies(monkeypatch):
+    # Only CUDA copies are queued and waited for with an event; elsewhere (XPU, MPS, ...) the copy
+    # blocks and its "event" is complete, so the host never reads a buffer still being filled.
+    from lossscale import _device
+
+    seen = []
+
+    class Src:
+        device = torch.device("xpu")
+
+    class Dst:
+        def copy_(self, src, non_blocking=False):
+            seen.append(non_blocking)
+
+    _device.copy_to_host_(Dst(), Src())
+    assert seen == [False] and _device.record_event(torch.device("xpu")).query()
+    assert not _device.capturing(torch.device("xpu"))
