@@ -150,6 +150,25 @@ class LogMaxPolicy(PolicyBase):
     def _exponent_range(self):
         return math.frexp(self.min_scale)[1] - 1, math.frexp(self.max_scale)[1] - 1
 
+    def _averages(self, s, x):
+        """The moving averages after one more sample ``x``, and what the rule reads from them.
+
+        The source's arithmetic, written once for both forms: ``s`` is the pure state (Python floats)
+        or the tensor state (float64 0-dim tensors) and ``x`` the same kind; the operators are IEEE
+        float64 on both, in this order, so the two forms agree bitwise. Returns
+        ``(x_hat, slow_x_hat, xsquared_hat, b1_correction, b2_correction, mu, variance)``.
+        """
+        b1, b2 = self.beta1, self.beta2
+        x_hat = b1 * s.x_hat + (1 - b1) * x
+        b1c = s.b1_correction * b1
+        mu = x_hat / (1 - b1c)
+        slow = b2 * s.slow_x_hat + (1 - b2) * x
+        xsq = b2 * s.xsquared_hat + (1 - b2) * (x * x)
+        b2c = s.b2_correction * b2
+        e_xsq = xsq / (1 - b2c)
+        slow_mu = slow / (1 - b2c)
+        return x_hat, slow, xsq, b1c, b2c, mu, e_xsq - slow_mu * slow_mu
+
     def update(self, state: LogMaxState, found_inf: bool, found_nan: bool = False,
                amax: Optional[float] = None, bad_loss: bool = False) -> LogMaxState:
         """The next state after one iteration; ``amax``: max |g| of the *scaled* gradients (None: not
@@ -169,16 +188,8 @@ class LogMaxPolicy(PolicyBase):
             x = float(self.flush_exp - log2_scale)
         else:
             x = math.floor(math.log2(amax) * GRID) / GRID - log2_scale
-        b1, b2 = self.beta1, self.beta2
-        x_hat = b1 * state.x_hat + (1 - b1) * x
-        b1c = state.b1_correction * b1
-        mu = x_hat / (1 - b1c)
-        slow = b2 * state.slow_x_hat + (1 - b2) * x
-        xsq = b2 * state.xsquared_hat + (1 - b2) * (x * x)
-        b2c = state.b2_correction * b2
-        e_xsq = xsq / (1 - b2c)
-        slow_mu = slow / (1 - b2c)
-        sigma = math.sqrt(max(e_xsq - slow_mu * slow_mu, 0.0))
+        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(state, x)
+        sigma = math.sqrt(max(var, 0.0))
         lo, hi = self._exponent_range()
         k = min(max(math.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)), lo), hi)
         return counted.replace(scale=math.ldexp(1.0, k), x_hat=x_hat, slow_x_hat=slow, xsquared_hat=xsq,
@@ -207,16 +218,8 @@ class LogMaxPolicy(PolicyBase):
         measured = torch.floor(torch.log2(amax.to(f64)) * GRID) / GRID
         x = torch.where(overflow, torch.full_like(log2_scale, self.limit_exp),
                         torch.where(amax == 0, torch.full_like(log2_scale, self.flush_exp), measured)) - log2_scale
-        b1, b2 = self.beta1, self.beta2
-        x_hat = b1 * t.x_hat + (1 - b1) * x
-        b1c = t.b1_correction * b1
-        mu = x_hat / (1 - b1c)
-        slow = b2 * t.slow_x_hat + (1 - b2) * x
-        xsq = b2 * t.xsquared_hat + (1 - b2) * (x * x)
-        b2c = t.b2_correction * b2
-        e_xsq = xsq / (1 - b2c)
-        slow_mu = slow / (1 - b2c)
-        sigma = torch.sqrt((e_xsq - slow_mu * slow_mu).clamp_min(0.0))
+        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, x)
+        sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)
         scale = ((k + 1023) << 52).view(f64).float()  # 2**k from its bit pattern: exact
