@@ -60,7 +60,7 @@ def test_runspec_validates_clip_order():
 def test_clip_runs_record_norms(data):
     import lossscale
 
-    spec = RunSpec("w", "w", make_scaler=lambda: lossscale.GradScaler("cpu", policy="static", init_scale=2.0**10),
+    spec = RunSpec("w", "w", make_scaler=lambda model: lossscale.GradScaler("cpu", policy="static", init_scale=2.0**10),
                    clip="clip_scaled", epochs=1)
     run = train(spec, TrainConfig(epochs=1), data)
     assert all(s["clip_fired"] for s in run.steps)
@@ -164,9 +164,9 @@ def test_demo_scalers_record_telemetry_every_step():
     for spec in main + [spec for _, spec in sweep]:
         if spec.make_scaler is None or spec.name == "torch_default":
             continue
-        scaler = spec.make_scaler()
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
+        scaler = spec.make_scaler(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         headroom = []
         for k in range(3):
@@ -220,3 +220,126 @@ def test_header_says_what_the_shift_is_for_in_plain_words():
                   "FP32 is unaffected"):
         assert words in text, words
     assert max(len(line) for line in text.splitlines()) <= 110
+
+
+# ---------------------------------------------------------------------------------------------- bad batches
+def test_bad_steps_are_picked_per_seed():
+    from lossscale.demo.bad_batches import pick_bad_steps
+
+    a = pick_bad_steps(200, 0.1, seed=0)
+    assert a == pick_bad_steps(200, 0.1, seed=0) and a == sorted(set(a)) and len(a) == 20
+    assert all(0 <= s < 200 for s in a)
+    assert a != pick_bad_steps(200, 0.1, seed=1)
+    assert pick_bad_steps(200, 0.0, seed=0) == []
+    with pytest.raises(ValueError, match="frac=1.5"):
+        pick_bad_steps(200, 1.5, seed=0)
+
+
+def test_runspec_diagnose_needs_a_scaler():
+    with pytest.raises(ValueError, match="diagnose"):
+        RunSpec("x", "x", diagnose=True)
+
+
+@pytest.fixture(scope="module")
+def bad(data):
+    """The bad-batch section's three runs, small: 2 epochs, a quarter of the batches corrupt."""
+    from lossscale.demo import bad_batches as B
+    from lossscale.demo.workload import steps_per_epoch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tc = TrainConfig(epochs=2)
+        steps = B.pick_bad_steps(2 * steps_per_epoch(tc, data), 0.25, seed=0)
+        runs = {spec.name: train(spec, tc, data) for spec in B.plan(steps, epochs=2)}
+    finally:
+        torch.set_num_threads(threads)
+    return B.BadBatches(runs, B.figures(runs, steps), epochs=2, frac=0.25, wall_s=1.0)
+
+
+def test_bad_batches_cost_torch_the_scale_and_lossscale_nothing(bad):
+    f = bad.figures
+    n_bad, bad_steps = f["n_bad"], f["bad_steps"]
+    assert n_bad == round(0.25 * f["n_steps"]) >= 8
+    r = f["runs"]
+    # Both skip exactly the corrupt steps; the clean run skips none.
+    assert f["skipped_steps"]["bad_torch"] == f["skipped_steps"]["bad_lossscale"] == bad_steps
+    assert f["skipped_steps"]["bad_clean"] == []
+    # torch halves on every one of them, from its 2^16.
+    assert r["bad_torch"]["first_scale"] == 2.0**16
+    assert r["bad_torch"]["final_scale"] == 2.0 ** (16 - n_bad) and r["bad_torch"]["backoffs"] == n_bad
+    # lossscale: the clean run's scale at every step, no backoff, and every corrupt step counted as a bad loss.
+    assert bad.runs["bad_lossscale"].series("loss_scale") == bad.runs["bad_clean"].series("loss_scale")
+    assert f["lossscale_steps_off_clean_scale"] == 0
+    assert r["bad_lossscale"]["final_scale"] == r["bad_clean"]["final_scale"] == 2.0**16
+    assert r["bad_lossscale"]["backoffs"] == 0 and r["bad_lossscale"]["min_scale"] == 2.0**16
+    assert r["bad_lossscale"]["bad_loss_steps"] == n_bad and r["bad_clean"]["bad_loss_steps"] == 0
+    assert r["bad_torch"]["bad_loss_steps"] is None  # torch has no such counter
+    # Only the corrupt batches were touched: the clean run carries no "injected" flag at all.
+    assert [s["step"] for s in bad.runs["bad_lossscale"].steps if s["injected"]] == bad_steps
+    assert all("injected" not in s for s in bad.runs["bad_clean"].steps)
+
+
+def test_bad_batch_diagnosis_names_the_loss_and_the_first_layer(bad):
+    f = bad.figures
+    d = f["first_diagnosis"]
+    assert f["first_bad_step"] == f["bad_steps"][0]
+    assert d["loss"] == "nan" and d["forward"] == "fc1" and d["scale"] == 2.0**16
+    assert "`fc1`" in d["cause"] and "forward" in d["cause"] and "not the loss scale" in d["cause"]
+    # Every skipped step was diagnosed, and each the same way.
+    assert sum(f["causes"].values()) == f["n_bad"] and list(f["causes"]) == [d["cause"]]
+
+
+def test_bad_batch_section_summary_and_terminal_lines(bad, tmp_path):
+    """The report section, summary.json's "bad_batches" entry and the terminal lines show the measured figures."""
+    import json
+    from html import unescape
+
+    from lossscale.demo import render
+    from lossscale.demo.claims import p2, pct
+    from lossscale.report import html
+
+    f = bad.figures
+    r = f["runs"]
+    sec = render._bad_batch_section(bad, "caption")
+    assert sec.anchor == "bad-batches" and sec.verdict is None  # a section, not a claim
+    assert sec.images == [("bad_batches.png", "caption")]
+    page = unescape(html._section(sec))
+    for words in (f"{f['n_bad']} of the {f['n_steps']} batches", f"{p2(2.0**16)} -> {p2(r['bad_torch']['final_scale'])}",
+                  f"{p2(2.0**16)} throughout", pct(r["bad_torch"]["final_acc"]), pct(r["bad_lossscale"]["final_acc"]),
+                  pct(r["bad_clean"]["final_acc"]), "the clean run's scale at every step", "exactly the",
+                  f["first_diagnosis"]["cause"]):
+        assert words in page, words
+    header, rows = sec.grid
+    assert [row[0] for row in rows] == [bad.runs[n].label for n in ("bad_clean", "bad_torch", "bad_lossscale")]
+
+    summary = {"claims": {}, "runs": {}, "config": {}, "timings": {"total": 1.0},
+               "bad_batches": render.bad_batch_summary(bad)}
+    render.write_summary(summary, str(tmp_path))
+    got = json.loads((tmp_path / "summary.json").read_text())["bad_batches"]
+    assert got["figures"]["runs"]["bad_torch"]["final_scale"] == r["bad_torch"]["final_scale"]
+    assert got["figures"]["first_diagnosis"]["forward"] == "fc1"
+    assert got["runs"]["bad_lossscale"]["per_step"]["loss_scale"] == bad.runs["bad_lossscale"].series("loss_scale")
+    assert [i for i, x in enumerate(got["runs"]["bad_torch"]["per_step"]["injected"]) if x] == f["bad_steps"]
+
+    lines = render.terminal_summary(summary, str(tmp_path)).splitlines()
+    text = " ".join(line.strip() for line in lines)
+    assert f"bad batches ({f['n_bad']} of {f['n_steps']} with a NaN input row)" in text
+    assert f"torch's scale 2^16 -> {p2(r['bad_torch']['final_scale'])}" in text and "lossscale's 2^16 throughout" in text
+    assert "forward output of `fc1`" in text
+    start = next(i for i, line in enumerate(lines) if line.startswith("bad batches ("))
+    ours = lines[start:lines.index("", start)]
+    assert 2 <= len(ours) <= 4 and max(len(line) for line in ours) <= 110, ours
+
+
+def test_bad_batch_plot_is_a_png(bad, tmp_path):
+    pytest.importorskip("matplotlib")
+    from lossscale.report import plots
+
+    runs = {n: {"label": r.label, "step": r.series("step"), "loss_scale": r.series("loss_scale"),
+                "skipped": r.series("skipped"), "final_scale": r.final_scale,
+                "epoch": [e["epoch"] for e in r.epochs], "test_acc": [e["test_acc"] for e in r.epochs]}
+            for n, r in bad.runs.items()}
+    path = plots.plot_bad_batches(str(tmp_path / "bad.png"), runs, chance=0.1)
+    with open(path, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"

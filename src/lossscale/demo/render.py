@@ -16,14 +16,15 @@ from ..report import plots
 from ..report.html import Section, write_html
 from ..report.schema import _clean, write_jsonl
 from ..stats import grad_stats
+from . import bad_batches as B
 from .claims import ClaimResult, overflow_envelope, overflow_line, p2, pct
 from .workload import RunResult
 
-__all__ = ["render", "write_summary", "terminal_summary", "SUMMARY_VERSION"]
+__all__ = ["render", "write_summary", "terminal_summary", "bad_batch_summary", "SUMMARY_VERSION"]
 
 SUMMARY_VERSION = 1
 _CURVE_RUNS = ("fp32", "fp16_noscale", "static", "dynamic", "adaptive", "torch_default")
-_STEP_KEYS = ("loss", "loss_scale", "skipped", "grad/headroom_bits", "act/flushed_frac", "clip_fired",
+_STEP_KEYS = ("loss", "loss_scale", "skipped", "injected", "grad/headroom_bits", "act/flushed_frac", "clip_fired",
               "true_norm", "applied_norm")
 
 
@@ -235,6 +236,20 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
     by_id["C6"].images.append(("telemetry_dynamic.png", "The dynamic run's telemetry (written to dynamic.jsonl; "
                                "`lossscale report dynamic.jsonl` draws the same): scale and skips, share of exact "
                                "activation gradients flushed at the scale in use, headroom of the gradients."))
+
+    # Bad batches (issue 13; a section of its own, not a claim).
+    bb = result.bad_batches
+    if bb is not None:
+        plots.plot_bad_batches(img("bad_batches.png"), {
+            n: {"label": r.label, "step": r.series("step"), "loss_scale": r.series("loss_scale"),
+                "skipped": r.series("skipped"), "final_scale": r.final_scale,
+                "epoch": [e["epoch"] for e in r.epochs], "test_acc": [e["test_acc"] for e in r.epochs]}
+            for n, r in bb.runs.items()}, chance=result.chance,
+            title=f"{bb.figures['n_bad']} of {bb.figures['n_steps']} batches with a NaN input row: torch's "
+                  "scale against lossscale's")
+        data["bad_batches"] = {"caption": "Left: the loss scale each step ran with (x: a skipped step); the line ends "
+                               "with the scale after the last update. The wide grey line is the clean run, under "
+                               "lossscale's where they agree. Right: test accuracy per epoch."}
     return data
 
 
@@ -270,9 +285,87 @@ def render(result, out_dir: str) -> Dict[str, Any]:
         "layer_probe": result.layer_probe,
         "plots": plotted,
     }
+    if result.bad_batches is not None:
+        summary["bad_batches"] = bad_batch_summary(result.bad_batches)
     _write_html(result, summary, out_dir)
     write_summary(summary, out_dir)
     return summary
+
+
+def _scale_path(run: Dict[str, Any]) -> str:
+    """``"2^16 -> 2^-19"``, or ``"2^16 throughout"`` when the scale never moved."""
+    first, final, low = run["first_scale"], run["final_scale"], run["min_scale"]
+    if first == final == low == run["max_scale"]:
+        return f"{p2(first)} throughout"
+    return f"{p2(first)} -> {p2(final)}" + ("" if low == final else f" (lowest {p2(low)})")
+
+
+def bad_batch_summary(bb: "B.BadBatches") -> Dict[str, Any]:
+    """The bad-batch section's entry in ``summary.json`` (key ``"bad_batches"``)."""
+    return {
+        "what": "issue 13: a share of the batches carry a NaN input row (a NaN loss before scaling); "
+                "torch.amp.GradScaler against lossscale.GradScaler(trace=True), and a clean run",
+        "frac": bb.frac, "epochs": bb.epochs, "wall_s": round(bb.wall_s, 3), "headline": _bad_headline(bb.figures),
+        "figures": bb.figures, "runs": {name: _run_dict(r) for name, r in bb.runs.items()},
+    }
+
+
+def _bad_headline(f: Dict[str, Any]) -> str:
+    r = f["runs"]
+    return (f"torch's scale {_scale_path(r['bad_torch'])}, acc {pct(r['bad_torch']['final_acc'])}; lossscale's "
+            f"{_scale_path(r['bad_lossscale'])}, acc {pct(r['bad_lossscale']['final_acc'])} "
+            f"(clean run {pct(r['bad_clean']['final_acc'])})")
+
+
+def _bad_batch_section(bb: "B.BadBatches", caption: str) -> Section:
+    f = bb.figures
+    r = f["runs"]
+    tor, ls, clean = r["bad_torch"], r["bad_lossscale"], r["bad_clean"]
+    bad = f["bad_steps"]
+    if f["skipped_steps"]["bad_torch"] == bad and f["skipped_steps"]["bad_lossscale"] == bad:
+        skips = f"Both scalers skip exactly the {f['n_bad']} corrupt steps."
+    else:
+        skips = (f"torch's scaler skips {tor['skipped_steps']} steps and lossscale's {ls['skipped_steps']}, for "
+                 f"{f['n_bad']} corrupt ones.")
+    off = f["lossscale_steps_off_clean_scale"]
+    same = ("the clean run's scale at every step" if off == 0 else
+            f"off the clean run's scale at {off} of {f['n_steps'] + 1} points")
+    text = [
+        f"{f['n_bad']} of the {f['n_steps']} batches ({pct(f['n_bad'] / max(f['n_steps'], 1))}) of a "
+        f"{bb.epochs}-epoch run each carry one corrupt example: its input row is set to NaN, so the batch's loss is "
+        "NaN before any scaling. Data, model init, batch order, loss shift and FP16 autocast are those of the runs "
+        "above. Both scalers are used as shipped, torch.amp.GradScaler(\"cpu\") and "
+        "lossscale.GradScaler(model=model, trace=True), on the same batches; the clean run is the lossscale run "
+        "without the corrupt batches.",
+        "The loss scale multiplies only the backward: it neither causes nor cures a NaN loss. " + skips +
+        f" torch's scaler also backs off, {tor['backoffs']} times: its scale goes {_scale_path(tor)}, and its test "
+        f"accuracy ends at {pct(tor['final_acc'])}. lossscale counts them as bad_loss_steps ({ls['bad_loss_steps']}) "
+        f"and {'does not back off' if ls['backoffs'] == 0 else 'backs off ' + str(ls['backoffs']) + ' times'}: "
+        f"its scale is {_scale_path(ls)}, {same}, and its test accuracy ends at {pct(ls['final_acc'])} (clean run: "
+        f"{pct(clean['final_acc'])}).",
+    ]
+    rows = []
+    diag = f.get("first_diagnosis")
+    if diag:
+        causes = f["causes"]
+        same_cause = (f" All {sum(causes.values())} skipped steps got this diagnosis." if len(causes) == 1 else
+                      f" The {sum(causes.values())} skipped steps got {len(causes)} different diagnoses "
+                      "(summary.json counts them).")
+        text.append(f"lossscale's diagnosis of the first corrupt batch (step {f['first_bad_step']}), "
+                    f"overflow_report()[\"cause\"]: \u201c{diag['cause']}\u201d" + same_cause)
+        rows = [("the first corrupt batch", f"step {f['first_bad_step']}"),
+                ('overflow_report()["loss"]: the loss before scaling', str(diag.get("loss"))),
+                ('["forward"]: the first module whose forward output was non-finite', str(diag.get("forward"))),
+                ('["backward"]: the first module, in backward order, with a non-finite gradient',
+                 str(diag.get("backward"))),
+                ('["scale"]: the scale the step ran with', p2(diag.get("scale"))),
+                ('["nan"]: parameters with NaN gradients', str(len(diag.get("nan") or [])))]
+    grid = (["run", "test accuracy", "skipped steps", "bad_loss_steps", "loss scale", "backoffs", "seconds"],
+            [[bb.runs[n].label, pct(x["final_acc"]), f"{x['skipped_steps']} of {x['steps']}",
+              "n/a" if x["bad_loss_steps"] is None else str(x["bad_loss_steps"]), _scale_path(x), str(x["backoffs"]),
+              f"{bb.runs[n].wall_s:.1f}"] for n, x in ((n, r[n]) for n in B.NAMES)])
+    return Section("Bad batches: a NaN loss is not the scale's fault", text=text, figures=rows, grid=grid,
+                   images=[("bad_batches.png", caption)], anchor="bad-batches")
 
 
 def write_summary(summary: Dict[str, Any], out_dir: str) -> str:
@@ -315,6 +408,9 @@ def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
         grid=grid, images=[("curves.png", summary["plots"]["curves"]["caption"])])
     sections = [intro] + [_claim_section(c) for c in result.claims]
     summary_rows = [(c.id, f"{c.id} {c.title}", c.verdict, c.headline) for c in result.claims]
+    if result.bad_batches is not None:  # a section, not a claim: no verdict
+        sections.append(_bad_batch_section(result.bad_batches, summary["plots"]["bad_batches"]["caption"]))
+        summary_rows.append(("bad-batches", "Bad batches (NaN loss)", None, summary["bad_batches"]["headline"]))
     foot = (f"lossscale demo{' --quick' if cfg.quick else ''} --seed {cfg.seed}; torch {result.environment.get('torch')}"
             f", Python {result.environment.get('python')}; {summary['timings'].get('total_train_and_measure', 0):.0f}s "
             "of training and measurement. summary.json holds every figure shown here.")
@@ -341,6 +437,16 @@ def terminal_summary(summary: Dict[str, Any], out_dir: str) -> str:
         reached = dyn.get("max_scale") if isinstance(dyn, dict) else None
         lines.append(uncapped_note(summary["config"]["shift_log2"],
                                    reached if isinstance(reached, (int, float)) else None))
+    if "bad_batches" in summary:
+        import textwrap
+
+        bb = summary["bad_batches"]
+        f = bb["figures"]
+        diag = f.get("first_diagnosis") or {}
+        text = (f"bad batches ({f['n_bad']} of {f['n_steps']} with a NaN input row): {bb['headline']}. "
+                + (f"lossscale's diagnosis: {diag['cause']}" if diag.get("cause") else ""))
+        lines.append("")
+        lines.extend(textwrap.wrap(text, 108, subsequent_indent="  "))
     t = summary["timings"]
     lines.append("")
     lines.append(f"report: {os.path.join(out_dir, 'index.html')}   figures: {os.path.join(out_dir, 'summary.json')}"

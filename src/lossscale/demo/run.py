@@ -13,6 +13,7 @@ adaptive       FP16 + ``GradScaler(policy="adaptive")`` (C6)
 clip_right     static, unscale_ -> clip_grad_norm_ -> step (C4)
 clip_wrong     static, clip_grad_norm_ on the scaled gradients -> step (C4)
 static_2^k     the sweep: static scale 2**k for each k of ``sweep_log2`` (C5)
+bad_*          bad batches, torch's scaler against lossscale's (issue 13; not a claim: see :mod:`.bad_batches`)
 ============== =================================================================================
 """
 
@@ -29,6 +30,7 @@ import torch
 
 from .. import __version__
 from ..scaler import GradScaler
+from . import bad_batches as B
 from . import claims as C
 from .observe import make_observer
 from .workload import Data, RunResult, RunSpec, TrainConfig, load_digits_data, reference_grads, steps_per_epoch, train
@@ -53,6 +55,8 @@ class DemoConfig:
         non_pow2_scale: the non-power-of-two scale C3 contrasts with.
         probe_every: steps between activation-gradient probes.
         hidden: MLP hidden widths.
+        bad_frac: share of the batches of the bad-batch runs that carry a NaN input row.
+        bad_epochs: epochs of each bad-batch run.
     """
 
     quick: bool = False
@@ -67,6 +71,8 @@ class DemoConfig:
     non_pow2_scale: float = 1e5
     probe_every: int = 5
     hidden: Tuple[int, ...] = (64, 64)
+    bad_frac: float = 0.1
+    bad_epochs: int = 16
 
     @classmethod
     def full(cls, seed: int = 0, **changes) -> "DemoConfig":
@@ -77,7 +83,7 @@ class DemoConfig:
     def quick_preset(cls, seed: int = 0, **changes) -> "DemoConfig":
         """The CI smoke-test size (well under a minute on 2 CPU cores)."""
         base = dict(quick=True, seed=seed, epochs=8, sweep_epochs=3, sweep_log2=(0, 8, 16, 24, 32, 40),
-                    growth_interval=5, probe_every=8)
+                    growth_interval=5, probe_every=8, bad_epochs=8)
         base.update(changes)
         return cls(**base)
 
@@ -97,20 +103,21 @@ class DemoResult:
     grads: Dict[str, Dict[str, torch.Tensor]]
     chance: float
     layer_probe: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    bad_batches: Optional[B.BadBatches] = None
     timings: Dict[str, float] = field(default_factory=dict)
     environment: Dict[str, Any] = field(default_factory=dict)
 
 
-def _lossscale_scaler(**kw) -> Callable[[], GradScaler]:
+def _lossscale_scaler(**kw) -> Callable[[torch.nn.Module], GradScaler]:
     """A factory of lossscale scalers; telemetry on every step feeds the observer's overflow line (C6)."""
 
-    def make() -> GradScaler:
+    def make(model: torch.nn.Module) -> GradScaler:
         return GradScaler("cpu", on_stuck="ignore", telemetry=1, **kw)
 
     return make
 
 
-def _torch_scaler() -> Any:
+def _torch_scaler(model: torch.nn.Module) -> Any:
     return torch.amp.GradScaler("cpu")
 
 
@@ -199,9 +206,12 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
     observe = make_observer(tc, data, probe_every=cfg.probe_every)
     main, sweep_specs = plan(cfg, observe)
     spe = steps_per_epoch(tc, data)
+    bad_steps = B.pick_bad_steps(cfg.bad_epochs * spe, cfg.bad_frac, cfg.seed)
+    bad_specs = B.plan(bad_steps, cfg.bad_epochs)
     open_bar = _progress_factory(progress)
     runs: Dict[str, RunResult] = {}
-    width = max(len(spec.label) for spec in main + [spec for _, spec in sweep_specs])  # one column for all
+    # One column for all.
+    width = max(len(spec.label) for spec in main + [spec for _, spec in sweep_specs] + bad_specs)
 
     def do(spec: RunSpec) -> RunResult:
         epochs = spec.epochs if spec.epochs is not None else tc.epochs
@@ -221,6 +231,13 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
         runs[spec.name] = do(spec)
     log(f"static-scale sweep: 2^{cfg.sweep_log2[0]} .. 2^{cfg.sweep_log2[-1]}, {cfg.sweep_epochs} epochs each")
     sweep = [(k, do(spec)) for k, spec in sweep_specs]
+    log(f"bad batches: {len(bad_steps)} of {cfg.bad_epochs * spe} batches carry a NaN input row, "
+        f"{cfg.bad_epochs} epochs each")
+    t0 = time.perf_counter()
+    bad_runs = {spec.name: do(spec) for spec in bad_specs}
+    bad = B.BadBatches(bad_runs, B.figures(bad_runs, bad_steps), cfg.bad_epochs, cfg.bad_frac,
+                       wall_s=time.perf_counter() - t0)
+    timings["bad_batches"] = round(bad.wall_s, 3)
 
     t0 = time.perf_counter()
     S = 2.0**cfg.static_log2
@@ -247,7 +264,7 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
     timings["total_train_and_measure"] = round(time.perf_counter() - t_start, 3)
     env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
            "torch_threads": torch.get_num_threads(), "lossscale": __version__}
-    return DemoResult(cfg, runs, sweep, results, grads, chance, layer_probe, timings, env)
+    return DemoResult(cfg, runs, sweep, results, grads, chance, layer_probe, bad, timings, env)
 
 
 def _layer_probe(tc: TrainConfig, data: Data, scales: Dict[str, float]) -> Dict[str, Dict[str, float]]:

@@ -106,7 +106,8 @@ class RunSpec:
         name: key in summary.json.
         label: legend label.
         fp16: train under FP16 autocast (FP32 master weights); False = FP32 throughout.
-        make_scaler: factory returning a GradScaler (lossscale's or torch's), or None (no scaling).
+        make_scaler: factory called with the run's model (for ``model=`` and ``trace=``), returning a
+            GradScaler (lossscale's or torch's), or None (no scaling).
         clip: None, "unscale_then_clip" or "clip_scaled"; the threshold is ``clip_norm`` of the
             unshifted problem (``clip_norm * c`` in the shifted one).
         clip_norm: clipping threshold.
@@ -114,23 +115,31 @@ class RunSpec:
         observe: called after every optimizer step with ``(step, model, scaler)``, when gradients are
             unscaled; returns a dict merged into that step's record (telemetry figures).
         capture_steps: steps whose (unscaled) gradients are kept, as ``{name: fp32 tensor}``.
+        bad_steps: steps whose batch carries one corrupt example: its first input row is set to NaN,
+            so the step's loss is NaN before any scaling (a bad batch, issue 13).
+        diagnose: after every skipped step, record the scaler's ``overflow_report()`` as the step's
+            ``diagnosis``, and its ``counters()`` at the end (lossscale's scaler only).
     """
 
     name: str
     label: str
     fp16: bool = True
-    make_scaler: Optional[Callable[[], Any]] = None
+    make_scaler: Optional[Callable[[torch.nn.Module], Any]] = None
     clip: Optional[str] = None
     clip_norm: float = 1.0
     epochs: Optional[int] = None
     observe: Optional[Callable[..., Dict[str, Any]]] = None
     capture_steps: Sequence[int] = ()
+    bad_steps: Sequence[int] = ()
+    diagnose: bool = False
 
     def __post_init__(self):
         if self.clip not in CLIP_ORDERS:
             raise ValueError(f"clip={self.clip!r} must be one of {CLIP_ORDERS}.")
         if self.clip is not None and self.make_scaler is None:
             raise ValueError(f"clip={self.clip!r} compares clip orders around a scaler; give make_scaler.")
+        if self.diagnose and self.make_scaler is None:
+            raise ValueError("diagnose=True reads the scaler's overflow_report(); give make_scaler.")
 
 
 @dataclass
@@ -147,6 +156,8 @@ class RunResult:
         final_acc: test accuracy after the last epoch.
         unchanged_frac: fraction of weights bitwise equal to their initial value at the end.
         captured: ``{step: {param name: gradient}}`` for ``capture_steps``.
+        final_scale: the scale after the last update (1.0 without a scaler).
+        counters: the scaler's ``counters()`` after the last step (runs with ``diagnose``).
         wall_s: seconds the run took.
     """
 
@@ -157,6 +168,8 @@ class RunResult:
     final_acc: float = float("nan")
     unchanged_frac: float = float("nan")
     captured: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)
+    final_scale: float = float("nan")
+    counters: Dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
 
     @property
@@ -216,17 +229,22 @@ def train(spec: RunSpec, cfg: TrainConfig, data: Data, progress: Optional[Callab
     params = [p for p in model.parameters()]
     # lr / c: the update lr/c * (c * g) = lr * g is exact for a power-of-two c (momentum is linear).
     opt = torch.optim.SGD(params, lr=cfg.lr / c, momentum=cfg.momentum)
-    scaler = spec.make_scaler() if spec.make_scaler is not None else None
+    scaler = spec.make_scaler(model) if spec.make_scaler is not None else None
     gen = torch.Generator().manual_seed(cfg.seed)
     res = RunResult(spec.name, spec.label)
     max_norm = spec.clip_norm * c  # the unshifted threshold, moved by the same c as the gradients
+    bad = set(spec.bad_steps)
     step = 0
     epochs = spec.epochs if spec.epochs is not None else cfg.epochs
     for epoch in range(epochs):
         losses = []
         for idx in _batches(len(data.x_train), cfg.batch_size, gen):
+            x = data.x_train[idx]
+            if step in bad:
+                x = x.clone()
+                x[0] = float("nan")  # one corrupt example: a NaN loss that no loss scale can cause or cure
             with torch.autocast("cpu", dtype=torch.float16, enabled=spec.fp16):
-                loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+                loss = F.cross_entropy(model(x), data.y_train[idx])
             shifted = loss * c
             opt.zero_grad(set_to_none=True)
             scale = _scale_of(scaler)
@@ -258,6 +276,10 @@ def train(spec: RunSpec, cfg: TrainConfig, data: Data, progress: Optional[Callab
             if scaler_skipped_pending:
                 scaler.update()
             rec["skipped"] = _was_skipped(scaler, scale)
+            if bad:
+                rec["injected"] = step in bad
+            if spec.diagnose and rec["skipped"]:
+                rec["diagnosis"] = dict(scaler.overflow_report())
             res.steps.append(rec)
             losses.append(rec["loss"])
             step += 1
@@ -269,6 +291,10 @@ def train(spec: RunSpec, cfg: TrainConfig, data: Data, progress: Optional[Callab
             "train_loss": sum(finite) / len(finite) if finite else float("nan"),
             "test_acc": _accuracy(model, data, spec.fp16),
         })
+    res.final_scale = _scale_of(scaler)
+    if spec.diagnose:
+        res.counters = dict(scaler.counters())
+        scaler.close()  # trace=True hooked the model's modules
     res.final_acc = res.epochs[-1]["test_acc"] if res.epochs else float("nan")
     final = model.state_dict()
     same = sum(int((final[k] == init[k]).sum()) for k in init)

@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 __all__ = [
     "COLORS", "color_for", "plot_number_line", "plot_layer_flush", "plot_curves", "plot_scale_trajectory",
-    "plot_sweep", "plot_clip_order", "plot_telemetry",
+    "plot_sweep", "plot_clip_order", "plot_telemetry", "plot_bad_batches",
 ]
 
 #: One colour per run kind, the same in every plot.
@@ -27,6 +27,9 @@ COLORS = {
     "torch_default": "#9467bd",
     "clip_right": "#1f77b4",
     "clip_wrong": "#d62728",
+    "bad_clean": "#bbbbbb",
+    "bad_torch": "#9467bd",
+    "bad_lossscale": "#1f77b4",
 }
 _CYCLE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 _DPI = 110
@@ -357,4 +360,51 @@ def plot_telemetry(path: str, step: Sequence[int], loss_scale: Sequence[float], 
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7, loc="best", ncol=2)
     axes[-1].set_xlabel("step")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------- bad batches
+def plot_bad_batches(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, chance: Optional[float] = None,
+                     title: str = "Bad batches: the loss scale per step, and what it did to training") -> str:
+    """Loss scale per step (left, log2) and test accuracy per epoch (right) of runs fed the same bad batches.
+
+    ``runs``: ``{name: {"label", "step", "loss_scale", "skipped", "final_scale", "epoch", "test_acc"}}``;
+    a run named with "clean" is drawn wide and light, under the others (it may coincide with one).
+    Skipped steps are marked x; each scale line ends with its final value. One legend, below both panels.
+    """
+    fig, (ax_s, ax_a) = _figure(11, 4.6, 1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    handles, skip_handle = [], None
+    for i, (name, r) in enumerate(runs.items()):
+        col = color_for(name, i)
+        clean = "clean" in name
+        style = dict(lw=5, alpha=0.8, zorder=1) if clean else dict(lw=1.6, zorder=3)
+        # The scale each step ran with, then the one the last update left: the line ends where the run did.
+        steps = list(r["step"]) + [len(r["step"])]
+        ls2 = _log2(list(r["loss_scale"]) + [r["final_scale"]])
+        handles += ax_s.step(steps, ls2, where="post", color=col, label=r.get("label", name), **style)
+        if math.isfinite(ls2[-1]):
+            ax_s.annotate(f"$2^{{{ls2[-1]:g}}}$", (steps[-1], ls2[-1]), xytext=(4, 0), textcoords="offset points",
+                          va="center", fontsize=9, color="#666" if clean else col)
+        sk = [(s, y) for s, y, k in zip(steps, ls2, r["skipped"]) if k]
+        if sk:
+            skip_handle = ax_s.scatter([s for s, _ in sk], [y for _, y in sk], marker="x", color="#d62728", s=22,
+                                       zorder=5, label="skipped step (a bad batch)")
+        ax_a.plot([e + 1 for e in r["epoch"]], [100 * a for a in _finite(r["test_acc"])], "-", color=col, marker="o",
+                  ms=2.5, **style)
+    _pow2_ticks(ax_s, "y")
+    ax_s.set_xlim(right=ax_s.get_xlim()[1] * 1.06)  # room for the end labels
+    ax_s.set_xlabel("optimizer step")
+    ax_s.set_ylabel("loss scale S")
+    ax_s.set_title("loss scale per step", fontsize=10)
+    ax_a.set_ylim(0, 100)
+    ax_a.set_xlabel("epoch")
+    ax_a.set_ylabel("test accuracy (%)")
+    ax_a.set_title("test accuracy after each epoch", fontsize=10)
+    if chance is not None:
+        ax_a.axhline(100 * chance, color="#999", lw=1, ls=":")
+        ax_a.text(0.01, 100 * chance + 1.5, "chance", fontsize=8, color="#777", ha="left", va="bottom",
+                  transform=ax_a.get_yaxis_transform())
+    handles += [skip_handle] if skip_handle is not None else []
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8.5, frameon=False)
+    fig.suptitle(title)
     return _save(fig, path)
