@@ -18,6 +18,19 @@ TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False
 INIT_SCALE = 2.0**10  # small enough that no step overflows by itself: only the injected inf does
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate (under the Trainer too) keeps process-wide singletons (mixed precision, gradient
+    state): start and leave each test with them empty. Test modules import this name to use it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Run each test on one CPU thread: at these sizes OpenMP's barriers cost more than the math (ten

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from lossscale import DynamicPolicy, ScaleState, StaticPolicy, is_power_of_two
+from lossscale import DynamicPolicy, StaticPolicy, is_power_of_two
 from _rules import TensorForm
 from lossscale.adaptive import HIGHEST_SCALE, LOWEST_SCALE, NO_AMAX, AdaptivePolicy, AdaptiveState
 from _models import drive

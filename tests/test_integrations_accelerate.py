@@ -11,7 +11,7 @@ from accelerate.utils import GradScalerKwargs
 import lossscale
 from lossscale._sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
-from _integration_models import one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, all_equal, batch, lr_reference, mlp,
                                  snapshot, warmup_decay)
 
@@ -20,14 +20,10 @@ STEPS = 24
 LR = 1e-2
 
 
+
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    # accelerate keeps process-wide singletons (mixed precision, gradient state): reset around each test.
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+def _fresh(fresh_accelerate_state):
+    """accelerate's process-wide state, reset around every test (see _integration_models)."""
 
 
 def _scheduler(kind):

@@ -5,9 +5,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
 
-from _integration_models import one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
 
@@ -21,14 +20,10 @@ def _load(name):
     return module
 
 
+
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    # accelerate (under the Trainer too) keeps process-wide state: start and leave it empty.
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+def _fresh(fresh_accelerate_state):
+    """accelerate's process-wide state, reset around every test (see _integration_models)."""
 
 
 def test_accelerate_example(tmp_path):

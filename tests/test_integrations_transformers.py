@@ -7,20 +7,14 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, get_linear
 
 import lossscale
 from lossscale.integrations import transformers as ls_transformers
-from _integration_models import one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, TokenData, all_equal, lr_reference,
                                  read_tensorboard, snapshot, tiny_gpt2)
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    # The Trainer's accelerator lives in accelerate's process-wide state: start and leave it empty.
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+@pytest.fixture(autouse=True)
+def _fresh(fresh_accelerate_state):
+    """accelerate's process-wide state, reset around every test (see _integration_models)."""
 
 
 K = 7        # the step whose gradient gets an inf

@@ -3,7 +3,6 @@ read-only check's flags and per-tensor amax with every device type's kernel, a f
 per-device flags, copies of the device state."""
 
 import math
-import random
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch
 from lossscale import DynamicPolicy, GradScaler
 from lossscale import _kernels
 from lossscale._state import TensorState
-from lossscale._sync import count_host_syncs
 
 
 def test_found_inf_as_a_sum_of_device_flags_counts_once():

@@ -47,7 +47,7 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, Type, runtime_checkable
+from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 __all__ = [
     "ScaleState",

@@ -60,7 +60,6 @@ then cached).
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 import struct
