@@ -374,6 +374,7 @@ def test_gradscaler_policy_name_maps_the_keywords():
     assert "adaptive" in lossscale.policy.policy_names()
 
 
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_state_dict_round_trip_covers_every_field():
     policy = AdaptivePolicy(init_scale=2.0**5, margin_bits=3, growth_interval=4, search_bits=7,
                             backoff_factor=0.25, hysteresis=3, consecutive_hysteresis=True, min_scale=2.0**-3,

@@ -666,6 +666,7 @@ def test_corrupted_checkpoint_property_slow(case, target, started):
     check_corrupted_checkpoint(case, target, started)
 
 
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_every_base_checkpoint_round_trips_and_trains():
     # The property test's starting points are valid: each loads into a fresh scaler of its policy
     # (a v1 dict converts) and trains.

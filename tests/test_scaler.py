@@ -72,6 +72,7 @@ def test_fault_injection_2000_steps():
     assert c["inf_steps"] + c["nan_steps"] == injected and c["inf_steps"] > 0 and c["nan_steps"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 @pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
 def test_checkpoint_continuation_is_bitwise_identical(kind, tmp_path):
     rng = random.Random(kind)
@@ -106,6 +107,7 @@ def test_checkpoint_continuation_is_bitwise_identical(kind, tmp_path):
     assert scaler.state_dict() == scaler2.state_dict()
 
 
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_state_dict_round_trip_covers_every_field():
     # jmp's bug: a round trip that forgets a field silently resets it. Make every field non-default.
     scaler = lossscale.GradScaler(init_scale=2.0**5, growth_factor=4.0, backoff_factor=0.25, growth_interval=9,

@@ -61,6 +61,7 @@ def test_scale_trajectory_matches_torch_under_random_flags():
             assert torch.equal(p_t, p_l)
 
 
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_state_dict_is_torch_loadable_and_torch_state_loads():
     ours = lossscale.GradScaler(init_scale=2.0**10, growth_interval=7, **TORCH_LIKE)
     ref = torch.amp.GradScaler("cpu")
