@@ -306,7 +306,9 @@ def bad_batch_summary(bb: "B.BadBatches") -> Dict[str, Any]:
         "what": "issue 13: a share of the batches carry a NaN input row (a NaN loss before scaling); "
                 "torch.amp.GradScaler against lossscale.GradScaler(trace=True), and a clean run",
         "frac": bb.frac, "epochs": bb.epochs, "wall_s": round(bb.wall_s, 3), "headline": _bad_headline(bb.figures),
-        "figures": bb.figures, "runs": {name: _run_dict(r) for name, r in bb.runs.items()},
+        # final_scale: after the last update here (the main runs' is the scale the last step ran with).
+        "figures": bb.figures, "runs": {name: {**_run_dict(r), "final_scale": r.final_scale}
+                                        for name, r in bb.runs.items()},
     }
 
 

@@ -396,6 +396,9 @@ def plot_bad_batches(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, c
     ax_s.set_xlabel("optimizer step")
     ax_s.set_ylabel("loss scale S")
     ax_s.set_title("loss scale per step", fontsize=10)
+    from matplotlib.ticker import MaxNLocator
+
+    ax_a.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_a.set_ylim(0, 100)
     ax_a.set_xlabel("epoch")
     ax_a.set_ylabel("test accuracy (%)")
