@@ -333,8 +333,8 @@ def _bad_batch_section(bb: "B.BadBatches", caption: str) -> Section:
     same = ("the clean run's scale at every step" if off == 0 else
             f"off the clean run's scale at {off} of {f['n_steps'] + 1} points")
     text = [
-        f"{f['n_bad']} of the {f['n_steps']} batches ({pct(f['n_bad'] / max(f['n_steps'], 1))}) of a "
-        f"{bb.epochs}-epoch run each carry one corrupt example: its input row is set to NaN, so the batch's loss is "
+        f"{f['n_bad']} of the {f['n_steps']} batches ({pct(f['n_bad'] / max(f['n_steps'], 1))}) of a run of "
+        f"{bb.epochs} epochs each carry one corrupt example: its input row is set to NaN, so the batch's loss is "
         "NaN before any scaling. Data, model init, batch order, loss shift and FP16 autocast are those of the runs "
         "above. Both scalers are used as shipped, torch.amp.GradScaler(\"cpu\") and "
         "lossscale.GradScaler(model=model, trace=True), on the same batches; the clean run is the lossscale run "
