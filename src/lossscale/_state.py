@@ -8,6 +8,8 @@ Any :class:`~lossscale.policy.ScaleState` subclass maps onto three vectors by it
 * ``i64``: ``[steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss, <the policy's int and bool fields>]``; the
   eight shared counters are contiguous (``counts``), so the bookkeeping is two kernels.
 * ``f64``: the fields a policy marks ``F64`` (LogMax's moving averages).
+* ``i32``: the fields a policy marks ``I32`` (the dynamic policy's growth tracker, which torch's
+  ``_amp_update_scale_`` takes as int32).
 
 Every field is also a 0-dim *view* attribute (``t.scale``, ``t.growth_tracker``, ...), which the
 tensor rules read and write in place: the tensors never change identity, so a CUDA graph captured
@@ -25,14 +27,14 @@ import torch
 
 from .policy import ScaleState, field_kind
 
-_DTYPES = {"f32": torch.float32, "i64": torch.int64, "f64": torch.float64}
+_DTYPES = {"f32": torch.float32, "i64": torch.int64, "f64": torch.float64, "i32": torch.int32}
 _SHARED_F32 = ("scale", "streak_start_scale", "scale_before")
 _N_COUNTS = 8  # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss
 
 
 def layout(state_type: type) -> Dict[str, Tuple[str, ...]]:
     """Field names per device vector, in order (``scale_before`` included)."""
-    names: Dict[str, List[str]] = {"f32": list(_SHARED_F32), "i64": [], "f64": []}
+    names: Dict[str, List[str]] = {"f32": list(_SHARED_F32), "i64": [], "f64": [], "i32": []}
     for f in dataclasses.fields(state_type):
         if f.name in _SHARED_F32:
             continue
@@ -75,7 +77,7 @@ class TensorState:
     def _values(self, state: ScaleState, kind: str) -> List:
         values = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
         values["scale_before"] = state.scale
-        return [int(values[n]) if kind == "i64" else float(values[n]) for n in self.names[kind]]
+        return [int(values[n]) if kind in ("i64", "i32") else float(values[n]) for n in self.names[kind]]
 
     def load_(self, state: ScaleState) -> None:
         """Overwrite the values in place (the tensors keep their identity). No host sync."""
@@ -98,7 +100,8 @@ class TensorState:
         fields = {}
         for f in dataclasses.fields(self.state_type):
             v = values[f.name]
-            fields[f.name] = bool(v) if str(f.type) == "bool" else int(v) if field_kind(f) == "i64" else float(v)
+            fields[f.name] = (bool(v) if str(f.type) == "bool" else int(v) if field_kind(f) in ("i64", "i32")
+                              else float(v))
         return self.state_type(**fields), scale_before
 
     def to_state(self) -> ScaleState:

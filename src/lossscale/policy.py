@@ -146,12 +146,15 @@ class ScaleState:
 
 #: Field metadata marking a float field held in float64 on device (default for floats: float32).
 F64 = {"dtype": "f64"}
+#: Field metadata marking an int field held in int32 on device (default for ints: int64), for a
+#: tracker that torch's own kernels take (``_amp_update_scale_`` wants torch's int32 growth tracker).
+I32 = {"dtype": "i32"}
 #: Field metadata marking an int field that may be negative (checkpoint validation).
 SIGNED = {"signed": True}
 
 
 def field_kind(f: dataclasses.Field) -> str:
-    """How a state field is held on device: "f32", "f64" (float) or "i64" (int and bool)."""
+    """How a state field is held on device: "f32", "f64" (float), "i64" (int and bool) or "i32"."""
     if f.metadata.get("dtype"):
         return f.metadata["dtype"]
     kind = str(f.type)
@@ -313,13 +316,13 @@ class PolicyBase:
             if str(f.type) == "bool":
                 if not isinstance(v, bool):
                     raise ValueError(f"state.{f.name}={v!r} must be a bool.")
-            elif kind == "i64":
+            elif kind in ("i64", "i32"):
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ValueError(f"state.{f.name}={v!r} must be an int.")
                 if v < 0 and not f.metadata.get("signed"):
                     raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
-                if abs(v) >= 2**62:
-                    raise ValueError(f"state.{f.name}={v!r} does not fit the int64 device counter.")
+                if abs(v) >= (2**62 if kind == "i64" else 2**31 - 1):
+                    raise ValueError(f"state.{f.name}={v!r} does not fit the {kind.replace('i', 'int')} device counter.")
             else:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise ValueError(f"state.{f.name}={v!r} must be a finite float.")
