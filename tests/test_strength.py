@@ -831,3 +831,27 @@ def test_a_bad_bound_for_another_policy_is_refused_by_name(kwargs, name):
     """Kills: _validate_elsewhere checking the bound under another name, or not at all."""
     with pytest.raises(ValueError, match=f"^{name}="):
         lossscale.GradScaler(policy="static", **kwargs)
+
+
+@pytest.mark.parametrize("key", ["policy_type", "policy", "state"])
+def test_a_lossscale_dict_that_lost_its_version_is_not_read_as_torchs(key):
+    """Kills: the names of lossscale's own keys in ``load`` (the dict then loads as a torch dict,
+    dropping the policy and every counter)."""
+    sd = _sd()
+    del sd["lossscale_version"]
+    _refused({**{k: sd[k] for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                                    "_growth_tracker")}, key: sd[key]}, "lossscale_version")
+
+
+def test_more_config_edges():
+    """Kills: an int config bound made strict at 2**62, the float32 range check letting 1e39 (inf in
+    float32) through, LogMax's deviation bound moved off 100."""
+    from lossscale.policy import validate_int
+    validate_int("n", 2**62, 1)  # no upper bound given: the int64 device counters' 2**62
+    with pytest.raises(ValueError, match="^n="):
+        validate_int("n", 2**62 + 1, 1)
+    assert LogMaxPolicy(overflow_std_dev=100.0).overflow_std_dev == 100.0
+    for make, name in ((lambda: DynamicPolicy(init_scale=1e39, max_scale=None), "init_scale"),
+                       (lambda: LogMaxPolicy(overflow_std_dev=100.5), "overflow_std_dev")):
+        with pytest.raises(ValueError, match=f"^{name}="):
+            quiet(make)
