@@ -411,6 +411,7 @@ ALL_POLICIES = [DynamicPolicy, StaticPolicy, AdaptivePolicy, LogMaxPolicy]
     (lambda: LogMaxPolicy(max_scale=2.0**128), "max_scale"),
     (lambda: LogMaxPolicy(beta1=True), "beta1"),
     (lambda: LogMaxPolicy(beta1=0.0), "beta1"),
+    (lambda: LogMaxPolicy(beta1="0.9"), "beta1"),
     (lambda: LogMaxPolicy(beta2=1.0), "beta2"),
     (lambda: LogMaxPolicy(overflow_std_dev=True), "overflow_std_dev"),
     (lambda: LogMaxPolicy(overflow_std_dev=-1.0), "overflow_std_dev"),
@@ -512,10 +513,19 @@ def test_logmax_constant_amax_has_zero_spread_on_device_too():
     p = LogMaxPolicy(overflow_std_dev=3.09)
     s, dev = p.init_state(), TensorForm(p)
     for _ in range(8):
-        amax = 2.0**-12 * s.scale  # the same unscaled amax every step
+        amax = 4.0 * s.scale  # the same unscaled amax every step, 14 binades under the line: no clamp
         s = p.update(s, found_inf=False, amax=amax)
         dev.step(False, False, amax)
         assert dev.to_state() == s
+
+
+def test_logmax_constant_amax_sets_the_scale_at_the_mean():
+    """With no spread the scale sits exactly ``LIMIT - mean`` binades up: 16 - 2 = 14."""
+    p = LogMaxPolicy(overflow_std_dev=3.09)
+    s = p.init_state()
+    for _ in range(8):
+        s = p.update(s, found_inf=False, amax=4.0 * s.scale)
+    assert s.scale == 2.0**14
 
 
 def test_adaptive_grows_by_a_single_binade_of_headroom():
@@ -657,6 +667,7 @@ def test_register_refuses_a_nameless_policy_and_registers_the_class():
     for name, cls in (("dynamic", DynamicPolicy), ("static", StaticPolicy), ("adaptive", AdaptivePolicy),
                       ("logmax", LogMaxPolicy)):
         assert policy_class(name) is cls
+    assert register(DynamicPolicy) is DynamicPolicy and policy_class("dynamic") is DynamicPolicy  # idempotent
     nameless = type("Nameless", (), {"name": ""})
     with pytest.raises(ValueError, match="name"):
         register(nameless)
