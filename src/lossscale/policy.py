@@ -197,16 +197,15 @@ def count_tensor(t, overflow, nan, bad_loss=None) -> None:
     first in a tensor rule, while ``t.scale`` still holds the scale this iteration ran with.
     """
     torch = _torch()
-    o = overflow.to(torch.int64)
-    n = nan.to(torch.int64)
-    b = torch.zeros_like(o) if bad_loss is None else bad_loss.to(torch.int64)
     t.scale_before.copy_(t.scale)
     # The streak starts at this iteration's scale when the previous streak length was 0.
     torch.where(overflow & (t.overflow_streak == 0), t.scale, t.streak_start_scale, out=t.streak_start_scale)
-    one = torch.ones_like(o)
-    # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss: one add, one multiply.
-    t.counts.add_(torch.stack([one, o, o - n, n, b, one, n, b]))
-    t.counts[5:].mul_(o)  # a clean step ends the streak
+    # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss: one add of a bool
+    # vector (nan and bad_loss imply overflow, so "inf only" is overflow & ~nan), one multiply.
+    bad = nan & False if bad_loss is None else bad_loss
+    always = t.counts[0] >= 0  # True, as a tensor on the state's device
+    t.counts.add_(torch.stack([always, overflow, overflow & ~nan, nan, bad, always, nan, bad]))
+    t.counts[5:].mul_(overflow)  # a clean step ends the streak
 
 
 def unless_bad(t, bad_loss, names):
