@@ -867,3 +867,102 @@ def test_more_config_edges():
                        (lambda: LogMaxPolicy(overflow_std_dev=100.5), "overflow_std_dev")):
         with pytest.raises(ValueError, match=f"^{name}="):
             quiet(make)
+
+
+# ------------------------------------------ LogMax against a plain re-statement of OpenSeq2Seq's rule
+class LogMaxReference:
+    """OpenSeq2Seq's LogMaxScaler as lossscale documents it (logmax.py's pseudocode), in plain Python:
+    the averages are written here, not shared with the library, whose pure and tensor forms share one
+    ``_averages`` (so their agreement cannot see a slip in it)."""
+
+    def __init__(self, p):
+        self.p, self.scale = p, p.init_scale
+        self.x_hat = self.slow = self.xsq = 0.0
+        self.b1c = self.b2c = 1.0
+
+    def step(self, overflow, amax):
+        p = self.p
+        if amax is not None and not math.isfinite(amax):
+            overflow = True
+        if amax is None and not overflow:
+            return
+        log2_scale = round(math.log2(self.scale))
+        if overflow:
+            x = float(p.limit_exp - log2_scale)
+        elif amax == 0:
+            x = float(p.flush_exp - log2_scale)
+        else:
+            x = math.floor(math.log2(amax) * 2.0**16) / 2.0**16 - log2_scale
+        self.x_hat = p.beta1 * self.x_hat + (1 - p.beta1) * x
+        self.b1c *= p.beta1
+        self.slow = p.beta2 * self.slow + (1 - p.beta2) * x
+        self.xsq = p.beta2 * self.xsq + (1 - p.beta2) * (x * x)
+        self.b2c *= p.beta2
+        mu = self.x_hat / (1 - self.b1c)
+        mean = self.slow / (1 - self.b2c)
+        sigma = math.sqrt(max(self.xsq / (1 - self.b2c) - mean * mean, 0.0))
+        k = math.floor(p.limit_exp - (mu + p.overflow_std_dev * sigma))
+        self.scale = 2.0 ** min(max(k, round(math.log2(p.min_scale))), round(math.log2(p.max_scale)))
+
+
+logmax_configs = st.builds(
+    lambda lo, span, b1, b2, k: LogMaxPolicy(init_scale=lo, min_scale=lo, max_scale=lo * 2.0**span, beta1=b1,
+                                             beta2=b2, overflow_std_dev=k),
+    st.integers(-10, 10).map(lambda k: 2.0**k), st.integers(0, 40), st.sampled_from([0.9, 0.99, 0.5]),
+    st.sampled_from([0.999, 0.99, 0.7]), st.sampled_from([0.0, 1.0, 3.09]))
+logmax_events = st.lists(st.one_of(
+    st.tuples(st.just(False), st.one_of(st.floats(2.0**-60, 2.0**60, width=32), st.just(0.0), st.none())),
+    st.tuples(st.just(True), st.sampled_from([None, math.inf]))), max_size=40)
+
+
+@settings(max_examples=100, deadline=None)
+@given(logmax_configs, logmax_events)
+def test_logmax_matches_a_plain_restatement_of_the_rule(policy, seq):
+    """Kills any slip in the shared moving averages (``(1 + b2)``, ``xsq * (1 - b2c)``, ...), which the
+    pure-versus-tensor agreement cannot see. The same float64 operations in the same order: bitwise."""
+    s, ref = policy.init_state(), LogMaxReference(policy)
+    for overflow, amax in seq:
+        s = policy.update(s, found_inf=overflow, amax=amax)
+        ref.step(overflow, amax)
+        assert (s.x_hat, s.slow_x_hat, s.xsquared_hat) == (ref.x_hat, ref.slow, ref.xsq)
+        assert (s.b1_correction, s.b2_correction) == (ref.b1c, ref.b2c)
+        assert s.scale == ref.scale
+
+
+# --------------------------------------------------------------------- non-finite losses (issue 13)
+def _bad_streak(p, n, **changes):
+    """A state ending a streak of ``n`` skipped steps, all of them non-finite losses."""
+    return p.init_state().replace(steps=n, skipped_steps=n, inf_steps=n, bad_loss_steps=n, overflow_streak=n,
+                                  streak_bad_loss_steps=n, **changes)
+
+
+def test_a_streak_of_bad_losses_is_stuck_at_its_own_limit():
+    """Kills: the bad-loss streak's limit lost (None, or ``max_consecutive_skips and BAD_LOSS_STREAK``)
+    or compared with ``>``."""
+    from lossscale.policy import BAD_LOSS_STREAK
+    p, q = DynamicPolicy(), DynamicPolicy(max_consecutive_skips=3)
+    assert p.is_stuck(_bad_streak(p, BAD_LOSS_STREAK), 2.0**16)
+    assert not p.is_stuck(_bad_streak(p, BAD_LOSS_STREAK - 1), 2.0**16)
+    assert q.is_stuck(_bad_streak(q, 3), 2.0**16) and not q.is_stuck(_bad_streak(q, 2), 2.0**16)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(bad_loss_steps=4, streak_bad_loss_steps=1),   # more bad losses than skipped steps
+    dict(bad_loss_steps=3, streak_bad_loss_steps=3),   # a streak of them longer than the streak
+    dict(bad_loss_steps=1, streak_bad_loss_steps=2),   # more in the streak than in all
+])
+def test_check_state_refuses_bad_loss_counters_that_disagree(changes):
+    """Kills: ``or`` turned ``and`` between the three bad-loss invariants."""
+    p = _dyn()
+    with pytest.raises(ValueError):
+        p.check_state(p.init_state().replace(**{**_COUNTS, **changes}))
+    p.check_state(p.init_state().replace(**{**_COUNTS, "bad_loss_steps": 1, "streak_bad_loss_steps": 1}))
+
+
+def test_the_int32_tracker_holds_up_to_its_range():
+    """Kills: the int32 bound of check_state moved (``2**31 - 2``, ``2 * 31 - 1``) or its kind renamed
+    (then a float passes as the int32 tracker)."""
+    p = DynamicPolicy(growth_interval=2**31 - 1)
+    p.check_state(p.init_state().replace(growth_tracker=2**31 - 2))
+    with pytest.raises(ValueError, match="growth_tracker"):
+        p.check_state(p.init_state().replace(growth_tracker=1.0))
