@@ -288,6 +288,9 @@ def test_hysteresis_one_is_torchs_kernel_for_any_factor(init, bf, gf, interval, 
     for overflow in seq:
         s = p.update(s, found_inf=overflow)
         torch._amp_update_scale_(scale, tracker, torch.tensor(float(overflow)), gf, bf, interval)
+        if scale.item() < 2.0**-126:  # torch backs off below float32's normal range; lossscale stops there
+            assert s.scale == 2.0**-126
+            break
         assert (s.scale, s.growth_tracker) == (scale.item(), tracker.item())
 
 
@@ -966,3 +969,39 @@ def test_the_int32_tracker_holds_up_to_its_range():
     p.check_state(p.init_state().replace(growth_tracker=2**31 - 2))
     with pytest.raises(ValueError, match="growth_tracker"):
         p.check_state(p.init_state().replace(growth_tracker=1.0))
+
+
+@pytest.mark.parametrize("cls", ALL_POLICIES)
+def test_a_bad_loss_with_nan_gradients_counts_the_nan(cls):
+    """Kills: a policy's bad-loss branch passing ``found_inf``/``found_nan`` to ``count`` as None or
+    False (then a NaN step raises, or counts as inf)."""
+    p = cls()
+    s = p.update(p.init_state(), found_inf=True, found_nan=True, bad_loss=True)
+    assert (s.skipped_steps, s.inf_steps, s.nan_steps, s.bad_loss_steps) == (1, 0, 1, 1)
+    assert s.scale == p.init_state().scale
+
+
+@pytest.mark.parametrize("scale, clean_steps", [(math.inf, 1), (2.0**30, 1)])
+def test_torchs_kernel_path_moves_a_scale_written_from_outside_as_the_pure_rule(scale, clean_steps):
+    """Kills: the cap of the hysteresis-1 path (torch's kernel) applied to a step that did not grow,
+    or to an inf scale (``s <= inf``): an inf scale stays inf (no finite growth), one above
+    max_scale stays until it grows."""
+    p = DynamicPolicy(growth_interval=3, max_scale=2.0**24)
+    s = p.init_state().replace(scale=scale)
+    dev = TensorForm(p, s)
+    for _ in range(clean_steps):
+        s = p.update(s, found_inf=False)
+        dev.step(False)
+    assert dev.to_state().scale == s.scale == scale
+    grow = DynamicPolicy(growth_interval=1, max_scale=2.0**24)
+    s = grow.init_state().replace(scale=math.inf)
+    dev = TensorForm(grow, s)
+    dev.step(False)
+    assert dev.to_state().scale == grow.update(s, found_inf=False).scale == math.inf
+
+
+def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():
+    """Kills: the int32 bound of ``growth_interval`` dropped or moved."""
+    assert DynamicPolicy(growth_interval=2**31 - 1).growth_interval == 2**31 - 1
+    with pytest.raises(ValueError, match="^growth_interval="):
+        DynamicPolicy(growth_interval=2**31)
