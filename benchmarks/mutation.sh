@@ -12,7 +12,7 @@
 set -euo pipefail
 
 main() {  # one function, read whole before it runs: editing this file mid-run cannot derail it
-    local repo rev work venv version=3.8.1 start
+    local repo rev commit work venv version=3.8.1 start
     repo="${MUTATION_REPO:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}"
     rev="${1:-HEAD}"
     work="${MUTATION_DIR:-/tmp/lossscale-mutation}"
@@ -23,7 +23,8 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     fi
     case "$work" in "$repo"|"$repo"/*) echo "MUTATION_DIR must lie outside the checkout" >&2; exit 2;; esac
     rm -rf "$work" && mkdir -p "$work"
-    git -C "$repo" archive "$rev" | tar -x -C "$work"
+    commit="$(git -C "$repo" rev-parse --short "$rev")"  # now: the branch may move while this runs
+    git -C "$repo" archive "$commit" | tar -x -C "$work"
     cp "$repo/setup.cfg" "$work/setup.cfg"
     local f
     for f in ${MUTATION_EMPTY:-}; do : > "$work/$f"; done  # emptied, not removed: setup.cfg names them
@@ -32,7 +33,7 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
     start=$(date +%s)
     "$venv/bin/mutmut" run --max-children 1 > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
-    echo "commit $(git -C "$repo" rev-parse --short "$rev"), run time $(( $(date +%s) - start )) s"
+    echo "commit $commit, run time $(( $(date +%s) - start )) s"
     "$venv/bin/mutmut" results --all true > results.txt
     python - <<'PY'
 import collections
