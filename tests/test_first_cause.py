@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import lossscale
 from _rules import TensorForm
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
+from _models import five_layer_mlp
 from lossscale._sync import count_host_syncs
 from lossscale.policy import BAD_LOSS_STREAK
 
@@ -143,9 +144,7 @@ def test_bad_loss_steps_survive_a_checkpoint():
 
 # ------------------------------------------------------------------ tracing
 def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
-                               torch.nn.Linear(8, 3))
+    return five_layer_mlp()
 
 
 def _traced_step(model, scaler, x):

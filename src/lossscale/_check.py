@@ -193,7 +193,7 @@ class GradientCheck:
             # learned below, on the overflow path only.
             found = torch.zeros((), dtype=torch.float32, device=device)
             per_device = _kernels.check_and_unscale_(groups, _device.reciprocal(scale), found)
-            found_inf = _kernels.to_device(sum_flags(per_device.values(), device), device)
+            found_inf = sum_flags(per_device.values(), device)
             found_nan, nan_pending = found_inf, True  # a placeholder: 0 when clean
         else:
             # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.

@@ -26,9 +26,8 @@ __all__ = ["host_buffer", "record_event", "capturing", "reciprocal", "copy_to_ho
 _NO_FLOAT64 = ("mps",)
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+# torch.compiler.is_compiling appeared in torch 2.3's era; without it nothing is ever being compiled.
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 class _Done:

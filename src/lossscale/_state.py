@@ -28,6 +28,7 @@ import torch
 from .policy import ScaleState, field_kind
 
 _DTYPES = {"f32": torch.float32, "i64": torch.int64, "f64": torch.float64, "i32": torch.int32}
+_INT_KINDS = ("i64", "i32")
 _SHARED_F32 = ("scale", "streak_start_scale", "scale_before")
 _N_COUNTS = 8  # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss
 
@@ -77,7 +78,7 @@ class TensorState:
     def _values(self, state: ScaleState, kind: str) -> List:
         values = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
         values["scale_before"] = state.scale
-        return [int(values[n]) if kind in ("i64", "i32") else float(values[n]) for n in self.names[kind]]
+        return [int(values[n]) if kind in _INT_KINDS else float(values[n]) for n in self.names[kind]]
 
     def load_(self, state: ScaleState) -> None:
         """Overwrite the values in place (the tensors keep their identity). No host sync."""
@@ -100,7 +101,7 @@ class TensorState:
         fields = {}
         for f in dataclasses.fields(self.state_type):
             v = values[f.name]
-            fields[f.name] = (bool(v) if str(f.type) == "bool" else int(v) if field_kind(f) in ("i64", "i32")
+            fields[f.name] = (bool(v) if str(f.type) == "bool" else int(v) if field_kind(f) in _INT_KINDS
                               else float(v))
         return self.state_type(**fields), scale_before
 

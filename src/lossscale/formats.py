@@ -417,7 +417,7 @@ def classify(fmt: "str | FloatFormat", x: float, *, via_fp32: bool = False) -> s
 # ----- the table --------------------------------------------------------------------------
 
 
-def _pow2(v: float) -> str:
+def pow2_label(v: float) -> str:
     """``2^k`` for an exact power of two, else ``2^k*m`` with the exact mantissa ``m`` in [1, 2)."""
     m, k = math.frexp(v)
     m, k = m * 2.0, k - 1
@@ -440,12 +440,12 @@ def table() -> str:
         rows.append((
             f.name,
             layout,
-            f"{f.max:.6g} = {_pow2(f.max)}",
-            f"{f.smallest_normal:.4g} = {_pow2(f.smallest_normal)}",
-            f"{f.smallest_subnormal:.4g} = {_pow2(f.smallest_subnormal)}",
-            f"<= {f.flush_threshold:.4g} = {_pow2(f.flush_threshold)}",
-            f"{op} {f.overflow_threshold:.6g} = {_pow2(f.overflow_threshold)}",
-            f"{f.eps:.4g} = {_pow2(f.eps)}",
+            f"{f.max:.6g} = {pow2_label(f.max)}",
+            f"{f.smallest_normal:.4g} = {pow2_label(f.smallest_normal)}",
+            f"{f.smallest_subnormal:.4g} = {pow2_label(f.smallest_subnormal)}",
+            f"<= {f.flush_threshold:.4g} = {pow2_label(f.flush_threshold)}",
+            f"{op} {f.overflow_threshold:.6g} = {pow2_label(f.overflow_threshold)}",
+            f"{f.eps:.4g} = {pow2_label(f.eps)}",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _device, _kernels, checkpoint
+from . import _device, _kernels, checkpoint, formats
 from . import distributed as _distributed
 from ._check import Flags, GradientCheck, names_of, sum_flags
 from ._observe import Observer
@@ -107,12 +107,8 @@ def _make_policy(policy, given: Dict[str, Any]):
     return policy
 
 
-def _binades(scale: Optional[float]) -> str:
-    """``2^17`` for a power of two, else the number."""
-    if scale is None:
-        return "?"
-    m, e = math.frexp(scale)
-    return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"
+def _scale_label(report: Dict[str, Any]) -> str:
+    return "?" if report["scale"] is None else formats.pow2_label(report["scale"])
 
 
 def _explain(report: Dict[str, Any]) -> str:
@@ -125,10 +121,10 @@ def _explain(report: Dict[str, Any]) -> str:
         return (f"the loss itself was {report['loss']} before scaling: a data or model problem (a bad batch, "
                 "log of 0, an overflowed fp16 activation), not the loss scale (kept).")
     if report["backward"] is not None:
-        return (f"the backward of `{report['backward']}` overflowed fp16 at scale {_binades(report['scale'])}: "
+        return (f"the backward of `{report['backward']}` overflowed fp16 at scale {_scale_label(report)}: "
                 "the loss scale (backed off).")
     where = ", ".join(report["nan"] + report["inf"])[:200] or "some gradient"
-    return f"{kind} in the gradients ({where}) at scale {_binades(report['scale'])}: the loss scale (backed off)."
+    return f"{kind} in the gradients ({where}) at scale {_scale_label(report)}: the loss scale (backed off)."
 
 
 class GradScaler:
@@ -628,7 +624,8 @@ class GradScaler:
             self._policy.tensor_update(t, found_inf, found_nan, amax, bad_loss)
         self._loss_bad, self._losses = None, []
         self._last_skipped = host_overflow if host_known else None
-        self._skip_read, self._skip_cacheable = None, not _device.capturing(t.device)
+        capturing = _device.capturing(t.device)
+        self._skip_read, self._skip_cacheable = None, not capturing
         if host_overflow or not host_known:
             self._report_source = [(f.params, f.amax_vectors) for f in flags if f.amax_vectors]
             self._last_report = None
@@ -636,7 +633,8 @@ class GradScaler:
         self._check.new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
-        self._observe(t, clean=host_known and not host_overflow)
+        if not capturing:
+            self._observe(t, clean=host_known and not host_overflow)
 
     def _set_scale(self, t: TensorState, new_scale) -> None:
         lo, hi = self._policy.scale_bounds()
@@ -675,11 +673,9 @@ class GradScaler:
         """React to every landed snapshot of earlier updates, then queue one of this update's state.
 
         ``clean``: the host knows this iteration stepped, so nothing can be stuck now (no snapshot).
-        Nothing happens while a CUDA graph is captured or torch.compile traces: the host reads nothing
-        there (graph replays update the state on device; the next eager update looks at it).
+        Not called while a CUDA graph is captured or torch.compile traces: the host reads nothing there
+        (graph replays update the state on device; the next eager update looks at it).
         """
-        if _device.capturing(t.device):
-            return
         for state, scale_before in self._observer.poll():
             self._react(state, scale_before)
         if clean:

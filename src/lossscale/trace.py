@@ -28,6 +28,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from . import _kernels
+
 __all__ = ["Tracer"]
 
 
@@ -73,7 +75,7 @@ class _Pass:
         if not self.sums:
             return
         device = self.sums[0].device
-        bad = ~torch.isfinite(torch.stack([x.to(device) for x in self.sums]))
+        bad = ~torch.isfinite(torch.stack([_kernels.to_device(x, device) for x in self.sums]))
         # argmax of a bool vector is its first True (0 when none: read with ``any``).
         self.closed.append((self.indices, torch.argmax(bad.to(torch.uint8)), bad.any()))
         self.indices, self.sums = [], []
