@@ -981,23 +981,43 @@ def test_a_bad_loss_with_nan_gradients_counts_the_nan(cls):
     assert s.scale == p.init_state().scale
 
 
-@pytest.mark.parametrize("scale, clean_steps", [(math.inf, 1), (2.0**30, 1)])
-def test_torchs_kernel_path_moves_a_scale_written_from_outside_as_the_pure_rule(scale, clean_steps):
-    """Kills: the cap of the hysteresis-1 path (torch's kernel) applied to a step that did not grow,
-    or to an inf scale (``s <= inf``): an inf scale stays inf (no finite growth), one above
-    max_scale stays until it grows."""
-    p = DynamicPolicy(growth_interval=3, max_scale=2.0**24)
-    s = p.init_state().replace(scale=scale)
-    dev = TensorForm(p, s)
-    for _ in range(clean_steps):
-        s = p.update(s, found_inf=False)
-        dev.step(False)
-    assert dev.to_state().scale == s.scale == scale
-    grow = DynamicPolicy(growth_interval=1, max_scale=2.0**24)
-    s = grow.init_state().replace(scale=math.inf)
-    dev = TensorForm(grow, s)
-    dev.step(False)
-    assert dev.to_state().scale == grow.update(s, found_inf=False).scale == math.inf
+@pytest.mark.parametrize("max_scale, scale, interval", [(2.0**127, 2.0**127, 1), (2.0**24, 2.0**24, 1),
+                                                      (2.0**24, 2.0**23, 1), (2.0**24, 2.0**24, 3)])
+def test_torchs_kernel_path_holds_the_scale_at_max_scale_like_the_pure_rule(max_scale, scale, interval):
+    """Kills: the cap of the hysteresis-1 path (torch's kernel plus one clamp) dropped, moved to the
+    backoff, or applied before the kernel: a growth from max_scale stays there (refused as inf at
+    2**127, capped below), one to max_scale lands on it, a non-growing step keeps it."""
+    p = DynamicPolicy(init_scale=scale, growth_interval=interval, min_scale=None, max_scale=max_scale)
+    s, dev = p.init_state(), TensorForm(p)
+    for overflow in (False, False, True, False):
+        s = p.update(s, found_inf=overflow)
+        dev.step(overflow)
+        assert dev.to_state() == s and s.scale <= max_scale
+
+
+def test_the_tensor_rules_domain_is_every_scale_a_policy_accepts():
+    """The dynamic tensor rule assumes ``lowest() <= scale <= max_scale`` (one clamp then serves as
+    the floor after a backoff and the cap after a growth). Every way in refuses a scale outside it:
+    the config, ``update(new_scale)`` (a float raises, a tensor is clamped or ignored) and a checkpoint."""
+    p = DynamicPolicy(min_scale=2.0**4, max_scale=2.0**24)
+    for bad in (2.0**3, 2.0**25, math.inf):
+        with pytest.raises(ValueError):
+            DynamicPolicy(init_scale=bad, min_scale=2.0**4, max_scale=2.0**24)
+        with pytest.raises(ValueError):
+            p.check_state(p.init_state().replace(scale=bad))
+    unbounded = DynamicPolicy(min_scale=None, max_scale=None)
+    for bad in (0.0, 2.0**-127, math.inf):
+        with pytest.raises(ValueError):
+            unbounded.check_state(unbounded.init_state().replace(scale=bad))
+    scaler = lossscale.GradScaler("cpu", min_scale=2.0**4, max_scale=2.0**24)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="outside"):
+        scaler.update(2.0**25)
+    for value, kept in ((2.0**30, 2.0**24), (1.0, 2.0**4), (math.inf, 2.0**24), (0.0, 2.0**24)):
+        scaler._records.clear()
+        scaler.update(2.0**24)
+        scaler.update(torch.tensor(value))
+        assert scaler.get_scale() == kept
 
 
 def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():

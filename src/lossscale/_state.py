@@ -16,6 +16,11 @@ tensor rules read and write in place: the tensors never change identity, so a CU
 over ``scale()`` or ``update()`` keeps reading the live values, also across ``load_``.
 ``scale_before`` is not a state field: :func:`lossscale.policy.count_tensor` writes the scale each
 update ran with, which the stuck check needs.
+
+Beside the state, a few device constants the tensor rules use instead of creating tensors per step
+(creating one would be a kernel, or a host-to-device copy): ``true``/``false`` (bool), ``zero``/``one``
+(float32), the counters' table ``count_table`` and its rows for flags the host knows
+(``known_counts``, see :func:`lossscale.policy.count_tensor`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .policy import ScaleState, field_kind
+from .policy import COUNT_ADD, COUNT_KEEP, ScaleState, count_rows, field_kind
 
 _DTYPES = {"f32": torch.float32, "i64": torch.int64, "f64": torch.float64, "i32": torch.int32}
 _INT_KINDS = ("i64", "i32")
@@ -68,7 +73,23 @@ class TensorState:
             for i, name in enumerate(names):
                 setattr(self, name, vec[i])
         self.counts = self.i64[:_N_COUNTS]
+        self._constants(device)
         self.load_(state)
+
+    def _constants(self, device: torch.device) -> None:
+        self.true = torch.ones((), dtype=torch.bool, device=device)
+        self.false = torch.zeros((), dtype=torch.bool, device=device)
+        self.zero = torch.zeros((), dtype=torch.float32, device=device)
+        self.one = torch.ones((), dtype=torch.float32, device=device)
+        self.count_table = torch.empty(2, _N_COUNTS, 4, dtype=torch.int64, device=device)
+        _fill_(self.count_table.view(-1), [x for table in (COUNT_KEEP, COUNT_ADD) for row in table for x in row])
+        # The five consistent known cases: clean, inf, NaN, bad loss, bad loss with NaN.
+        self.known_counts = {}
+        for flags in ((False, False, False), (True, False, False), (True, True, False), (True, False, True),
+                      (True, True, True)):
+            rows = torch.empty(2, _N_COUNTS, dtype=torch.int64, device=device)
+            _fill_(rows.view(-1), [x for row in count_rows(*flags) for x in row])
+            self.known_counts[flags] = tuple(rows)
 
     @property
     def device(self) -> torch.device:

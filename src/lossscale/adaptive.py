@@ -93,6 +93,8 @@ from .policy import (
     PolicyBase,
     ScaleState,
     _torch,
+    as_bool_tensor,
+    as_tensor,
     count,
     count_tensor,
     f32,
@@ -302,6 +304,9 @@ class AdaptivePolicy(PolicyBase):
         (NaN/inf when they hold one), or None when not measured.
         """
         torch = _torch()
+        # Host-known flags (bools) as device tensors: this rule does not fold them.
+        found_inf, found_nan = as_tensor(t, found_inf), as_tensor(t, found_nan)
+        bad_loss = None if bad_loss is None else as_bool_tensor(t, bad_loss)
         overflow = found_inf > 0
         nan = found_nan > 0
         no = torch.zeros((), dtype=torch.bool, device=overflow.device)

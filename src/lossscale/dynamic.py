@@ -49,13 +49,20 @@ from .policy import (
     PolicyBase,
     ScaleState,
     _torch,
+    as_tensor,
+    assign,
+    both,
     count,
     count_tensor,
+    either,
     f32,
+    is_set,
+    negate,
     positive_finite,
     register,
     stuck_at_bound_or_streak,
     unless_bad,
+    where,
     validate_backoff,
     validate_bounds,
     validate_int,
@@ -173,60 +180,78 @@ class DynamicPolicy(PolicyBase):
         """:meth:`update` on device tensors, in place, branch-free (no host sync, CUDA-graph safe).
 
         ``found_inf`` / ``found_nan``: float32 0-dim tensors, > 0 meaning true (torch's convention:
-        found_inf is a sum of per-device flags).
+        found_inf is a sum of per-device flags), or host bools where the scaler has synced them
+        (:func:`lossscale.policy.is_set`; a known flag folds). ``bad_loss``: a bool 0-dim tensor,
+        a host bool, or None.
+
+        Like every way of setting the scale (``init_scale``, ``update(new_scale)``,
+        ``load_state_dict``), the rule keeps ``lowest() <= scale <= max_scale``, and relies on it: on
+        such a scale the floor can only act on a backoff and the cap only on a growth, so both are
+        one clamp.
         """
-        overflow = found_inf > 0 if bad_loss is None else (found_inf > 0) | bad_loss
-        count_tensor(t, overflow, (found_nan > 0) & overflow, bad_loss)
+        overflow = either(is_set(found_inf), is_set(bad_loss))
+        count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
         hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker"))
         if self.hysteresis == 1:
-            self._torch_rule(t, overflow)
+            self._torch_rule(t, overflow, found_inf if bad_loss is None else None)
         else:
             self._hysteresis_rule(t, overflow)
         hold()
 
-    def _torch_rule(self, t, overflow) -> None:
+    def _torch_rule(self, t, overflow, found_inf) -> None:
         """Hysteresis 1 is torch's rule: its own fused kernel moves the scale and the growth tracker
-        in one launch (bitwise torch by construction, and ~25 fewer small kernels per step than the
-        general form; the property tests hold both forms to the pure rule).
+        in one launch (bitwise torch by construction; the property tests hold it to the pure rule).
 
-        The bounds apply where the pure rule applies them: the floor to a backoff, the cap to a finite
-        growth (so even a scale written from outside, say inf or 0, moves exactly as the pure rule
-        says). torch's kernel grows when ``tracker + 1 == growth_interval``; the state never holds a
-        tracker at or past the interval (``set_growth_interval`` clamps it), so that is the pure
-        rule's ``>=``.
+        ``found_inf``: the flag to hand the kernel as it is (nonzero = overflow), or None to build it
+        from ``overflow``. torch's kernel grows when ``tracker + 1 == growth_interval``; the state
+        never holds a tracker at or past the interval (``set_growth_interval`` clamps it), so that is
+        the pure rule's ``>=``.
         """
         torch = _torch()
-        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow.float(), self.growth_factor,
-                                 self.backoff_factor, self.growth_interval)
-        s = t.scale
-        grew = ~overflow & (t.growth_tracker == 0)  # the tracker is 0 after a growth or an overflow
-        capped = s if self.max_scale is None else torch.where(grew & (s < math.inf), s.clamp_max(f32(self.max_scale)), s)
-        s.copy_(torch.where(overflow, s.clamp_min(self.lowest()), capped))
+        flag = found_inf if isinstance(found_inf, torch.Tensor) else as_tensor(t, overflow)
+        if flag is not t.zero and flag is not t.one:
+            flag = flag if flag.dtype == torch.float32 else flag.float()
+        torch._amp_update_scale_(t.scale, t.growth_tracker, flag, self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        # The bounds, where the pure rule applies them: the floor after a backoff, the cap after a
+        # finite growth (a refused one keeps the scale, already <= max_scale).
+        lo = None if overflow is False else self.lowest()
+        hi = None if self.max_scale is None or overflow is True else f32(self.max_scale)
+        if lo is not None or hi is not None:
+            t.scale.clamp_(lo, hi)
         # The tolerance: spent by an overflow (1 -> 0), refilled by a growth or, DeepSpeed's way, by
-        # every clean step.
-        refill = ~overflow if self.consecutive_hysteresis else grew
-        t.hysteresis_tracker.copy_(torch.where(refill, 1, torch.where(overflow, 0, t.hysteresis_tracker)))
+        # every clean step. The kernel leaves the tracker at 0 after exactly those two events.
+        hyst = t.hysteresis_tracker
+        if self.consecutive_hysteresis:
+            assign(hyst, negate(overflow))
+        elif overflow is True:
+            hyst.fill_(0)
+        elif overflow is False:
+            hyst.masked_fill_(t.growth_tracker == 0, 1)
+        else:
+            torch.where(t.growth_tracker == 0, ~overflow, hyst, out=hyst)
 
     def _hysteresis_rule(self, t, overflow) -> None:
         """The rule for any hysteresis, branch-free."""
         torch = _torch()
         hyst = t.hysteresis_tracker
         spent = (hyst - 1).clamp_min(0)
-        backoff = overflow & (spent == 0)
+        backoff = both(overflow, spent == 0)
         tracker = t.growth_tracker + 1
-        grow = ~overflow & (tracker >= self.growth_interval)
+        grow = both(negate(overflow), tracker >= self.growth_interval)
         # Multiply in float64 and round once to float32, as torch's kernel does
-        # (static_cast<float>(scale * factor) with double factors).
-        down = (t.scale.double() * self.backoff_factor).float().clamp_min(self.lowest())
-        up = (t.scale.double() * self.growth_factor).float()
-        up_ok = grow & torch.isfinite(up)
+        # (static_cast<float>(scale * factor) with double factors). float(): a factor given as a huge
+        # int (valid: finite and > 1) would not convert to a tensor scalar.
+        down = (t.scale.double() * float(self.backoff_factor)).float().clamp_min(self.lowest())
+        up = (t.scale.double() * float(self.growth_factor)).float()
+        up_ok = both(grow, torch.isfinite(up))
         if self.max_scale is not None:
             up = up.clamp_max(f32(self.max_scale))
-        t.scale.copy_(torch.where(backoff, down, torch.where(up_ok, up, t.scale)))
-        t.growth_tracker.copy_(torch.where(overflow | grow, torch.zeros_like(tracker), tracker))
+        assign(t.scale, where(backoff, down, where(up_ok, up, t.scale)))
+        assign(t.growth_tracker, where(either(overflow, grow), torch.zeros_like(tracker), tracker))
         refill = torch.full_like(hyst, self.hysteresis)
         keep = refill if self.consecutive_hysteresis else hyst
-        hyst.copy_(torch.where(overflow, spent, torch.where(grow, refill, keep)))
+        assign(hyst, where(overflow, spent, where(grow, refill, keep)))
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

@@ -56,6 +56,8 @@ from .policy import (
     PolicyBase,
     ScaleState,
     _torch,
+    as_bool_tensor,
+    as_tensor,
     count,
     count_tensor,
     f32,
@@ -199,6 +201,9 @@ class LogMaxPolicy(PolicyBase):
         """:meth:`update` on device tensors, in place, without a host sync (float64 arithmetic in
         the pure rule's order, so the two agree bitwise)."""
         torch = _torch()
+        # Host-known flags (bools) as device tensors: this rule does not fold them.
+        found_inf, found_nan = as_tensor(t, found_inf), as_tensor(t, found_nan)
+        bad_loss = None if bad_loss is None else as_bool_tensor(t, bad_loss)
         overflow = found_inf > 0
         nan = found_nan > 0
         if amax is None:  # not measured: only an overflow carries information

@@ -188,41 +188,147 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     )
 
 
+# ------------------------------------------------------------------ flags the host may already know
+# A tensor rule receives the iteration's flags (found_inf, found_nan, bad_loss) either as device
+# tensors (the fused-optimizer path: nothing was synced) or, where the scaler has already synced the
+# check (every optimizer without amp-scaling support, on every device), as Python bools for what the
+# host knows: found_inf, and on a clean step found_nan and bad_loss too (both imply found_inf). The
+# helpers below evaluate the same rule text either way: a known condition folds at trace time and its
+# kernels are never launched. The hypothesis tests run every rule both ways (tests/_rules.TensorForm).
+def is_set(flag):
+    """A flag as a condition: a host bool as it is; a device tensor as ``flag > 0`` (torch's
+    convention: found_inf is a sum of per-device flags); None as False."""
+    if flag is None or isinstance(flag, bool):
+        return bool(flag)
+    return flag > 0
+
+
+def either(a, b):
+    """``a or b`` over host bools and bool 0-dim tensors; a known operand folds."""
+    if a is True or b is True:
+        return True
+    if a is False:
+        return b
+    if b is False:
+        return a
+    return a | b
+
+
+def both(a, b):
+    """``a and b`` over host bools and bool 0-dim tensors; a known operand folds."""
+    if a is False or b is False:
+        return False
+    if a is True:
+        return b
+    if b is True:
+        return a
+    return a & b
+
+
+def negate(a):
+    """``not a`` over a host bool or a bool 0-dim tensor."""
+    return (not a) if isinstance(a, bool) else ~a
+
+
+def where(cond, if_true, if_false):
+    """``torch.where`` that folds a condition the host knows (no kernel then)."""
+    if isinstance(cond, bool):
+        return if_true if cond else if_false
+    return _torch().where(cond, if_true, if_false)
+
+
+def assign(field, value) -> None:
+    """Write ``value`` (a tensor or a number) into the 0-dim state view ``field``; nothing when it
+    already is ``field`` (a folded ``where`` that kept the old value)."""
+    if value is field:
+        return
+    if isinstance(value, (bool, int, float)):
+        field.fill_(value)
+    else:
+        field.copy_(value)
+
+
+def as_tensor(t, flag):
+    """A flag as a device tensor in the dtype the rule expects: a host bool becomes the state's
+    float32 constant 0 or 1 (``t.zero``/``t.one``), a device flag stays as it is (None stays None)."""
+    if isinstance(flag, bool):
+        return t.one if flag else t.zero
+    return flag
+
+
+def as_bool_tensor(t, flag):
+    """A bool 0-dim tensor for a condition: a host bool becomes ``t.true``/``t.false``."""
+    if isinstance(flag, bool):
+        return t.true if flag else t.false
+    return flag
+
+
+#: The shared counters' update as a table over the step's flags ``v = [1, overflow, nan, bad_loss]``
+#: (nan and bad_loss imply overflow): ``counts = counts * (KEEP @ v) + (ADD @ v)``, in ScaleState's
+#: order. A clean step (overflow 0) zeroes the three streak counters; "inf only" is overflow - nan.
+COUNT_KEEP = ((1, 0, 0, 0),) * 5 + ((0, 1, 0, 0),) * 3
+COUNT_ADD = (
+    (1, 0, 0, 0),   # steps
+    (0, 1, 0, 0),   # skipped_steps
+    (0, 1, -1, 0),  # inf_steps
+    (0, 0, 1, 0),   # nan_steps
+    (0, 0, 0, 1),   # bad_loss_steps
+    (0, 1, 0, 0),   # overflow_streak
+    (0, 0, 1, 0),   # streak_nan_steps
+    (0, 0, 0, 1),   # streak_bad_loss_steps
+)
+
+
+def count_rows(overflow: bool, nan: bool, bad_loss: bool) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """``(keep, add)``: :data:`COUNT_KEEP` and :data:`COUNT_ADD` applied to known flags."""
+    v = (1, int(overflow), int(nan), int(bad_loss))
+    return tuple(tuple(sum(a * b for a, b in zip(row, v)) for row in table) for table in (COUNT_KEEP, COUNT_ADD))
+
+
 def count_tensor(t, overflow, nan, bad_loss=None) -> None:
-    """:func:`count` on device, in place. ``overflow``, ``nan``: bool 0-dim tensors (nan implies
-    overflow); ``bad_loss``: a bool 0-dim tensor (implies overflow: the caller ORs it in) or None.
+    """:func:`count` on device, in place. ``overflow``, ``nan``, ``bad_loss``: bool 0-dim tensors or
+    host bools (see :func:`is_set`); nan and bad_loss imply overflow (the caller ORs bad_loss into
+    overflow); ``bad_loss`` None means not checked.
 
     ``t`` is the scaler's tensor state: 0-dim views named like the state's fields, ``t.counts`` (the
-    eight shared counters, contiguous, in :class:`ScaleState`'s order) and ``t.scale_before``. Call it
-    first in a tensor rule, while ``t.scale`` still holds the scale this iteration ran with.
+    eight shared counters, contiguous, in :class:`ScaleState`'s order), ``t.scale_before`` and the
+    constants of :class:`lossscale._state.TensorState`. Call it first in a tensor rule, while
+    ``t.scale`` still holds the scale this iteration ran with.
+
+    A step the host knows was clean costs one kernel; one known or possibly skipped also records the
+    scale it ran with (``scale_before``, which only the stuck check reads, and only after such a
+    step) and the streak's first scale.
     """
     torch = _torch()
-    t.scale_before.copy_(t.scale)
-    # The streak starts at this iteration's scale when the previous streak length was 0.
-    torch.where(overflow & (t.overflow_streak == 0), t.scale, t.streak_start_scale, out=t.streak_start_scale)
-    # steps, skipped, inf, nan, bad_loss, streak, streak_nan, streak_bad_loss: one add of a bool
-    # vector (nan and bad_loss imply overflow, so "inf only" is overflow & ~nan), one multiply.
-    bad = nan & False if bad_loss is None else bad_loss
-    always = t.counts[0] >= 0  # True, as a tensor on the state's device
-    t.counts.add_(torch.stack([always, overflow, overflow & ~nan, nan, bad, always, nan, bad]))
-    t.counts[5:].mul_(overflow)  # a clean step ends the streak
+    bad = False if bad_loss is None else bad_loss
+    if overflow is not False:
+        t.scale_before.copy_(t.scale)
+        # The streak starts at this iteration's scale when the previous streak length was 0.
+        starts = both(overflow, t.overflow_streak == 0)
+        torch.where(starts, t.scale, t.streak_start_scale, out=t.streak_start_scale)
+    if all(isinstance(f, bool) for f in (overflow, nan, bad)):
+        keep, add = t.known_counts[(overflow, nan, bad)]
+    else:
+        v = torch.stack([t.true] + [as_bool_tensor(t, f) for f in (overflow, nan, bad)]).long()
+        keep, add = (t.count_table * v).sum(-1)  # [KEEP @ v, ADD @ v]
+    torch.addcmul(add, t.counts, keep, out=t.counts)
 
 
 def unless_bad(t, bad_loss, names):
-    """Hold the fields ``names`` of ``t`` as they are when ``bad_loss`` (a bool 0-dim tensor, or None).
+    """Hold the fields ``names`` of ``t`` as they are when ``bad_loss`` (a bool 0-dim tensor, a host
+    bool, or None).
 
     A tensor rule calls ``hold = unless_bad(t, bad_loss, names)`` before it writes, and ``hold()``
     after: every named field then keeps its old value on a step whose loss was non-finite, which
     the scale did not cause (the pure rules return ``count(...)`` alone for such a step).
     """
-    if bad_loss is None:
+    if bad_loss is None or bad_loss is False:
         return lambda: None
-    torch = _torch()
     saved = [(getattr(t, n), getattr(t, n).clone()) for n in names]
 
     def restore():
         for field, old in saved:
-            field.copy_(torch.where(bad_loss, old, field))
+            assign(field, where(bad_loss, old, field))
     return restore
 
 

@@ -43,7 +43,8 @@ from . import distributed as _distributed
 from ._check import Flags, GradientCheck, names_of, sum_flags
 from ._observe import Observer
 from ._state import TensorState
-from .policy import SMALLEST_SCALE, Policy, ScaleState, count_tensor, diagnose, f32, policy_class
+from .policy import (SMALLEST_SCALE, Policy, ScaleState, both, count_tensor, diagnose, either, f32, is_set,
+                     policy_class)
 from .static import StaticPolicy
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
@@ -613,10 +614,16 @@ class GradScaler:
                                trace=None if self._tracer is None else self._tracer.snapshot())
         elif self._tracer is not None:
             self._tracer.snapshot()  # a clean iteration: start the next one afresh
+        if host_known:
+            # The host synced every check: it knows found_inf, and on a clean step found_nan and
+            # bad_loss (both imply found_inf). The rules fold what is known (policy.is_set).
+            found_inf = host_overflow
+            if not host_overflow:
+                found_nan, bad_loss = False, None if bad_loss is None else False
         if new_scale is not None:
             if flags:  # the iteration still happened: count it; torch leaves the trackers alone
-                overflow = found_inf > 0
-                count_tensor(t, overflow, (found_nan > 0) & overflow, bad_loss)
+                overflow = either(is_set(found_inf), is_set(bad_loss))
+                count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
             self._set_scale(t, new_scale)
         else:
             amaxes = [f.amax for f in flags if f.amax is not None]

@@ -19,9 +19,12 @@ from typing import Optional
 from .policy import (
     PolicyBase,
     ScaleState,
+    both,
     count,
     count_tensor,
+    either,
     f32,
+    is_set,
     positive_finite,
     register,
     stuck_at_bound_or_streak,
@@ -92,11 +95,17 @@ class StaticPolicy(PolicyBase):
         return count(state, found_inf, found_nan).replace(growth_tracker=0 if found_inf else state.growth_tracker + 1)
 
     def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
-        """:meth:`update` on device tensors, in place: counters only."""
-        overflow = found_inf > 0 if bad_loss is None else (found_inf > 0) | bad_loss
-        count_tensor(t, overflow, (found_nan > 0) & overflow, bad_loss)
+        """:meth:`update` on device tensors, in place: counters only. Flags as for
+        :meth:`lossscale.DynamicPolicy.tensor_update` (device tensors or host bools)."""
+        overflow = either(is_set(found_inf), is_set(bad_loss))
+        count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
         hold = unless_bad(t, bad_loss, ("growth_tracker",))
-        t.growth_tracker.add_(1).mul_(~overflow)
+        if overflow is True:
+            t.growth_tracker.zero_()
+        else:
+            t.growth_tracker.add_(1)
+            if overflow is not False:
+                t.growth_tracker.mul_(~overflow)
         hold()
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
