@@ -59,8 +59,9 @@ class Reference:
             return
         if overflow:
             self.good, self.window = 0, None
-            self.hyst = max(self.hyst - 1, 0)
-            if self.hyst == 0:
+            if self.hyst > 1:
+                self.hyst -= 1
+            else:
                 self.scale = max(f32(self.scale * self.p.backoff_factor), self.lo)
             return
         if amax is not None and amax > 0:

@@ -677,3 +677,28 @@ def test_every_base_checkpoint_round_trips_and_trains():
         if name.startswith("v2"):
             assert scaler.state_dict() == sd, name
         assert finite(train(scaler)), name
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "adaptive"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_spent_hysteresis_written_as_0_loads_as_1_and_backs_off_next(policy, version):
+    """lossscale before 0.3 held a spent tolerance as hysteresis_tracker=0; since then the tracker
+    stops at 1 (DeepSpeed's cur_hysteresis), which behaves the same: the next overflow backs off."""
+    src = lossscale.GradScaler("cpu", policy=policy, hysteresis=2, init_scale=2.0**10)
+    src.scale(torch.ones(()))
+    sd = src.state_dict()
+    if version == 1:
+        config = dict(_V1_DYNAMIC if policy == "dynamic" else _V1_ADAPTIVE, hysteresis=2, init_scale=2.0**10)
+        sd = _v1(type(src.policy).__name__, config, _v1_state(scale=2.0**10, hysteresis_tracker=0), _V1_TORCH)
+    else:
+        sd["state"]["hysteresis_tracker"] = 0
+    with pytest.raises(ValueError, match=r"hysteresis_tracker=0 must be in \[1"):
+        src.policy.check_state(src.policy.init_state().replace(hysteresis_tracker=0))
+    dst = lossscale.GradScaler("cpu", policy=policy, hysteresis=2, init_scale=2.0**10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a v1 config may differ from the new default: replaced, warned
+        dst.load_state_dict(sd)
+    assert dst.state().hysteresis_tracker == 1
+    if policy == "dynamic":  # the adaptive one is still calibrating: its hysteresis is not in play
+        state = dst.policy.update(dst.state(), found_inf=True)
+        assert state.scale == 2.0**9 and state.hysteresis_tracker == 1

@@ -19,7 +19,8 @@ def f32(x):
 
 
 class Reference:
-    """A deliberately plain, mutable re-statement of the dynamic rule (Megatron/DeepSpeed/torch)."""
+    """A deliberately plain, mutable re-statement of the dynamic rule (DeepSpeed's ``cur_hysteresis``
+    shape; Megatron's and torch's scales)."""
 
     def __init__(self, p: DynamicPolicy):
         self.p, self.scale, self.good, self.hyst = p, f32(p.init_scale), 0, p.hysteresis
@@ -35,9 +36,9 @@ class Reference:
             else:
                 self.infs += 1
             self.good = 0
-            self.hyst -= 1
-            if self.hyst <= 0:
-                self.hyst = 0
+            if self.hyst > 1:
+                self.hyst -= 1
+            else:
                 new = f32(self.scale * self.p.backoff_factor)
                 self.scale = new if self.p.min_scale is None else max(new, self.p.min_scale)
             return
@@ -82,6 +83,7 @@ def test_matches_reference_and_invariants(policy, seq):
         if policy.max_scale is not None:
             assert s.scale <= policy.max_scale
         assert s.skipped_steps == s.inf_steps + s.nan_steps <= s.steps
+        assert 1 <= s.hysteresis_tracker <= policy.hysteresis  # never below 1: hysteresis=1 never moves it
 
 
 @settings(max_examples=200, deadline=None)

@@ -548,7 +548,7 @@ def adaptive_states(draw, policy):
     return policy.init_state().replace(
         scale=2.0 ** draw(st.integers(0, 24)), calibrated=calibrated,
         growth_tracker=draw(st.integers(0, policy.growth_interval - 1)),
-        hysteresis_tracker=draw(st.integers(0, policy.hysteresis)),
+        hysteresis_tracker=draw(st.integers(1, policy.hysteresis)),
         window_exp=draw(st.one_of(st.just(NO_AMAX), st.integers(-140, 130))) if calibrated else NO_AMAX)
 
 

@@ -22,8 +22,8 @@ is ``s * 2**k`` clamped to [min_scale, max_scale])::
                            calibrated = True
     elif found_inf:                                       # overflow: skip and back off, as dynamic
         window = EMPTY; growth_tracker = 0
-        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
-        if hysteresis_tracker == 0: scale = max(scale * backoff_factor, min_scale)
+        if hysteresis_tracker > 1: hysteresis_tracker -= 1     # tolerated
+        else: scale = max(scale * backoff_factor, min_scale)  # spent (the tracker stays at 1)
     else:                                                 # clean step
         if amax > 0: window = max(window, e)              # the window's largest binade
         growth_tracker += 1
@@ -148,7 +148,8 @@ class AdaptiveState(ScaleState):
 
     Attributes:
         growth_tracker: clean steps in the current window.
-        hysteresis_tracker: overflows still tolerated before backing off (after calibration).
+        hysteresis_tracker: overflows until the scale backs off, the one that does included (after
+            calibration; as :class:`~lossscale.DynamicState`'s, never below 1).
         calibrated: whether a first amax has been measured (before: the scale searches).
         window_exp: the largest binade ``e`` (``amax < 2**e``) of the scaled gradients in the current
             window; ``NO_AMAX`` when the window measured nothing.
@@ -283,8 +284,10 @@ class AdaptivePolicy(PolicyBase):
                 scale = _shift(scale, self.search_bits, lo, hi)
             return counted.replace(scale=scale, growth_tracker=0)
         if found_inf:
-            hyst = max(state.hysteresis_tracker - 1, 0)
-            if hyst == 0:
+            hyst = state.hysteresis_tracker
+            if hyst > 1:  # tolerated: spend one
+                hyst -= 1
+            else:  # spent: back off
                 scale = max(f32(scale * self.backoff_factor), lo)
             return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst, window_exp=NO_AMAX)
         window = max(state.window_exp, _binade(amax)) if measured else state.window_exp
@@ -335,20 +338,21 @@ class AdaptivePolicy(PolicyBase):
         cal_scale = torch.where(measured, _shift_tensor(scale, top - e, lo, hi),
                                 torch.where(overflow | zero, searched, scale))
         # After calibration: back off on overflow (hysteresis as dynamic), grow at the end of a clean window.
-        spent = (hyst - 1).clamp_min(0)
+        spent = hyst <= 1
+        tolerated = (hyst - 1).clamp_min(1)
         down = (scale.double() * self.backoff_factor).float().clamp_min(lo)
         new_window = torch.where(measured, torch.maximum(window, e), window)
         tracker = t.growth_tracker + 1
         check = ~overflow & (tracker >= self.growth_interval)
         k = top - new_window
         grow = check & (new_window != NO_AMAX) & (k > 0)
-        run_scale = torch.where(overflow, torch.where(spent == 0, down, scale),
+        run_scale = torch.where(overflow, torch.where(spent, down, scale),
                                 torch.where(grow, _shift_tensor(scale, k, lo, hi), scale))
         scale.copy_(torch.where(calibrating, cal_scale, run_scale))
         t.growth_tracker.copy_(torch.where(calibrating | overflow | check, torch.zeros_like(tracker), tracker))
         refill = torch.full_like(hyst, self.hysteresis)
         keep = refill if self.consecutive_hysteresis else hyst
-        run_hyst = torch.where(overflow, spent, torch.where(check, refill, keep))
+        run_hyst = torch.where(overflow, tolerated, torch.where(check, refill, keep))
         hyst.copy_(torch.where(calibrating, hyst, run_hyst))
         run_window = torch.where(overflow | check, torch.full_like(window, NO_AMAX), new_window)
         window.copy_(torch.where(calibrating, window, run_window))
@@ -370,8 +374,9 @@ class AdaptivePolicy(PolicyBase):
     def check_state(self, state: AdaptiveState) -> None:
         """Generic checks, plus the window's invariants."""
         super().check_state(state)
-        if state.hysteresis_tracker > self.hysteresis:
-            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} exceeds hysteresis={self.hysteresis}.")
+        if not 1 <= state.hysteresis_tracker <= self.hysteresis:
+            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} must be in [1, "
+                             f"hysteresis={self.hysteresis}].")
         if state.growth_tracker >= self.growth_interval:
             raise ValueError(f"state.growth_tracker={state.growth_tracker} must be below "
                              f"growth_interval={self.growth_interval}.")

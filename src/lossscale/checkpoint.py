@@ -106,6 +106,10 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
                          + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
                          + (f"missing keys {absent}" if absent else "") + ".")
     _check_types(cls.state_type, fields)
+    if fields.get("hysteresis_tracker") == 0:
+        # Written before the tracker stopped at 1 (lossscale < 0.3 held a spent tolerance as 0): the
+        # same behaviour, the next overflow backs off.
+        fields = {**fields, "hysteresis_tracker": 1}
     try:
         policy.check_state(cls.state_type(**fields))
     except ValueError as e:

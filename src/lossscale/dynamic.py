@@ -5,8 +5,9 @@ The rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", tor
     count the step (steps, skipped, inf/NaN, streak)        # policy.count, shared by every policy
     if found_inf:                                   # overflow: the optimizer step is skipped
         growth_tracker = 0
-        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
-        if hysteresis_tracker == 0:                 # tolerance spent: back off
+        if hysteresis_tracker > 1:                  # tolerance left: spend one, keep the scale
+            hysteresis_tracker -= 1
+        else:                                       # tolerance spent (the tracker stays at 1): back off
             scale = max(f32(scale * backoff_factor), min_scale)   # min_scale None: SMALLEST_SCALE
     else:                                           # clean step
         growth_tracker += 1
@@ -80,7 +81,10 @@ class DynamicState(ScaleState):
     Attributes:
         growth_tracker: consecutive clean steps since the last growth or overflow (torch's
             ``_growth_tracker``).
-        hysteresis_tracker: overflows still tolerated before the scale backs off (Megatron/DeepSpeed).
+        hysteresis_tracker: overflows until the scale backs off, the one that does included: 1 means
+            the next overflow backs off. Never below 1 (DeepSpeed's ``cur_hysteresis``), so with
+            ``hysteresis=1`` it never moves. lossscale before 0.3 held a spent tolerance as 0, which
+            behaves as 1; checkpoints holding it load as 1.
     """
 
     growth_tracker: int = field(default=0, metadata=I32)  # int32 on device: torch's update kernel takes it
@@ -161,9 +165,10 @@ class DynamicPolicy(PolicyBase):
             return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
         if found_inf:
-            hyst = max(state.hysteresis_tracker - 1, 0)
-            scale = state.scale
-            if hyst == 0:
+            hyst, scale = state.hysteresis_tracker, state.scale
+            if hyst > 1:  # tolerated: spend one
+                hyst -= 1
+            else:  # spent: back off
                 scale = max(f32(scale * self.backoff_factor), self.lowest())
             return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst)
         growth = state.growth_tracker + 1
@@ -191,7 +196,10 @@ class DynamicPolicy(PolicyBase):
         """
         overflow = either(is_set(found_inf), is_set(bad_loss))
         count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
-        hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker"))
+        if self.hysteresis == 1:  # the hysteresis tracker never leaves 1
+            hold = unless_bad(t, bad_loss, ("scale", "growth_tracker"))
+        else:
+            hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker"))
         if self.hysteresis == 1:
             self._torch_rule(t, overflow, found_inf if bad_loss is None else None)
         else:
@@ -214,29 +222,19 @@ class DynamicPolicy(PolicyBase):
         torch._amp_update_scale_(t.scale, t.growth_tracker, flag, self.growth_factor, self.backoff_factor,
                                  self.growth_interval)
         # The bounds, where the pure rule applies them: the floor after a backoff, the cap after a
-        # finite growth (a refused one keeps the scale, already <= max_scale).
+        # finite growth (a refused one keeps the scale, already <= max_scale). The hysteresis
+        # tracker stays at 1: nothing to write.
         lo = None if overflow is False else self.lowest()
         hi = None if self.max_scale is None or overflow is True else f32(self.max_scale)
         if lo is not None or hi is not None:
             t.scale.clamp_(lo, hi)
-        # The tolerance: spent by an overflow (1 -> 0), refilled by a growth or, DeepSpeed's way, by
-        # every clean step. The kernel leaves the tracker at 0 after exactly those two events.
-        hyst = t.hysteresis_tracker
-        if self.consecutive_hysteresis:
-            assign(hyst, negate(overflow))
-        elif overflow is True:
-            hyst.fill_(0)
-        elif overflow is False:
-            hyst.masked_fill_(t.growth_tracker == 0, 1)
-        else:
-            torch.where(t.growth_tracker == 0, ~overflow, hyst, out=hyst)
 
     def _hysteresis_rule(self, t, overflow) -> None:
         """The rule for any hysteresis, branch-free."""
         torch = _torch()
         hyst = t.hysteresis_tracker
-        spent = (hyst - 1).clamp_min(0)
-        backoff = both(overflow, spent == 0)
+        backoff = both(overflow, hyst <= 1)
+        tolerated = (hyst - 1).clamp_min(1)  # after an overflow: one spent, or still 1 when spent
         tracker = t.growth_tracker + 1
         grow = both(negate(overflow), tracker >= self.growth_interval)
         # Multiply in float64 and round once to float32, as torch's kernel does
@@ -251,7 +249,7 @@ class DynamicPolicy(PolicyBase):
         assign(t.growth_tracker, where(either(overflow, grow), torch.zeros_like(tracker), tracker))
         refill = torch.full_like(hyst, self.hysteresis)
         keep = refill if self.consecutive_hysteresis else hyst
-        assign(hyst, where(overflow, spent, where(grow, refill, keep)))
+        assign(hyst, where(overflow, tolerated, where(grow, refill, keep)))
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.
@@ -268,8 +266,9 @@ class DynamicPolicy(PolicyBase):
     def check_state(self, state: DynamicState) -> None:
         """Generic checks, plus: the trackers within this configuration's range."""
         super().check_state(state)
-        if state.hysteresis_tracker > self.hysteresis:
-            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} exceeds hysteresis={self.hysteresis}.")
+        if not 1 <= state.hysteresis_tracker <= self.hysteresis:
+            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} must be in [1, "
+                             f"hysteresis={self.hysteresis}].")
         if state.growth_tracker >= self.growth_interval:
             raise ValueError(f"state.growth_tracker={state.growth_tracker} must be below "
                              f"growth_interval={self.growth_interval}.")
