@@ -682,7 +682,7 @@ def test_every_base_checkpoint_round_trips_and_trains():
 @pytest.mark.parametrize("policy", ["dynamic", "adaptive"])
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_spent_hysteresis_written_as_0_loads_as_1_and_backs_off_next(policy, version):
-    """lossscale before 0.3 held a spent tolerance as hysteresis_tracker=0; since then the tracker
+    """lossscale to 2026-11 held a spent tolerance as hysteresis_tracker=0; since then the tracker
     stops at 1 (DeepSpeed's cur_hysteresis), which behaves the same: the next overflow backs off."""
     src = lossscale.GradScaler("cpu", policy=policy, hysteresis=2, init_scale=2.0**10)
     src.scale(torch.ones(()))

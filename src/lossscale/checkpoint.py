@@ -107,8 +107,8 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
                          + (f"missing keys {absent}" if absent else "") + ".")
     _check_types(cls.state_type, fields)
     if fields.get("hysteresis_tracker") == 0:
-        # Written before the tracker stopped at 1 (lossscale < 0.3 held a spent tolerance as 0): the
-        # same behaviour, the next overflow backs off.
+        # Written before the tracker stopped at 1: lossscale to 2026-11 held a spent tolerance as 0,
+        # which behaves the same (the next overflow backs off).
         fields = {**fields, "hysteresis_tracker": 1}
     try:
         policy.check_state(cls.state_type(**fields))

@@ -83,7 +83,7 @@ class DynamicState(ScaleState):
             ``_growth_tracker``).
         hysteresis_tracker: overflows until the scale backs off, the one that does included: 1 means
             the next overflow backs off. Never below 1 (DeepSpeed's ``cur_hysteresis``), so with
-            ``hysteresis=1`` it never moves. lossscale before 0.3 held a spent tolerance as 0, which
+            ``hysteresis=1`` it never moves. lossscale to 2026-11 held a spent tolerance as 0, which
             behaves as 1; checkpoints holding it load as 1.
     """
 
