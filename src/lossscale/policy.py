@@ -13,8 +13,10 @@ A policy is one file holding four things side by side (jmp's shape, plus the dev
 * its own immutable state type, a subclass of :class:`ScaleState`;
 * ``update``: the readable pure rule, the spec a reader checks against the seed;
 * ``tensor_update``: the same rule as branch-free tensor ops on the state's device tensors, in
-  place, with no host sync. A hypothesis test drives both forms with the same random sequences and
-  requires bitwise agreement.
+  place, with no host sync. Its flags are device tensors, or host bools where the scaler already
+  synced them: the helpers :func:`is_set`, :func:`either`, :func:`both`, :func:`negate` and
+  :func:`where` fold a known flag, so one rule text serves both. A hypothesis test drives the pure
+  form and both tensor forms with the same random sequences and requires bitwise agreement.
 
 What the scaler needs from a policy is :class:`Policy` (the protocol, with defaults in
 :class:`PolicyBase`). A policy registers itself under a name with :func:`register`, so
@@ -200,7 +202,7 @@ def is_set(flag):
     convention: found_inf is a sum of per-device flags); None as False."""
     if flag is None or isinstance(flag, bool):
         return bool(flag)
-    return flag > 0
+    return flag if flag.dtype is _torch().bool else flag > 0
 
 
 def either(a, b):
@@ -324,11 +326,12 @@ def unless_bad(t, bad_loss, names):
     """
     if bad_loss is None or bad_loss is False:
         return lambda: None
+    bad = as_bool_tensor(t, bad_loss)
     saved = [(getattr(t, n), getattr(t, n).clone()) for n in names]
 
     def restore():
         for field, old in saved:
-            assign(field, where(bad_loss, old, field))
+            _torch().where(bad, old, field, out=field)
     return restore
 
 
