@@ -1025,3 +1025,19 @@ def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():
     assert DynamicPolicy(growth_interval=2**31 - 1).growth_interval == 2**31 - 1
     with pytest.raises(ValueError, match="^growth_interval="):
         DynamicPolicy(growth_interval=2**31)
+
+
+def test_known_flags_fold_and_device_flags_become_tensor_ops():
+    """The helpers a tensor rule is written with: a host bool folds (no kernel, the other operand
+    returned as it is), two device flags combine on device. Kills a swapped absorbing constant or
+    identity in either/both, and is_set treating a float flag as a bool."""
+    from lossscale.policy import both, either, is_set, negate, where
+
+    t, f = torch.tensor(True), torch.tensor(False)
+    assert either(True, f) is True and either(False, t) is t and either(t, False) is t
+    assert both(False, t) is False and both(True, t) is t and both(t, True) is t
+    assert either(False, False) is False and both(True, True) is True
+    assert bool(either(f, t)) and not bool(both(f, t)) and negate(True) is False and bool(negate(f))
+    assert where(True, 1, 2) == 1 and where(False, 1, 2) == 2 and where(t, torch.tensor(1), torch.tensor(2)) == 1
+    assert is_set(None) is False and is_set(True) is True and is_set(t) is t
+    assert bool(is_set(torch.tensor(2.0))) and not bool(is_set(torch.tensor(0.0)))

@@ -205,26 +205,26 @@ def is_set(flag):
     return flag if flag.dtype is _torch().bool else flag > 0
 
 
+def _fold(a, b, absorbing: bool, combine):
+    """``combine(a, b)`` for a boolean operator whose ``absorbing`` operand decides it alone (True
+    for or, False for and); the other constant is its identity."""
+    if a is absorbing or b is absorbing:
+        return absorbing
+    if isinstance(a, bool):
+        return b
+    if isinstance(b, bool):
+        return a
+    return combine(a, b)
+
+
 def either(a, b):
     """``a or b`` over host bools and bool 0-dim tensors; a known operand folds."""
-    if a is True or b is True:
-        return True
-    if a is False:
-        return b
-    if b is False:
-        return a
-    return a | b
+    return _fold(a, b, True, lambda x, y: x | y)
 
 
 def both(a, b):
     """``a and b`` over host bools and bool 0-dim tensors; a known operand folds."""
-    if a is False or b is False:
-        return False
-    if a is True:
-        return b
-    if b is True:
-        return a
-    return a & b
+    return _fold(a, b, False, lambda x, y: x & y)
 
 
 def negate(a):
