@@ -106,10 +106,7 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
                          + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
                          + (f"missing keys {absent}" if absent else "") + ".")
     _check_types(cls.state_type, fields)
-    if fields.get("hysteresis_tracker") == 0:
-        # Written before the tracker stopped at 1: lossscale to 2026-11 held a spent tolerance as 0,
-        # which behaves the same (the next overflow backs off).
-        fields = {**fields, "hysteresis_tracker": 1}
+    fields = policy.upgrade_fields(fields)
     try:
         policy.check_state(cls.state_type(**fields))
     except ValueError as e:

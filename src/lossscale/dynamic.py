@@ -54,10 +54,9 @@ from .policy import (
     assign,
     both,
     count,
-    count_tensor,
+    count_flags,
     either,
     f32,
-    is_set,
     negate,
     positive_finite,
     register,
@@ -72,6 +71,14 @@ from .policy import (
 )
 
 __all__ = ["DynamicPolicy", "DynamicState"]
+
+
+def spent_hysteresis_as_one(fields):
+    """A checkpoint's state fields with a hysteresis tracker of 0 (a spent tolerance, as lossscale to
+    2026-11 wrote it) read as 1, which behaves the same: the next overflow backs off."""
+    if fields.get("hysteresis_tracker") == 0:
+        return {**fields, "hysteresis_tracker": 1}
+    return fields
 
 
 @dataclass(frozen=True)
@@ -194,33 +201,28 @@ class DynamicPolicy(PolicyBase):
         such a scale the floor can only act on a backoff and the cap only on a growth, so both are
         one clamp.
         """
-        overflow = either(is_set(found_inf), is_set(bad_loss))
-        count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
+        overflow = count_flags(t, found_inf, found_nan, bad_loss)
         if self.hysteresis == 1:  # the hysteresis tracker never leaves 1
             hold = unless_bad(t, bad_loss, ("scale", "growth_tracker"))
+            # Without a loss check found_inf is the overflow already, as torch's kernel reads it.
+            self._torch_rule(t, overflow, found_inf if bad_loss is None else overflow)
         else:
             hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker"))
-        if self.hysteresis == 1:
-            self._torch_rule(t, overflow, found_inf if bad_loss is None else None)
-        else:
             self._hysteresis_rule(t, overflow)
         hold()
 
-    def _torch_rule(self, t, overflow, found_inf) -> None:
+    def _torch_rule(self, t, overflow, kernel_flag) -> None:
         """Hysteresis 1 is torch's rule: its own fused kernel moves the scale and the growth tracker
         in one launch (bitwise torch by construction; the property tests hold it to the pure rule).
 
-        ``found_inf``: the flag to hand the kernel as it is (nonzero = overflow), or None to build it
-        from ``overflow``. torch's kernel grows when ``tracker + 1 == growth_interval``; the state
+        ``kernel_flag``: the overflow as the kernel reads it (nonzero = overflow), in any form
+        :func:`~lossscale.policy.as_tensor` takes. torch's kernel grows when ``tracker + 1 == growth_interval``; the state
         never holds a tracker at or past the interval (``set_growth_interval`` clamps it), so that is
         the pure rule's ``>=``.
         """
         torch = _torch()
-        flag = found_inf if isinstance(found_inf, torch.Tensor) else as_tensor(t, overflow)
-        if flag is not t.zero and flag is not t.one:
-            flag = flag if flag.dtype == torch.float32 else flag.float()
-        torch._amp_update_scale_(t.scale, t.growth_tracker, flag, self.growth_factor, self.backoff_factor,
-                                 self.growth_interval)
+        torch._amp_update_scale_(t.scale, t.growth_tracker, as_tensor(t, kernel_flag), self.growth_factor,
+                                 self.backoff_factor, self.growth_interval)
         # The bounds, where the pure rule applies them: the floor after a backoff, the cap after a
         # finite growth (a refused one keeps the scale, already <= max_scale). The hysteresis
         # tracker stays at 1: nothing to write.
@@ -262,6 +264,10 @@ class DynamicPolicy(PolicyBase):
     def lowest(self) -> float:
         """The scale the backoff stops at: ``min_scale`` as float32, or :data:`SMALLEST_SCALE` when None."""
         return SMALLEST_SCALE if self.min_scale is None else f32(self.min_scale)
+
+    def upgrade_fields(self, fields):
+        """lossscale to 2026-11 held a spent hysteresis tolerance as 0; it behaves as 1, the floor now."""
+        return spent_hysteresis_as_one(fields)
 
     def check_state(self, state: DynamicState) -> None:
         """Generic checks, plus: the trackers within this configuration's range."""

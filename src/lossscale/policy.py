@@ -61,6 +61,7 @@ __all__ = [
     "policy_types",
     "count",
     "count_tensor",
+    "count_flags",
     "is_power_of_two",
     "diagnose",
     "STUCK_REACTIONS",
@@ -240,21 +241,20 @@ def where(cond, if_true, if_false):
 
 
 def assign(field, value) -> None:
-    """Write ``value`` (a tensor or a number) into the 0-dim state view ``field``; nothing when it
-    already is ``field`` (a folded ``where`` that kept the old value)."""
-    if value is field:
-        return
-    if isinstance(value, (bool, int, float)):
-        field.fill_(value)
-    else:
+    """Copy the tensor ``value`` into the 0-dim state view ``field``; nothing when it already is
+    ``field`` (a folded ``where`` that kept the old value)."""
+    if value is not field:
         field.copy_(value)
 
 
 def as_tensor(t, flag):
-    """A flag as a device tensor in the dtype the rule expects: a host bool becomes the state's
-    float32 constant 0 or 1 (``t.zero``/``t.one``), a device flag stays as it is (None stays None)."""
+    """A flag as a float32 device tensor (torch's found_inf convention): a host bool becomes the
+    state's constant 0 or 1 (``t.zero``/``t.one``), a bool tensor 0.0/1.0, a float32 flag stays as
+    it is (None stays None)."""
     if isinstance(flag, bool):
         return t.one if flag else t.zero
+    if flag is not None and flag.dtype is _torch().bool:
+        return flag.float()
     return flag
 
 
@@ -316,6 +316,14 @@ def count_tensor(t, overflow, nan, bad_loss=None) -> None:
     torch.addcmul(add, t.counts, keep, out=t.counts)
 
 
+def count_flags(t, found_inf, found_nan, bad_loss=None):
+    """:func:`count_tensor` from the iteration's flags as a rule receives them (device tensors or
+    host bools, :func:`is_set`); returns the overflow condition, a non-finite loss included."""
+    overflow = either(is_set(found_inf), is_set(bad_loss))
+    count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
+    return overflow
+
+
 def unless_bad(t, bad_loss, names):
     """Hold the fields ``names`` of ``t`` as they are when ``bad_loss`` (a bool 0-dim tensor, a host
     bool, or None).
@@ -375,6 +383,10 @@ class Policy(Protocol):
     def torch_state(self, state) -> Dict[str, Any]:
         """torch's ``GradScaler.state_dict()`` keys for ``state``, with values a torch scaler can use."""
 
+    def upgrade_fields(self, fields: Dict[str, Any]) -> Dict[str, Any]:
+        """A checkpoint's state fields as this version reads them (values an earlier lossscale wrote
+        differently)."""
+
     def check_state(self, state) -> None:
         """Raise ValueError naming the field when ``state`` could not have come from this policy."""
 
@@ -409,6 +421,12 @@ class PolicyBase:
             "growth_interval": int(getattr(self, "growth_interval", 2000)),
             "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
         }
+
+    def upgrade_fields(self, fields: Dict[str, Any]) -> Dict[str, Any]:
+        """A checkpoint's state fields (a dict) as this version of the policy reads them, where an
+        earlier lossscale wrote a value differently; called by ``checkpoint.load`` before
+        :meth:`check_state`. Default: unchanged."""
+        return fields
 
     def check_state(self, state) -> None:
         """Raise ValueError naming the first field of ``state`` that this policy could not have produced.

@@ -43,8 +43,7 @@ from . import distributed as _distributed
 from ._check import Flags, GradientCheck, names_of, sum_flags
 from ._observe import Observer
 from ._state import TensorState
-from .policy import (SMALLEST_SCALE, Policy, ScaleState, both, count_tensor, diagnose, either, f32, is_set,
-                     policy_class)
+from .policy import SMALLEST_SCALE, Policy, ScaleState, count_flags, diagnose, f32, policy_class
 from .static import StaticPolicy
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
@@ -603,27 +602,27 @@ class GradScaler:
                 "update() found no inf checks since the last update(): call scaler.step(optimizer) "
                 "(or unscale_) for each optimizer before update()."
             )
-        found_inf = sum_flags([f.found_inf for f in flags], t.device)
-        found_nan = sum_flags([f.found_nan for f in flags], t.device)
         host_known = all(f.host_found is not None for f in flags)
         host_overflow = any(f.host_found for f in flags)
         bads = [f.bad_loss for f in flags if f.bad_loss is not None]
-        bad_loss = None if not bads else bads[0] if len(bads) == 1 else torch.stack(bads).any()
+        if host_known and not host_overflow:
+            # The host synced every check and all were clean, so found_nan and bad_loss are too
+            # (both imply found_inf): the rules fold the bools (policy.is_set), nothing is summed.
+            found_inf, found_nan, bad_loss = False, False, None if not bads else False
+        else:
+            # Where the host knows an overflow, found_inf is that bool; found_nan and bad_loss stay
+            # on device.
+            found_inf = True if host_known else sum_flags([f.found_inf for f in flags], t.device)
+            found_nan = sum_flags([f.found_nan for f in flags], t.device)
+            bad_loss = None if not bads else bads[0] if len(bads) == 1 else torch.stack(bads).any()
         if not (host_known and not host_overflow):  # possibly skipped: keep what the report needs
             self._cause = dict(loss_bad=self._loss_bad, losses=self._losses, scale=t.scale.clone(),
                                trace=None if self._tracer is None else self._tracer.snapshot())
         elif self._tracer is not None:
             self._tracer.snapshot()  # a clean iteration: start the next one afresh
-        if host_known:
-            # The host synced every check: it knows found_inf, and on a clean step found_nan and
-            # bad_loss (both imply found_inf). The rules fold what is known (policy.is_set).
-            found_inf = host_overflow
-            if not host_overflow:
-                found_nan, bad_loss = False, None if bad_loss is None else False
         if new_scale is not None:
             if flags:  # the iteration still happened: count it; torch leaves the trackers alone
-                overflow = either(is_set(found_inf), is_set(bad_loss))
-                count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
+                count_flags(t, found_inf, found_nan, bad_loss)
             self._set_scale(t, new_scale)
         else:
             amaxes = [f.amax for f in flags if f.amax is not None]

@@ -19,12 +19,9 @@ from typing import Optional
 from .policy import (
     PolicyBase,
     ScaleState,
-    both,
     count,
-    count_tensor,
-    either,
+    count_flags,
     f32,
-    is_set,
     positive_finite,
     register,
     stuck_at_bound_or_streak,
@@ -97,8 +94,7 @@ class StaticPolicy(PolicyBase):
     def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
         """:meth:`update` on device tensors, in place: counters only. Flags as for
         :meth:`lossscale.DynamicPolicy.tensor_update` (device tensors or host bools)."""
-        overflow = either(is_set(found_inf), is_set(bad_loss))
-        count_tensor(t, overflow, both(is_set(found_nan), overflow), bad_loss)
+        overflow = count_flags(t, found_inf, found_nan, bad_loss)
         hold = unless_bad(t, bad_loss, ("growth_tracker",))
         if overflow is True:
             t.growth_tracker.zero_()
