@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..hooks import activation_grad_probe
+from ..hooks import activation_grad_probe, activation_metrics
 from ..scaler import GradScaler
 from ..stats import grad_stats
 from .workload import Data, TrainConfig
@@ -41,23 +40,10 @@ def probe_activations(model: torch.nn.Module, cfg: TrainConfig, x: torch.Tensor,
                       scale: float) -> Dict[str, Any]:
     """``{"act/flushed_frac": f, "act/<module>/flushed_frac": f, ...}`` at ``scale`` (and ``.../headroom_bits``)."""
     c = cfg.c
-    with warnings.catch_warnings():
-        # torch notes that a full backward hook fires for module outputs when the inputs do not
-        # require grad: exactly the gradients the probe wants.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        per = activation_grad_probe(model, lambda out, t: F.cross_entropy(out, t) * c, x, y, scale=scale,
-                                    fmt="fp16")
-    out: Dict[str, Any] = {}
-    total = None
+    per = activation_grad_probe(model, lambda out, t: F.cross_entropy(out, t) * c, x, y, scale=scale, fmt="fp16")
     # Shares of the *nonzero* activation gradients: ReLU's exact zeros are no signal to lose.
-    for name, st in per.items():
-        out[f"act/{name}/flushed_frac"] = st.frac_of_nonzero("flushed")
-        out[f"act/{name}/headroom_bits"] = float(st.headroom_bits)
-        total = st if total is None else total + st
-    if total is not None:
-        out["act/flushed_frac"] = total.frac_of_nonzero("flushed")
-        out["act/headroom_bits"] = float(total.headroom_bits)
-    return out
+    figures = activation_metrics(per, of_nonzero=True)
+    return {k: v for k, v in figures.items() if k.endswith(("/flushed_frac", "/headroom_bits"))}
 
 
 def make_observer(cfg: TrainConfig, data: Data, probe_every: int = 5, probe_size: int = 256
