@@ -48,9 +48,11 @@ def test_help_lists_every_subcommand(capsys):
         assert word in text
 
 
-def test_no_subcommand_prints_help_and_fails(capsys):
-    assert cli.main([]) == 2
-    assert "lossscale demo" in capsys.readouterr().out
+def test_no_subcommand_prints_help_and_succeeds(capsys):
+    """Issue 21: a bare ``lossscale`` printed the help and exited 2, as if the user had erred."""
+    assert cli.main([]) == 0
+    out = capsys.readouterr()
+    assert "lossscale demo" in out.out and out.err == ""
 
 
 def test_demo_help_reads_well(capsys):
@@ -69,9 +71,32 @@ def test_formats_prints_the_table_and_the_cliff(capsys):
     assert "cliff" in text and "1e-8 in fp16: 0;" in text
 
 
-def test_formats_rejects_an_unknown_format(capsys):
-    assert cli.main(["formats", "--cliff", "fp7"]) == 2
-    assert "fp7" in capsys.readouterr().err
+def test_formats_rejects_an_unknown_format_before_printing_anything(capsys):
+    """Issue 21: ``formats --cliff fp64`` printed the whole table, then its error."""
+    assert cli.main(["formats", "--cliff", "fp64"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("lossscale formats: --cliff: fmt='fp64' is not a known number format; use one of: ")
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("argv", [["formats"], ["--help"], []], ids=["formats", "help", "bare"])
+def test_a_closed_pipe_ends_quietly(argv, unbuffered):
+    """Issue 21: ``lossscale formats | head -2`` printed a BrokenPipeError traceback.
+
+    The reader is gone before the command writes, as when ``head`` has read its lines: the command
+    says nothing on stderr and ends with SIGPIPE's status 141 (argparse's own help output ignores a
+    failed write, so the help may still end with 0).
+    """
+    flags = ["-u"] if unbuffered else []  # -u: every print is a write, as when the output outgrows the pipe
+    proc = subprocess.Popen([sys.executable, *flags, "-m", "lossscale", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    status = proc.wait(timeout=60)
+    assert err == "", err
+    assert status == 141 if argv == ["formats"] else status in (0, 141), status
 
 
 def test_import_stays_light():

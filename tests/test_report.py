@@ -236,7 +236,8 @@ def test_report_on_a_killed_run(tmp_path, capsys):
     assert "skipped 2 bad line(s)" in captured.err and "; 2 bad line(s) skipped" in captured.out
     saved = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     figures = saved["figures"]
-    assert figures["bad_lines"] == 2 and figures["nonfinite_scales"] == 1 and figures["steps"] == 10
+    assert figures["bad_lines"] == 2 and figures["nonfinite_scales"] == 1
+    assert figures["steps"] == 11 and figures["records"] == 10  # steps 0..10; step 6's line was bad
     assert figures["scale_max"] == 2.0**17 and [b["line"] for b in saved["bad_lines"]] == [8, 13]
     assert "line 13: not a JSON object" in (out / "index.html").read_text()
 
@@ -251,8 +252,8 @@ def test_report_figures_name_the_series_they_are_over(tmp_path):
     assert "act_flushed_frac_max: max over steps of act/flushed_frac (all watched modules together)" in text
     assert "act_flushed_frac_mean: mean over steps of act/flushed_frac (all watched modules together)" in text
     assert "act_flushed_frac_mean_per_layer[fc1]: mean over steps of act/fc1/flushed_frac (fc1 alone)" in text
-    assert ("param_flushed_frac_mean_per_layer[fc1.weight]: mean over steps of param/fc1.weight/flushed_frac"
-            in text)
+    assert ("param_flushed_frac_mean_per_layer[fc1.weight]: mean over steps of grad/fc1.weight/flushed_frac"
+            in text)  # the key as logged (issue 21: it said param/...)
     assert "grad_headroom_bits_min_clean: min over unskipped steps of grad/headroom_bits" in text
     assert "A small layer&#x27;s mean can therefore exceed the overall max" in text
 
@@ -331,3 +332,66 @@ def test_report_reads_the_telemetry_logger(tmp_path):
     assert summary["steps"] == 12
     tel = schema.read_jsonl(str(path))
     assert "grad/headroom_bits" in tel.metrics and "grad/flushed_frac" in tel.metrics
+
+
+# ------------------------------------------------------------------------------ a run logged every 10
+def _sparse_run(tmp_path, n_steps=440, every=10, skips=(15, 35, 40, 212)):
+    """What a 440-step run writes with ``if step % 10 == 0: log.log(step, scaler.metrics())``."""
+    recs, count, scale = [], 0, 2.0**16
+    for step in range(n_steps):
+        if step in skips:
+            count += 1
+            scale /= 2
+        if step % every == 0:
+            recs.append({"step": step, "loss_scale": scale, "last_step_skipped": step in skips,
+                         "skipped_steps": count, "grad/flushed_frac": 0.0, "grad/headroom_bits": 3.0,
+                         "grad/0/flushed_frac": 0.01, "grad/0/headroom_bits": 2.0})
+    path = tmp_path / "every10.jsonl"
+    with open(path, "w", encoding="utf-8") as fh:
+        schema.write_jsonl(fh, recs)
+    return path
+
+
+def test_report_counts_steps_from_the_step_numbers_not_the_records(tmp_path, capsys):
+    """Issue 21: ``lossscale report`` said "44 steps" for a 440-step run logged every 10 (it counted records)."""
+    path = _sparse_run(tmp_path)
+    figures = summarize(schema.read_jsonl(str(path)))
+    assert (figures["steps"], figures["records"], figures["log_every"]) == (431, 44, 10)  # steps 0..430
+    assert (figures["first_step"], figures["last_step"]) == (0, 430)
+    # The counter sees the skips between records (15, 35, 212); the records' flags only step 40's.
+    assert figures["skipped_steps"] == 4 and figures["skipped_records"] == 1
+    assert figures["skipped_frac"] == 4 / 431
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("431 steps (0..430, 44 records, one every 10), 4 skipped, "), out
+    assert "between records" in out and "44 steps" not in out
+    assert "431 steps (0..430, 44 records, one every 10)" in (tmp_path / "rep" / "index.html").read_text()
+
+
+def test_every_step_logged_reads_as_before(tmp_path):
+    tel = schema.parse_records(_records())
+    figures = summarize(tel)
+    assert (figures["steps"], figures["records"], figures["log_every"]) == (30, 30, 1)
+    assert figures["skipped_steps"] == figures["skipped_records"] == 2
+    # Without the counter only the flags can be counted.
+    no_counter = [{k: v for k, v in r.items() if k != "skipped_steps"} for r in _records()]
+    assert summarize(schema.parse_records(no_counter))["skipped_steps"] == 2
+
+
+def test_report_legends_name_the_key_as_logged(tmp_path, monkeypatch):
+    """Issue 21: the legend said ``param/0/...`` where the JSONL key is ``grad/0/...``."""
+    drawn = {}
+
+    def fake_plot(path, steps, scales, skipped, flushed=None, headroom=None, title=""):
+        drawn[path.rsplit("/", 1)[-1]] = (dict(flushed or {}), dict(headroom or {}))
+        open(path, "wb").close()
+
+    monkeypatch.setattr(plots, "plot_telemetry", fake_plot)
+    out = tmp_path / "rep"
+    render_run_report(str(_sparse_run(tmp_path)), str(out))
+    flushed, headroom = drawn["layers_param.png"]
+    assert set(flushed) == {"0 (grad/0/flushed_frac)", "all together (grad/flushed_frac)"}
+    assert set(headroom) == {"0 (grad/0/headroom_bits)", "all together (grad/headroom_bits)"}
+    text = (out / "index.html").read_text()
+    assert "param/0" not in text and "one layer each (grad/&lt;layer&gt;/...)" in text
+    assert schema.read_jsonl(str(_sparse_run(tmp_path))).layer_key("param", "0", "flushed_frac") == "grad/0/flushed_frac"

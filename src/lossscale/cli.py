@@ -7,11 +7,14 @@ subcommand that needs it, so ``import lossscale`` and ``lossscale --help`` stay 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import List, Optional
 
 __all__ = ["main", "build_parser"]
+
+_SIGPIPE_STATUS = 128 + 13  # what a shell reports for a program ended by SIGPIPE
 
 _DEMO_EXTRA_HINT = ("`lossscale {cmd}` needs the demo extras ({missing}). Install them with:\n"
                     "    pip install 'lossscale[demo]'")
@@ -118,12 +121,12 @@ def _cmd_demo(args) -> int:
 def _cmd_formats(args) -> int:
     from . import formats
 
-    print(formats.table())
     try:
-        f = formats.get(args.cliff)
+        f = formats.get(args.cliff)  # before the table: an error is the only output
     except ValueError as e:
-        print(f"lossscale formats: {e}", file=sys.stderr)
+        print(f"lossscale formats: --cliff: {e}", file=sys.stderr)
         return 2
+    print(formats.table())
     print()
     print(f"The {f.name} cliff: |x| <= {f.flush_threshold:.4g} rounds to exactly 0; from there up to "
           f"{f.smallest_normal:.4g} values are subnormal (fewer significant bits, down to "
@@ -142,7 +145,7 @@ def _cmd_report(args) -> int:
     import warnings
 
     from .report.html import check_out_dir
-    from .report.run_report import render_run_report
+    from .report.run_report import render_run_report, steps_text
 
     try:
         check_out_dir(args.out)
@@ -158,21 +161,36 @@ def _cmd_report(args) -> int:
         return 2
     for w in caught:  # e.g. skipped bad lines: one line each, without the source location
         print(f"lossscale report: warning: {w.message}", file=sys.stderr)
-    print(f"{summary['steps']} steps, {summary['skipped_steps']} skipped, scale {summary['scale_first']:g} -> "
-          f"{summary['scale_last']:g} ({summary['backoffs']} backoffs, {summary['growths']} growths)"
+    print(f"{steps_text(summary)}, {summary['skipped_steps']} skipped, scale {summary['scale_first']:g} -> "
+          f"{summary['scale_last']:g} ({summary['backoffs']} backoffs, {summary['growths']} growths"
+          + (" between records)" if summary["records"] != summary["steps"] else ")")
           + (f"; {summary['bad_lines']} bad line(s) skipped" if summary.get("bad_lines") else ""))
     print(f"report: {args.out}/index.html")
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``lossscale`` and ``python -m lossscale``; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return {"demo": _cmd_demo, "formats": _cmd_formats, "report": _cmd_report}[args.command](args)
+    """Entry point of ``lossscale`` and ``python -m lossscale``; returns the exit status.
+
+    A bare ``lossscale`` prints the help and succeeds (as ``--help`` does). When the reader of stdout
+    goes away (``lossscale formats | head -2``) the command stops quietly with status 141, as a
+    program killed by SIGPIPE would, instead of printing a BrokenPipeError traceback.
+    """
+    try:
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)  # --help and usage errors exit from here
+            if args.command is None:
+                parser.print_help()
+                return 0
+            return {"demo": _cmd_demo, "formats": _cmd_formats, "report": _cmd_report}[args.command](args)
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can be caught, not at interpreter exit
+    except BrokenPipeError:
+        # Python flushes stdout again at exit and would fail again: point it at devnull first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _SIGPIPE_STATUS
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from .html import Section, check_out_dir, write_html
 from .schema import Telemetry, _clean, read_jsonl
 
-__all__ = ["summarize", "describe", "render_run_report"]
+__all__ = ["summarize", "describe", "steps_text", "render_run_report"]
 
 
 def _finite(vals) -> List[float]:
@@ -23,9 +23,32 @@ def _stat(vals, fn) -> Optional[float]:
     return fn(vals) if vals else None
 
 
+def _log_every(steps: List[int]) -> Optional[int]:
+    """The most common gap between consecutive logged step numbers (None with fewer than two records)."""
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    return statistics.mode(gaps) if gaps else None
+
+
+def _skipped_steps(tel: Telemetry) -> int:
+    """Skipped steps from the first logged step to the last, logged or not.
+
+    The scaler's cumulative ``skipped_steps`` counter counts the steps between records too; without it
+    only the records' own ``skipped`` flags can be counted.
+    """
+    first, last = tel.skipped_steps[0], tel.skipped_steps[-1]
+    if first is not None and last is not None and last >= first:
+        return last - first + int(tel.skipped[0])  # the first record's own skip lies inside the span
+    return sum(tel.skipped)
+
+
 def summarize(tel: Telemetry) -> Dict[str, Any]:
     """The figures of a recorded run: steps, skips, scale moves, flushed fraction, headroom, per layer.
 
+    ``steps`` is read from the logged step numbers (``last_step - first_step + 1``), so a run logged
+    every 10 steps counts its steps, not its ``records``; ``log_every`` is the usual gap between
+    records. ``skipped_steps`` comes from the cumulative ``skipped_steps`` counter when the records
+    carry it (it sees the steps between records too), else from the records' ``skipped`` flags
+    (``skipped_records``). ``backoffs``/``growths`` compare consecutive records.
     ``scale_min``/``scale_max`` are over the finite scales; ``nonfinite_scales`` counts the NaN/inf
     ones (a broken scale, logged as such); ``bad_lines`` counts the lines the reader skipped.
     ``<kind>_flushed_frac_mean``/``_max`` are over the overall series ``<kind>/flushed_frac``;
@@ -34,12 +57,17 @@ def summarize(tel: Telemetry) -> Dict[str, Any]:
     n = len(tel)
     scales = tel.loss_scale
     moves = list(zip(scales, scales[1:]))
+    steps = max(tel.step) - min(tel.step) + 1 if n else 0
+    skipped = _skipped_steps(tel) if n else 0
     out: Dict[str, Any] = {
-        "steps": n,
-        "first_step": tel.step[0] if n else None,
-        "last_step": tel.step[-1] if n else None,
-        "skipped_steps": sum(tel.skipped),
-        "skipped_frac": sum(tel.skipped) / n if n else 0.0,
+        "steps": steps,
+        "records": n,
+        "log_every": _log_every(tel.step),
+        "first_step": min(tel.step) if n else None,
+        "last_step": max(tel.step) if n else None,
+        "skipped_steps": skipped,
+        "skipped_records": sum(tel.skipped),
+        "skipped_frac": skipped / steps if steps else 0.0,
         "scale_first": scales[0] if n else None,
         "scale_last": scales[-1] if n else None,
         "scale_min": _stat(scales, min),
@@ -72,32 +100,46 @@ _WHAT = {"grad": "all parameter gradients together", "act": "all watched modules
          "param": "parameter gradients"}
 
 _PLAIN = {
-    "steps": "step records read",
-    "first_step": "first step",
-    "last_step": "last step",
-    "skipped_steps": "steps skipped (inf/NaN gradients)",
+    "steps": "optimizer steps from the first logged step to the last (last_step - first_step + 1)",
+    "records": "step records read",
+    "log_every": "usual gap between the step numbers of consecutive records",
+    "first_step": "first logged step",
+    "last_step": "last logged step",
+    "skipped_steps": "steps skipped (inf/NaN gradients), from the skipped_steps counter when logged",
+    "skipped_records": "records whose own step was skipped",
     "skipped_frac": "share of steps skipped",
-    "scale_first": "loss_scale of the first step",
-    "scale_last": "loss_scale of the last step",
+    "scale_first": "loss_scale of the first record",
+    "scale_last": "loss_scale of the last record",
     "scale_min": "smallest finite loss_scale",
     "scale_max": "largest finite loss_scale",
-    "nonfinite_scales": "steps whose loss_scale is NaN or inf",
-    "backoffs": "loss_scale decreases (backoffs)",
-    "growths": "loss_scale increases (growths)",
+    "nonfinite_scales": "records whose loss_scale is NaN or inf",
+    "backoffs": "loss_scale decreases (backoffs) from one record to the next",
+    "growths": "loss_scale increases (growths) from one record to the next",
     "bad_lines": "lines skipped (not a valid record)",
 }
 
 
-def describe(key: str, layer: Optional[str] = None) -> str:
+def steps_text(summary: Dict[str, Any]) -> str:
+    """``"440 steps (0..439, 44 records, one every 10)"``: the run's length as the report states it."""
+    span = f"{summary['first_step']}..{summary['last_step']}"
+    every = summary.get("log_every")
+    if summary["records"] != summary["steps"]:
+        span += f", {summary['records']} records" + (f", one every {every}" if every and every > 1 else "")
+    return f"{summary['steps']} steps ({span})"
+
+
+def describe(key: str, layer: Optional[str] = None, logged: Optional[str] = None) -> str:
     """What a summary figure is, naming the JSONL series it is computed over.
 
     E.g. ``act_flushed_frac_max`` is the max over steps of ``act/flushed_frac`` (all watched modules
     together), while ``act_flushed_frac_mean_per_layer[fc1]`` is the mean of ``act/fc1/flushed_frac``
     (one module): the two are over different series, so a layer's mean can exceed the overall max.
+    ``logged`` is a layer's key as the file holds it (:meth:`Telemetry.layer_key`), e.g.
+    ``grad/fc1.weight/flushed_frac`` for a ``param_...`` figure.
     """
     if layer is not None:  # {kind}_flushed_frac_mean_per_layer[layer]
         kind = key.split("_", 1)[0]
-        return f"{key}[{layer}]: mean over steps of {kind}/{layer}/flushed_frac ({layer} alone)"
+        return f"{key}[{layer}]: mean over steps of {logged or f'{kind}/{layer}/flushed_frac'} ({layer} alone)"
     for stat, words in (("_flushed_frac_mean", "mean over steps of {k}/flushed_frac"),
                         ("_flushed_frac_max", "max over steps of {k}/flushed_frac"),
                         ("_headroom_bits_median_clean", "median over unskipped steps of {k}/headroom_bits"),
@@ -155,8 +197,9 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
         if not (fl or hr):
             continue
         # The overall series first: drawn thick, and the one the overflow line is drawn from.
-        fl = {f"{layer} ({kind}/{layer}/flushed_frac)": v for layer, v in fl.items()}
-        hr = {f"{layer} ({kind}/{layer}/headroom_bits)": v for layer, v in hr.items()}
+        fl = {f"{layer} ({tel.layer_key(kind, layer, 'flushed_frac')})": v for layer, v in fl.items()}
+        hr = {f"{layer} ({tel.layer_key(kind, layer, 'headroom_bits')})": v for layer, v in hr.items()}
+        prefixes = sorted({key.split("/", 1)[0] for (k, _, _), key in tel.layer_keys.items() if k == kind})
         thick = []
         if fl and f"{overall}/flushed_frac" in tel.metrics:
             fl = {f"all together ({overall}/flushed_frac)": tel.metrics[f"{overall}/flushed_frac"], **fl}
@@ -168,8 +211,8 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
         plots.plot_telemetry(os.path.join(out_dir, name), tel.step, tel.loss_scale, tel.skipped,
                              flushed=fl or None, headroom=hr or None, title=f"Per layer: {what}")
         images.append((name, f"Per-layer {what}: flushed fraction and headroom per step. Thin lines: one "
-                       f"layer each ({kind}/<layer>/...)" + (f"; thick black: {' and '.join(thick)}, over all "
-                                                             "layers together." if thick else ".")))
+                       f"layer each ({' and '.join(f'{p}/<layer>/...' for p in prefixes)})"
+                       + (f"; thick black: {' and '.join(thick)}, over all layers together." if thick else ".")))
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         # Strict JSON: a NaN scale (as logged) is written as null.
         json.dump(_clean({"source": os.path.abspath(jsonl_path), "meta": tel.meta, "figures": summary,
@@ -178,7 +221,8 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
     rows = [(describe(k), _fmt(v)) for k, v in summary.items() if not isinstance(v, dict)]
     for k, v in summary.items():
         if isinstance(v, dict):
-            rows.extend((describe(k, layer), _fmt(x)) for layer, x in v.items())
+            kind = k.split("_", 1)[0]
+            rows.extend((describe(k, layer, tel.layer_key(kind, layer, "flushed_frac")), _fmt(x)) for layer, x in v.items())
     text = [
         "Every figure below is read from the JSONL file; nothing is recomputed. Each row names the series "
         "(JSONL key) it is computed over.",
@@ -195,6 +239,6 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
     sec = Section("Telemetry", text=text, figures=rows, images=images, anchor="telemetry")
     meta = "; ".join(f"{k}={v}" for k, v in tel.meta.items())
     write_html(os.path.join(out_dir, "index.html"), f"lossscale report: {os.path.basename(jsonl_path)}", [sec],
-               subtitle=f"{summary['steps']} steps" + (f" — {meta}" if meta else ""),
+               subtitle=steps_text(summary) + (f" — {meta}" if meta else ""),
                footer="Written by `lossscale report`.")
     return summary

@@ -78,8 +78,11 @@ class Telemetry:
 
     Attributes:
         step, loss_scale, skipped: one entry per step record, in file order.
+        skipped_steps: the record's cumulative ``skipped_steps`` counter, None where it has none.
         metrics: ``{global key: per-step values}`` for every key of :data:`GLOBAL_METRICS` present.
         layers: ``{(kind, layer, metric): per-step values}`` for every per-layer key present.
+        layer_keys: ``{(kind, layer, metric): the key as logged}``: ``grad/0/flushed_frac`` is read as
+            kind ``param`` and keeps its own name here (see :meth:`layer_key`).
         meta: merged ``meta`` of the metadata records.
         bad_lines: ``(line or record number, reason)`` of every line or record that was skipped.
     """
@@ -87,8 +90,10 @@ class Telemetry:
     step: List[int] = field(default_factory=list)
     loss_scale: List[float] = field(default_factory=list)
     skipped: List[bool] = field(default_factory=list)
+    skipped_steps: List[Optional[int]] = field(default_factory=list)
     metrics: Dict[str, List[Optional[float]]] = field(default_factory=dict)
     layers: Dict[Tuple[str, str, str], List[Optional[float]]] = field(default_factory=dict)
+    layer_keys: Dict[Tuple[str, str, str], str] = field(default_factory=dict)
     meta: Dict[str, Any] = field(default_factory=dict)
     bad_lines: List[Tuple[int, str]] = field(default_factory=list)
 
@@ -98,6 +103,11 @@ class Telemetry:
     def layer_series(self, kind: str, metric: str) -> Dict[str, List[Optional[float]]]:
         """``{layer: per-step values}`` of one kind (``act`` or ``param``) and metric."""
         return {layer: vals for (k, layer, m), vals in self.layers.items() if k == kind and m == metric}
+
+    def layer_key(self, kind: str, layer: str, metric: str) -> str:
+        """The JSONL key a per-layer series was logged under (``grad/fc1.weight/flushed_frac`` for kind
+        ``param``), for legends and tables that name what the file holds."""
+        return self.layer_keys.get((kind, layer, metric), f"{kind}/{layer}/{metric}")
 
 
 _NONFINITE = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf,
@@ -122,10 +132,12 @@ def _layer_key(key: str) -> Optional[Tuple[str, str, str]]:
 
 
 def _parse_step(rec: Mapping[str, Any], where: str, prev_skipped_steps: int):
-    """Validate one step record; return ``(step, scale, skipped, skipped_steps, values)`` or raise ValueError.
+    """Validate one step record; return ``(step, scale, skipped, skipped_steps, count, values, logged)``
+    or raise ValueError.
 
-    ``values`` maps every global metric and per-layer key of the record to its number, so a record
-    is accepted or refused whole.
+    ``count`` is the record's own ``skipped_steps`` counter (None if absent). ``values`` maps every
+    global metric and per-layer key of the record to its number, so a record is accepted or refused
+    whole; ``logged`` maps each per-layer target to the key it was logged under.
     """
     missing = [k for k in REQUIRED_KEYS if k not in rec]
     if missing:
@@ -153,15 +165,20 @@ def _parse_step(rec: Mapping[str, Any], where: str, prev_skipped_steps: int):
     else:
         skipped = False
     values: Dict[Any, Optional[float]] = {}
+    logged: Dict[Tuple[str, str, str], str] = {}
     for key, value in rec.items():
         target = key if key in GLOBAL_METRICS else _layer_key(key)
         if target is not None:
             values[target] = _number(value, key, where)
+            if isinstance(target, tuple):
+                logged[target] = key
     for key in ("grad/flushed_frac", "grad/overflow_frac", "grad/subnormal_frac"):
         v = values.get(key)
         if v is not None and math.isfinite(v) and not (0.0 <= v <= 1.0):
             raise ValueError(f"{where}: {key}={v!r} must lie in [0, 1].")
-    return step, scale, bool(skipped), prev_skipped_steps, values
+    count = rec.get("skipped_steps")
+    count = count if isinstance(count, int) and not isinstance(count, bool) else None
+    return step, scale, bool(skipped), prev_skipped_steps, count, values, logged
 
 
 @dataclass(frozen=True)
@@ -186,7 +203,8 @@ def _parse(numbered: Iterable[Tuple[int, Any]], source: str, skip_bad: bool, tel
                 if isinstance(meta, Mapping):
                     tel.meta.update(meta)
                 continue
-            step, scale, skipped, prev_skipped_steps, values = _parse_step(rec, where, prev_skipped_steps)
+            step, scale, skipped, prev_skipped_steps, count, values, logged = _parse_step(
+                rec, where, prev_skipped_steps)
         except ValueError as e:
             if not skip_bad:
                 raise
@@ -195,6 +213,8 @@ def _parse(numbered: Iterable[Tuple[int, Any]], source: str, skip_bad: bool, tel
         tel.step.append(step)
         tel.loss_scale.append(scale)
         tel.skipped.append(skipped)
+        tel.skipped_steps.append(count)
+        tel.layer_keys.update(logged)
         rows.append(values)
     n = len(rows)
     for j, values in enumerate(rows):
