@@ -225,6 +225,17 @@ def test_quick_demo_telemetry_feeds_lossscale_report(quick_report, tmp_path):
     assert math.isclose(got["scale_last"], run["final_scale"])
 
 
+def test_the_demo_outputs_name_no_tracker_issue(quick_run):
+    """Issue 21: summary.json began a text with "issue 13:"; no output a user reads cites the tracker."""
+    import re
+
+    _, out, summary, printed = quick_run
+    for name, text in (("summary.json", json.dumps(summary)), ("index.html", (out / "index.html").read_text()),
+                       ("stdout", printed)):
+        found = re.findall(r".{0,40}\bissue \d+.{0,40}", text, flags=re.IGNORECASE)
+        assert not found, (name, found)
+
+
 def test_readme_explains_the_demo_shift_where_it_first_describes_the_demo():
     """Issue 12: the README's first paragraph about the demo says in plain words why the loss is shifted."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

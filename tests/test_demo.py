@@ -343,3 +343,15 @@ def test_bad_batch_plot_is_a_png(bad, tmp_path):
     path = plots.plot_bad_batches(str(tmp_path / "bad.png"), runs, chance=0.1)
     with open(path, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_bad_batch_summary_speaks_to_the_user_not_the_tracker(bad):
+    """Issue 21: summary.json's bad-batch text began with "issue 13:", a tracker number a user cannot look up."""
+    import json
+    import re
+
+    from lossscale.demo import render
+
+    entry = render.bad_batch_summary(bad)
+    assert entry["what"].startswith("bad batches: ")
+    assert not re.search(r"\bissue \d", json.dumps(entry))

@@ -1,4 +1,4 @@
-"""Bad batches (issue 13): a NaN loss is not the loss scale's fault, so it should not cost the scale.
+"""Bad batches: a NaN loss is not the loss scale's fault, so it should not cost the scale.
 
 A fraction of the batches (``frac``, picked per seed) each carry one corrupt example, its input row
 set to NaN, so the step's loss is NaN before any scaling. Three runs on the main runs' data, model

@@ -237,7 +237,7 @@ def _make_plots(result, out_dir: str, by_id: Dict[str, ClaimResult]) -> Dict[str
                                "`lossscale report dynamic.jsonl` draws the same): scale and skips, share of exact "
                                "activation gradients flushed at the scale in use, headroom of the gradients."))
 
-    # Bad batches (issue 13; a section of its own, not a claim).
+    # Bad batches (a section of its own, not a claim).
     bb = result.bad_batches
     if bb is not None:
         plots.plot_bad_batches(img("bad_batches.png"), {
@@ -303,7 +303,7 @@ def _scale_path(run: Dict[str, Any]) -> str:
 def bad_batch_summary(bb: "B.BadBatches") -> Dict[str, Any]:
     """The bad-batch section's entry in ``summary.json`` (key ``"bad_batches"``)."""
     return {
-        "what": "issue 13: a share of the batches carry a NaN input row (a NaN loss before scaling); "
+        "what": "bad batches: a share of the batches carry a NaN input row (a NaN loss before scaling); "
                 "torch.amp.GradScaler against lossscale.GradScaler(trace=True), and a clean run",
         "frac": bb.frac, "epochs": bb.epochs, "wall_s": round(bb.wall_s, 3), "headline": _bad_headline(bb.figures),
         # final_scale: after the last update here (the main runs' is the scale the last step ran with).

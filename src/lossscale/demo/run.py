@@ -13,7 +13,7 @@ adaptive       FP16 + ``GradScaler(policy="adaptive")`` (C6)
 clip_right     static, unscale_ -> clip_grad_norm_ -> step (C4)
 clip_wrong     static, clip_grad_norm_ on the scaled gradients -> step (C4)
 static_2^k     the sweep: static scale 2**k for each k of ``sweep_log2`` (C5)
-bad_*          bad batches, torch's scaler against lossscale's (issue 13; not a claim: see :mod:`.bad_batches`)
+bad_*          bad batches, torch's scaler against lossscale's (not a claim: see :mod:`.bad_batches`)
 ============== =================================================================================
 """
 

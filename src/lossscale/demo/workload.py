@@ -116,7 +116,7 @@ class RunSpec:
             unscaled; returns a dict merged into that step's record (telemetry figures).
         capture_steps: steps whose (unscaled) gradients are kept, as ``{name: fp32 tensor}``.
         bad_steps: steps whose batch carries one corrupt example: its first input row is set to NaN,
-            so the step's loss is NaN before any scaling (a bad batch, issue 13).
+            so the step's loss is NaN before any scaling (a bad batch).
         diagnose: after every skipped step, record the scaler's ``overflow_report()`` as the step's
             ``diagnosis``, and its ``counters()`` at the end (lossscale's scaler only).
     """
