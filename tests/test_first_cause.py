@@ -208,3 +208,19 @@ def test_trace_needs_a_model():
         lossscale.GradScaler(trace=True)
     with pytest.raises(ValueError, match="loss_check"):
         lossscale.GradScaler(loss_check="yes")
+
+
+def test_a_nan_in_a_no_grad_evaluation_does_not_skip_the_next_training_step():
+    # Issue 19: an evaluation batch with a NaN, run under no_grad between two training steps, made
+    # the next clean step skip and blamed "forward of `0`".
+    model = mlp()
+    scaler = lossscale.GradScaler(model=model, trace=True)
+    bad = torch.randn(4, 6)
+    bad[0, 0] = math.nan
+    for evaluate in (torch.no_grad, torch.inference_mode):
+        with evaluate():
+            assert torch.isnan(model(bad)).any()
+        report = _traced_step(model, scaler, torch.randn(4, 6))
+        assert not scaler.last_step_skipped and report["forward"] is None
+    assert scaler.counters()["skipped_steps"] == 0
+    scaler.close()

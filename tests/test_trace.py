@@ -1,12 +1,17 @@
 """lossscale.trace.Tracer: the first module whose forward output, and the first whose backward
 gradient, held inf or NaN; no host sync while training; hooks removed cleanly."""
 
+import copy
+import gc
+import io
 import math
 import pickle
+import threading
 
 import pytest
 import torch
 
+import lossscale
 from _models import five_layer_mlp
 from lossscale._sync import count_host_syncs
 from lossscale.trace import Tracer
@@ -82,3 +87,150 @@ def test_hooks_are_removed_and_a_tracer_pickles():
     assert pickle.loads(blob).names == tracer.names
     with pytest.raises(ValueError, match="nn.Module"):
         Tracer(42)
+
+
+# ------------------------------------------------------------------ a part of the model (issue 19)
+def _held(obj, seen=None) -> int:
+    """The tensors a tracer holds (through its containers and lossscale objects, not through weakrefs)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(_held(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_held(v, seen) for v in obj)
+    if type(obj).__module__.startswith("lossscale") and hasattr(obj, "__dict__"):
+        return _held(vars(obj), seen)
+    return 0
+
+
+def _inf_at(model, layer):
+    """Make ``model[layer]``'s output hold an inf (registered first, so the tracer sees it)."""
+    return model[layer].register_forward_hook(lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.inf),
+                                              prepend=True)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_forwards_without_grad_are_not_traced_and_hold_nothing(mode):
+    # Evaluation and generation run under no_grad / inference_mode: their values are never
+    # backpropagated, so a NaN there says nothing about the next training step.
+    model = mlp()
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with Tracer(model) as tracer:
+        with context():
+            for i in range(2000):
+                x = torch.randn(4, 6)
+                x[0, 0] = math.nan if i == 5 else x[0, 0]
+                model(x)
+        assert _held(tracer) == 0  # was 6,000 (3 hooked layers x 2,000 forwards)
+        first = run(model, tracer, torch.randn(4, 6))
+    assert first == {"forward": None, "backward": None}
+
+
+def test_an_eval_mode_forward_with_grad_is_traced():
+    # eval() with grad on is training too (frozen batch norm, no dropout): it counts.
+    model = mlp().eval()
+    _inf_at(model, 2)
+    with Tracer(model) as tracer:
+        assert run(model, tracer, torch.randn(4, 6))["forward"] == "2"
+
+
+def test_forwards_never_handed_to_a_scaler_hold_a_bounded_number_of_tensors():
+    # 1,500 forwards with grad on and no end_forward (say, a metric computed outside no_grad): the
+    # checks fold as they go, and the first non-finite one is still found among them.
+    model = mlp()
+    most = 0
+    with Tracer(model) as tracer:
+        for i in range(1500):
+            handle = _inf_at(model, 4) if i == 900 else None
+            model(torch.randn(4, 6))
+            if handle is not None:
+                handle.remove()
+            if i % 25 == 0 or i > 1350:
+                most = max(most, _held(tracer))
+        assert most <= 1024 + 2  # trace.FOLD_AT pending and one folded record (was 4,500 at the end)
+        assert tracer.names_of(tracer.snapshot())["forward"] == "4"
+        assert _held(tracer) == 0
+
+
+def test_hooks_on_two_threads_keep_each_value_with_its_module():
+    # A model split over two devices runs its hooks on two threads. Here the second thread's hook
+    # runs entirely while the first is inside add(): its NaN must still be charged to module 1.
+    from lossscale.trace import _Pass
+
+    checks = _Pass()
+
+    class Interrupted(list):
+        def __iter__(self):
+            other = threading.Thread(target=checks.add, args=(1, [torch.tensor(math.nan)]))
+            other.start()
+            other.join(timeout=5)
+            return super().__iter__()
+
+    checks.add(0, Interrupted([torch.tensor(0.0)]))
+    [(indices, first, found)] = checks.take()
+    assert bool(found) and indices[int(first)] == 1
+
+
+def _traced_pair():
+    model = mlp()
+    return model, lossscale.GradScaler(model=model, trace=True)
+
+
+def _report(model, scaler, inf_layer=None):
+    """One training step; an inf in ``model[inf_layer]``'s output if given. The report's forward."""
+    handle = None if inf_layer is None else _inf_at(model, inf_layer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    if handle is not None:
+        handle.remove()
+    return scaler.overflow_report()["forward"]
+
+
+def _hooked(model) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("order", ["model first", "scaler first"])
+def test_a_deep_copy_of_model_and_scaler_traces_in_the_copy(order):
+    model, scaler = _traced_pair()
+    if order == "model first":
+        twin_model, twin_scaler = copy.deepcopy((model, scaler))
+    else:
+        twin_scaler, twin_model = copy.deepcopy((scaler, model))
+    assert _report(twin_model, twin_scaler, inf_layer=2) == "2"  # was None: the copy's hooks fed the original
+    assert _report(model, scaler) is None and not scaler.last_step_skipped  # the original saw nothing
+    assert _report(model, scaler, inf_layer=4) == "4"  # and still traces its own model
+    twin_scaler.close()
+    assert not _hooked(twin_model) and _hooked(model)
+
+
+def test_a_traced_model_pickles_alone_and_with_its_scaler():
+    model, scaler = _traced_pair()
+    restored = pickle.loads(pickle.dumps(model))  # was "Can't pickle local object ...hook"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for alone in (restored, loaded):
+        # No scaler came with it: its hooks have nobody to report to and remove themselves.
+        assert torch.equal(alone(torch.ones(2, 6)), model(torch.ones(2, 6)))
+        assert not _hooked(alone)
+    twin_model, twin_scaler = pickle.loads(pickle.dumps((model, scaler)))
+    assert _report(twin_model, twin_scaler, inf_layer=2) == "2"
+    twin_scaler.close()
+    assert not _hooked(twin_model)
+
+
+def test_a_tracer_nobody_holds_stops_tracing():
+    # A scaler dropped without close(): its hooks do not keep the tracer (and its checks) alive.
+    model = mlp()
+    lossscale.GradScaler(model=model, trace=True)
+    gc.collect()
+    model(torch.randn(4, 6))
+    assert not _hooked(model)

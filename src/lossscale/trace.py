@@ -11,6 +11,20 @@ per-module cost is one small kernel and a list append. Nothing is read on the ho
 
 Host syncs: none while training; one when a report is read.
 
+The tracer behaves like a part of the model:
+
+* Only forwards that autograd records count (``torch.is_grad_enabled()``). Evaluation and
+  generation under ``torch.no_grad()`` / ``torch.inference_mode()`` are not checked and hold
+  nothing, so a NaN in an evaluation batch does not skip the next training step. A forward in
+  ``eval()`` mode *with* grad on counts: that is training with frozen batch norm or without
+  dropout. Run evaluation under ``no_grad`` (as one should anyway) to keep it out.
+* Forwards with grad on that no ``scale()`` follows keep at most :data:`FOLD_AT` checks pending
+  (then they fold), not one tensor per module call.
+* A traced model pickles (``torch.save(model)``) and deep-copies. With its scaler in the same
+  pickle or copy (``copy.deepcopy((model, scaler))``), the copy traces the copied modules; alone,
+  its hooks find no tracer and remove themselves at the first call.
+* Hooks running on several threads (a model split over devices) keep each value with its module.
+
 Usage (``GradScaler(model=model, trace=True)`` does this for you)::
 
     tracer = Tracer(model)
@@ -24,7 +38,9 @@ Usage (``GradScaler(model=model, trace=True)`` does this for you)::
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import threading
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -53,48 +69,128 @@ def _sums(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return [t.detach().sum(dtype=torch.float32) for t in tensors if t.numel()]
 
 
+#: Checks one direction holds before they fold (a few kernels). Forwards with grad on that no
+#: ``scale()`` follows (a metric computed outside ``no_grad``) then keep a bounded number of tensors:
+#: at most this many sums, plus one folded record.
+FOLD_AT = 1024
+
+
 class _Pass:
     """One direction's checks for the current iteration, on device until a report is read.
 
-    Each hook call appends one float32 sum per tensor and its module index (a host list). A pass ends
-    at :meth:`close`: the sums are stacked and the position of the first non-finite one is found
-    with a handful of kernels, whatever the number of modules; which module that is stays on the
-    host list, so nothing is copied to the device and nothing read back until the report.
+    Each hook call appends one (module index, float32 sum) pair per tensor, in one list operation:
+    the hooks of a model split over two devices run on two threads, and two lists extended in two
+    statements could interleave. The pairs fold at the end of a pass (:meth:`close`) and whenever
+    :data:`FOLD_AT` are pending: the sums are stacked and the position of the first non-finite one
+    is found with a handful of kernels, whatever the number of modules, and merged into the
+    iteration's one record. Which module a position is stays on the host, so nothing is copied to
+    the device and nothing read back until the report.
     """
 
     def __init__(self):
-        self.indices: List[int] = []
-        self.sums: List[torch.Tensor] = []
-        self.closed: List[tuple] = []  # (indices, first position tensor, any tensor) per pass
+        # Folds take a lock (two threads may reach FOLD_AT at once); appends do not, so a hook
+        # under torch.compile has no lock to break its graph on.
+        self._lock = threading.Lock()
+        self.pending: List[Tuple[int, torch.Tensor]] = []
+        self.folded: Optional[tuple] = None  # (indices, first position tensor, any tensor), or None
 
     def add(self, index: int, sums: List[torch.Tensor]) -> None:
-        self.indices.extend([index] * len(sums))
-        self.sums.extend(sums)
+        self.pending.extend([(index, s) for s in sums])
+        if len(self.pending) >= FOLD_AT:
+            self.close()
 
     def close(self) -> None:
-        if not self.sums:
-            return
-        device = self.sums[0].device
-        bad = ~torch.isfinite(torch.stack([_kernels.to_device(x, device) for x in self.sums]))
-        # argmax of a bool vector is its first True (0 when none: read with ``any``).
-        self.closed.append((self.indices, torch.argmax(bad.to(torch.uint8)), bad.any()))
-        self.indices, self.sums = [], []
+        """Fold the pending checks into the iteration's record (no sync)."""
+        with self._lock:
+            # Take the pending pairs as a prefix, in place: a pair another thread appends meanwhile
+            # lands after it and waits for the next fold.
+            n = len(self.pending)
+            if not n:
+                return
+            indices, sums = zip(*self.pending[:n])
+            del self.pending[:n]
+            device = sums[0].device if self.folded is None else self.folded[1].device
+            bad = ~torch.isfinite(torch.stack([_kernels.to_device(x, device) for x in sums]))
+            # argmax of a bool vector is its first True (0 when none: read with ``any``).
+            first, found = torch.argmax(bad.to(torch.uint8)), bad.any()
+            if self.folded is None:
+                self.folded = (list(indices), first, found)
+                return
+            seen, first_before, found_before = self.folded
+            # The earlier checks ran first: theirs, if any was non-finite, else this block's, past them.
+            first = torch.where(found_before, first_before, first + len(seen))
+            seen.extend(indices)
+            self.folded = (seen, first, found_before | found)
 
     def any(self) -> Optional[torch.Tensor]:
-        """A bool 0-dim tensor: some closed pass found a non-finite value (None: nothing checked)."""
-        flags = [a for _, _, a in self.closed]
-        if not flags:
-            return None
-        out = flags[0]
-        for f in flags[1:]:
-            out = out | f
-        return out
+        """A bool 0-dim tensor: some folded check was non-finite (None: nothing checked)."""
+        return None if self.folded is None else self.folded[2]
 
     def take(self) -> List[tuple]:
-        """The closed passes, handed over (for a report) and forgotten."""
+        """The iteration's record (a list of at most one), handed over (for a report) and forgotten."""
         self.close()
-        out, self.closed = self.closed, []
-        return out
+        with self._lock:
+            out, self.folded = self.folded, None
+        return [] if out is None else [out]
+
+
+class _Hook:
+    """A tracer's hook on one module. It holds its tracer weakly: a tracer nobody keeps (a scaler
+    dropped without ``close()``; a model pickled or copied without its scaler) stops tracing, and
+    its hooks remove themselves at the module's next call. A hook pickles and deep-copies with its
+    tracer, and rejoins the copy (:func:`_rebuild_hook`), so a copy of ``(model, scaler)`` traces
+    the copied modules."""
+
+    def __init__(self, tracer: Optional["Tracer"], index: int):
+        self._tracer = None if tracer is None else weakref.ref(tracer)
+        self.index = index
+        self.handle = None  # its RemovableHandle, set once registered
+
+    def tracer(self) -> Optional["Tracer"]:
+        """The tracer to report to; None (and this hook removed) when it is gone."""
+        tracer = None if self._tracer is None else self._tracer()
+        if tracer is None and self.handle is not None:
+            self.handle.remove()
+        return tracer
+
+    def __reduce__(self):
+        return _rebuild_hook, (type(self), self.tracer(), self.index, self.handle)
+
+
+def _rebuild_hook(cls, tracer: Optional["Tracer"], index: int, handle) -> _Hook:
+    """Unpickle or copy a hook, and give it back to its (unpickled or copied) tracer to remove on close."""
+    hook = cls(tracer, index)
+    hook.handle = handle
+    if tracer is not None:
+        tracer._hooks.append(hook)
+    return hook
+
+
+class _InputsHook(_Hook):
+    """Forward pre-hook: registers, on each input that needs a gradient, a tensor hook that checks
+    the gradient this module's backward computes for it."""
+
+    def __call__(self, module, args) -> None:
+        # Before the module runs: an in-place module (ReLU(inplace=True)) has not yet changed its
+        # input, so the tensor hook sees the gradient of the input this module received.
+        tracer = self.tracer()
+        if tracer is None or not torch.is_grad_enabled():
+            return
+        checks, index = tracer._bwd, self.index
+        for x in _tensors(args):
+            if x.requires_grad:
+                x.register_hook(lambda g: checks.add(index, _sums([g])))
+
+
+class _OutputsHook(_Hook):
+    """Forward hook: checks the module's outputs, in forwards that autograd records."""
+
+    def __call__(self, module, args, output) -> None:
+        tracer = self.tracer()
+        # no_grad / inference_mode forwards (evaluation, generation) are never backpropagated: a
+        # non-finite value there says nothing about the next training step, and is not kept.
+        if tracer is not None and torch.is_grad_enabled():
+            tracer._fwd.add(self.index, _sums(_tensors(output)))
 
 
 #: Leaf modules that cannot *originate* a non-finite value: finite inputs give finite outputs and
@@ -108,10 +204,14 @@ class Tracer:
     """Hooks on every leaf module of ``model`` that find the first non-finite forward output and the
     first module whose backward produced a non-finite gradient.
 
-    Forward: a forward hook checks each leaf's output (leaves in :data:`PASS_THROUGH` are skipped). Backward: a tensor hook on each leaf's inputs
-    sees the gradient *its* backward computed (a module hook would wrap outputs and break in-place
-    ops such as ``ReLU(inplace=True)``). The gradient of the loss itself is not a module's: a
-    non-finite loss shows as the last module in backward order, and the scaler's loss check names it.
+    Forward: a forward hook checks each leaf's output (leaves in :data:`PASS_THROUGH` are skipped), in
+    forwards with grad on. Backward: a tensor hook on each leaf's inputs sees the gradient *its*
+    backward computed (a module hook would wrap outputs and break in-place ops such as
+    ``ReLU(inplace=True)``). The gradient of the loss itself is not a module's: a non-finite loss
+    shows as the last module in backward order, and the scaler's loss check names it.
+
+    The hooks hold the tracer weakly: keep a reference to it (the scaler does) for as long as it
+    should trace.
 
     Args:
         model: the ``nn.Module`` to watch; names come from ``named_modules()``.
@@ -120,31 +220,16 @@ class Tracer:
     def __init__(self, model: torch.nn.Module):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"trace=True needs model= to be an nn.Module, got {type(model).__name__}.")
-        self.names: List[str] = []
-        self._handles = []
-        self._fwd, self._bwd = _Pass(), _Pass()
+        self.__setstate__({"names": []})  # no hooks, no checks yet
         for name, module in model.named_modules():
             if next(module.children(), None) is not None or isinstance(module, PASS_THROUGH):
                 continue  # leaves only (a container's output is its last leaf's), and not pass-throughs
             index = len(self.names)
             self.names.append(name or type(module).__name__)
-            self._handles.append(module.register_forward_pre_hook(self._inputs_hook(index)))
-            self._handles.append(module.register_forward_hook(self._outputs_hook(index)))
-
-    def _inputs_hook(self, index: int):
-        # Before the module runs: an in-place module (ReLU(inplace=True)) has not yet changed its
-        # input, so the tensor hook sees the gradient of the input this module received.
-        def hook(module, args):
-            if torch.is_grad_enabled():
-                for x in _tensors(args):
-                    if x.requires_grad:
-                        x.register_hook(lambda g, i=index: self._bwd.add(i, _sums([g])))
-        return hook
-
-    def _outputs_hook(self, index: int):
-        def hook(module, args, output):
-            self._fwd.add(index, _sums(_tensors(output)))
-        return hook
+            for hook, register in ((_InputsHook(self, index), module.register_forward_pre_hook),
+                                   (_OutputsHook(self, index), module.register_forward_hook)):
+                hook.handle = register(hook)
+                self._hooks.append(hook)
 
     # ---------------------------------------------------------------------------------- iteration
     def end_forward(self) -> None:
@@ -178,9 +263,9 @@ class Tracer:
     # ---------------------------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Remove every hook (idempotent)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        for hook in self._hooks:
+            hook.handle.remove()
+        self._hooks = []
 
     def __enter__(self) -> "Tracer":
         return self
@@ -189,8 +274,11 @@ class Tracer:
         self.close()
 
     def __getstate__(self):
-        # Hook handles do not pickle; a restored tracer is closed (the scaler re-hooks a model it owns).
-        state = self.__dict__.copy()
-        state["_handles"] = []
-        state["_fwd"], state["_bwd"] = _Pass(), _Pass()
-        return state
+        # Pickled or copied alone, a tracer hooks nothing. Its hooks pickle and copy with the modules
+        # and rejoin it there (_rebuild_hook): a model pickled or copied with the scaler traces.
+        return {"names": self.names}
+
+    def __setstate__(self, state) -> None:
+        self.names: List[str] = state["names"]
+        self._hooks: List[_Hook] = []
+        self._fwd, self._bwd = _Pass(), _Pass()
