@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _device, _kernels, checkpoint, formats
+from . import _device, _hints, _kernels, checkpoint, formats
 from . import distributed as _distributed
 from ._check import Flags, GradientCheck, names_of, sum_flags
 from ._observe import Observer
@@ -387,10 +387,12 @@ class GradScaler:
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale factor.
 
         Returns the outputs unchanged when disabled. The first call fixes the scaler's device (from
-        the first tensor). No host sync.
+        the first tensor). No host sync. Warns once if the loss is bf16 or bf16 autocast is active:
+        bf16 needs no loss scale (see :meth:`passthrough`).
         """
         if not self._enabled:
             return outputs
+        _hints.warn_if_bf16(outputs, self._passthrough())
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
         if isinstance(outputs, torch.Tensor):
