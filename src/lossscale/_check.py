@@ -6,6 +6,15 @@ the amax a policy may need, and reduces the flags across ranks in ONE collective
 a small :class:`Flags` record; the scaler keeps the records of an iteration and hands them to the
 policy in ``update()``.
 
+**The flag contract.** Every ``found_inf`` (and ``found_nan``) that leaves this module is a float32
+0-dim tensor holding exactly 0.0 or 1.0, whatever was combined into it: the per-device flags of a
+check, the bad-loss flag (the loss check and the trace's forward flag), and the flags of other ranks.
+Flags are combined with :func:`any_flag` (an elementwise ``maximum``) or a MAX all-reduce, never
+added. Why it matters: torch's fused optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``, CPU and CUDA
+kernels alike) skip only when ``found_inf == 1.0`` and otherwise *step*, subtracting ``found_inf``
+from their step counters; a sum of two flags (2.0) made a "skipped" step write NaN into the weights.
+``tests/test_skip_matrix.py`` holds every torch.optim optimizer to this.
+
 It also refuses to unscale the same gradients twice in one iteration, which an optimizer wrapper
 (Fabric's, accelerate's) over the same parameters would otherwise do silently: torch's scaler keys
 its bookkeeping by optimizer object, so ``unscale_(wrapper)`` after ``unscale_(inner)`` divides by
@@ -46,8 +55,8 @@ class Flags:
     """What one check learned, on the scale's device, reduced across ranks.
 
     Attributes:
-        found_inf: float32 0-dim, > 0 when some gradient was inf or NaN (torch's found_inf).
-        found_nan: float32 0-dim, > 0 when NaN was among them.
+        found_inf: float32 0-dim, 1.0 when some gradient was inf or NaN (torch's found_inf), else 0.0.
+        found_nan: float32 0-dim, 1.0 when NaN was among them, else 0.0.
         amax: max|g| of the scaled gradients for policies that need it, else None.
         host_found: the skip decision as a host bool where it was synced, else None (on device).
         bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling on
@@ -158,9 +167,10 @@ class GradientCheck:
 
     @staticmethod
     def _with_bad_loss(flags: "Flags", bad_loss: Optional[torch.Tensor]) -> None:
-        """A reduced non-finite loss skips the step: fold it into found_inf; keep it as a bool."""
+        """A reduced non-finite loss skips the step: fold it into found_inf (a max: the flag contract
+        above; NaN gradients *and* a NaN loss are still 1.0); keep it as a bool."""
         if bad_loss is not None:
-            flags.found_inf = flags.found_inf + bad_loss.to(flags.found_inf.dtype)
+            flags.found_inf = torch.maximum(flags.found_inf, bad_loss.to(flags.found_inf.dtype))
             flags.bad_loss = bad_loss > 0
 
     # ------------------------------------------------------------------------------ the checks
@@ -193,7 +203,7 @@ class GradientCheck:
             # learned below, on the overflow path only.
             found = torch.zeros((), dtype=torch.float32, device=device)
             per_device = _kernels.check_and_unscale_(groups, _device.reciprocal(scale), found)
-            found_inf = sum_flags(per_device.values(), device)
+            found_inf = any_flag(per_device.values(), device)
             found_nan, nan_pending = found_inf, True  # a placeholder: 0 when clean
         else:
             # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.
@@ -214,14 +224,20 @@ class GradientCheck:
         return flags
 
     def clip_(self, gathered: Gathered, scale: torch.Tensor, max_norm: float, norm_type: float, *, sync: bool,
-              needs_amax: bool, bad_loss: Optional[torch.Tensor] = None):
-        """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``."""
+              needs_amax: bool, bad_loss: Optional[torch.Tensor] = None, norm_group: Any = None):
+        """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``.
+
+        Sharded gradients: the norm is reduced over ``norm_group`` or the DTensors' mesh
+        (``lossscale.distributed.norm_reduction``), one collective before the flags' one.
+        """
+        reduce_norm, counted = _distributed.norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
         self._claim(gathered)
         amax = None
         if needs_amax:
             # max|g| of the *scaled* gradients, taken before anything below rewrites them.
             _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
-        true_norm, bad, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type)
+        true_norm, bad, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
+                                                               counted, reduce_norm)
         found_inf, found_nan, amax, reduced_bad = self.reduce(bad[0], bad[1], amax, bad_loss)
         # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
         # holding a NaN and inf for one holding an inf, so it serves as an amax vector.
@@ -233,14 +249,17 @@ class GradientCheck:
         return true_norm, flags
 
 
-def sum_flags(flags, device: torch.device) -> torch.Tensor:
-    """The sum of 0-dim flag tensors on ``device`` (> 0 when any is); zero for none. No sync."""
+def any_flag(flags, device: torch.device) -> torch.Tensor:
+    """The largest of 0/1 flag tensors, on ``device`` (1.0 when any is set); 0.0 for none. No sync.
+
+    A maximum, not a sum: the result stays 0.0 or 1.0, as torch's fused optimizers require.
+    """
     flags = [_kernels.to_device(f, device) for f in flags]
     if not flags:
         return torch.zeros((), dtype=torch.float32, device=device)
     total = flags[0]
     for f in flags[1:]:
-        total = total + f
+        total = torch.maximum(total, f)
     return total
 
 

@@ -40,7 +40,7 @@ import torch
 
 from . import _device, _hints, _kernels, checkpoint, formats
 from . import distributed as _distributed
-from ._check import Flags, GradientCheck, names_of, sum_flags
+from ._check import Flags, GradientCheck, any_flag, names_of
 from ._observe import Observer
 from ._state import TensorState
 from .policy import SMALLEST_SCALE, Policy, ScaleState, count_flags, diagnose, f32, policy_class
@@ -495,7 +495,8 @@ class GradScaler:
         self._run_check(optimizer, unscale=True, sync=not getattr(optimizer, "_step_supports_amp_scaling", False))
         rec.stage = OptState.UNSCALED
 
-    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
+                        ) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with
@@ -506,8 +507,11 @@ class GradScaler:
         overflow: the step is skipped, the gradients are only unscaled (an inf stays inf, not NaN).
 
         Once per optimizer per iteration, instead of :meth:`unscale_` and before :meth:`step`. The
-        norm is over this optimizer's parameters (torch's recipe takes whatever it is given), and
-        over this rank's gradients (DDP's replicated ones: the total; FSDP shards: not the total).
+        norm is over this optimizer's parameters (torch's recipe takes whatever it is given), over
+        every rank's part of them: DTensor gradients (FSDP2, tensor parallel, both) are reduced over
+        their mesh, pipeline stages over ``norm_group`` (``lossscale.distributed.norm_reduction``),
+        in one all-reduce; every rank gets the same norm, a plain tensor (torch's is a DTensor).
+        DDP's gradients are copies: nothing is reduced.
         Syncs like :meth:`unscale_`: once for optimizers without amp-scaling support, never for
         fused ones (the norm stays a device tensor).
         """
@@ -515,8 +519,14 @@ class GradScaler:
 
         norm_type = _clip.validate(max_norm, norm_type)
         if not self._enabled:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            gathered = self._check.gather(optimizer, allow_half=True, coalesce=True)
+            reduce_norm, counted = _distributed.norm_reduction(gathered.all_params, gathered.params, norm_type,
+                                                               norm_group)
+            if reduce_norm is None:
+                return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
+            # Spread over ranks: the same reduced norm as when enabled, at scale 1 (exact).
+            one = torch.ones((), device=gathered.all_params[0].grad.device if gathered.all_params else "cpu")
+            return _clip.clip_scaled_(gathered.grads, one, max_norm, norm_type, counted, reduce_norm)[0]
         t = self._require_state("clip_grad_norm_()")
         rec = self._record(optimizer)
         if rec.stage is OptState.UNSCALED:
@@ -535,7 +545,8 @@ class GradScaler:
             if self._tracer is not None:
                 self._tracer.end_backward()
             true_norm, rec.flags = self._check.clip_(gathered, t.scale, max_norm, norm_type, sync=sync,
-                                                     needs_amax=self._policy.needs_amax, bad_loss=self._bad_loss())
+                                                     needs_amax=self._policy.needs_amax, bad_loss=self._bad_loss(),
+                                                     norm_group=norm_group)
         rec.stage = OptState.UNSCALED
         return true_norm
 
@@ -614,8 +625,8 @@ class GradScaler:
         else:
             # Where the host knows an overflow, found_inf is that bool; found_nan and bad_loss stay
             # on device.
-            found_inf = True if host_known else sum_flags([f.found_inf for f in flags], t.device)
-            found_nan = sum_flags([f.found_nan for f in flags], t.device)
+            found_inf = True if host_known else any_flag([f.found_inf for f in flags], t.device)
+            found_nan = any_flag([f.found_nan for f in flags], t.device)
             bad_loss = None if not bads else bads[0] if len(bads) == 1 else torch.stack(bads).any()
         if not (host_known and not host_overflow):  # possibly skipped: keep what the report needs
             self._cause = dict(loss_bad=self._loss_bad, losses=self._losses, scale=t.scale.clone(),
