@@ -1,6 +1,7 @@
 """lossscale.integrations.accelerate against the real accelerate, on CPU with FP16 autocast."""
 
 import pickle
+import sys
 
 import pytest
 import torch
@@ -214,3 +215,44 @@ def test_validation_errors_name_the_fix():
     accelerator.prepare(mlp())
     with pytest.raises(RuntimeError, match="before prepare"):
         ls_accelerate.attach(accelerator)
+
+
+# ------------------------------------------------------------------ misuse is named (issue 19)
+def test_attach_twice_returns_the_same_scaler_and_refuses_a_second_one():
+    # A second attach() built a second scaler and orphaned the first (and whatever held it).
+    accelerator = Accelerator(mixed_precision="fp16")
+    scaler = ls_accelerate.attach(accelerator, init_scale=2.0**8)
+    assert ls_accelerate.attach(accelerator) is scaler
+    assert ls_accelerate.attach(accelerator, scaler) is scaler
+    for other in (dict(init_scale=2.0**4), dict(scaler=lossscale.GradScaler())):
+        with pytest.raises(ValueError, match=r"already attached.*attach\(accelerator\) returns it"):
+            ls_accelerate.attach(accelerator, **other)
+    model = mlp()
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    assert ls_accelerate.attach(accelerator) is scaler and accelerator.scaler is scaler
+    assert type(opt).__name__ == "SkipAwareAcceleratedOptimizer" and scaler.get_scale() == 2.0**8
+
+
+def _lightning_plugin():
+    from lossscale.integrations import lightning
+
+    return lightning.MixedPrecision()
+
+
+def _transformers_attach():
+    from lossscale.integrations import transformers
+
+    return transformers.attach(None)
+
+
+@pytest.mark.parametrize("framework, use", [("accelerate", lambda: ls_accelerate.attach(None)),
+                                            ("transformers", _transformers_attach),
+                                            ("lightning", _lightning_plugin)])
+def test_a_missing_framework_names_the_extra_to_install(monkeypatch, framework, use):
+    from lossscale.integrations import lightning
+
+    for name in [m for m in sys.modules if m == framework or m.startswith(framework + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.delitem(vars(lightning), "MixedPrecision", raising=False)  # built on first use
+    with pytest.raises(ModuleNotFoundError, match=rf'needs {framework}.*pip install "lossscale\[integrations\]"'):
+        use()

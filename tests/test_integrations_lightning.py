@@ -235,3 +235,27 @@ def test_plugin_validation():
     plugin = MixedPrecision()
     assert plugin.precision == "16-mixed" and plugin.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert type(plugin).__qualname__ == "MixedPrecision" and isinstance(plugin, LightningMixedPrecision)
+
+
+# ------------------------------------------------------------------ misuse is named (issue 19)
+def test_the_trainer_plugin_given_to_fabric_names_the_fabric_plugin():
+    # It crashed at the first backward, deep in Lightning: 'NoneType' object has no attribute 'trainer'.
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision()])
+    model = mlp()
+    with pytest.raises(RuntimeError, match=r"use FabricMixedPrecision with Fabric"):
+        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+    x, y = batch(0)
+    with pytest.raises(RuntimeError, match=r"use FabricMixedPrecision with Fabric"):
+        fabric.backward(torch.nn.functional.cross_entropy(model(x), y))  # without setup()
+
+
+@pytest.mark.parametrize("plugin", [MixedPrecision, FabricMixedPrecision])
+def test_a_precision_other_than_fp16_says_what_to_use(plugin):
+    for make in (lambda: plugin(precision="bf16-mixed"), lambda: plugin("bf16-mixed")):
+        with pytest.raises(ValueError, match=r"FP16 only.*precision='bf16-mixed'.*GradScaler\.passthrough\(\)"):
+            make()
+    with pytest.raises(ValueError, match=r"FP16 only.*pass precision='32-true' to Lightning"):
+        plugin(precision="32-true")
+    with pytest.raises(ValueError, match=r"scaler='16-mixed' is a precision.*drop it"):
+        plugin("16-mixed", "cpu")  # Lightning's own plugin's signature
+    assert plugin(precision="16-mixed", device="cpu").precision == "16-mixed"

@@ -138,3 +138,21 @@ def test_validation_and_rebuilt_accelerator(tmp_path):
     with pytest.raises(RuntimeError, match="rebuilt its accelerator"):
         trainer.train()
     assert isinstance(scaler, lossscale.GradScaler)
+
+
+# ------------------------------------------------------------------ misuse is named (issue 19)
+def test_attach_twice_returns_the_same_scaler_and_after_train_names_the_trainer_fix(tmp_path):
+    def trainer():
+        args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, report_to=[], max_steps=1,
+                                 per_device_train_batch_size=2, disable_tqdm=True)
+        return Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(2, length=8))
+
+    first = trainer()
+    scaler = ls_transformers.attach(first)
+    assert ls_transformers.attach(first) is scaler and first.accelerator.scaler is scaler  # was a second scaler
+    late = trainer()
+    late.train()  # without the scaler: on CPU the Trainer trains in FP32
+    # It said accelerate's "called after accelerator.prepare(...)", which the Trainer's user never called.
+    with pytest.raises(RuntimeError, match=r"before trainer\.train\(\)") as error:
+        ls_transformers.attach(late)
+    assert "accelerator.prepare" not in str(error.value)

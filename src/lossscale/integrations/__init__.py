@@ -8,7 +8,25 @@
 
 Importing this package, or any of its modules, imports no framework: each framework is imported by
 the function or class that needs it. See docs/integrations.md for what each integration changes in
-its framework's behaviour and the versions tested.
+its framework's behaviour and the versions tested. A framework that is not installed is named
+with the extra that installs it.
 """
 
+import importlib
+
 __all__ = ["accelerate", "transformers", "lightning", "loggers"]
+
+
+def _require(framework: str) -> None:
+    """Import ``framework`` (a top-level package name), or raise ``ModuleNotFoundError`` (as the bare
+    import would, so ``except ImportError`` still works) saying which extra installs it."""
+    try:
+        importlib.import_module(framework)
+    except ModuleNotFoundError as error:
+        if error.name != framework:
+            raise  # the framework is there but something it imports is not: its own message says what
+        raise ModuleNotFoundError(
+            f'lossscale.integrations needs {framework}, which is not installed: pip install "lossscale[integrations]" '
+            f"(the frameworks lossscale integrates with, at tested versions), or pip install {framework}.",
+            name=framework,
+        ) from error

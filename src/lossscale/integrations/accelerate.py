@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _require
+
 __all__ = ["attach"]
 
 _SKIP_AWARE_NAME = "SkipAwareAcceleratedOptimizer"
@@ -40,12 +42,17 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     is True exactly on skipped steps (fused optimizers included) so accelerate's prepared schedulers
     do not advance then, and ``save_state``/``load_state`` carry the scaler's complete state.
 
+    Called again on the same accelerator, it returns the scaler the first call installed (at any
+    time, before or after ``prepare``); given a different scaler or scaler keywords then, it raises
+    ``ValueError``: a second scaler would leave the first, and whatever holds it, out of training.
+
     Args:
         accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="fp16"``.
         scaler: a ``lossscale.GradScaler``, or None to build one from ``scaler_kwargs`` (and from the
             accelerator's ``GradScalerKwargs`` handler, if one was given; ``scaler_kwargs`` win).
         **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
     """
+    _require("accelerate")
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -64,9 +71,10 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise ValueError(f"accelerator.distributed_type is {accelerator.distributed_type}, whose engine scales "
                          "the loss itself (accelerator.py:568); configure its loss scaler instead.")
-    if accelerator._models or accelerator._optimizers:
-        # prepare() wraps the model's forward in autocast only if native_amp is already set
-        # (accelerator.py:1824) and hands each optimizer the scaler it finds then (accelerator.py:2784).
+    attached = _attached(accelerator, scaler, scaler_kwargs)
+    if attached is not None:
+        return attached
+    if _prepared(accelerator):
         raise RuntimeError("attach() was called after accelerator.prepare(...); call it right after "
                            "building the Accelerator, before prepare().")
     if scaler is None:
@@ -84,9 +92,27 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     # (1824) and unscaling in unscale_gradients (2946), scaler gates scaling in backward (2856).
     accelerator.scaler = scaler
     accelerator.native_amp = True
-    if not getattr(accelerator.prepare_optimizer, "_lossscale", False):
-        accelerator.prepare_optimizer = _reporting_prepare_optimizer(accelerator.prepare_optimizer)
+    accelerator.prepare_optimizer = _reporting_prepare_optimizer(accelerator.prepare_optimizer)
     return scaler
+
+
+def _attached(accelerator, scaler, scaler_kwargs):
+    """The scaler an earlier :func:`attach` installed on ``accelerator`` (None: none did), if this call
+    asks for nothing else; a ValueError if it asks for another scaler."""
+    if not getattr(accelerator.prepare_optimizer, "_lossscale", False):
+        return None
+    if (scaler is None or scaler is accelerator.scaler) and not scaler_kwargs:
+        return accelerator.scaler
+    raise ValueError("a lossscale scaler is already attached to this accelerator (attach(accelerator) returns it); "
+                     "a second one would leave the first, and whatever holds it, out of training. Pass scaler= or "
+                     "its keywords to the first attach(), or build a new Accelerator.")
+
+
+def _prepared(accelerator) -> bool:
+    """Whether ``accelerator.prepare(...)`` has run: then attaching is too late. prepare() wraps the
+    model's forward in autocast only if native_amp is already set (accelerator.py:1824) and hands each
+    optimizer the scaler it finds then (accelerator.py:2784)."""
+    return bool(accelerator._models or accelerator._optimizers)
 
 
 def _reporting_prepare_optimizer(prepare_optimizer):
@@ -110,6 +136,7 @@ def _skip_aware_class():
     cls = globals().get(_SKIP_AWARE_NAME)
     if cls is not None:
         return cls
+    _require("accelerate")
     from accelerate.optimizer import AcceleratedOptimizer
 
     from ..scaler import GradScaler

@@ -35,9 +35,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _require
+
 __all__ = ["MixedPrecision", "FabricMixedPrecision"]
 
 _BUILDERS = {}
+_FP16 = "16-mixed"  # the one precision the plugins run
 
 
 def _device_type(device) -> str:
@@ -50,16 +53,45 @@ def _device_type(device) -> str:
     return torch.device(device).type
 
 
-def _scaler(scaler, scaler_kwargs):
+def _check_precision(precision, argument: str = "precision") -> None:
+    """Refuse any precision but FP16 mixed, saying what to use instead."""
+    if precision == _FP16:
+        return
+    if "bf16" in str(precision):
+        advice = ("bf16 needs no loss scaling: use Lightning's own precision='bf16-mixed' without this plugin. To "
+                  "also skip steps whose gradients hold inf/NaN, drive a lossscale.GradScaler.passthrough() "
+                  "yourself (scale, step, update; with Fabric or manual optimization).")
+    else:
+        advice = f"For another precision, pass precision={precision!r} to Lightning without this plugin."
+    raise ValueError(f"{argument}={precision!r}: this plugin is FP16 only ({_FP16!r}, with a loss scaler). {advice}")
+
+
+def _plugin_args(scaler, device, precision, scaler_kwargs):
+    """Lightning's ``MixedPrecision(precision, device, scaler=)`` arguments for either plugin."""
     from ..scaler import GradScaler
 
+    _check_precision(precision)
+    if isinstance(scaler, str):
+        # Lightning's own plugin takes (precision, device): MixedPrecision("16-mixed", "cuda").
+        _check_precision(scaler, argument="scaler")
+        raise ValueError(f"scaler={scaler!r} is a precision: this plugin's first argument is scaler=, and its "
+                         f"precision is always {_FP16!r}; drop it.")
     if scaler is None:
-        return GradScaler(**scaler_kwargs)
-    if scaler_kwargs:
+        scaler = GradScaler(**scaler_kwargs)
+    elif scaler_kwargs:
         raise ValueError(f"pass either scaler= or GradScaler keywords ({', '.join(scaler_kwargs)}), not both.")
-    if not isinstance(scaler, GradScaler):
+    elif not isinstance(scaler, GradScaler):
         raise ValueError(f"scaler={scaler!r} must be a lossscale.GradScaler (or None to build one).")
-    return scaler
+    return _FP16, _device_type(device), scaler
+
+
+def _check_trainer(module) -> None:
+    """Refuse Fabric. The Trainer's plugin runs on a LightningModule attached to a Trainer
+    (pytorch/core/module.py:137 is that link); Fabric hands it the user's module, or None
+    (fabric/strategies/strategy.py:191), and Lightning's pre_backward then fails on ``module.trainer``."""
+    if getattr(module, "_trainer", None) is None:
+        raise RuntimeError("lossscale.integrations.lightning.MixedPrecision is the Trainer's plugin; use "
+                           "FabricMixedPrecision with Fabric: lightning.Fabric(plugins=[FabricMixedPrecision()]).")
 
 
 def _check_device(device_type: str, tensor) -> None:
@@ -88,18 +120,27 @@ def _trainer_plugin():
         Args:
             scaler: a ``lossscale.GradScaler``, or None to build one from ``scaler_kwargs``.
             device: the autocast device type; None: "cuda" if available, else "cpu".
+            precision: "16-mixed" only (the plugin is FP16); any other raises ``ValueError`` saying
+                what to use instead.
             **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
 
         Interval-"step" LR schedulers do not advance on skipped steps, and the scaler's metrics go to
-        the module's loggers at logging steps. See :mod:`lossscale.integrations.lightning`.
+        the module's loggers at logging steps. Given to ``Fabric``, it raises ``RuntimeError``: use
+        ``FabricMixedPrecision`` there. See :mod:`lossscale.integrations.lightning`.
         """
 
-        def __init__(self, scaler=None, device=None, **scaler_kwargs: Any) -> None:
-            super().__init__("16-mixed", _device_type(device), scaler=_scaler(scaler, scaler_kwargs))
+        def __init__(self, scaler=None, device=None, *, precision: str = _FP16, **scaler_kwargs: Any) -> None:
+            super().__init__(*_plugin_args(scaler, device, precision, scaler_kwargs))
+
+        def convert_module(self, module):
+            """Refuse Fabric (whose setup() calls this first), then Lightning's own convert_module."""
+            _check_trainer(module)
+            return super().convert_module(module)
 
         def pre_backward(self, tensor, module):
             """Check the loss's device, then scale it (Lightning's own pre_backward)."""
             _check_device(self.device, tensor)
+            _check_trainer(module)
             return super().pre_backward(tensor, module)
 
         def optimizer_step(self, optimizer, model, closure, **kwargs: Any):
@@ -131,14 +172,16 @@ def _fabric_plugin():
         Args:
             scaler: a ``lossscale.GradScaler``, or None to build one from ``scaler_kwargs``.
             device: the autocast device type; None: "cuda" if available, else "cpu".
+            precision: "16-mixed" only (the plugin is FP16); any other raises ``ValueError`` saying
+                what to use instead.
             **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
 
         Wrap LR schedulers with ``lossscale.schedulers.skip_aware(scheduler, plugin.scaler)``; save
         ``plugin.scaler`` in ``fabric.save`` states. See :mod:`lossscale.integrations.lightning`.
         """
 
-        def __init__(self, scaler=None, device=None, **scaler_kwargs: Any) -> None:
-            super().__init__("16-mixed", _device_type(device), scaler=_scaler(scaler, scaler_kwargs))
+        def __init__(self, scaler=None, device=None, *, precision: str = _FP16, **scaler_kwargs: Any) -> None:
+            super().__init__(*_plugin_args(scaler, device, precision, scaler_kwargs))
 
         def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
             """Check the loss's device, then scale and backpropagate (Fabric's own backward)."""
@@ -152,6 +195,7 @@ def __getattr__(name: str):
     build = _BUILDERS.get(name)
     if build is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _require("lightning")
     cls = build()
     # Lightning keys the plugin's checkpoint entry by __qualname__ (checkpoint_connector.py:479 and 315):
     # "MixedPrecision", as its own plugin's, not "_trainer_plugin.<locals>.MixedPrecision".

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import weakref
 
+from . import _require
+
 __all__ = ["attach"]
 
 
@@ -35,11 +37,15 @@ def attach(trainer, scaler=None, **scaler_kwargs):
     ``scaler.metrics()`` appear in the Trainer's training logs under ``scaler/`` at its logging
     steps (one host sync each); checkpoints and ``resume_from_checkpoint`` restore the scaler.
 
+    Called again on the same Trainer, it returns the same scaler (a different scaler or scaler
+    keywords then raise ``ValueError``, as in :func:`lossscale.integrations.accelerate.attach`).
+
     Args:
         trainer: a ``transformers.Trainer`` whose ``args.fp16`` is True.
         scaler: a ``lossscale.GradScaler``, or None to build one from ``scaler_kwargs``.
         **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
     """
+    _require("transformers")
     from transformers import Trainer
 
     from . import accelerate as _accelerate
@@ -50,7 +56,15 @@ def attach(trainer, scaler=None, **scaler_kwargs):
         # training_args.py:1615 turns fp16=True into the accelerator's mixed_precision="fp16".
         raise ValueError("trainer.args.fp16 is False; build the Trainer with TrainingArguments(fp16=True) "
                          "to use a loss scaler (bf16=True needs none).")
-    scaler = _accelerate.attach(trainer.accelerator, scaler, **scaler_kwargs)
+    accelerator = trainer.accelerator
+    if _accelerate._attached(accelerator, scaler, scaler_kwargs) is None and _accelerate._prepared(accelerator):
+        # train() prepares the model and optimizer (trainer.py:1764-1773), evaluate()/predict() the model
+        # (trainer.py:2928-2932); later calls reuse them, without the scaler.
+        raise RuntimeError("attach(trainer) was called after the Trainer prepared its model (trainer.train(), "
+                           "evaluate() or predict() do), so it would train without FP16 loss scaling. Call "
+                           "attach(trainer) right after building the Trainer, before trainer.train() or "
+                           "evaluate(); to go on training this model, build a new Trainer with it.")
+    scaler = _accelerate.attach(accelerator, scaler, **scaler_kwargs)  # the same one if attached
     callbacks = trainer.callback_handler.callbacks
     callbacks[:] = [cb for cb in callbacks if not getattr(cb, "_lossscale", False)]
     # First in line: on_log callbacks share one `logs` dict, so the report_to loggers after it see
