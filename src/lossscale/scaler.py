@@ -62,11 +62,24 @@ class OptState(enum.Enum):
 class _Record:
     """One optimizer's stage and what the gradient check learned in this iteration."""
 
-    __slots__ = ("stage", "flags")
+    __slots__ = ("stage", "flags", "skipped")
 
     def __init__(self):
         self.stage = OptState.READY
         self.flags: Optional[Flags] = None
+        self.skipped: Optional[bool] = None  # this optimizer's skip, once read on the host
+
+    def read_skipped(self) -> bool:
+        """Whether this optimizer's step was skipped: the host's decision, or the device flag read
+        once (a sync, on the fused path only)."""
+        if self.skipped is None:
+            if self.flags is None:  # an optimizer stepped through grad_scaler=: it checked itself
+                self.skipped = False
+            elif self.flags.host_found is not None:
+                self.skipped = self.flags.host_found
+            else:
+                self.skipped = bool(self.flags.found_inf.item())
+        return self.skipped
 
 
 class _Default:
@@ -737,7 +750,7 @@ class GradScaler:
         """
         empty = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
                  "cause": "the last step was not skipped."}
-        if not self.last_step_skipped:
+        if not self._skipped_at_update():
             return empty
         if self._last_report is None:
             report = dict(empty, inf=[], nan=[])
@@ -770,13 +783,47 @@ class GradScaler:
     # ------------------------------------------------------------------ skip-awareness
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last iteration's optimizer step(s) were skipped (read after :meth:`update`).
+        """Whether the last :meth:`step` was skipped: between :meth:`step` and :meth:`update`, this
+        iteration's (any optimizer stepped so far); otherwise the last iteration's.
 
         Free when the host already decided the step (optimizers without amp-scaling support); for
-        fused optimizers, whose skip happened on device, the first read after an :meth:`update` syncs
-        host and device and later reads reuse it. When that update was captured in a CUDA graph, every
-        read syncs: replays change the device state without calling :meth:`update`.
+        fused optimizers, whose skip happened on device, the first read syncs host and device and
+        later reads reuse it. When the last update was captured in a CUDA graph, every read after it
+        syncs: replays change the device state without calling :meth:`update`.
         """
+        stepped = self._stepped_records()
+        if stepped:
+            return any(r.read_skipped() for r in stepped)
+        return self._skipped_at_update()
+
+    def _stepped_records(self) -> List[_Record]:
+        return [r for r in self._records.values() if r.stage is OptState.STEPPED]
+
+    def step_was_skipped(self, optimizer=None) -> bool:
+        """Whether ``optimizer``'s last step was skipped, for code that acts on it (an LR scheduler).
+
+        Between :meth:`step` and :meth:`update` it is this iteration's decision for ``optimizer``
+        (each optimizer skips on its own gradients, as in torch), or for the iteration so far when
+        ``optimizer`` is None or not stepped by this scaler; after :meth:`update` the last
+        iteration's. Raises RuntimeError when this iteration has begun to check gradients but no
+        optimizer has stepped yet: its decision is not made, and the previous one is stale.
+        May sync: see :attr:`last_step_skipped`.
+        """
+        rec = self._records.get(id(optimizer)) if optimizer is not None else None
+        if rec is not None and rec.stage is OptState.STEPPED:
+            return rec.read_skipped()
+        if self._records and not self._stepped_records():
+            raise RuntimeError(
+                "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, "
+                "step() did not), so whether it is skipped is not known. Step schedulers (and anything that "
+                "asks whether the step was skipped) after scaler.step(optimizer): either scaler.step(o); "
+                "scaler.step_scheduler(s); scaler.update(), or scaler.step(o); scaler.update(); "
+                "scaler.step_scheduler(s)."
+            )
+        return self.last_step_skipped
+
+    def _skipped_at_update(self) -> bool:
+        """Whether the iteration that the last :meth:`update` closed was skipped."""
         if self._last_skipped is not None:
             return self._last_skipped
         if self._t is None:
@@ -794,13 +841,15 @@ class GradScaler:
         return self.state().skipped_steps if self._enabled else 0
 
     def step_scheduler(self, scheduler, *args, **kwargs) -> bool:
-        """``scheduler.step()`` unless the last step was skipped; returns whether it stepped.
+        """``scheduler.step()`` unless the step of its optimizer was skipped; returns whether it stepped.
 
         A skipped step did not train, so an LR schedule that advanced anyway would drift ahead of
         the weights (torch warns "Detected call of lr_scheduler.step() before optimizer.step()").
-        May sync: see :attr:`last_step_skipped`.
+        Call it after :meth:`step`, before or after :meth:`update`: either way it reads this
+        iteration's decision (:meth:`step_was_skipped`, for ``scheduler.optimizer`` when the
+        scheduler has one). May sync: see :attr:`last_step_skipped`.
         """
-        if self._enabled and self.last_step_skipped:
+        if self._enabled and self.step_was_skipped(getattr(scheduler, "optimizer", None)):
             return False
         scheduler.step(*args, **kwargs)
         return True

@@ -24,7 +24,9 @@ skip on device, each ``step()`` of a skip-aware scheduler reads ``scaler.last_st
 sync per step with one scheduler (the usual case). The accelerate, Trainer and Lightning
 integrations read it once per step.
 
-Call ``step()`` once per optimizer step, after ``scaler.update()``. A scheduler stepped per epoch
+Call ``step()`` once per optimizer step, after ``scaler.step(optimizer)``: before or after
+``scaler.update()``, it follows this iteration's decision for its own optimizer
+(:meth:`lossscale.GradScaler.step_was_skipped`). A scheduler stepped per epoch
 should not be wrapped: it would skip a whole epoch's step when the epoch's last batch was skipped.
 """
 
@@ -56,8 +58,9 @@ def _rebuild(base: type, scaler, state: dict):
 
 def _step(self, *args: Any, **kwargs: Any):
     scaler = type(self)._lossscale_scaler
-    # Free when the host decided the step; one sync when a fused optimizer skipped on device.
-    if scaler.is_enabled() and scaler.last_step_skipped:
+    # This iteration's decision for the scheduler's optimizer, before or after scaler.update(); free
+    # when the host decided the step, one sync when a fused optimizer skipped on device.
+    if scaler.is_enabled() and scaler.step_was_skipped(getattr(self, "optimizer", None)):
         return None
     return super(type(self), self).step(*args, **kwargs)
 
