@@ -232,5 +232,9 @@ def test_a_tracer_nobody_holds_stops_tracing():
     model = mlp()
     lossscale.GradScaler(model=model, trace=True)
     gc.collect()
-    model(torch.randn(4, 6))
-    assert not _hooked(model)
+    # Its hooks, not yet called, pickle and copy as they are.
+    restored, copied = pickle.loads(pickle.dumps(model)), copy.deepcopy(model)
+    assert _hooked(model)  # copying did not change the original
+    for m in (model, restored, copied):
+        m(torch.randn(4, 6))
+        assert not _hooked(m)

@@ -147,14 +147,15 @@ class _Hook:
         self.handle = None  # its RemovableHandle, set once registered
 
     def tracer(self) -> Optional["Tracer"]:
-        """The tracer to report to; None (and this hook removed) when it is gone."""
+        """The tracer to report to; None (and this hook removed) when it is gone. For the hook calls."""
         tracer = None if self._tracer is None else self._tracer()
         if tracer is None and self.handle is not None:
             self.handle.remove()
         return tracer
 
     def __reduce__(self):
-        return _rebuild_hook, (type(self), self.tracer(), self.index, self.handle)
+        # No removal here: pickling or copying the model must not change the original.
+        return _rebuild_hook, (type(self), None if self._tracer is None else self._tracer(), self.index, self.handle)
 
 
 def _rebuild_hook(cls, tracer: Optional["Tracer"], index: int, handle) -> _Hook:
