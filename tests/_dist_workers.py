@@ -41,9 +41,12 @@ def _loopback_interface() -> str:
 
 # ---------------------------------------------------------------------------------------------- pool
 class WorkerPool:
-    """``world_size`` spawned processes joined in one gloo process group over loopback."""
+    """``world_size`` spawned processes joined in one gloo process group over loopback.
 
-    def __init__(self, world_size: int = 2):
+    ``scenarios``: the module whose ``SCENARIOS`` dict the workers run (this one by default).
+    """
+
+    def __init__(self, world_size: int = 2, scenarios: str = __name__):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
@@ -55,7 +58,7 @@ class WorkerPool:
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_serve, name=f"lossscale-test-rank{rank}", daemon=True,
-                        args=(rank, world_size, self._store.port, self._inboxes[rank], self._results))
+                        args=(rank, world_size, self._store.port, self._inboxes[rank], self._results, scenarios))
             for rank in range(world_size)
         ]
         for p in self._procs:
@@ -109,10 +112,13 @@ class WorkerPool:
                 p.join(timeout=5)
 
 
-def _serve(rank, world_size, port, inbox, results) -> None:
+def _serve(rank, world_size, port, inbox, results, scenarios: str = __name__) -> None:
     """A worker's main loop: join the group, then run scenarios until told to stop."""
+    import importlib
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    torch.set_num_threads(1)  # two ranks share two cores
+    torch.set_num_threads(1)  # the ranks share two cores
+    table = importlib.import_module(scenarios).SCENARIOS
     timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -126,7 +132,7 @@ def _serve(rank, world_size, port, inbox, results) -> None:
                 return
             name, kwargs = task
             try:
-                results.put((rank, True, SCENARIOS[name](rank, world_size, **kwargs)))
+                results.put((rank, True, table[name](rank, world_size, **kwargs)))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
     finally:

@@ -42,14 +42,25 @@ Differences from the two-step recipe, by design:
   would have stepped. With lossscale's default ``max_scale=2**24`` that needs a true norm above 1e12.
 * On overflow the gradients are unscaled but not clipped, so an inf stays inf (torch's recipe
   multiplies them by ``coef = 0`` and turns every inf into NaN).
-* Sharded gradients (FSDP): the norm is this rank's shard's. The total norm needs a sum of squares
-  across ranks, which this does not do; DDP replicates gradients, so every rank's norm is the total.
+
+Sharded gradients (FSDP2, tensor parallel, both on a 2-D mesh, pipeline stages): each rank holds
+parts of the gradients, so between the two passes one all-reduce turns this rank's norm into the
+total (``lossscale.distributed.norm_reduction`` decides the group and which parts a rank counts)::
+
+    local    = vector_norm(stack(norms of the parts this rank counts))   # a Replicate copy: one rank
+    total    = all_reduce(SUM, local**p) ** (1/p)      # inf: all_reduce(MAX, local); one collective
+    ... then as above, on every rank with the same total, so every rank clips alike
+
+torch reduces a DTensor norm the same way (``x**p``, SUM, ``**(1/p)``), but one mesh dim at a time,
+so sharded totals agree with torch's to rounding, not bitwise. The inf/NaN flags stay this rank's:
+the scaler's check reduces them, as for ``unscale_``. DDP replicates gradients, so there every
+rank's norm is the total and nothing is reduced.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -90,20 +101,27 @@ def validate(max_norm, norm_type) -> float:
     return float(norm_type)
 
 
-def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float, norm_type: float
+def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float, norm_type: float,
+                 counted: Optional[List[bool]] = None,
+                 reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
     """Unscale and clip ``grads`` (the *scaled* gradients) in place by their true total norm.
 
     Args:
-        grads: the gradients to clip (dense, or the coalesced values of sparse ones).
+        grads: the gradients to clip (dense, or the coalesced values of sparse ones; local shards).
         scale: the float32 0-dim scale the gradients carry; results land on its device.
         max_norm, norm_type: as ``torch.nn.utils.clip_grad_norm_`` (validated by :func:`validate`).
+        counted, reduce_norm: for gradients spread over ranks (``lossscale.distributed.norm_reduction``):
+            which of ``grads`` this rank counts in the norm (the others are copies another rank
+            counts), and the collective that turns the norm of the counted ones into the total.
+            None (default): this rank's gradients are the whole.
 
     Returns:
         ``(true_norm, flags, per_tensor, order)``: the total norm of the unscaled gradients (a
-        tensor: no sync); ``flags``, float32 ``[non-finite, NaN]`` of that norm (this rank's, not
-        reduced); the per-tensor norms of the *scaled* gradients (a NaN or inf one names the tensor
-        that held it, like an amax vector) and the index into ``grads`` of each, in that order.
+        tensor: no sync; the same on every rank when reduced); ``flags``, float32 ``[non-finite,
+        NaN]`` of this rank's gradients, copies included (not reduced); the per-tensor norms of the
+        *scaled* gradients (a NaN or inf one names the tensor that held it, like an amax vector) and
+        the index into ``grads`` of each, in that order.
     """
     device = scale.device
     # Inverse in float64, as unscale_ and torch: exact for a power of two either way.
@@ -116,24 +134,43 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
             torch._foreach_mul_(tensors, _kernels.to_device(inv_scale, tensors[0].device))
         norms.extend(torch._foreach_norm(tensors, norm_type))
         order.extend(indices)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    first = grads[0].device if grads else device  # torch stacks the norms on the first gradient's device
+    moved = [n.to(first) for n in norms]
     if not norms:
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = zero
         per_tensor = torch.zeros(0, dtype=torch.float32, device=device)
     else:
-        first = grads[0].device  # torch stacks the norms on the first gradient's device
-        stacked = torch.stack([n.to(first) for n in norms])
+        stacked = torch.stack(moved)
         total = torch.linalg.vector_norm(stacked, norm_type)
         per_tensor = _kernels.to_device(stacked.float(), device)
+    # [non-finite, NaN]: total - total is NaN exactly when total is inf or NaN (a norm is never
+    # -inf); one isnan gives both flags (torch.isfinite alone is four kernels on CPU).
+    bad = torch.isnan(torch.stack([total - total, total]))
+    overflow = bad[0]
+    if reduce_norm is not None:
+        # Sharded: the norm of the parts this rank counts, then one all-reduce to the total. Every
+        # rank gets the same total, so every rank clips by the same coefficient.
+        mine = [n for n, i in zip(moved, order) if counted is None or counted[i]]
+        local = total
+        if len(mine) < len(moved):
+            local = torch.linalg.vector_norm(torch.stack(mine), norm_type) if mine else zero.to(first)
+            # A copy counted elsewhere adds nothing, unless it holds inf/NaN: then so does the total,
+            # on every rank, as in torch (copies should agree; one that does not is a fault).
+            copies = torch.linalg.vector_norm(torch.stack([n for n, i in zip(moved, order) if not counted[i]]),
+                                              norm_type)
+            local = local + torch.where(torch.isfinite(copies), 0.0, copies)
+        total = reduce_norm(_kernels.to_device(local, device))
+        # Unscale only where this rank saw a non-finite value (a copy it does not count included) or
+        # the total is non-finite; the step is skipped then, by the reduced flags.
+        overflow = overflow.to(device) | torch.isnan(total - total)
     # What is left to divide by: 1/S, or nothing when the gradients were unscaled first.
     inv = _kernels.to_device(inv_scale, total.device) if exact else torch.ones_like(inv_scale, device=total.device)
     true_norm = total * inv  # exact: ||g|| / S == ||g / S|| for S = 2**k
     # torch's clip_grad_norm_, verbatim, on the true norm.
     clip_coef = max_norm / (true_norm + 1e-6)
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-    # [non-finite, NaN]: total - total is NaN exactly when total is inf or NaN (a norm is never
-    # -inf); one isnan gives both flags (torch.isfinite alone is four kernels on CPU).
-    bad = torch.isnan(torch.stack([total - total, total]))
-    multiplier = torch.where(bad[0], inv, clip_coef_clamped * inv)
+    multiplier = torch.where(overflow, inv, clip_coef_clamped * inv)
     per_device: Dict[torch.device, torch.Tensor] = {}
     for tensors, _ in groups:
         target = tensors[0].device

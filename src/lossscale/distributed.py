@@ -11,6 +11,10 @@ What :class:`lossscale.GradScaler` does across ranks (its gradient check calls :
             found_nan = all_reduce(MAX, local NaN flag, group)                   # overflow steps only
     update(): the policy sees the reduced flags, so every rank keeps the same scale and counters
 
+``clip_grad_norm_`` adds one collective before the flags' one, when the gradients are spread over
+ranks (DTensors, or a ``norm_group`` such as a pipeline's): the norm's partial power sum (see
+:func:`norm_reduction`).
+
 The flags, not the gradients' max, decide: a MAX over values holding NaN is not defined the same
 way by every backend (NCCL and gloo may drop it), while 0/1 flags reduce exactly. A needs_amax
 policy's amax rides along with its non-finite values sent as 0; the policy ignores it on overflow.
@@ -22,15 +26,17 @@ groups and tensors; the three that take a scaler use only its public methods.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-from typing import Any, List, Optional
+import math
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from .policy import ScaleState
 
-__all__ = ["reduction_group", "resolve_group", "validate_group", "all_reduce_flags", "check_consistency",
-           "init_stage", "reduce_stats"]
+__all__ = ["reduction_group", "resolve_group", "validate_group", "all_reduce_flags", "norm_reduction",
+           "all_reduce_norm", "replica_copies", "check_consistency", "init_stage", "reduce_stats"]
 
 DEFAULT_GROUP = "default"  # GradScaler(process_group=...)'s default: the default group, when there is one
 
@@ -116,6 +122,143 @@ def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Opt
     reduced_amax = values.pop() if amax is not None else None
     reduced_bad = values.pop() if bad_loss is not None else None
     return values[0], values[1], reduced_amax, reduced_bad
+
+
+def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], norm_type: float, norm_group: Any = None
+                   ) -> Tuple[Optional[Callable[[torch.Tensor], torch.Tensor]], Optional[List[bool]]]:
+    """How ``clip_grad_norm_`` turns this rank's gradients into the total norm: ``(reduce, counted)``.
+
+    ``reduce`` maps the norm of the gradients this rank counts to the norm of all of them (one
+    all-reduce, :func:`all_reduce_norm`), or is None when this rank's norm already is the total;
+    ``counted[i]`` says whether this rank counts ``params[i]``'s gradient (None: all of them). The
+    group and what is counted are decided on ``all_params`` (every parameter with a gradient, the
+    same on every rank, empty local shards included) and ``norm_group`` only, never on values, so
+    every rank takes the same collective or none::
+
+        norm_group None (default): derived from the gradients
+            no DTensor gradient                  -> no reduction (DDP's gradients are copies; one process)
+            DTensor gradients, all on one mesh   -> the mesh's ranks: its group (1-D), or the world when
+                                                    the mesh spans it; plain-tensor gradients beside
+                                                    them are refused (copies or parts? not knowable)
+        norm_group given (pipelines)             -> that group; it must hold every DTensor's mesh, and
+                                                    each rank's plain gradients count as its own part
+        a DTensor gradient is counted where this rank's mesh coordinate is 0 on every mesh dim
+        where it is Replicate (one copy of each shard), and reduced over the dims where it is Shard
+
+    torch does the same in ``torch.nn.utils.clip_grad_norm_`` for DTensors (``_NormPartial``:
+    ``x**p``, all-reduce SUM, ``**(1/p)``), one mesh dim at a time; here it is one collective over
+    the group, so the two round differently. A Replicate dim contributes no reduction in either.
+
+    Raises:
+        ValueError: ``norm_group`` is not a process group; a gradient is a Partial DTensor (its local
+            values are not the gradient); the gradients lie on several meshes, or mix DTensors and
+            plain tensors, without a ``norm_group``; a mesh of more than one dim that is not the
+            whole world, without a ``norm_group``; a mesh with ranks outside ``norm_group``; this
+            rank is outside ``norm_group``. Raised on every rank alike (decided on the layout).
+
+    No host-device sync (placements and meshes are host objects).
+    """
+    if norm_group is not None and torch.distributed.is_available():
+        from torch.distributed.distributed_c10d import GroupMember
+
+        if norm_group is GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("clip_grad_norm_: this rank is not in norm_group; pass a group that holds it.")
+    if norm_group is not None and not (torch.distributed.is_available()
+                                       and isinstance(norm_group, torch.distributed.ProcessGroup)):
+        raise ValueError(
+            f"norm_group={norm_group!r} ({type(norm_group).__name__}) must be None (derived from the DTensor "
+            "gradients) or a torch.distributed ProcessGroup holding every rank whose gradients make up the "
+            "norm: for a pipeline of plain stages its pipeline group, for pipeline x FSDP/TP the world "
+            "(torch.distributed.group.WORLD)."
+        )
+    if not _dist_ready():
+        return None, None
+    meshes, copies, plain = [], {}, False
+    for p in all_params:
+        grad = p.grad
+        if not hasattr(grad, "_local_tensor"):  # a plain tensor
+            plain = True
+            continue
+        if any(pl.is_partial() for pl in grad.placements):
+            raise ValueError(
+                f"a gradient of shape {tuple(p.shape)} is a DTensor with placements {grad.placements}: its "
+                "local values are partial sums, not the gradient, so its norm cannot be taken from them. "
+                "Redistribute it to Shard or Replicate before clipping (torch would all-reduce it whole)."
+            )
+        if not any(grad.device_mesh is m for m in meshes):
+            meshes.append(grad.device_mesh)
+        copies[id(p)] = _is_copy(grad)
+    if norm_group is None:
+        if not meshes:
+            return None, None
+        distinct = {(tuple(m.shape), tuple(m.mesh.flatten().tolist())) for m in meshes}
+        if len(distinct) > 1 or plain:
+            raise ValueError(
+                "clip_grad_norm_: the gradients " + ("lie on several device meshes" if len(distinct) > 1
+                                                      else "mix DTensors and plain tensors")
+                + ", so lossscale cannot tell which ranks hold copies of a gradient and which hold other "
+                "parts. Put every parameter on one mesh (torch's clip_grad_norm_ needs that too), or pass "
+                "norm_group=<the group of every rank whose gradients make up the norm> (then a rank's plain "
+                "gradients count as its own part, as in a pipeline stage)."
+            )
+        mesh = meshes[0]
+        if mesh.ndim == 1:
+            group = mesh.get_group()
+        elif mesh.size() == torch.distributed.get_world_size():
+            group = torch.distributed.group.WORLD
+        else:
+            raise ValueError(
+                f"clip_grad_norm_: the gradients lie on a {mesh.ndim}-D mesh of {mesh.size()} ranks, not the "
+                f"world's {torch.distributed.get_world_size()}; pass norm_group=<a group of every rank whose "
+                "gradients make up the norm> (for example torch.distributed.group.WORLD with pipeline stages, "
+                "or mesh._flatten().get_group())."
+            )
+    else:
+        members = set(torch.distributed.get_process_group_ranks(norm_group))
+        for mesh in meshes:
+            outside = sorted(set(mesh.mesh.flatten().tolist()) - members)
+            if outside:
+                raise ValueError(
+                    f"clip_grad_norm_: norm_group lacks ranks {outside[:8]} of the gradients' mesh {mesh}: the "
+                    "norm would miss their shards. Pass a group that holds every mesh (the world for "
+                    "pipeline x FSDP)."
+                )
+        group = norm_group
+    counted = [not copies.get(id(p), False) for p in params]
+    return functools.partial(all_reduce_norm, norm_type=norm_type, group=group), counted
+
+
+def _is_copy(grad) -> bool:
+    """Whether this rank's shard of a DTensor gradient is a copy that another rank counts: it is
+    Replicate over a mesh dim where this rank's coordinate is not 0 (or this rank is off the mesh)."""
+    coordinate = grad.device_mesh.get_coordinate()
+    return coordinate is None or any(pl.is_replicate() and c != 0 for pl, c in zip(grad.placements, coordinate))
+
+
+def replica_copies(params: List[torch.Tensor]) -> List[bool]:
+    """Per parameter, whether this rank's gradient is a copy that another rank counts (see
+    :func:`norm_reduction`): a sum over ranks counts each shard once if it leaves these out.
+
+    Tensor parallelism keeps some gradients Replicate over the tp dim (a row-parallel bias, a norm
+    layer's weight); FSDP2 shards them over the dp dim only. Plain tensors: False. No sync.
+    """
+    return [hasattr(p.grad, "_local_tensor") and _is_copy(p.grad) for p in params]
+
+
+def all_reduce_norm(local: torch.Tensor, norm_type: float, group) -> torch.Tensor:
+    """The total norm from every rank's ``local`` norm of the gradient parts it counts (0-dim).
+
+    For p = 1, 2, ...: ``(all_reduce(SUM, local**p)) ** (1/p)``; for inf: a MAX. A NaN anywhere
+    gives NaN on every rank: a SUM keeps it, and for the MAX (which gloo and NCCL may not) a NaN is
+    sent as inf with a NaN flag beside it. One collective; no host sync.
+    """
+    if math.isinf(norm_type):
+        sent = torch.stack([local.nan_to_num(nan=math.inf, posinf=math.inf), torch.isnan(local).to(local.dtype)])
+        torch.distributed.all_reduce(sent, op=torch.distributed.ReduceOp.MAX, group=group)
+        return torch.where(sent[1] > 0, math.nan, sent[0])
+    power = local**norm_type  # torch's _NormPartial: x**p, SUM, **(1/p)
+    torch.distributed.all_reduce(power, op=torch.distributed.ReduceOp.SUM, group=group)
+    return power ** (1.0 / norm_type)
 
 
 def _collective_device(group, preferred: Optional[torch.device] = None) -> torch.device:

@@ -90,6 +90,11 @@ class Telemetry:
         if not self.due():
             return
         self.sharded = self.sharded or sharded
+        if sharded:  # a tensor-parallel Replicate copy is counted by one rank only, or sums count it twice
+            from .distributed import replica_copies
+
+            kept = [(p, g) for p, g, copy in zip(params, grads, replica_copies(params)) if not copy]
+            params, grads = [p for p, _ in kept], [g for _, g in kept]
         if not grads and not self.sharded:
             return
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
