@@ -130,9 +130,9 @@ def test_the_ring_keeps_snapshots_in_flight_and_reads_them_in_order():
     for k in range(4):
         t.steps.fill_(k)
         obs.push(t)
-        seen += [s.steps for s, _ in obs.poll()]
+        seen += [s.steps for s, _, _ in obs.poll()]
     for _ in range(4):
-        seen += [s.steps for s, _ in obs.poll()]
+        seen += [s.steps for s, _, _ in obs.poll()]
     assert seen == [0, 1, 2, 3]
 
 
@@ -174,9 +174,11 @@ class FusedSGD:
         self.lr = lr
 
     def step(self):
-        keep = 1.0 - self.found_inf.clamp(max=1.0)  # skip on device
+        # Skip exactly as torch's fused kernels do: only when found_inf == 1.0 (any other value steps;
+        # an earlier stand-in clamped found_inf to 1 and so hid a flag of 2.0 that torch's kernels apply).
+        skip = self.found_inf == 1.0
         for p in self.param_groups[0]["params"]:
-            p.data.sub_(p.grad / self.grad_scale * self.lr * keep)
+            p.data.copy_(torch.where(skip, p.data, p.data - p.grad / self.grad_scale * self.lr))
 
 
 def test_a_fused_step_and_update_trace_without_graph_breaks():
@@ -193,6 +195,10 @@ def test_a_fused_step_and_update_trace_without_graph_breaks():
         scaler.step(opt)
         scaler.update()
 
+    # The first compiled update warns (once) that the stuck check is off under compile; that
+    # warning is the first trace's only break. Every later trace has none.
+    with pytest.warns(RuntimeWarning, match="stuck check"):
+        torch.compile(iteration, backend="eager")()
     scaler.scale((p * p).sum()).backward()
     torch._dynamo.reset()
     explained = torch._dynamo.explain(iteration)()

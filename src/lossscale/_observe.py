@@ -15,7 +15,7 @@ oldest unread one is dropped (its streak is still counted in the newer ones).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -28,13 +28,14 @@ SLOTS = 4
 
 
 class _Slot:
-    __slots__ = ("buffers", "event", "state", "seq")
+    __slots__ = ("buffers", "event", "state", "seq", "evidence")
 
     def __init__(self):
         self.buffers: Optional[List[torch.Tensor]] = None
         self.event = None
         self.state: Optional[TensorState] = None  # decodes the buffers (None: empty or read)
         self.seq = 0
+        self.evidence: Any = None  # what the caller keeps with the snapshot (its iteration's first cause)
 
 
 class Observer:
@@ -55,10 +56,11 @@ class Observer:
     def reset(self) -> None:
         """Drop every pending snapshot (after a checkpoint load: they describe another state)."""
         for slot in self._ring:
-            slot.state = slot.event = None
+            slot.state = slot.event = slot.evidence = None
 
-    def push(self, t: TensorState) -> None:
-        """Queue a snapshot of ``t`` (no sync). The caller skips it during CUDA-graph capture."""
+    def push(self, t: TensorState, evidence: Any = None) -> None:
+        """Queue a snapshot of ``t`` (no sync), with ``evidence`` returned beside it by :meth:`poll`.
+        The caller skips it during CUDA-graph capture."""
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         vectors = t.vectors()
@@ -68,11 +70,13 @@ class Observer:
             _device.copy_to_host_(buf, vec)
         slot.event = self._record_event(t.device)
         slot.state = t
+        slot.evidence = evidence
         self._seq += 1
         slot.seq = self._seq
 
-    def poll(self) -> List[Tuple[object, float]]:
-        """``(state, scale_before)`` of every landed, unread snapshot, oldest first; each is read once.
+    def poll(self) -> List[Tuple[object, float, Any]]:
+        """``(state, scale_before, evidence)`` of every landed, unread snapshot, oldest first; each is
+        read once.
 
         A slot is marked read *before* it is returned, so a reaction that raises cannot make the same
         snapshot raise again at the next update.
@@ -81,5 +85,6 @@ class Observer:
         out = []
         for slot in ready:
             t, slot.state = slot.state, None
-            out.append(t.decode([b.tolist() for b in slot.buffers]))
+            evidence, slot.evidence = slot.evidence, None
+            out.append((*t.decode([b.tolist() for b in slot.buffers]), evidence))
         return out

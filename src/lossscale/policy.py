@@ -656,8 +656,11 @@ def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, low
 
 
 # ---------------------------------------------------------------------------------------- diagnosis
-def diagnose(policy, state: ScaleState) -> str:
-    """A plain-language diagnosis of a stuck run, from the counters alone (no tensors needed)."""
+def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
+    """A plain-language diagnosis of a stuck run, from the counters alone (no tensors needed).
+
+    ``tracing``: the scaler traces first causes (``trace=True``), so its caller names the module
+    and this text does not suggest turning tracing on."""
     streak, nan = state.overflow_streak, state.streak_nan_steps
     lo = policy.scale_bounds()[0]
     if state.streak_bad_loss_steps == streak:
@@ -666,9 +669,9 @@ def diagnose(policy, state: ScaleState) -> str:
             f"({nan} with NaN gradients); every one was skipped and the scale kept at {state.scale:g}: the "
             "scale is not the cause (it only multiplies the backward). This is a data or model problem: a "
             "bad batch (NaN/inf inputs or labels), a log or sqrt of zero or a negative, a division by zero, "
-            "an fp16 activation that overflowed in the forward, or weights that are already NaN. "
-            "GradScaler(model=model, trace=True) names the first module whose output was non-finite "
-            "(overflow_report()['forward'])."
+            "an fp16 activation that overflowed in the forward, or weights that are already NaN."
+            + ("" if tracing else " GradScaler(model=model, trace=True) names the first module whose output was "
+               "non-finite (overflow_report()['forward']).")
         )
     lines = [
         f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "

@@ -228,7 +228,7 @@ class GradScaler:
         self._check = GradientCheck(self._name_of, _distributed.validate_group(process_group))
         self._observer = Observer()
         self._last_skipped: Optional[bool] = None  # a host decision; None: read the device state
-        self._report_source = None
+        self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
         self._last_report: Optional[Dict[str, List[str]]] = None
         self._warned_streak = False
         self._telemetry = self._make_telemetry(telemetry)
@@ -245,7 +245,7 @@ class GradScaler:
             self._tracer = Tracer(model)
         self._loss_bad: Optional[torch.Tensor] = None  # this iteration's losses: some non-finite
         self._losses: List[torch.Tensor] = []  # this iteration's losses, detached (the report's "loss")
-        self._cause = None  # the last possibly skipped iteration's first-cause tensors, for the report
+        self._warned_capture = False  # the stuck check is off under capture/compile: said once
         self._skip_read: Optional[bool] = None  # the device's skip flag, read once per update()
         self._skip_cacheable = True  # False after an update() captured in a CUDA graph
 
@@ -641,9 +641,12 @@ class GradScaler:
             found_inf = True if host_known else any_flag([f.found_inf for f in flags], t.device)
             found_nan = any_flag([f.found_nan for f in flags], t.device)
             bad_loss = None if not bads else bads[0] if len(bads) == 1 else torch.stack(bads).any()
-        if not (host_known and not host_overflow):  # possibly skipped: keep what the report needs
-            self._cause = dict(loss_bad=self._loss_bad, losses=self._losses, scale=t.scale.clone(),
-                               trace=None if self._tracer is None else self._tracer.snapshot())
+        clean = host_known and not host_overflow
+        if not clean:  # possibly skipped: keep what the report needs (device tensors, no sync)
+            self._evidence = dict(loss_bad=self._loss_bad, losses=self._losses, scale=t.scale.clone(),
+                                  trace=None if self._tracer is None else self._tracer.snapshot(),
+                                  source=[(f.params, f.amax_vectors) for f in flags if f.amax_vectors])
+            self._last_report = None
         elif self._tracer is not None:
             self._tracer.snapshot()  # a clean iteration: start the next one afresh
         if new_scale is not None:
@@ -658,15 +661,21 @@ class GradScaler:
         self._last_skipped = host_overflow if host_known else None
         capturing = _device.capturing(t.device)
         self._skip_read, self._skip_cacheable = None, not capturing
-        if host_overflow or not host_known:
-            self._report_source = [(f.params, f.amax_vectors) for f in flags if f.amax_vectors]
-            self._last_report = None
         self._records = {}
         self._check.new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
         if not capturing:
-            self._observe(t, clean=host_known and not host_overflow)
+            self._observe(t, clean)
+        elif not self._warned_capture:
+            # Under torch.compile the warning breaks the graph of this first trace only: the flag is
+            # then True, dynamo's guard on it recompiles once, and later traces have no break.
+            self._warned_capture = True
+            warnings.warn(
+                "lossscale: update() runs inside a CUDA-graph capture or torch.compile, where the host cannot "
+                "read the device, so the stuck check (on_stuck) is off for these updates. Call "
+                "scaler.check_stuck() eagerly now and then (e.g. every few hundred steps; one sync) to run it.",
+                RuntimeWarning, stacklevel=2)
 
     def _set_scale(self, t: TensorState, new_scale) -> None:
         lo, hi = self._policy.scale_bounds()
@@ -705,30 +714,44 @@ class GradScaler:
         """React to every landed snapshot of earlier updates, then queue one of this update's state.
 
         ``clean``: the host knows this iteration stepped, so nothing can be stuck now (no snapshot).
-        Not called while a CUDA graph is captured or torch.compile traces: the host reads nothing there
-        (graph replays update the state on device; the next eager update looks at it).
+        A snapshot carries the evidence of its own iteration (the first cause), so a reaction one
+        update late still describes the step that tripped it. Not called while a CUDA graph is
+        captured or torch.compile traces: the host reads nothing there (see :meth:`check_stuck`).
         """
-        for state, scale_before in self._observer.poll():
-            self._react(state, scale_before)
+        for state, scale_before, evidence in self._observer.poll():
+            self._react(state, scale_before, evidence)
         if clean:
             self._warned_streak = False
             return
-        self._observer.push(t)
+        self._observer.push(t, self._evidence)
 
-    def _react(self, state: ScaleState, scale_before: float) -> None:
+    def check_stuck(self) -> None:
+        """Run the stuck check on the state now (warn or raise per ``on_stuck``). Syncs host and device.
+
+        :meth:`update` runs it by itself, without a sync, one update late; inside a CUDA-graph
+        capture or ``torch.compile`` it cannot (the host reads nothing there), so a loop that replays
+        graphs or runs a compiled step calls this eagerly now and then. It describes the current
+        streak; the evidence of where it began is kept only for eager updates.
+        """
+        if not self._enabled or self._t is None:
+            return
+        state, scale_before = self._t.decode([v.tolist() for v in self._t.vectors()])
+        self._react(state, scale_before, None, stacklevel=3)
+
+    def _react(self, state: ScaleState, scale_before: float, evidence, stacklevel: int = 4) -> None:
         if state.overflow_streak == 0:
             self._warned_streak = False
             return
         if not self._policy.is_stuck(state, scale_before) or self._policy.on_stuck == "ignore":
             return
-        message = diagnose(self._policy, state)
-        if self._cause is not None and (self._loss_check or self._tracer is not None):
-            # Rare (the run is stuck): one sync to say where the last skipped step's trouble began.
-            message += "\nThe last skipped step: " + self.overflow_report()["cause"]
+        message = diagnose(self._policy, state, tracing=self._tracer is not None)
+        if evidence is not None:
+            # Rare (the run is stuck): one sync to say where the stuck step's trouble began.
+            message += "\nThe step that tripped this check: " + self._report_from(evidence)["cause"]
         if self._policy.on_stuck == "raise":
             raise RuntimeError(message)
         if not self._warned_streak:
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
             self._warned_streak = True
 
     # ------------------------------------------------------------------ overflow report
@@ -753,21 +776,25 @@ class GradScaler:
         if not self._skipped_at_update():
             return empty
         if self._last_report is None:
-            report = dict(empty, inf=[], nan=[])
-            for params, vectors in self._report_source or []:
-                values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
-                for key, names in names_of(values, params, self._name_of).items():
-                    report[key].extend(names)
-            cause = self._cause or {}
-            if cause.get("loss_bad") is not None and bool(cause["loss_bad"].item()):
-                report["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in cause["losses"]) else "inf"
-            if cause.get("trace") is not None:
-                report.update(self._tracer.names_of(cause["trace"]))
-            if cause.get("scale") is not None:
-                report["scale"] = float(cause["scale"].item())
-            report["cause"] = _explain(report)
-            self._last_report = report
+            self._last_report = self._report_from(self._evidence)
         return self._last_report
+
+    def _report_from(self, evidence: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """:meth:`overflow_report`'s dict from one iteration's evidence (its device tensors). Syncs."""
+        report = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None}
+        evidence = evidence or {}
+        for params, vectors in evidence.get("source") or []:
+            values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
+            for key, names in names_of(values, params, self._name_of).items():
+                report[key].extend(names)
+        if evidence.get("loss_bad") is not None and bool(evidence["loss_bad"].item()):
+            report["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in evidence["losses"]) else "inf"
+        if evidence.get("trace") is not None and self._tracer is not None:
+            report.update(self._tracer.names_of(evidence["trace"]))
+        if evidence.get("scale") is not None:
+            report["scale"] = float(evidence["scale"].item())
+        report["cause"] = _explain(report)
+        return report
 
     def close(self) -> None:
         """Remove the tracing hooks (``trace=True``); the scaler keeps working without them. Idempotent."""
@@ -987,8 +1014,8 @@ class GradScaler:
         self._records = {}
         self._check.new_iteration()
         self._observer.reset()
-        self._last_skipped, self._report_source, self._last_report = None, None, None
-        self._skip_read, self._cause, self._loss_bad, self._losses = None, None, None, []
+        self._last_skipped, self._evidence, self._last_report = None, None, None
+        self._skip_read, self._loss_bad, self._losses = None, None, []
         self._warned_streak = False
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -998,7 +1025,7 @@ class GradScaler:
         state["_pending"] = self.state()
         state["_t"] = None
         state["_observer"] = None
-        state["_report_source"], state["_last_report"] = None, None
+        state["_evidence"], state["_last_report"] = None, None
         # Parameter names: ids mean nothing elsewhere and the parameters are not ours to pickle; each
         # named parameter carries its name (``_lossscale_name``), and __deepcopy__ maps copied ones.
         state["_names"] = {}

@@ -1,0 +1,96 @@
+"""The stuck check describes the step that tripped it, and says when it cannot run.
+
+The check reads a snapshot of the state one update late (no sync). Before, its message then appended
+the *current* step's report ("the last step was not skipped") and, with tracing on, still suggested
+turning tracing on instead of naming the module.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import lossscale
+
+
+class Blowup(torch.nn.Module):
+    """Multiplies by ``factor``: set it to inf to make this module's forward output non-finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):  # noqa: D102
+        return x * self.factor
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), Blowup(), torch.nn.Linear(8, 2))
+
+
+def _step(model, opt, scaler, bad=False):
+    model[2].factor = math.inf if bad else 1.0
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_stuck_message_names_the_module_of_the_step_that_tripped_it(fused):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), fused=fused)
+    scaler = lossscale.GradScaler(model=model, trace=True, max_consecutive_skips=1)
+    _step(model, opt, scaler)
+    _step(model, opt, scaler, bad=True)  # stuck: one bad loss is the limit
+    with pytest.warns(RuntimeWarning) as caught:
+        _step(model, opt, scaler)  # a clean step; the snapshot of the bad one is read here
+    message = str(caught[0].message)
+    assert "forward output of `2`" in message
+    assert "not skipped" not in message
+    assert "trace=True" not in message  # it is on: no suggestion to turn it on
+
+
+def test_the_stuck_message_gives_the_scale_and_parameters_of_an_overflow_at_min_scale():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, min_scale=2.0**4)
+    _step(model, opt, scaler)
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
+    model[3].weight.grad[0, 0] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    with pytest.warns(RuntimeWarning) as caught:
+        _step(model, opt, scaler)
+    message = str(caught[0].message)
+    assert "The step that tripped this check: inf in the gradients (3.weight) at scale 2^4" in message
+
+
+def test_under_compile_the_stuck_check_warns_once_that_it_is_off_and_check_stuck_runs_it():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = lossscale.GradScaler(init_scale=1.0, min_scale=1.0)
+    scaler.scale((p * p).sum()).backward()
+    scaler.step(opt)
+
+    @torch.compile(backend="eager")
+    def update():
+        scaler.update()
+
+    with pytest.warns(RuntimeWarning, match="stuck check .* is off"):
+        update()
+    for _ in range(3):  # an overflow at min_scale, every update compiled: silent, and said once above
+        opt.zero_grad()
+        scaler.scale((p * p).sum()).backward()
+        p.grad[0] = math.inf
+        scaler.step(opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            update()
+    with pytest.warns(RuntimeWarning, match="consecutive skipped step"):
+        scaler.check_stuck()  # the eager point
