@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import lossscale
+from lossscale._sync import count_host_syncs
 from lossscale.schedulers import skip_aware
 
 SKIP_AT = 2
@@ -115,3 +116,29 @@ def test_two_optimizers_each_scheduler_follows_its_own_optimizer():
     assert scaler.last_step_skipped is True  # the iteration as a whole was skipped (the scale backs off)
     scaler.update()
     assert opt_a.param_groups[0]["lr"] == 0.05 and opt_b.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_skip_flag_is_a_host_bool_where_the_host_decided_and_a_device_flag_otherwise(optimizer):
+    model = torch.nn.Linear(3, 2)
+    fused = optimizer == "fused_adam"
+    opt = (torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = lossscale.GradScaler()
+    for bad in (False, True, False):
+        scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+        if bad:
+            model.weight.grad[0, 0] = math.nan
+        scaler.step(opt)
+        for when in ("before update", "after update"):
+            with count_host_syncs() as syncs:
+                flag = scaler.skip_flag(opt)
+            assert syncs.count == 0, (when, syncs.ops)
+            if fused:
+                assert isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.dim() == 0, when
+                assert bool(flag) is bad, when
+            else:
+                assert flag is bad, when
+            if when == "before update":
+                scaler.update()
+        opt.zero_grad()

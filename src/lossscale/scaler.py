@@ -849,6 +849,26 @@ class GradScaler:
             )
         return self.last_step_skipped
 
+    def skip_flag(self, optimizer=None) -> Union[bool, torch.Tensor]:
+        """:meth:`step_was_skipped` without a host sync: a Python bool where the host decided the step
+        (optimizers without amp-scaling support), else a bool 0-dim tensor on the scaler's device (fused
+        optimizers, which skip on device), for gating device work such as an EMA update with
+        ``torch.where``. Raises like :meth:`step_was_skipped` when called before the iteration's step.
+        """
+        rec = self._records.get(id(optimizer)) if optimizer is not None else None
+        stepped = [rec] if rec is not None and rec.stage is OptState.STEPPED else self._stepped_records()
+        if self._records and not stepped:
+            self.step_was_skipped(optimizer)  # raises, with what to do
+        if not self._enabled:
+            return False
+        if stepped:
+            if all(r.skipped is not None or r.flags is None or r.flags.host_found is not None for r in stepped):
+                return any(r.read_skipped() for r in stepped)
+            return any_flag([r.flags.found_inf for r in stepped if r.flags is not None], self._t.device) > 0
+        if self._last_skipped is not None or self._t is None:
+            return bool(self._last_skipped)
+        return self._t.overflow_streak > 0
+
     def _skipped_at_update(self) -> bool:
         """Whether the iteration that the last :meth:`update` closed was skipped."""
         if self._last_skipped is not None:
