@@ -33,11 +33,13 @@ def _net(seed: int = 0) -> torch.nn.Sequential:
 
 
 def _mesh(layout: str, world: int, shape=None):
-    """The mesh for ``layout``: "fsdp" and "tp" a 1-D mesh of every rank, "fsdp_tp" a 2-D (dp, tp) one."""
+    """The mesh for ``layout``: "fsdp" and "tp" a 1-D mesh of every rank, "fsdp_tp" a 2-D (dp, tp) one,
+    "hsdp" a 2-D (replicate, shard) one."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if layout == "fsdp_tp":
-        return init_device_mesh("cpu", shape or (2, world // 2), mesh_dim_names=("dp", "tp"))
+    if layout in ("fsdp_tp", "hsdp"):
+        names = ("dp", "tp") if layout == "fsdp_tp" else ("replicate", "shard")
+        return init_device_mesh("cpu", shape or (2, world // 2), mesh_dim_names=names)
     return init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if layout == "fsdp" else "tp",))
 
 
@@ -53,8 +55,8 @@ def _shard(model: torch.nn.Module, layout: str, mesh) -> torch.nn.Module:
     if "tp" in layout:
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
                                                "4": ColwiseParallel(output_layouts=Replicate())})
-    if "fsdp" in layout:
-        dp = mesh["dp"]
+    if "fsdp" in layout or layout == "hsdp":
+        dp = mesh if layout == "hsdp" else mesh["dp"]  # HSDP: Replicate over one dim, Shard over the other
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=dp)
@@ -119,13 +121,16 @@ def _plant_fault(model, step: int, rank: int, world: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- scenarios
-def clip_vs_torch(rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimizer: str = "sgd", steps: int = 6):
+def clip_vs_torch(rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimizer: str = "sgd", steps: int = 6,
+                  faults: bool = True):
     """``scaler.clip_grad_norm_`` against torch's recipe on the same sharded gradients.
 
     Per norm type, two copies of the model sharded alike: one trained with ``torch.amp.GradScaler``,
     ``unscale_`` and ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware: the global norm), the other
     with lossscale's one call. Faults (FAULTS) land on single ranks' local shards, in both copies. A
-    third figure is the norm of the whole gradients, gathered (what the norm must be). Returns per
+    third figure is the norm of the whole gradients, gathered (what the norm must be). ``faults=False``:
+    none (torch's recipe reduces found_inf over a DTensor's Shard dims only, so a fault in one replica
+    of an HSDP gradient skips that replica's ranks alone; lossscale's skip every rank). Returns per
     norm type and step the three norms, both skip decisions and scales, and how far this rank's
     clipped gradients and its parameters after the step are from torch's (largest relative difference).
     """
@@ -143,7 +148,7 @@ def clip_vs_torch(rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimize
             for net, o, s in ((ref, ref_opt, ref_scaler), (mine, opt, scaler)):
                 o.zero_grad(set_to_none=True)
                 s.scale(_loss(net, step)).backward()
-                planted = _plant_fault(net, step, rank, world)
+                planted = _plant_fault(net, step, rank, world) if faults else ""
             scale = ref_scaler.get_scale()
             whole = _global_norm([_full(p.grad) for p in mine.parameters()], norm_type) / scale
             ref_scaler.unscale_(ref_opt)
@@ -401,7 +406,8 @@ def mesh2d(rank, world, checkpoint_dir: str, steps: int = 6, nan_loss_at: int = 
     """Four ranks, FSDP2 x tensor parallel on a 2 x 2 mesh, every check in one call:
 
     ``clip``: clip_vs_torch on the 2-D mesh (norm types 2, 1, inf; an inf on one rank's local TP
-    shard, a NaN on another's, an inf in a Replicate copy). ``train``: lossscale's defaults with a
+    shard, a NaN on another's, an inf in a Replicate copy); ``hsdp``: the same for HSDP (fully_shard
+    on the 2-D mesh: Replicate x Shard), norm type 2. ``train``: lossscale's defaults with a
     NaN loss on one rank, and telemetry, against the model unsharded. ``checkpoint``: model,
     optimizer and scaler saved with torch.distributed.checkpoint from the 2 x 2 mesh, loaded into
     FSDP2 alone over a 1-D mesh of four; one more step on both meshes.
@@ -410,7 +416,7 @@ def mesh2d(rank, world, checkpoint_dir: str, steps: int = 6, nan_loss_at: int = 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     mesh = _mesh("fsdp_tp", world)
-    out = dict(clip=clip_vs_torch(rank, world, "fsdp_tp"))
+    out = dict(clip=clip_vs_torch(rank, world, "fsdp_tp"), hsdp=clip_vs_torch(rank, world, "hsdp", norm_types=(2.0,)))
     model, opt, scaler, out["train"] = _train_2d(rank, world, mesh, steps, nan_loss_at)
 
     # Checkpoint: save on the 2 x 2 mesh ...

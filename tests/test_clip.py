@@ -270,3 +270,48 @@ def test_adaptive_policy_learns_through_the_clip_path():
         scales.append(sa.get_scale())
     assert scales[0] != 2.0**16 or len(set(scales)) > 1  # the policy calibrated / moved
     assert params_equal(a, b)
+
+
+# ------------------------------------------------------------------------- sharded: what a rank counts
+def _grads(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(6, 4, generator=g) * S, torch.randn(5, generator=g) * S
+    return a, b
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_a_copy_another_rank_counts_is_left_out_of_the_norm_and_clipped_alike(norm_type):
+    # [a, b, copy of a] with the copy not counted, "reduced" by the identity: the norm of [a, b],
+    # bit for bit, and all three clipped by its coefficient (one all-reduce would add other ranks).
+    from lossscale import _clip
+
+    a, b = _grads()
+    grads = [a.clone(), b.clone(), a.clone()]
+    pair = [a.clone(), b.clone()]
+    scale = torch.tensor(S)
+    seen = []
+    norm, flags, _, _ = _clip.clip_scaled_(grads, scale, 1.0, norm_type, [True, True, False],
+                                           lambda local: seen.append(local) or local)
+    ref_norm, ref_flags, _, _ = _clip.clip_scaled_(pair, scale, 1.0, norm_type)
+    assert len(seen) == 1 and torch.equal(norm, ref_norm) and flags.tolist() == ref_flags.tolist() == [0.0, 0.0]
+    assert torch.equal(grads[0], pair[0]) and torch.equal(grads[1], pair[1]) and torch.equal(grads[2], pair[0])
+    # Every tensor counted: the reduction sees this rank's whole norm, the unsharded path's bits.
+    again = [a.clone(), b.clone()]
+    assert torch.equal(_clip.clip_scaled_(again, scale, 1.0, norm_type, [True, True], lambda t: t)[0], ref_norm)
+    assert all(torch.equal(x, y) for x, y in zip(again, pair))
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_a_non_finite_value_in_an_uncounted_copy_still_reaches_the_norm(bad):
+    # Copies should agree; one that does not is a fault, and the total says so on every rank (as
+    # torch's DTensor norm does), while this rank's flags skip the step.
+    from lossscale import _clip
+
+    a, b = _grads()
+    copy = a.clone()
+    copy[1, 2] = float(bad)
+    grads = [a.clone(), b.clone(), copy]
+    norm, flags, _, _ = _clip.clip_scaled_(grads, torch.tensor(S), 1.0, 2.0, [True, True, False], lambda t: t)
+    assert (math.isnan(norm.item()) if bad == "nan" else math.isinf(norm.item()))
+    assert flags.tolist() == [1.0, 1.0 if bad == "nan" else 0.0]
+    assert torch.equal(grads[0], a / S) and torch.equal(grads[1], b / S)  # unscaled, not clipped
