@@ -259,8 +259,8 @@ def fsdp1_parity(rank, world, steps: int = 24, rate: float = 0.15):
     the same random faults on single ranks' local shards:
     ``torch``: ShardedGradScaler, ``unscale_`` and FSDP1's own ``model.clip_grad_norm_``;
     ``drop_in``: lossscale.GradScaler (torch's settings) in the same calls;
-    ``one_call``: lossscale.GradScaler with ``clip_grad_norm_(opt, 1.0, norm_group=WORLD)``
-    (FSDP1's gradients are plain tensors: each rank's flat-parameter shard is its own part).
+    ``one_call``: lossscale.GradScaler with ``clip_grad_norm_(opt, 1.0, norm_group=model.process_group)``
+    (FSDP1's gradients are plain tensors: each rank of the shard group holds its own part).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -284,7 +284,7 @@ def fsdp1_parity(rank, world, steps: int = 24, rate: float = 0.15):
             if plants[rank] and local:
                 _plant(local, plants[rank], rank, step)
             if kind == "one_call":
-                norm = scaler.clip_grad_norm_(opt, 1.0, norm_group=dist.group.WORLD)
+                norm = scaler.clip_grad_norm_(opt, 1.0, norm_group=model.process_group)  # FSDP1's shard group
             else:
                 scaler.unscale_(opt)
                 norm = model.clip_grad_norm_(1.0)
