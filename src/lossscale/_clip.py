@@ -51,8 +51,11 @@ total (``lossscale.distributed.norm_reduction`` decides the group and which part
     total    = all_reduce(SUM, local**p) ** (1/p)      # inf: all_reduce(MAX, local); one collective
     ... then as above, on every rank with the same total, so every rank clips alike
 
-torch reduces a DTensor norm the same way (``x**p``, SUM, ``**(1/p)``), but one mesh dim at a time,
-so sharded totals agree with torch's to rounding, not bitwise. The inf/NaN flags stay this rank's:
+torch reduces DTensor norms with the same ``x**p``, SUM, ``**(1/p)`` (``_NormPartial``), but of the
+vector of per-tensor norms and one mesh dim at a time, then takes the norm of that vector; so sharded
+totals agree with torch's to a few ulps, not bitwise (FSDP1's ``clip_grad_norm_`` reduces the rank's
+total as here: bitwise). The power is taken of the scaled norm: exact for S = 2**k, and it overflows
+where the sum of squares above does. The inf/NaN flags stay this rank's:
 the scaler's check reduces them, as for ``unscale_``. DDP replicates gradients, so there every
 rank's norm is the total and nothing is reduced.
 """

@@ -145,16 +145,18 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
         a DTensor gradient is counted where this rank's mesh coordinate is 0 on every mesh dim
         where it is Replicate (one copy of each shard), and reduced over the dims where it is Shard
 
-    torch does the same in ``torch.nn.utils.clip_grad_norm_`` for DTensors (``_NormPartial``:
-    ``x**p``, all-reduce SUM, ``**(1/p)``), one mesh dim at a time; here it is one collective over
-    the group, so the two round differently. A Replicate dim contributes no reduction in either.
+    torch's ``clip_grad_norm_`` on DTensors reduces with the same ``x**p``, SUM, ``**(1/p)``
+    (``_NormPartial``), but the vector of per-tensor norms, one collective per mesh dim; here it is
+    each rank's total in one collective over the group, so the two agree to rounding (FSDP1 reduces
+    the total as here).
 
     Raises:
         ValueError: ``norm_group`` is not a process group; a gradient is a Partial DTensor (its local
             values are not the gradient); the gradients lie on several meshes, or mix DTensors and
             plain tensors, without a ``norm_group``; a mesh of more than one dim that is not the
             whole world, without a ``norm_group``; a mesh with ranks outside ``norm_group``; this
-            rank is outside ``norm_group``. Raised on every rank alike (decided on the layout).
+            rank is outside ``norm_group``. Decided on the layout, not on values, so every rank with
+            the same layout raises alike.
 
     No host-device sync (placements and meshes are host objects).
     """
