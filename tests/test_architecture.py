@@ -139,7 +139,7 @@ def test_the_ring_keeps_snapshots_in_flight_and_reads_them_in_order():
 def test_a_checkpoint_load_fills_the_state_in_place():
     # A CUDA graph captured before the load keeps reading the same tensors: identity must survive.
     scaler = lossscale.GradScaler("cpu", growth_interval=2)
-    scaler.scale(torch.ones(()))
+    scaler.init_device("cpu")
     scale = scaler._get_scale_async()
     other = lossscale.GradScaler("cpu", growth_interval=2)
     other.load_state_dict({**other.state_dict(), "scale": 2.0**10, "state": {**other.state_dict()["state"],

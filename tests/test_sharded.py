@@ -207,7 +207,9 @@ def test_fsdp2_x_tp_on_a_2d_mesh(run, tmp_path):
     for r in results:
         c = r["checkpoint"]
         assert c["params_equal"] and c["moments_equal"], c
-        assert c["scaler_state"][0] == c["scaler_state"][1]
+        # The loading scaler has no telemetry, so DCP's template leaves out the telemetry's sampling phase.
+        saved, loaded = c["scaler_state"]
+        assert {k: v for k, v in saved.items() if k != "telemetry_iteration"} == loaded
         assert c["placements"] == ["(Shard(dim=0),)"]
         # One more step on each mesh: the same up to the layouts' rounding.
         assert c["norms"][0] == pytest.approx(c["norms"][1], rel=1e-4) and c["param_diff_after"] < 1e-5

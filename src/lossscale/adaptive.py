@@ -215,6 +215,7 @@ class AdaptivePolicy(PolicyBase):
     fmt: str = "fp16"
 
     def __post_init__(self):
+        self._plain_numbers()
         positive_finite("init_scale", self.init_scale)
         validate_int("margin_bits", self.margin_bits, 1, 30)
         validate_int("growth_interval", self.growth_interval, 1)

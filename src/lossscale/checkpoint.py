@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from typing import Any, Dict, Tuple
 
 from .dynamic import DynamicPolicy
+from ._validate import plain_number
 from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
 
 __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
@@ -105,7 +107,7 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
         raise ValueError(f"state dict 'state' does not fit {cls.state_type.__name__} of 'lossscale_version'={version}: "
                          + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
                          + (f"missing keys {absent}" if absent else "") + ".")
-    _check_types(cls.state_type, fields)
+    fields = _plain_fields(cls.state_type, fields)
     fields = policy.upgrade_fields(fields)
     try:
         policy.check_state(cls.state_type(**fields))
@@ -135,8 +137,13 @@ def _check_torch_copies(sd: Dict[str, Any], expected: Dict[str, Any]) -> None:
             )
 
 
-def _check_types(state_type, fields: Dict[str, Any]) -> None:
-    """Each field's Python type, before the dataclass is built (so the error names the key)."""
+def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
+    """Each field as a Python number (numpy's converted, so the state saves as plain numbers again),
+    type-checked before the dataclass is built (so the error names the key)."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(state_type)}
+    fields = {name: value if kinds[name] == "bool" else
+              plain_number(f"state dict state.{name}", value, integral=kinds[name] == "int")
+              for name, value in fields.items()}
     for f in dataclasses.fields(state_type):
         v = fields[f.name]
         kind = str(f.type)
@@ -148,6 +155,7 @@ def _check_types(state_type, fields: Dict[str, Any]) -> None:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         if not ok:
             raise ValueError(f"state dict state.{f.name}={v!r} must be {'an' if kind == 'int' else 'a'} {kind}.")
+    return fields
 
 
 def _as_held(f: dataclasses.Field, value):
@@ -186,6 +194,7 @@ def _torch_number(sd: Dict[str, Any], key: str, kind: type):
         if n != 1:
             raise ValueError(f"state dict '{key}' must hold one number, got {n}.")
         v = v.item()
+    v = plain_number(f"state dict '{key}'", v, integral=kind is int and isinstance(v, numbers.Integral))
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"state dict '{key}'={sd[key]!r} must be a number.")
     if kind is int:

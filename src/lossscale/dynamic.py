@@ -145,6 +145,7 @@ class DynamicPolicy(PolicyBase):
     max_consecutive_skips: Optional[int] = None
 
     def __post_init__(self):
+        self._plain_numbers()
         positive_finite("init_scale", self.init_scale)
         if isinstance(self.growth_factor, bool) or not isinstance(self.growth_factor, (int, float)) or not (
             math.isfinite(self.growth_factor) and self.growth_factor > 1.0

@@ -117,6 +117,7 @@ class LogMaxPolicy(PolicyBase):
     fmt: str = "fp16"
 
     def __post_init__(self):
+        self._plain_numbers()
         for name in ("init_scale", "min_scale", "max_scale"):
             v = getattr(self, name)
             if not is_power_of_two(v) or not 2.0**-126 <= v <= 2.0**127:

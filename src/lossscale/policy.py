@@ -51,6 +51,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
+from ._validate import plain_number
+
 __all__ = [
     "ScaleState",
     "Policy",
@@ -402,6 +404,15 @@ class PolicyBase:
     needs_amax: ClassVar[bool] = False
     #: GradScaler keywords that mean a field under another name (static: init_scale -> scale).
     keyword_aliases: ClassVar[Dict[str, str]] = {}
+
+    def _plain_numbers(self) -> None:
+        """Store every number field as a Python float or int (numpy's included; an int beyond float
+        range raises ValueError naming the field). Every policy's ``__post_init__`` calls it first."""
+        for f in dataclasses.fields(self):
+            kind = str(f.type)
+            if kind in ("float", "Optional[float]", "int", "Optional[int]"):
+                value = plain_number(f.name, getattr(self, f.name), integral="int" in kind)
+                object.__setattr__(self, f.name, value)
 
     # -- what the scaler calls
     def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:

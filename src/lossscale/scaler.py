@@ -44,11 +44,14 @@ from ._check import Flags, GradientCheck, any_flag, names_of
 from ._observe import Observer
 from ._state import TensorState
 from .policy import SMALLEST_SCALE, Policy, ScaleState, count_flags, diagnose, f32, policy_class
+from ._validate import plain_bool, plain_number
 from .static import StaticPolicy
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
 STATE_DICT_VERSION = checkpoint.STATE_DICT_VERSION
+#: The state dict key of the telemetry's iteration count (its sampling phase), present with telemetry on.
+_TELEMETRY_KEY = "telemetry_iteration"
 
 
 class OptState(enum.Enum):
@@ -118,6 +121,30 @@ def _make_policy(policy, given: Dict[str, Any]):
             "to GradScaler as well."
         )
     return policy
+
+
+def _refuse_unscalable(outputs) -> None:
+    """ValueError, before anything changes, for what :meth:`GradScaler.scale` cannot scale: a value
+    that is not a tensor or a list, tuple or dict of them (other iterables are scaled lazily, as torch
+    does, and checked as they are consumed), or a tensor on the meta device (it holds no values: the
+    scale would have to live there too, and no later step could read it)."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs.device.type == "meta":
+            raise ValueError("scale() got a tensor on the meta device, which holds no values; scale the loss of a "
+                             "real forward (the scaler's state lives on the loss's device).")
+        return
+    if isinstance(outputs, dict):
+        values = outputs.values()
+    elif isinstance(outputs, (list, tuple)):
+        values = outputs
+    elif isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
+        return
+    else:
+        raise ValueError(
+            f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}."
+        )
+    for value in values:
+        _refuse_unscalable(value)
 
 
 def _scale_label(report: Dict[str, Any]) -> str:
@@ -209,7 +236,7 @@ class GradScaler:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
-        self._enabled = bool(enabled)
+        self._enabled = plain_bool("enabled", enabled)
         if self._enabled and self._device_type == "cuda" and not torch.cuda.is_available():
             warnings.warn("lossscale.GradScaler: device='cuda' but CUDA is not available; disabling scaling.",
                           stacklevel=2)
@@ -246,6 +273,7 @@ class GradScaler:
         self._loss_bad: Optional[torch.Tensor] = None  # this iteration's losses: some non-finite
         self._losses: List[torch.Tensor] = []  # this iteration's losses, detached (the report's "loss")
         self._warned_capture = False  # the stuck check is off under capture/compile: said once
+        self._in_iteration = False  # scale() was called since the last update(): gradients in flight
         self._skip_read: Optional[bool] = None  # the device's skip flag, read once per update()
         self._skip_cacheable = True  # False after an update() captured in a CUDA graph
 
@@ -405,9 +433,11 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
+        _refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
         _hints.warn_if_bf16(outputs, self._passthrough())
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
+        self._in_iteration = True
         if isinstance(outputs, torch.Tensor):
             t = self._ensure_state(outputs.device)
             self._check_loss(outputs, t)
@@ -423,7 +453,10 @@ class GradScaler:
                     scale = per_device[value.device] = _kernels.to_device(t.scale, value.device)
                 return value * scale
             if isinstance(value, dict):
-                return type(value)((k, apply(v)) for k, v in value.items())
+                out = copy.copy(value)  # keeps the mapping's type (a defaultdict keeps its factory)
+                for k, v in value.items():
+                    out[k] = apply(v)
+                return out
             if isinstance(value, (list, tuple)):
                 mapped = [apply(v) for v in value]
                 return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
@@ -465,16 +498,22 @@ class GradScaler:
                 bad = bad | _kernels.to_device(forward, device)
         return bad.float()
 
-    def _record(self, optimizer) -> _Record:
+    def _record(self, optimizer, call: str) -> _Record:
+        """This iteration's record of ``optimizer``; a new one is kept only by :meth:`_keep`, once the
+        call that made it has succeeded (a failed call leaves no stale record behind)."""
+        if not hasattr(optimizer, "param_groups"):
+            raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
+                             "torch.optim optimizer whose gradients were scaled.")
         rec = self._records.get(id(optimizer))
-        if rec is None:
-            rec = self._records[id(optimizer)] = _Record()
-        return rec
+        return _Record() if rec is None else rec
+
+    def _keep(self, optimizer, rec: _Record) -> None:
+        self._records[id(optimizer)] = rec
 
     def _passthrough(self) -> bool:
         return isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0
 
-    def _run_check(self, optimizer, unscale: bool, sync: bool) -> Flags:
+    def _run_check(self, optimizer, rec: _Record, unscale: bool, sync: bool) -> Flags:
         gathered = self._check.gather(optimizer, allow_half=not unscale or self._passthrough())
         if self._telemetry is not None:
             self._telemetry.observe(gathered.params, gathered.grads, self._name_of, self._t.scale,
@@ -483,7 +522,8 @@ class GradScaler:
             self._tracer.end_backward()
         flags = self._check.check_(gathered, self._t.scale, unscale=unscale and not self._passthrough(), sync=sync,
                                    needs_amax=self._policy.needs_amax, bad_loss=self._bad_loss())
-        self._record(optimizer).flags = flags
+        rec.flags = flags
+        self._keep(optimizer, rec)  # checked (and maybe unscaled): from here on the record holds
         return flags
 
     def unscale_(self, optimizer) -> None:
@@ -500,12 +540,13 @@ class GradScaler:
         if not self._enabled:
             return
         self._require_state("unscale_()")
-        rec = self._record(optimizer)
+        rec = self._record(optimizer, "unscale_()")
         if rec.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call it before step() in the iteration.")
-        self._run_check(optimizer, unscale=True, sync=not getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._run_check(optimizer, rec, unscale=True,
+                        sync=not getattr(optimizer, "_step_supports_amp_scaling", False))
         rec.stage = OptState.UNSCALED
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
@@ -530,6 +571,7 @@ class GradScaler:
         """
         from . import _clip
 
+        max_norm = plain_number("max_norm", max_norm)
         norm_type = _clip.validate(max_norm, norm_type)
         if not self._enabled:
             gathered = self._check.gather(optimizer, allow_half=True, coalesce=True)
@@ -541,7 +583,7 @@ class GradScaler:
             one = torch.ones((), device=gathered.all_params[0].grad.device if gathered.all_params else "cpu")
             return _clip.clip_scaled_(gathered.grads, one, max_norm, norm_type, counted, reduce_norm)[0]
         t = self._require_state("clip_grad_norm_()")
-        rec = self._record(optimizer)
+        rec = self._record(optimizer, "clip_grad_norm_()")
         if rec.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
@@ -560,6 +602,7 @@ class GradScaler:
             true_norm, rec.flags = self._check.clip_(gathered, t.scale, max_norm, norm_type, sync=sync,
                                                      needs_amax=self._policy.needs_amax, bad_loss=self._bad_loss(),
                                                      norm_group=norm_group)
+        self._keep(optimizer, rec)
         rec.stage = OptState.UNSCALED
         return true_norm
 
@@ -575,7 +618,7 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported if GradScaler is enabled (as in torch).")
         t = self._require_state("step()")
-        rec = self._record(optimizer)
+        rec = self._record(optimizer, "step()")
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -584,10 +627,11 @@ class GradScaler:
                               "deprecating; prefer optimizers that read grad_scale/found_inf.",
                               FutureWarning, stacklevel=2)
                 retval = optimizer.step(*args, grad_scaler=self, **kwargs)
+                self._keep(optimizer, rec)
                 rec.stage = OptState.STEPPED
                 return retval
             if rec.stage is OptState.READY:
-                self._run_check(optimizer, unscale=False, sync=False)
+                self._run_check(optimizer, rec, unscale=False, sync=False)
             # Multiply by a grad_scale the user set on the optimizer, as torch does.
             user_scale = getattr(optimizer, "grad_scale", None)
             optimizer.grad_scale = (user_scale if rec.stage is OptState.UNSCALED
@@ -601,7 +645,7 @@ class GradScaler:
             rec.stage = OptState.STEPPED
             return retval
         if rec.stage is OptState.READY:
-            self._run_check(optimizer, unscale=True, sync=True)
+            self._run_check(optimizer, rec, unscale=True, sync=True)
         retval = None
         if not rec.flags.host_found:
             retval = optimizer.step(*args, **kwargs)
@@ -621,7 +665,7 @@ class GradScaler:
             return
         t = self._require_state("update()")
         if new_scale is not None:
-            self._validate_new_scale(new_scale)
+            new_scale = self._validate_new_scale(new_scale)
         flags = [r.flags for r in self._records.values() if r.flags is not None]
         if not flags and new_scale is None:
             raise RuntimeError(
@@ -662,6 +706,7 @@ class GradScaler:
         capturing = _device.capturing(t.device)
         self._skip_read, self._skip_cacheable = None, not capturing
         self._records = {}
+        self._in_iteration = False
         self._check.new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
@@ -691,13 +736,16 @@ class GradScaler:
         else:
             t.scale.fill_(new_scale)
 
-    def _validate_new_scale(self, new_scale) -> None:
+    def _validate_new_scale(self, new_scale):
+        """``new_scale`` checked, as a Python float (or the tensor); ValueError naming it otherwise."""
         if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError("new_scale must be a float or a 1-element tensor with requires_grad=False.")
+            if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+                raise ValueError("new_scale must be a float or a 1-element floating-point tensor with "
+                                 f"requires_grad=False; got a {new_scale.dtype} tensor of shape {tuple(new_scale.shape)}.")
             if self._t is not None and new_scale.device.type != self._t.device.type:
                 raise ValueError(f"new_scale is on {new_scale.device} but the scaler's state is on {self._t.device}.")
-            return
+            return new_scale
+        new_scale = plain_number("new_scale", new_scale)
         if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
             raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
         if not math.isfinite(new_scale) or new_scale <= 0:
@@ -708,6 +756,7 @@ class GradScaler:
         lo, hi = self._policy.scale_bounds()
         if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
             raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
+        return new_scale
 
     # ------------------------------------------------------------------ observation (stuck check)
     def _observe(self, t: TensorState, clean: bool) -> None:
@@ -992,25 +1041,30 @@ class GradScaler:
 
     def _found_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private accessor, used by some trainers: this iteration's found_inf per device."""
-        flags = self._record(optimizer).flags
+        rec = self._records.get(id(optimizer))
+        flags = None if rec is None else rec.flags
         return {} if flags is None else {flags.found_inf.device: flags.found_inf}
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private read-only check, used by some trainers."""
         self._require_state("_check_inf_per_device()")
-        self._run_check(optimizer, unscale=False, sync=False)
+        self._run_check(optimizer, self._record(optimizer, "_check_inf_per_device()"), unscale=False, sync=False)
         return self._found_inf_per_device(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """The complete, versioned state: config, scale, every tracker and counter (``lossscale.checkpoint``).
 
-        It holds torch's five keys too, so ``torch.amp.GradScaler.load_state_dict`` accepts it.
-        Empty when disabled (as torch). Syncs host and device. Call it after :meth:`update`.
+        It holds torch's five keys too, so ``torch.amp.GradScaler.load_state_dict`` accepts it, and
+        with telemetry on the telemetry's iteration count (so a resumed run samples the same
+        iterations). Empty when disabled (as torch). Syncs host and device. Call it after :meth:`update`.
         """
         if not self._enabled:
             return {}
-        return checkpoint.to_dict(self._policy, self.state())
+        out = checkpoint.to_dict(self._policy, self.state())
+        if self._telemetry is not None:
+            out[_TELEMETRY_KEY] = self._telemetry.iteration
+        return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict`, or from ``torch.amp.GradScaler.state_dict()``.
@@ -1020,11 +1074,29 @@ class GradScaler:
         Validates everything before changing anything (ValueError naming the key); the state tensors
         are filled in place, so a CUDA graph captured before the load keeps reading the live scale.
         The checkpoint's policy wins over the constructor's (with a warning when they differ).
+
+        Call it between iterations (after :meth:`update`, before the next :meth:`scale`): gradients
+        in flight carry the old scale, and unscaling them by the loaded one would be silently wrong,
+        so a load in mid-iteration raises RuntimeError (:meth:`discard_iteration` drops the iteration).
         """
         if not self._enabled:
             return
+        if self._in_iteration or self._records:
+            raise RuntimeError(
+                "load_state_dict() was called in mid-iteration (after scale(), before update()): the gradients "
+                "in flight were scaled by the current scale, and unscaling them by the loaded one would be "
+                "wrong. Load between iterations (after update(), before the next scale()); to drop the "
+                "iteration in flight, call optimizer.zero_grad() and scaler.discard_iteration() first."
+            )
         policy, state = checkpoint.load(state_dict, self._policy)
+        telemetry_iteration = state_dict.get(_TELEMETRY_KEY, None)
+        if telemetry_iteration is not None:
+            telemetry_iteration = plain_number(_TELEMETRY_KEY, telemetry_iteration, integral=True)
+            if isinstance(telemetry_iteration, bool) or not isinstance(telemetry_iteration, int) or telemetry_iteration < 0:
+                raise ValueError(f"state dict '{_TELEMETRY_KEY}'={state_dict[_TELEMETRY_KEY]!r} must be an int >= 0.")
         # Everything is validated: now swap.
+        if telemetry_iteration is not None and self._telemetry is not None:
+            self._telemetry.iteration = telemetry_iteration
         if self._t is not None:
             if self._t.state_type is type(state):
                 self._t.load_(state)
@@ -1037,6 +1109,22 @@ class GradScaler:
         self._last_skipped, self._evidence, self._last_report = None, None, None
         self._skip_read, self._loss_bad, self._losses = None, None, []
         self._warned_streak = False
+
+    def discard_iteration(self) -> None:
+        """Forget the iteration in flight (after an exception in it, or to drop a batch by hand).
+
+        What :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step` recorded since
+        the last :meth:`update` is dropped, and nothing is counted: the scale, trackers and counters
+        stay as the last update left them. The gradients are not touched: zero them
+        (``optimizer.zero_grad()``), since they may still carry the scale. An optimizer step that
+        already ran is not undone. No host sync.
+        """
+        self._records = {}
+        self._in_iteration = False
+        self._check.new_iteration()
+        self._loss_bad, self._losses = None, []
+        if self._tracer is not None:
+            self._tracer.snapshot()  # the traced passes of the dropped iteration
 
     def __getstate__(self) -> Dict[str, Any]:
         if self._records:

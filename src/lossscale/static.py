@@ -65,6 +65,7 @@ class StaticPolicy(PolicyBase):
     max_consecutive_skips: Optional[int] = None
 
     def __post_init__(self):
+        self._plain_numbers()
         positive_finite("scale", self.scale)
         validate_stuck(self.on_stuck, self.max_consecutive_skips)
         warn_not_powers_of_two(self, ("scale",))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -29,6 +30,8 @@ from .stats import GradStats, grad_stats
 __all__ = ["Telemetry", "JsonlLogger", "flatten_stats"]
 
 _PER = (None, "param", "module")
+#: The gradient dtypes the statistics measure (``stats.grad_stats``); others are left out, with a warning.
+_MEASURABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def flatten_stats(prefix: str, stats: GradStats) -> Dict[str, float]:
@@ -72,6 +75,7 @@ class Telemetry:
         self.groups: Dict[str, GradStats] = {}
         self.measured: str = ""
         self.scale_used: Optional[torch.Tensor] = None
+        self._warned_dtype = False  # gradients of a dtype the statistics do not measure: said once
 
     def due(self) -> bool:
         """Whether this iteration is sampled."""
@@ -95,6 +99,16 @@ class Telemetry:
 
             kept = [(p, g) for p, g, copy in zip(params, grads, replica_copies(params)) if not copy]
             params, grads = [p for p, _ in kept], [g for _, g in kept]
+        measurable = [(p, g) for p, g in zip(params, grads) if g.dtype in _MEASURABLE]
+        if len(measurable) < len(grads):
+            if not self._warned_dtype:
+                self._warned_dtype = True
+                dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads if g.dtype not in _MEASURABLE})
+                warnings.warn(f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
+                              "(they measure float32, float16 and bfloat16 gradients against fp16's range; a "
+                              "float64 model needs no loss scaling). Training is not affected.",
+                              UserWarning, stacklevel=4)
+            params, grads = [p for p, _ in measurable], [g for _, g in measurable]
         if not grads and not self.sharded:
             return
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
