@@ -31,8 +31,8 @@ lossscale: safe, observable FP16 loss scaling for PyTorch.
 
 _DEMO_EPILOG = """\
 examples:
-  lossscale demo                      # about a minute on 2 CPU cores; report in lossscale-report/
-  lossscale demo --quick              # under a minute: fewer epochs, a coarser sweep
+  lossscale demo                      # 1-2 minutes on 2 CPU cores; report in lossscale-report/
+  lossscale demo --quick              # 15-30 s: fewer epochs, a coarser sweep
   python -m lossscale demo --out /tmp/r --seed 1
 
 The report (index.html + PNGs) and summary.json hold every measured figure. Each claim gets a
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "check each claim of loss scaling against what the runs measured.",
                           epilog=_DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--quick", action="store_true",
-                      help="CI size: fewer epochs and a coarser sweep (under a minute on 2 cores)")
+                      help="CI size: fewer epochs and a coarser sweep (15-30 s on 2 cores)")
     demo.add_argument("--out", metavar="DIR", default="lossscale-report",
                       help="where to write index.html, the PNGs and summary.json (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="data split, initialisation and batch order (default: 0)")

@@ -76,12 +76,12 @@ class DemoConfig:
 
     @classmethod
     def full(cls, seed: int = 0, **changes) -> "DemoConfig":
-        """The default demo (a few minutes on 2 CPU cores)."""
+        """The default demo (72-101 s measured on 2 shared CPU cores)."""
         return cls(quick=False, seed=seed, **changes)
 
     @classmethod
     def quick_preset(cls, seed: int = 0, **changes) -> "DemoConfig":
-        """The CI smoke-test size (well under a minute on 2 CPU cores)."""
+        """The CI smoke-test size (16-27 s measured on 2 shared CPU cores)."""
         base = dict(quick=True, seed=seed, epochs=8, sweep_epochs=3, sweep_log2=(0, 8, 16, 24, 32, 40),
                     growth_interval=5, probe_every=8, bad_epochs=8)
         base.update(changes)

@@ -120,7 +120,7 @@ _PLAIN = {
 
 
 def steps_text(summary: Dict[str, Any]) -> str:
-    """``"440 steps (0..439, 44 records, one every 10)"``: the run's length as the report states it."""
+    """``"431 steps (0..430, 44 records, one every 10)"``: the run's length as the report states it."""
     span = f"{summary['first_step']}..{summary['last_step']}"
     every = summary.get("log_every")
     if summary["records"] != summary["steps"]:

@@ -37,11 +37,18 @@ key                          type        meaning
                                          absent or null on the steps between samples)
 ``act/headroom_bits``        number      the same as ``grad/headroom_bits`` for them (optional)
 ``<kind>/<layer>/<metric>``  number      optional per-layer figures. ``kind``: ``act`` (activation
-                                         gradients, per module, from the backward hooks) or ``param``
-                                         (parameter gradients; ``grad/<param>/<metric>`` is read the
-                                         same). ``metric``: one of :data:`LAYER_METRICS`. Examples:
-                                         ``act/fc1/flushed_frac``, ``param/fc1.weight/headroom_bits``.
+                                         gradients, per module: what
+                                         ``ActivationGradRecorder.metrics()`` and
+                                         ``lossscale.hooks.activation_metrics`` return) or ``param``
+                                         (parameter gradients; ``grad/<param>/<metric>``, as
+                                         ``scaler.metrics()`` logs them with ``per=``, is read the
+                                         same and keeps its name in the report). ``metric``: one of
+                                         :data:`LAYER_METRICS`. Examples: ``act/fc1/flushed_frac``,
+                                         ``grad/fc1.weight/headroom_bits``.
 ===========================  ==========  ============================================================
+
+A run logged every N steps is fine: the report counts the steps from the step numbers, and the skips
+between records from the cumulative ``skipped_steps``.
 
 Other keys are ignored. JSON has no inf/NaN: write ``null``; the strings ``"inf"``, ``"-inf"``, ``"nan"``
 and Python's bare ``NaN``/``Infinity``/``-Infinity`` are accepted too. :func:`dumps_record` writes a record the
