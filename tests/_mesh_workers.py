@@ -439,7 +439,8 @@ def mesh2d(rank, world, checkpoint_dir: str, steps: int = 6, nan_loss_at: int = 
     out["checkpoint"] = dict(
         params_equal=all(torch.equal(a, b) for a, b in zip(saved, loaded)),
         moments_equal=all(torch.equal(a, b) for a, b in moments),
-        scaler_state=(scaler.state_dict(), other_scaler.state_dict()), norms=norms, param_diff_after=after,
+        scaler_state=tuple({k: s.state_dict()[k] for k in ("policy_type", "policy", "state")}
+                           for s in (scaler, other_scaler)), norms=norms, param_diff_after=after,
         placements=[str(p.placements) for p in other.parameters()][:1])
     return out
 
