@@ -211,7 +211,7 @@ def test_validation_names_the_argument():
     opt = torch.optim.SGD(mlp().parameters(), lr=LR)
     with pytest.raises(ValueError, match="scaler=.*lossscale.GradScaler"):
         skip_aware(lrs.StepLR(opt, 2), torch.amp.GradScaler("cpu"))
-    with pytest.raises(ValueError, match="scheduler=.*no step"):
+    with pytest.raises(ValueError, match="obj=.*no step"):
         skip_aware(object(), lossscale.GradScaler("cpu"))
 
 

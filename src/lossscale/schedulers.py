@@ -1,33 +1,56 @@
-"""Skip-aware LR schedulers: advance only on optimizer steps that were taken.
+"""Skip-aware LR schedulers and averaged models: advance only on optimizer steps that were taken.
 
 A skipped step did not train, so a schedule that advanced anyway drifts ahead of the weights (a
-warmup that ends early, a decay that starts early). ``scaler.step_scheduler(scheduler)`` fixes this
-where you call the scheduler yourself. :func:`skip_aware` fixes it where something else calls
-``scheduler.step()`` (a framework, a callback, a library's loop)::
+warmup that ends early, a decay that starts early), and an EMA or SWA average that updated anyway
+counts the same weights twice (lerobot gated its EMA by hand). ``scaler.step_scheduler(scheduler)``
+fixes the schedule where you call the scheduler yourself. :func:`skip_aware` fixes both where
+something else calls ``scheduler.step()`` or ``averaged.update_parameters(model)`` (a framework, a
+callback, a library's loop)::
 
     scheduler = lossscale.schedulers.skip_aware(torch.optim.lr_scheduler.OneCycleLR(...), scaler)
+    ema = lossscale.schedulers.skip_aware(torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.999), use_buffers=True), scaler)
     ...
     scaler.step(optimizer)
     scaler.update()
-    scheduler.step()          # a no-op when scaler skipped this iteration's step
+    scheduler.step()              # a no-op when scaler skipped this iteration's step
+    ema.update_parameters(model)  # likewise: the average, its buffers and n_averaged stay bitwise
 
-How: the scheduler object keeps its identity, attributes and ``state_dict()``; only its class
-becomes a subclass of its own class whose ``step()`` asks the scaler first. Torch's
+``torch.optim.swa_utils.SWALR`` is an LR scheduler like any other.
+
+How: the object keeps its identity, attributes and ``state_dict()``; only its class becomes a
+subclass of its own class whose ``step()`` (``update_parameters()``) asks the scaler first. Torch's
 ``LRScheduler.state_dict()`` dumps the instance's ``__dict__``, so nothing is stored on the instance
 (a method patched onto it would land in every checkpoint and break ``torch.load(weights_only=True)``):
-the scaler lives on the per-scheduler subclass. The state dict is the plain scheduler's, loadable
-into a plain scheduler and back.
+the scaler lives on the per-object subclass. The state dict is the plain object's, loadable into a
+plain scheduler or ``AveragedModel`` and back; pickling, ``copy.deepcopy`` and ``torch.save`` of the
+whole object keep it skip-aware.
 
-Host syncs: reading whether the step was skipped is free when the host decided it (optimizers
-without amp-scaling support: the scaler synced once already to decide). For fused optimizers, which
-skip on device, each ``step()`` of a skip-aware scheduler reads ``scaler.last_step_skipped``: one host
-sync per step with one scheduler (the usual case). The accelerate, Trainer and Lightning
-integrations read it once per step.
+Host syncs. Where the host decided the step (optimizers without amp-scaling support: the scaler
+synced once already to decide), reading the decision is free: a skipped update returns at once, a
+taken one is torch's own ``update_parameters``. Fused optimizers skip on device:
 
-Call ``step()`` once per optimizer step, after ``scaler.step(optimizer)``: before or after
-``scaler.update()``, it follows this iteration's decision for its own optimizer
-(:meth:`lossscale.GradScaler.step_was_skipped`). A scheduler stepped per epoch
-should not be wrapped: it would skip a whole epoch's step when the epoch's last batch was skipped.
+* a skip-aware scheduler's ``step()`` reads ``scaler.last_step_skipped``: one host sync per step with
+  one scheduler (the usual case). The accelerate, Trainer and Lightning integrations read it once per
+  step.
+* a skip-aware ``AveragedModel`` syncs nowhere: ``update_parameters`` gates the update on the device
+  flag (:meth:`lossscale.GradScaler.skip_flag`) with ``torch.where``, so the averaged tensors and
+  ``n_averaged`` are bitwise what they were when the step was skipped, and the first-update copy that
+  torch decides by reading ``n_averaged`` on the host is a device-side choice too. It costs a copy
+  of the averaged tensors and two ``where`` per tensor on top of torch's update (measured in
+  docs/integrations.md). ``n_averaged`` moves to the averaged parameters' device when wrapped (torch
+  keeps it on the default device when ``AveragedModel(device=None)``). Syncs that remain are torch's:
+  its default SWA averaging on CUDA (``get_swa_multi_avg_fn`` reads its weight ``1/(n+1)`` on the
+  host; the EMA functions and ``get_swa_avg_fn`` do not), and copying the model to an averaged model
+  kept on another device. A subclass that overrides ``update_parameters`` gets its own update after
+  one sync that reads the flag.
+
+Call ``step()`` / ``update_parameters()`` once per optimizer step, after ``scaler.step(optimizer)``:
+before or after ``scaler.update()``, it follows this iteration's decision
+(:meth:`lossscale.GradScaler.step_was_skipped`) for the scheduler's optimizer, or for the optimizer
+given to :func:`skip_aware` with an averaged model (default: the iteration as a whole, skipped when
+any optimizer skipped). A scheduler stepped per epoch, or an average updated per epoch, should not
+be wrapped: it would skip a whole epoch's update when the epoch's last batch was skipped.
 """
 
 from __future__ import annotations
@@ -49,11 +72,15 @@ def _check_scaler(scaler) -> None:
         )
 
 
-def _rebuild(base: type, scaler, state: dict):
-    """Unpickle a skip-aware scheduler: a ``base`` instance with ``state``, made skip-aware again."""
+def _rebuild(base: type, scaler, state: dict, optimizer=None):
+    """Unpickle a skip-aware object: a ``base`` instance with ``state``, made skip-aware again."""
     obj = base.__new__(base)
-    obj.__dict__.update(state)
-    return skip_aware(obj, scaler)
+    setstate = getattr(obj, "__setstate__", None)  # nn.Module's restores its hook dicts
+    if setstate is not None:
+        setstate(state)
+    else:
+        obj.__dict__.update(state)
+    return skip_aware(obj, scaler, optimizer=optimizer)
 
 
 def _step(self, *args: Any, **kwargs: Any):
@@ -65,48 +92,167 @@ def _step(self, *args: Any, **kwargs: Any):
     return super(type(self), self).step(*args, **kwargs)
 
 
-def _reduce_ex(self, protocol):
-    # The per-scheduler class is not importable by name: pickle as (base class, scaler, state).
+def _update_parameters(self, model) -> None:
     cls = type(self)
-    return _rebuild, (cls._lossscale_base, cls._lossscale_scaler, self.__dict__.copy())
+    skipped = cls._lossscale_scaler.skip_flag(cls._lossscale_optimizer)  # never syncs
+    base_update = cls._lossscale_base.update_parameters
+    if isinstance(skipped, bool):  # the host decided the step: torch's own update, or none
+        if not skipped:
+            base_update(self, model)
+        return
+    from torch.optim.swa_utils import AveragedModel
+
+    if base_update is not AveragedModel.update_parameters:
+        # A subclass's own update cannot be gated on device: read the flag (one sync).
+        if not bool(skipped):
+            base_update(self, model)
+        return
+    _gated_update(self, model, skipped)
 
 
-def skip_aware(scheduler: S, scaler) -> S:
-    """Make ``scheduler.step()`` do nothing on iterations whose optimizer step ``scaler`` skipped.
+def _reduce_ex(self, protocol):
+    # The per-object class is not importable by name: pickle as (base class, scaler, state, optimizer).
+    cls = type(self)
+    return _rebuild, (cls._lossscale_base, cls._lossscale_scaler, dict(self.__getstate__()),
+                      cls._lossscale_optimizer)
 
-    Returns the same object (its class becomes a subclass of its own class; every attribute and
-    ``isinstance`` check stays as it was). Works for any ``torch.optim.lr_scheduler`` scheduler,
-    ``ReduceLROnPlateau`` included (its ``step(metrics)`` arguments pass through), and any object
-    with a ``step()`` method. ``scheduler.state_dict()`` is unchanged and loads into a plain
-    scheduler. Calling it again re-links the scheduler to another scaler.
 
-    Reading the skip flag is free when the host decided the step, and one host sync per ``step()``
-    for fused optimizers (which skip on device). A disabled scaler never skips.
+def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
+    """Make ``obj`` hold still on iterations whose optimizer step ``scaler`` skipped.
+
+    ``obj`` is an LR scheduler (its ``step()`` does nothing then) or a
+    ``torch.optim.swa_utils.AveragedModel`` (its ``update_parameters(model)`` leaves the averaged
+    parameters, buffers and ``n_averaged`` bitwise as they were). Returns the same object (its class
+    becomes a subclass of its own class; every attribute and ``isinstance`` check stays as it was).
+    Works for any ``torch.optim.lr_scheduler`` scheduler, ``ReduceLROnPlateau`` (its ``step(metrics)``
+    arguments pass through) and ``SWALR`` included, any object with a ``step()`` method, and any
+    ``AveragedModel`` (SWA or EMA; ``avg_fn``, ``multi_avg_fn`` or the default). ``state_dict()`` is
+    unchanged and loads into a plain object. Calling it again re-links the object to another scaler.
+
+    Host syncs: none where the host decided the step. With fused optimizers (which skip on device)
+    a scheduler's ``step()`` syncs once to read the flag; an ``AveragedModel`` does not sync (the
+    update is gated on the device flag), except inside torch's default SWA averaging on CUDA and for
+    a subclass that overrides ``update_parameters`` (see the module docstring). Wrapping an
+    ``AveragedModel`` whose ``n_averaged`` is not on its parameters' device moves it there (a copy,
+    once). A disabled scaler never skips.
 
     Args:
-        scheduler: the LR scheduler, stepped once per optimizer step.
-        scaler: the ``lossscale.GradScaler`` that steps the scheduler's optimizer.
+        obj: the LR scheduler, stepped once per optimizer step, or the ``AveragedModel``, updated
+            at most once per optimizer step.
+        scaler: the ``lossscale.GradScaler`` that steps the optimizer.
+        optimizer: with an ``AveragedModel`` only: the optimizer whose steps it follows when
+            ``scaler`` steps several (a GAN's generator). None: the iteration as a whole (held
+            when any optimizer skipped). A scheduler follows its own ``scheduler.optimizer``.
     """
+    from torch.optim.swa_utils import AveragedModel
+
     _check_scaler(scaler)
-    step = getattr(scheduler, "step", None)
-    if not callable(step):
-        raise ValueError(f"scheduler={scheduler!r} has no step() method; pass an LR scheduler.")
-    if not hasattr(scheduler, "__dict__"):
-        raise ValueError(f"scheduler={scheduler!r} has no instance __dict__ (__slots__ only); use "
+    averaged = isinstance(obj, AveragedModel)
+    if not averaged:
+        if optimizer is not None:
+            raise ValueError(f"optimizer={type(optimizer).__name__}(...) is for an AveragedModel; a scheduler follows its own "
+                             "optimizer (scheduler.optimizer): drop the argument.")
+        if not callable(getattr(obj, "step", None)):
+            raise ValueError(f"obj={type(obj).__name__}(...) has no step() method and is not a torch.optim.swa_utils.AveragedModel; "
+                             "pass an LR scheduler or an AveragedModel.")
+    if not hasattr(obj, "__dict__"):
+        raise ValueError(f"obj={obj!r} has no instance __dict__ (__slots__ only); use "
                          "scaler.step_scheduler(scheduler) in the training loop instead.")
-    base = getattr(type(scheduler), "_lossscale_base", type(scheduler))
+    if averaged:
+        _keep_count_with_parameters(obj)
+    base = getattr(type(obj), "_lossscale_base", type(obj))
+    verb = "update" if averaged else "step"
     skip_cls = type(f"SkipAware{base.__name__}", (base,), {
         "__module__": __name__,
-        "__doc__": f"{base.__name__} that does not step on iterations the lossscale.GradScaler skipped.",
+        "__doc__": f"{base.__name__} that does not {verb} on iterations the lossscale.GradScaler skipped.",
         "_lossscale_base": base,
         "_lossscale_scaler": scaler,
-        "step": _step,
+        "_lossscale_optimizer": optimizer,
         "__reduce_ex__": _reduce_ex,
+        **({"update_parameters": _update_parameters} if averaged else {"step": _step}),
     })
-    scheduler.__class__ = skip_cls
-    return scheduler
+    obj.__class__ = skip_cls
+    return obj
 
 
-def is_skip_aware(scheduler) -> bool:
-    """Whether :func:`skip_aware` was applied to ``scheduler``."""
-    return "_lossscale_scaler" in type(scheduler).__dict__
+def is_skip_aware(obj) -> bool:
+    """Whether :func:`skip_aware` was applied to ``obj`` (a scheduler or an ``AveragedModel``)."""
+    return "_lossscale_scaler" in type(obj).__dict__
+
+
+def _keep_count_with_parameters(averaged) -> None:
+    """Move ``n_averaged`` to the averaged parameters' device: a gated update on a device flag then
+    never copies it to or from the host. ``AveragedModel(model_on_cuda)`` leaves it on the CPU."""
+    first = next(iter(averaged.module.parameters()), None)
+    if first is not None and averaged.n_averaged.device != first.device:
+        averaged.n_averaged = averaged.n_averaged.to(first.device)
+
+
+def _gated_update(averaged, model, skipped) -> None:
+    """``AveragedModel.update_parameters(model)`` without a host read, held where ``skipped``.
+
+    torch (swa_utils.py:294-368) reads ``n_averaged`` on the host twice, to copy the model on the
+    first update and to average on the others. Here the averaging always runs, and two where()s per
+    tensor decide on device: held (skipped) or first (torch copies the model then), the average is
+    dropped for what the tensor was, or for the model.
+    """
+    import itertools
+
+    import torch
+
+    with torch.no_grad():
+        count = averaged.n_averaged
+        first = count == 0
+        flags = _on_devices(skipped, first & ~skipped, skipped | first)
+        if averaged.use_buffers:
+            mine = itertools.chain(averaged.module.parameters(), averaged.module.buffers())
+            theirs = itertools.chain(model.parameters(), model.buffers())
+        else:
+            mine, theirs = averaged.parameters(), model.parameters()
+        pairs = [(a.detach(), c.detach().to(a.device)) for a, c in zip(mine, theirs)]
+        # What each tensor ends with if the average is dropped: the model on a taken first update,
+        # else what it is now.
+        dropped_for = [torch.where(flags(a.device)[1], c.to(a.dtype), a) for a, c in pairs]
+        _average(averaged, pairs)
+        for (a, _), instead in zip(pairs, dropped_for):
+            torch.where(flags(a.device)[2], instead, a, out=a)
+        if not averaged.use_buffers:
+            # torch keeps unaveraged buffers equal to the model's (swa_utils.py:361-367): on taken steps.
+            for b, m in zip(averaged.module.buffers(), model.buffers()):
+                torch.where(flags(b.device)[0], b, m.detach().to(b.device, b.dtype), out=b)
+        count.add_(~flags(count.device)[0])
+
+
+def _average(averaged, pairs) -> None:
+    """The averaging branch of ``AveragedModel.update_parameters`` (swa_utils.py:319-358), as torch
+    dispatches it: the same functions on the same groups give the same bits."""
+    from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _group_tensors_by_device_and_dtype
+
+    count = averaged.n_averaged
+    if averaged.avg_fn is not None and averaged.multi_avg_fn is None:
+        for a, c in pairs:
+            a.copy_(averaged.avg_fn(a, c, count.to(a.device)))
+        return
+    groups = _group_tensors_by_device_and_dtype([[a for a, _ in pairs], [c for _, c in pairs]])
+    for (device, _), ([mine, theirs], _) in groups.items():
+        if averaged.multi_avg_fn is not None:
+            averaged.multi_avg_fn(mine, theirs, count.to(device))
+        elif device is not None and device.type in _get_foreach_kernels_supported_devices():
+            get_swa_multi_avg_fn()(mine, theirs, count.to(device))
+        else:
+            swa = get_swa_avg_fn()
+            for a, c in zip(mine, theirs):
+                a.copy_(swa(a, c, count.to(device)))
+
+
+def _on_devices(*flags):
+    """A lookup ``device -> flags there``; each flag moves to a device once (device to device: no host sync)."""
+    cache = {}
+
+    def on(device):
+        if device not in cache:
+            cache[device] = tuple(f.to(device) for f in flags)
+        return cache[device]
+
+    return on
