@@ -254,3 +254,37 @@ def _run(model, optimizer, scaler, clip: str, fault: str) -> List[str]:
     if bad:
         failures.append(f"non-finite after the clean step: {', '.join(bad)}")
     return failures
+
+
+# ----------------------------------------------------------------------------------- across ranks
+def skip_across_ranks(rank: int, world: int, kinds, faults) -> Dict[str, List[str]]:
+    """On every rank (gloo, spawned by ``_dist_workers.WorkerPool``): for each optimizer kind and fault,
+    a clean step, then the fault on the last rank only, then a clean step. The flags are reduced
+    across ranks (MAX), so every rank must skip bitwise and every rank must train afterwards.
+    Returns ``{cell: failures}`` for this rank."""
+    out = {}
+    for name, impl in kinds:
+        kind = OptimizerKind(name, impl)
+        for fault in faults:
+            model = Net(kind.model_kind)  # the same seed on every rank: the same weights
+            optimizer = kind.build(model.parameters())
+            scaler = make_scaler("dynamic", model, trace=fault == "forward_inf_traced")
+            failures = []
+            iteration(model, optimizer, scaler, 0, "scaler")
+            before = snapshot(model, optimizer)
+            iteration(model, optimizer, scaler, 1, "scaler", fault if rank == world - 1 else None)
+            if not scaler.last_step_skipped:
+                failures.append("not skipped")
+            changed = differences(before, snapshot(model, optimizer))
+            if changed:
+                failures.append(f"the skipped step changed {', '.join(changed)}")
+            iteration(model, optimizer, scaler, 2, "scaler")
+            bad = non_finite(snapshot(model, optimizer))
+            if scaler.last_step_skipped or bad:
+                failures.append(f"the next clean step: skipped={scaler.last_step_skipped}, non-finite={bad}")
+            scaler.close()
+            out[f"{kind.id} {fault}"] = failures
+    return out
+
+
+SCENARIOS = {"skip_across_ranks": skip_across_ranks}

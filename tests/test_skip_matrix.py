@@ -106,3 +106,24 @@ def test_soak_ten_thousand_steps_with_five_percent_faults(kind):
     assert not missed, f"{len(missed)} of {faults} faults not skipped bitwise: {missed[:10]}"
     assert all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point())
     assert math.isfinite(scaler.get_scale())
+
+
+@pytest.mark.distributed
+def test_a_fault_on_one_rank_is_skipped_bitwise_on_every_rank():
+    """The flags reduced across ranks (MAX) stay 0/1: a NaN batch on one rank with fused Adam was
+    applied on that rank (its weights went NaN) while the clean ranks stepped."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    from _dist_workers import WorkerPool
+
+    pool = WorkerPool(world_size=2, scenarios="_skip_matrix")
+    try:
+        results = pool.run("skip_across_ranks", kinds=[("Adam", "fused"), ("SGD", "fused"), ("Adam", "foreach")],
+                           faults=["nan_input_row", "inf_loss_term", "nan_grad", "forward_inf_traced"])
+    finally:
+        pool.close()
+    failures = [f"rank {rank}, {cell}: {why}" for rank, r in enumerate(results) for cell, why in r.items() if why]
+    assert not failures, "\n".join(failures)
+    assert len(results[0]) == 12
