@@ -142,7 +142,7 @@ def test_a_skipped_first_update_is_held_and_the_first_taken_one_copies_the_model
 
 
 def test_the_syncs_left_are_torchs_own():
-    """torch's SWA multi_avg_fn reads its weight 1/(n+1) on the host (swa_utils.py:100): one sync
+    """torch's SWA multi_avg_fn reads its weight 1/(n+1) on the host (swa_utils.py:101): one sync
     inside torch's function, the one its default SWA path costs on CUDA; the gating adds none."""
     run = train("adam_fused", "swa_multi_avg_fn", False, "after_update")
     averaged = [torch.zeros(3)]
