@@ -20,6 +20,7 @@ from torch.optim.swa_utils import (SWALR, AveragedModel, get_ema_avg_fn, get_ema
 import lossscale
 from lossscale._sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
+from _integration_models import one_thread  # noqa: F401  (autouse fixture: tiny ops, one thread)
 
 STEPS = 8
 # step -> fault: lone and consecutive skips, inf and NaN gradients, a NaN loss. Not step 0: torch's
@@ -43,14 +44,6 @@ AVERAGING = {  # every path of AveragedModel.update_parameters
     "ema_avg_fn": lambda: dict(avg_fn=get_ema_avg_fn(0.9)),
     "ema_multi_avg_fn": lambda: dict(multi_avg_fn=get_ema_multi_avg_fn(0.9)),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def net() -> torch.nn.Module:

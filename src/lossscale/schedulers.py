@@ -84,6 +84,8 @@ def _rebuild(base: type, scaler, state: dict, optimizer=None):
 
 
 def _step(self, *args: Any, **kwargs: Any):
+    """The scheduler's ``step()``, unless this iteration's step of its optimizer was skipped (free
+    where the host decided the step, one host sync where a fused optimizer skipped on device)."""
     scaler = type(self)._lossscale_scaler
     # This iteration's decision for the scheduler's optimizer, before or after scaler.update(); free
     # when the host decided the step, one sync when a fused optimizer skipped on device.
@@ -93,6 +95,9 @@ def _step(self, *args: Any, **kwargs: Any):
 
 
 def _update_parameters(self, model) -> None:
+    """``AveragedModel.update_parameters(model)`` on steps that were taken; bitwise nothing on skipped
+    ones. No host sync of its own: torch's update where the host decided the step, else gated on the
+    device flag. A subclass's own update on a device flag costs one sync (the flag's read)."""
     cls = type(self)
     skipped = cls._lossscale_scaler.skip_flag(cls._lossscale_optimizer)  # never syncs
     base_update = cls._lossscale_base.update_parameters
@@ -193,8 +198,8 @@ def _gated_update(averaged, model, skipped) -> None:
 
     torch (swa_utils.py:294-368) reads ``n_averaged`` on the host twice, to copy the model on the
     first update and to average on the others. Here the averaging always runs, and two where()s per
-    tensor decide on device: held (skipped) or first (torch copies the model then), the average is
-    dropped for what the tensor was, or for the model.
+    tensor decide on device what each tensor ends with: what it was (skipped), the model (a taken
+    first update), or the average.
     """
     import itertools
 
@@ -202,25 +207,25 @@ def _gated_update(averaged, model, skipped) -> None:
 
     with torch.no_grad():
         count = averaged.n_averaged
+        skipped = skipped.to(count.device)  # no-op on one device; device to device otherwise
         first = count == 0
-        flags = _on_devices(skipped, first & ~skipped, skipped | first)
+        copy_model = first & ~skipped       # torch copies the model on the first update
+        drop_average = first | skipped
         if averaged.use_buffers:
             mine = itertools.chain(averaged.module.parameters(), averaged.module.buffers())
             theirs = itertools.chain(model.parameters(), model.buffers())
         else:
             mine, theirs = averaged.parameters(), model.parameters()
         pairs = [(a.detach(), c.detach().to(a.device)) for a, c in zip(mine, theirs)]
-        # What each tensor ends with if the average is dropped: the model on a taken first update,
-        # else what it is now.
-        dropped_for = [torch.where(flags(a.device)[1], c.to(a.dtype), a) for a, c in pairs]
+        instead = [torch.where(copy_model.to(a.device), c.to(a.dtype), a) for a, c in pairs]
         _average(averaged, pairs)
-        for (a, _), instead in zip(pairs, dropped_for):
-            torch.where(flags(a.device)[2], instead, a, out=a)
+        for (a, _), kept in zip(pairs, instead):
+            torch.where(drop_average.to(a.device), kept, a, out=a)
         if not averaged.use_buffers:
             # torch keeps unaveraged buffers equal to the model's (swa_utils.py:361-367): on taken steps.
             for b, m in zip(averaged.module.buffers(), model.buffers()):
-                torch.where(flags(b.device)[0], b, m.detach().to(b.device, b.dtype), out=b)
-        count.add_(~flags(count.device)[0])
+                torch.where(skipped.to(b.device), b, m.detach().to(b.device, b.dtype), out=b)
+        count.add_(~skipped)
 
 
 def _average(averaged, pairs) -> None:
@@ -244,15 +249,3 @@ def _average(averaged, pairs) -> None:
             swa = get_swa_avg_fn()
             for a, c in zip(mine, theirs):
                 a.copy_(swa(a, c, count.to(device)))
-
-
-def _on_devices(*flags):
-    """A lookup ``device -> flags there``; each flag moves to a device once (device to device: no host sync)."""
-    cache = {}
-
-    def on(device):
-        if device not in cache:
-            cache[device] = tuple(f.to(device) for f in flags)
-        return cache[device]
-
-    return on
