@@ -208,8 +208,8 @@ def _gated_update(averaged, model, skipped) -> None:
     with torch.no_grad():
         count = averaged.n_averaged
         skipped = skipped.to(count.device)  # no-op on one device; device to device otherwise
-        first = count == 0
-        copy_model = first & ~skipped       # torch copies the model on the first update
+        taken, first = ~skipped, count == 0
+        copy_model = first & taken          # torch copies the model on the first update
         drop_average = first | skipped
         if averaged.use_buffers:
             mine = itertools.chain(averaged.module.parameters(), averaged.module.buffers())
@@ -225,7 +225,7 @@ def _gated_update(averaged, model, skipped) -> None:
             # torch keeps unaveraged buffers equal to the model's (swa_utils.py:361-367): on taken steps.
             for b, m in zip(averaged.module.buffers(), model.buffers()):
                 torch.where(skipped.to(b.device), b, m.detach().to(b.device, b.dtype), out=b)
-        count.add_(~skipped)
+        count.add_(taken)
 
 
 def _average(averaged, pairs) -> None:
