@@ -28,7 +28,8 @@ whole object keep it skip-aware.
 
 Host syncs. Where the host decided the step (optimizers without amp-scaling support: the scaler
 synced once already to decide), reading the decision is free: a skipped update returns at once, a
-taken one is torch's own ``update_parameters``. Fused optimizers skip on device:
+taken one is torch's own ``update_parameters`` (with its own host reads of ``n_averaged``). Fused
+optimizers skip on device:
 
 * a skip-aware scheduler's ``step()`` reads ``scaler.last_step_skipped``: one host sync per step with
   one scheduler (the usual case). The accelerate, Trainer and Lightning integrations read it once per
@@ -36,9 +37,9 @@ taken one is torch's own ``update_parameters``. Fused optimizers skip on device:
 * a skip-aware ``AveragedModel`` syncs nowhere: ``update_parameters`` gates the update on the device
   flag (:meth:`lossscale.GradScaler.skip_flag`) with ``torch.where``, so the averaged tensors and
   ``n_averaged`` are bitwise what they were when the step was skipped, and the first-update copy that
-  torch decides by reading ``n_averaged`` on the host is a device-side choice too. It costs a copy
-  of the averaged tensors and two ``where`` per tensor on top of torch's update (measured in
-  docs/integrations.md). ``n_averaged`` moves to the averaged parameters' device when wrapped (torch
+  torch decides by reading ``n_averaged`` on the host is a device-side choice too. It costs two
+  ``where`` per tensor on top of torch's update (measured in docs/integrations.md; the host-decided
+  path costs nothing). ``n_averaged`` moves to the averaged parameters' device when wrapped (torch
   keeps it on the default device when ``AveragedModel(device=None)``). Syncs that remain are torch's:
   its default SWA averaging on CUDA (``get_swa_multi_avg_fn`` reads its weight ``1/(n+1)`` on the
   host; the EMA functions and ``get_swa_avg_fn`` do not), and copying the model to an averaged model
