@@ -23,9 +23,6 @@ from lossscale.policy import policy_class
 
 NAN, INF = float("nan"), float("inf")
 
-#: lossscale 0.1's sentinels in the flat v1 state's ``amax_exp``.
-V1_NOTHING_MEASURED, V1_CALIBRATING = -(2**30), -(2**30) - 1
-
 
 def train(scaler, steps=3, model=None, first=0):
     """A few real iterations of the tiny MLP under fp16 autocast (CPU); returns the model."""
@@ -423,7 +420,7 @@ def test_name_parameters_refuses_what_is_not_a_tensor():
         lossscale.GradScaler(model=[("w", 3.0)])
 
 
-# ----------------------------------------------------------------- torch dicts of tensors, version 1
+# --------------------------------------------------------------------------- torch dicts of tensors
 @pytest.mark.parametrize("shape", [(), (1,)])
 def test_torch_dict_of_one_element_tensors_loads(shape):
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=5)
@@ -436,68 +433,6 @@ def test_torch_dict_of_one_element_tensors_loads(shape):
     assert finite(train(scaler))
     sd["scale"] = torch.tensor([2.0, 4.0])
     refuses(scaler, sd, "'scale' must hold one number")
-
-
-def _v1(policy_type, policy, state, torch_keys):
-    """A version-1 dict exactly as lossscale 0.1 wrote it."""
-    return {**torch_keys, "lossscale_version": 1, "policy_type": policy_type, "policy": policy, "state": state}
-
-
-def _v1_state(**changes):
-    state = dict(scale=65536.0, growth_tracker=0, hysteresis_tracker=1, steps=0, skipped_steps=0, inf_steps=0,
-                 nan_steps=0, overflow_streak=0, streak_nan_steps=0, streak_start_scale=0.0,
-                 amax_exp=V1_NOTHING_MEASURED)
-    return {**state, **changes}
-
-
-_V1_DYNAMIC = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=2,
-                   consecutive_hysteresis=False, min_scale=1.0, max_scale=16777216.0, on_stuck="warn",
-                   max_consecutive_skips=None)
-_V1_ADAPTIVE = dict(init_scale=65536.0, margin_bits=5, growth_interval=100, search_bits=16, backoff_factor=0.5,
-                    hysteresis=1, consecutive_hysteresis=False, min_scale=1.0, max_scale=16777216.0,
-                    on_stuck="warn", max_consecutive_skips=None)  # no fmt yet: fp16, the default
-_V1_TORCH = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, _growth_tracker=0)
-
-
-def test_v1_dynamic_dict_loads():
-    state = _v1_state(scale=2.0**12, growth_tracker=5, hysteresis_tracker=1, steps=9, skipped_steps=2,
-                      inf_steps=1, nan_steps=1, overflow_streak=0, streak_start_scale=2.0**13)
-    scaler = lossscale.GradScaler(hysteresis=2)
-    scaler.load_state_dict(_v1("DynamicPolicy", _V1_DYNAMIC, state, _V1_TORCH))
-    s = scaler.state()
-    assert isinstance(s, lossscale.DynamicState)
-    assert (s.scale, s.growth_tracker, s.hysteresis_tracker, s.steps, s.nan_steps) == (2.0**12, 5, 1, 9, 1)
-    assert finite(train(scaler))
-
-
-def test_v1_static_dict_loads_and_drops_the_unused_tracker():
-    sd = _v1("StaticPolicy", dict(scale=65536.0, on_stuck="warn", max_consecutive_skips=None),
-             _v1_state(growth_tracker=4, steps=4),
-             dict(scale=65536.0, growth_factor=1.0, backoff_factor=1.0, growth_interval=0, _growth_tracker=4))
-    scaler = lossscale.GradScaler(policy="static")
-    scaler.load_state_dict(sd)
-    assert scaler.state() == lossscale.StaticState(scale=65536.0, growth_tracker=4, steps=4)
-
-
-@pytest.mark.parametrize("amax_exp, calibrated, window", [
-    (V1_CALIBRATING, False, NO_AMAX), (V1_NOTHING_MEASURED, True, NO_AMAX), (3, True, 3)])
-def test_v1_adaptive_dict_loads_its_amax_exp(amax_exp, calibrated, window):
-    sd = _v1("AdaptivePolicy", _V1_ADAPTIVE, _v1_state(amax_exp=amax_exp, growth_tracker=2, steps=2),
-             {**_V1_TORCH, "growth_factor": 1.0, "growth_interval": 100, "_growth_tracker": 2})
-    scaler = lossscale.GradScaler(policy="adaptive")
-    scaler.load_state_dict(sd)
-    s = scaler.state()
-    assert (s.calibrated, s.window_exp, s.growth_tracker) == (calibrated, window, 2)
-    assert scaler.policy == lossscale.AdaptivePolicy()
-    assert finite(train(scaler))
-
-
-@pytest.mark.parametrize("policy_type, amax_exp", [("DynamicPolicy", 3), ("DynamicPolicy", "x"),
-                                                   ("AdaptivePolicy", -500), ("AdaptivePolicy", True)])
-def test_v1_bad_amax_exp_is_refused(policy_type, amax_exp):
-    config = _V1_DYNAMIC if policy_type == "DynamicPolicy" else _V1_ADAPTIVE
-    sd = _v1(policy_type, config, _v1_state(amax_exp=amax_exp), _V1_TORCH)
-    refuses(lossscale.GradScaler(), sd, r"state\.amax_exp")
 
 
 # ------------------------------------------------------------------------------------- property test
@@ -527,20 +462,6 @@ def _real_run(config):
     return scaler.state_dict()
 
 
-def _as_v1(sd):
-    """The dict lossscale 0.1 would have written for the same run (dynamic, static, adaptive)."""
-    state = dict(sd["state"])
-    if "calibrated" in state:
-        calibrated, window = state.pop("calibrated"), state.pop("window_exp")
-        state["amax_exp"] = window if calibrated else V1_CALIBRATING
-    else:
-        state["amax_exp"] = V1_NOTHING_MEASURED
-    state.setdefault("hysteresis_tracker", 1)
-    state.setdefault("growth_tracker", 0)
-    policy = {k: v for k, v in sd["policy"].items() if k != "fmt"}
-    return {**sd, "lossscale_version": 1, "policy": policy, "state": state}
-
-
 _BASES = {}
 
 
@@ -548,8 +469,6 @@ def bases():
     if not _BASES:
         for name, config in _CONFIGS.items():
             _BASES[f"v2-{name}"] = quiet(lambda config=config: _real_run(config))
-            if name != "logmax":
-                _BASES[f"v1-{name}"] = _as_v1(_BASES[f"v2-{name}"])
         ref = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
         model = tiny_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -669,7 +588,7 @@ def test_corrupted_checkpoint_property_slow(case, target, started):
 @pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_every_base_checkpoint_round_trips_and_trains():
     # The property test's starting points are valid: each loads into a fresh scaler of its policy
-    # (a v1 dict converts) and trains.
+    # and trains.
     for name, sd in bases().items():
         kind = "dynamic" if name.startswith("torch") else name.split("-", 1)[1]
         scaler = quiet(lambda kind=kind: lossscale.GradScaler(policy=kind))
@@ -679,26 +598,6 @@ def test_every_base_checkpoint_round_trips_and_trains():
         assert finite(train(scaler)), name
 
 
-@pytest.mark.parametrize("policy", ["dynamic", "adaptive"])
-@pytest.mark.parametrize("version", [1, 2])
-def test_a_spent_hysteresis_written_as_0_loads_as_1_and_backs_off_next(policy, version):
-    """lossscale to 2026-11 held a spent tolerance as hysteresis_tracker=0; since then the tracker
-    stops at 1 (DeepSpeed's cur_hysteresis), which behaves the same: the next overflow backs off."""
-    src = lossscale.GradScaler("cpu", policy=policy, hysteresis=2, init_scale=2.0**10)
-    src.scale(torch.ones(()))
-    sd = src.state_dict()
-    if version == 1:
-        config = dict(_V1_DYNAMIC if policy == "dynamic" else _V1_ADAPTIVE, hysteresis=2, init_scale=2.0**10)
-        sd = _v1(type(src.policy).__name__, config, _v1_state(scale=2.0**10, hysteresis_tracker=0), _V1_TORCH)
-    else:
-        sd["state"]["hysteresis_tracker"] = 0
-    with pytest.raises(ValueError, match=r"hysteresis_tracker=0 must be in \[1"):
-        src.policy.check_state(src.policy.init_state().replace(hysteresis_tracker=0))
-    dst = lossscale.GradScaler("cpu", policy=policy, hysteresis=2, init_scale=2.0**10)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a v1 config may differ from the new default: replaced, warned
-        dst.load_state_dict(sd)
-    assert dst.state().hysteresis_tracker == 1
-    if policy == "dynamic":  # the adaptive one is still calibrating: its hysteresis is not in play
-        state = dst.policy.update(dst.state(), found_inf=True)
-        assert state.scale == 2.0**9 and state.hysteresis_tracker == 1
+def test_a_pre_release_version_1_dict_is_refused_by_name():
+    sd = lossscale.GradScaler().state_dict()
+    refuses(lossscale.GradScaler(), {**sd, "lossscale_version": 1}, "lossscale_version.*pre-release")

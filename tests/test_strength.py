@@ -734,7 +734,7 @@ def test_lossscale_dict_refusals_name_what_is_wrong():
     del config["hysteresis"]
     _refused({**base, "policy": config}, "missing keys")
     adaptive = _sd(AdaptivePolicy())
-    del adaptive["policy"]["fmt"]  # only version 1 may lack it
+    del adaptive["policy"]["fmt"]
     _refused(adaptive, "missing keys")
     _refused({**base, "state": {**base["state"], "bogus": 1}}, "unknown keys")
     state = dict(base["state"])
@@ -758,30 +758,6 @@ def test_a_loaded_measuring_state_holds_floats_where_the_device_does():
     quiet(lambda: scaler.load_state_dict(sd))
     s = scaler.state()
     assert all(type(getattr(s, n)) is float for n in ("x_hat", "slow_x_hat", "xsquared_hat"))
-
-
-def _v1_adaptive(amax_exp):
-    config = dict(init_scale=65536.0, margin_bits=5, growth_interval=100, search_bits=16, backoff_factor=0.5,
-                  hysteresis=1, consecutive_hysteresis=False, min_scale=1.0, max_scale=16777216.0, on_stuck="warn",
-                  max_consecutive_skips=None)
-    state = dict(scale=65536.0, growth_tracker=0, hysteresis_tracker=1, steps=0, skipped_steps=0, inf_steps=0,
-                 nan_steps=0, overflow_streak=0, streak_nan_steps=0, streak_start_scale=0.0, amax_exp=amax_exp)
-    return {"scale": 65536.0, "growth_factor": 1.0, "backoff_factor": 0.5, "growth_interval": 100,
-            "_growth_tracker": 0, "lossscale_version": 1, "policy_type": "AdaptivePolicy", "policy": config,
-            "state": state}
-
-
-@pytest.mark.parametrize("amax_exp", [-160, 140])
-def test_v1_adaptive_window_on_the_edge_loads(amax_exp):
-    """Kills: version 1's amax_exp range moved inward by one."""
-    scaler = lossscale.GradScaler(policy="adaptive")
-    scaler.load_state_dict(_v1_adaptive(amax_exp))
-    assert scaler.state().window_exp == amax_exp
-
-
-@pytest.mark.parametrize("amax_exp", [-161, 141])
-def test_v1_adaptive_window_beyond_the_edge_is_refused(amax_exp):
-    _refused(_v1_adaptive(amax_exp), "amax_exp", lossscale.GradScaler(policy="adaptive"))
 
 
 def test_torch_dict_edges():

@@ -88,7 +88,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from . import formats
-from .dynamic import spent_hysteresis_as_one
 from .policy import (
     SIGNED,
     PolicyBase,
@@ -372,10 +371,6 @@ class AdaptivePolicy(PolicyBase):
     def scale_bounds(self):
         """(lowest, highest) scale: float32's normal range where a bound is None."""
         return self.bounds()
-
-    def upgrade_fields(self, fields):
-        """As :meth:`lossscale.DynamicPolicy.upgrade_fields`: a spent hysteresis written as 0 reads as 1."""
-        return spent_hysteresis_as_one(fields)
 
     def check_state(self, state: AdaptiveState) -> None:
         """Generic checks, plus the window's invariants."""

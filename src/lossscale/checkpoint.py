@@ -11,9 +11,9 @@ Loading validates every key before anything changes (:func:`load`): the types, f
 > 0, within the bounds and within float32, counters >= 0, the trackers within their configured range,
 every config field, and the torch keys of a lossscale dict equal to what its state implies (they are
 copies; a mismatch means the dict was edited, and which one to believe is not ours to guess). Every
-error is a ``ValueError`` naming the key. Version 1 dicts (lossscale 0.1, one state type for every
-policy with an ``amax_exp`` field, torch keys not checked) are converted. A torch dict continues
-exactly as torch would; its numbers may be 1-element tensors, as some trainers save them.
+error is a ``ValueError`` naming the key. Only this version's dicts are read: earlier versions were
+written by pre-release builds, which no published lossscale reads. A torch dict continues exactly as
+torch would; its numbers may be 1-element tensors, as some trainers save them.
 
 Which policy wins: the checkpoint's. It restores the run that was saved, including a policy type or
 config that differs from the constructor's (a torch dict: its growth and backoff factors and growth
@@ -38,8 +38,6 @@ __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
 
 STATE_DICT_VERSION = 2
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_V1_NO_AMAX = -(2**30)  # lossscale 0.1's "nothing measured" amax_exp; one below it meant "calibrating"
-_V1_LACKS = {"AdaptivePolicy": {"fmt"}}  # config fields added since version 1 (fp16, the default, then)
 
 
 def to_dict(policy, state: ScaleState) -> Dict[str, Any]:
@@ -65,15 +63,15 @@ def load(state_dict: Any, current) -> Tuple[Any, ScaleState]:
     ours = [k for k in ("policy_type", "policy", "state") if k in state_dict]
     if ours:  # read as a torch dict, it would silently drop the policy and every counter
         raise ValueError(f"state dict has {ours} but no 'lossscale_version': a lossscale state dict that lost "
-                         f"its version key. Add 'lossscale_version': {STATE_DICT_VERSION} (1 for lossscale 0.1).")
+                         f"its version key. Add 'lossscale_version': {STATE_DICT_VERSION}.")
     return _load_torch(state_dict, current)
 
 
 def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     version = sd["lossscale_version"]
-    if isinstance(version, bool) or not isinstance(version, int) or version not in (1, STATE_DICT_VERSION):
-        raise ValueError(f"state dict 'lossscale_version'={version!r} is not supported (this lossscale reads 1 "
-                         f"and {STATE_DICT_VERSION}).")
+    if isinstance(version, bool) or not isinstance(version, int) or version != STATE_DICT_VERSION:
+        raise ValueError(f"state dict 'lossscale_version'={version!r} is not supported: this lossscale reads "
+                         f"version {STATE_DICT_VERSION} (earlier versions came from pre-release builds).")
     missing = [k for k in ("policy_type", "policy", "state") if k not in sd]
     if missing:
         raise ValueError(f"state dict is missing {missing}.")
@@ -87,8 +85,7 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
             raise ValueError(f"state dict '{key}' must be a dict, got {type(value).__name__}.")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(map(str, set(config) - names))
-    # Version 1 predates some fields: their defaults are what it ran with.
-    absent = sorted(names - set(config) - (_V1_LACKS.get(type_name, set()) if version == 1 else set()))
+    absent = sorted(names - set(config))
     if unknown or absent:
         raise ValueError(f"state dict 'policy' does not fit {type_name} of 'lossscale_version'={version}: "
                          + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
@@ -99,8 +96,6 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
             policy = cls(**config)
         except (TypeError, ValueError) as e:
             raise ValueError(f"state dict 'policy' ({type_name}): {e}") from None
-    if version == 1:
-        fields = _from_v1(cls, dict(fields))
     known = {f.name for f in dataclasses.fields(cls.state_type)}
     unknown, absent = sorted(map(str, set(fields) - known)), sorted(known - set(fields))
     if unknown or absent:
@@ -108,7 +103,6 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
                          + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
                          + (f"missing keys {absent}" if absent else "") + ".")
     fields = _plain_fields(cls.state_type, fields)
-    fields = policy.upgrade_fields(fields)
     try:
         policy.check_state(cls.state_type(**fields))
     except ValueError as e:
@@ -116,8 +110,7 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     # As the device will hold them (an int scale as a float32 float), so the state reads the same
     # before the first step as after.
     state = cls.state_type(**{f.name: _as_held(f, fields[f.name]) for f in dataclasses.fields(cls.state_type)})
-    if version == STATE_DICT_VERSION:
-        _check_torch_copies(sd, policy.torch_state(state))
+    _check_torch_copies(sd, policy.torch_state(state))
     if policy != current:
         _warn_replaced(current, policy)
     return policy, state
@@ -161,30 +154,6 @@ def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
 def _as_held(f: dataclasses.Field, value):
     kind = field_kind(f)
     return f32(float(value)) if kind == "f32" else float(value) if kind == "f64" else value
-
-
-def _from_v1(cls, fields: Dict[str, Any]) -> Dict[str, Any]:
-    """A version-1 state (one type, ``amax_exp``) as ``cls.state_type``'s fields."""
-    if "amax_exp" not in fields:  # lossscale 0.1 always wrote it: without it, this is no version-1 state
-        raise ValueError("state dict 'state' has no amax_exp, which every state of 'lossscale_version'=1 has.")
-    amax_exp = fields.pop("amax_exp")
-    if isinstance(amax_exp, bool) or not isinstance(amax_exp, int):
-        raise ValueError(f"state dict state.amax_exp={amax_exp!r} must be an int.")
-    names = {f.name for f in dataclasses.fields(cls.state_type)}
-    if "calibrated" in names:  # the adaptive policy: amax_exp held two sentinels and the window
-        if amax_exp not in (_V1_NO_AMAX, _V1_NO_AMAX - 1) and not -160 <= amax_exp <= 140:
-            raise ValueError(f"state dict state.amax_exp={amax_exp!r} must be {_V1_NO_AMAX} (nothing measured), "
-                             f"{_V1_NO_AMAX - 1} (calibrating) or a float32 binade.")
-        fields["calibrated"] = amax_exp != _V1_NO_AMAX - 1
-        fields["window_exp"] = _V1_NO_AMAX if amax_exp == _V1_NO_AMAX - 1 else amax_exp
-    elif amax_exp != _V1_NO_AMAX:
-        raise ValueError(f"state dict state.amax_exp={amax_exp!r} is measured, but {cls.__name__} does not measure it.")
-    # Version 1 stored every tracker for every policy (static: a hysteresis tracker it never used),
-    # and had no bad-loss counters (lossscale 0.1 did not check the loss): none were counted.
-    out = {k: v for k, v in fields.items() if k in names}
-    out.setdefault("bad_loss_steps", 0)
-    out.setdefault("streak_bad_loss_steps", 0)
-    return out
 
 
 def _torch_number(sd: Dict[str, Any], key: str, kind: type):

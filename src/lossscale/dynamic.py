@@ -73,14 +73,6 @@ from .policy import (
 __all__ = ["DynamicPolicy", "DynamicState"]
 
 
-def spent_hysteresis_as_one(fields):
-    """A checkpoint's state fields with a hysteresis tracker of 0 (a spent tolerance, as lossscale to
-    2026-11 wrote it) read as 1, which behaves the same: the next overflow backs off."""
-    if fields.get("hysteresis_tracker") == 0:
-        return {**fields, "hysteresis_tracker": 1}
-    return fields
-
-
 @dataclass(frozen=True)
 class DynamicState(ScaleState):
     """:class:`~lossscale.policy.ScaleState` plus the dynamic rule's two trackers.
@@ -90,8 +82,7 @@ class DynamicState(ScaleState):
             ``_growth_tracker``).
         hysteresis_tracker: overflows until the scale backs off, the one that does included: 1 means
             the next overflow backs off. Never below 1 (DeepSpeed's ``cur_hysteresis``), so with
-            ``hysteresis=1`` it never moves. lossscale to 2026-11 held a spent tolerance as 0, which
-            behaves as 1; checkpoints holding it load as 1.
+            ``hysteresis=1`` it never moves.
     """
 
     growth_tracker: int = field(default=0, metadata=I32)  # int32 on device: torch's update kernel takes it
@@ -265,10 +256,6 @@ class DynamicPolicy(PolicyBase):
     def lowest(self) -> float:
         """The scale the backoff stops at: ``min_scale`` as float32, or :data:`SMALLEST_SCALE` when None."""
         return SMALLEST_SCALE if self.min_scale is None else f32(self.min_scale)
-
-    def upgrade_fields(self, fields):
-        """lossscale to 2026-11 held a spent hysteresis tolerance as 0; it behaves as 1, the floor now."""
-        return spent_hysteresis_as_one(fields)
 
     def check_state(self, state: DynamicState) -> None:
         """Generic checks, plus: the trackers within this configuration's range."""

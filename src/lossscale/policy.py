@@ -385,10 +385,6 @@ class Policy(Protocol):
     def torch_state(self, state) -> Dict[str, Any]:
         """torch's ``GradScaler.state_dict()`` keys for ``state``, with values a torch scaler can use."""
 
-    def upgrade_fields(self, fields: Dict[str, Any]) -> Dict[str, Any]:
-        """A checkpoint's state fields as this version reads them (values an earlier lossscale wrote
-        differently)."""
-
     def check_state(self, state) -> None:
         """Raise ValueError naming the field when ``state`` could not have come from this policy."""
 
@@ -432,12 +428,6 @@ class PolicyBase:
             "growth_interval": int(getattr(self, "growth_interval", 2000)),
             "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
         }
-
-    def upgrade_fields(self, fields: Dict[str, Any]) -> Dict[str, Any]:
-        """A checkpoint's state fields (a dict) as this version of the policy reads them, where an
-        earlier lossscale wrote a value differently; called by ``checkpoint.load`` before
-        :meth:`check_state`. Default: unchanged."""
-        return fields
 
     def check_state(self, state) -> None:
         """Raise ValueError naming the first field of ``state`` that this policy could not have produced.
