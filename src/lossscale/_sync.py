@@ -1,9 +1,10 @@
-"""Count host-device synchronisations, for tests that promise "no sync in the hot path".
+"""Count what a GPU would see: kernel launches, host syncs and copies between host and device.
 
-A sync is the host waiting for an accelerator's queue to drain so it can read a value.  On a
-CPU-only machine nothing waits, but the same *operations* that would sync on a GPU still pass
-through torch's dispatcher, so a :class:`~torch.utils._python_dispatch.TorchDispatchMode` can
-count them.  This makes the promise checkable in CPU-only CI:
+A sync is the host waiting for an accelerator's queue to drain so it can read a value. Every torch
+operation passes through torch's dispatcher, so a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` can classify each one by its operator and
+its tensors' devices, the same way on a real GPU, on the test suite's stand-in device (tensors that
+report ``cuda:0`` and compute on the CPU, ``tests/_fake_cuda.py``) and on a plain CPU run:
 
 >>> import torch
 >>> from lossscale._sync import count_host_syncs
@@ -14,127 +15,273 @@ count them.  This makes the promise checkable in CPU-only CI:
 >>> syncs.count
 1
 
-What is counted (each call once):
+What is counted (:func:`classify` is the rule, one operator call at a time):
 
-* ``aten._local_scalar_dense``: every ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)`` and
-  ``if t:`` on a tensor;
-* copies from a non-CPU device to the CPU (``t.cpu()``, ``t.to("cpu")``, ``t.tolist()`` and
-  ``t.numpy()`` of a device tensor), except a ``non_blocking`` copy into pinned memory, which the
-  host does not wait for;
-* copies from pageable (not pinned) host memory to a device (``torch.tensor(list, device="cuda")``,
-  ``t.to("cuda")`` of a CPU tensor): the host waits for the stream before it may reuse the memory,
-  and inside a CUDA-graph capture such a copy fails;
-* operators whose output *shape* depends on tensor values, which must read them on the host:
-  ``nonzero``, ``masked_select``, ``unique`` and friends, and indexing with a boolean mask.
+* **syncs**: ``aten._local_scalar_dense`` of a device tensor (every ``.item()``, ``float(t)``,
+  ``int(t)``, ``bool(t)`` and ``if t:``); a copy to host memory that the host waits for (``t.cpu()``,
+  ``t.to("cpu")``, ``t.tolist()``; a ``non_blocking`` copy into pinned memory is queued, not waited
+  for); a copy to the device that the host waits for: a blocking one, or any from pageable (not
+  pinned) memory (``torch.tensor(list, device="cuda")``, ``t.to("cuda")`` of a CPU tensor), which
+  also fails inside a CUDA-graph capture; operators whose output *shape* depends on values
+  (``nonzero``, ``masked_select``, ``unique`` and friends, indexing with a boolean mask),
+  ``torch.equal`` (a host bool) and, on a
+  device, ``bincount``, whose CUDA implementation reads its input's maximum on the host.
+* **h2d / d2h**: copies from host to device and back (a copy between two devices is a launch).
+* **launches**: every operator that touches a device tensor and runs a kernel there. Views and
+  metadata (``view``, ``select``, ``detach``, ``as_strided``, ``t``, ``expand``, ...), allocations
+  (``empty``, ``empty_like``, ...) and host-only operators launch nothing. A ``_foreach_*`` operator
+  is one launch when its lists share one device and dtype (torch's multi-tensor fast path) and one per
+  tensor otherwise. Not modelled: a few CUDA operators launch more than one kernel, and a
+  multi-tensor launch splits past 110/64/48/36/30 tensors (by the number of lists) or 320 chunks of
+  65536 elements; torch and lossscale are counted alike.
 
-What it cannot see: syncs hidden inside a single operator's device kernel (CUDA's
-``torch.bincount`` reads the input's maximum on the host; a dispatch mode only sees the
-``bincount`` call, and on CPU that call is no sync at all).  Code that must stay sync-free on
-accelerators should avoid such operators there; see ``lossscale.stats`` for an example.
+**A CPU-only run stands for the device.** When the counted block touched no accelerator tensor at
+all, every tensor is taken to be where a GPU run would put it: value reads and value-dependent
+shapes count as syncs, non-view operators as launches. So the CPU test suite checks the promise
+"no sync in the hot path" without a GPU. Where the block touched an accelerator tensor, only device
+work counts (a read of a CPU-resident tensor, such as ``Adam(foreach=True)``'s step count, is then no
+sync). The totals are final when the block exits.
+
+``torch.tensor(data, device=...)`` builds the tensor on the host and copies it below the Python
+dispatch key, out of every mode's sight; while a counter is active the copy is made visible by
+telling torch to lift the tensor on the CPU first (what ``FakeTensorMode`` does), so it counts as a
+copy from pageable memory: a sync and an h2d.
+
+What it cannot see: work done inside a single operator's device code beyond the rules above, and
+device calls that are not operators (``torch.cuda.synchronize()``, events).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, List
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["SyncCounter", "count_host_syncs"]
+__all__ = ["DeviceWork", "SyncCounter", "classify", "count_device_work", "count_host_syncs"]
 
 _aten = torch.ops.aten
 
-# Operators that always read tensor values on the host (their output shape depends on them).
-_VALUE_DEPENDENT_SHAPE = {
-    _aten._local_scalar_dense.default,
-    _aten.nonzero.default,
-    _aten.masked_select.default,
-    _aten._unique2.default,
-    _aten.unique_consecutive.default,
-    _aten.unique_dim.default,
-}
+#: (launches, syncs, h2d, d2h) of one operator call.
+Work = Tuple[int, int, int, int]
+_NOTHING: Work = (0, 0, 0, 0)
+_HOST = torch.device("cpu")
 
-_COPIES = {_aten._to_copy.default, _aten.copy_.default}
+
+def _packets(*names: str) -> frozenset:
+    return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
+
+
+# Operators that read values on the host to size their output.
+_READS_VALUES = _packets("nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim",
+                         "unique_dim_consecutive", "equal")
+# Operators whose CUDA implementation reads values on the host (not their CPU one, which a CPU run
+# standing for the device picks for that reason: lossscale.stats).
+_READS_VALUES_ON_DEVICE = _packets("bincount")
+_COPIES = _packets("_to_copy", "copy_")
+# Operators that allocate or describe memory without running a kernel (besides views, found by schema).
+_NO_KERNEL = _packets("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted",
+                      "resize_", "resize_as_", "_unsafe_view", "is_pinned", "record_stream", "set_", "sym_size",
+                      "sym_numel", "sym_stride", "sym_storage_offset", "is_same_size", "_has_same_storage_numel")
+_INDEXING = _packets("index", "index_put_", "index_put", "_index_put_impl_")
 
 
 @dataclass
-class SyncCounter:
-    """What :func:`count_host_syncs` saw.
+class DeviceWork:
+    """What :func:`count_device_work` (or :func:`count_host_syncs`) saw; final when the block exits.
 
-    Attributes:
-        count: number of operations that synchronise (or, on CPU, would synchronise) the host
-            with the device.
-        ops: their names, in call order, for error messages.
+    Attributes (properties, computed from the recorded calls):
+        launches: kernel launches on the device.
+        syncs: host waits for the device (``count`` is the same number).
+        h2d, d2h: copies from host to device and from device to host.
+        ops: the syncing operators' names, in call order, for error messages.
+        launch_ops: the launching operators' names, one entry per launch.
+        on_device: whether the block touched an accelerator tensor (else the CPU stood for it).
     """
 
-    count: int = 0
-    ops: List[str] = field(default_factory=list)
+    _calls: List[Tuple[str, Work, Work]] = field(default_factory=list, repr=False)
+    on_device: bool = False
 
-    def _add(self, name: str) -> None:
-        self.count += 1
-        self.ops.append(name)
+    def _pick(self, call) -> Work:
+        return call[1] if self.on_device else call[2]
+
+    def _sum(self, i: int) -> int:
+        return sum(self._pick(c)[i] for c in self._calls)
+
+    def _names(self, i: int) -> List[str]:
+        return [c[0] for c in self._calls for _ in range(self._pick(c)[i])]
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches."""
+        return self._sum(0)
+
+    @property
+    def syncs(self) -> int:
+        """Host syncs."""
+        return self._sum(1)
+
+    @property
+    def h2d(self) -> int:
+        """Host-to-device copies."""
+        return self._sum(2)
+
+    @property
+    def d2h(self) -> int:
+        """Device-to-host copies."""
+        return self._sum(3)
+
+    @property
+    def count(self) -> int:
+        """Host syncs (``count_host_syncs``' name for :attr:`syncs`)."""
+        return self.syncs
+
+    @property
+    def ops(self) -> List[str]:
+        """The syncing operators, in call order (one entry per sync)."""
+        return self._names(1)
+
+    @property
+    def launch_ops(self) -> List[str]:
+        """The launching operators, in call order (one entry per launch)."""
+        return self._names(0)
+
+    def summary(self) -> dict:
+        """``{"launches", "syncs", "h2d", "d2h"}`` as plain ints (for JSON and messages)."""
+        return {"launches": self.launches, "syncs": self.syncs, "h2d": self.h2d, "d2h": self.d2h}
 
 
-def _is_pageable_to_device(func, args, out) -> bool:
-    if func is _aten.copy_.default:
-        dst, src = args[0], args[1]
-    else:
-        dst, src = out, args[0]
-    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type == "cpu"
-            and dst.device.type != "cpu" and not src.is_pinned())
+#: ``count_host_syncs``' record: the same object (``.count``, ``.ops``).
+SyncCounter = DeviceWork
 
 
-def _is_device_to_host(func, args, kwargs, out) -> bool:
-    if func is _aten.copy_.default:
-        dst, src = args[0], args[1]
-        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
-        if non_blocking and dst.is_pinned():
-            # An asynchronous copy into pinned host memory is queued, not waited for: the host
-            # syncs only when it later reads the buffer (after an event says it is done).
-            return False
-        return dst.device.type == "cpu" and isinstance(src, torch.Tensor) and src.device.type != "cpu"
-    src = args[0]
-    return (
-        isinstance(src, torch.Tensor)
-        and src.device.type != "cpu"
-        and isinstance(out, torch.Tensor)
-        and out.device.type == "cpu"
-    )
+def _tensors(tree) -> List[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _is_mask_index(func, args) -> bool:
-    if func not in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default):
+def _pinned(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_pinned())
+    except RuntimeError:  # no accelerator to ask
         return False
-    indices = args[1] if len(args) > 1 else ()
-    return any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
-    )
 
 
-class _SyncCountingMode(TorchDispatchMode):
-    def __init__(self, counter: SyncCounter) -> None:
+def _copy(src: torch.Tensor, dst_device: torch.device, dst_pinned: Callable[[], bool], non_blocking: bool,
+          on_device: Callable[[torch.device], bool]) -> Work:
+    from_dev, to_dev = on_device(src.device), on_device(dst_device)
+    if from_dev and to_dev:
+        return (1, 0, 0, 0)  # a cast or a copy on the device (or between two devices)
+    if from_dev:  # the host waits unless the copy lands in pinned memory without blocking
+        return (0, int(not (non_blocking and dst_pinned())), 0, 1)
+    if to_dev:  # the host waits for a blocking copy, and for any copy out of pageable memory
+        return (0, int(not non_blocking or not _pinned(src)), 1, 0)
+    return _NOTHING
+
+
+def _foreach_launches(args, on_device) -> int:
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    tensors = [t for lst in lists for t in lst]
+    scalars = [a for a in args if isinstance(a, torch.Tensor)]  # a Tensor scalar operand
+    fast = (len({(t.device, t.dtype) for t in tensors}) <= 1
+            and all(s.device == tensors[0].device for s in scalars if tensors))
+    return 1 if fast else max(len(lst) for lst in lists)
+
+
+def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device], bool]) -> Work:
+    """(launches, syncs, h2d, d2h) of one operator call, as a GPU run would see it.
+
+    ``on_device(device)`` says whether a device is the accelerator's (``device.type != "cpu"`` on a
+    GPU run and on the stand-in; always true where the CPU stands for the device). The rules are in
+    the module docstring. Everything is decided from the arguments, before the call runs (the
+    stand-in device raises on a sync under ``set_sync_debug_mode("error")``, as CUDA does).
+    """
+    packet = getattr(func, "overloadpacket", None)
+    if packet is None:  # not an aten operator (a higher-order operator runs aten operators itself)
+        return _NOTHING
+    if packet in _COPIES:
+        if packet is _aten.copy_:
+            dst, src = args[0], args[1]
+            nb = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            if not isinstance(src, torch.Tensor):
+                return (int(on_device(dst.device)), 0, 0, 0)
+            return _copy(src, dst.device, lambda: _pinned(dst), nb, on_device)
+        src = args[0]
+        dst_device = kwargs.get("device") or src.device
+        return _copy(src, torch.device(dst_device), lambda: bool(kwargs.get("pin_memory")),
+                     bool(kwargs.get("non_blocking", False)), on_device)
+    tensors = _tensors((args, kwargs))
+    device_kw = kwargs.get("device")
+    touches = any(on_device(t.device) for t in tensors) or (device_kw is not None and on_device(torch.device(device_kw)))
+    if packet is _aten._local_scalar_dense:
+        return (0, 1, 0, 1) if touches else _NOTHING
+    if not touches:
+        return _NOTHING
+    if packet in _READS_VALUES or (packet in _READS_VALUES_ON_DEVICE and not on_device(_HOST)):
+        return (1, 1, 0, 1)
+    if packet in _INDEXING:
+        indices = [i for i in tree_leaves(args[1:2]) if isinstance(i, torch.Tensor)]
+        host = [i for i in indices if not on_device(i.device) and i.dim() > 0]
+        masks = any(i.dtype in (torch.bool, torch.uint8) for i in indices)
+        h2d_syncs = sum(not _pinned(i) for i in host)
+        return (1, int(masks) + h2d_syncs, len(host), int(masks))
+    if func.is_view or packet in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
+        return _NOTHING
+    if packet.__name__.startswith("_foreach_"):
+        return (_foreach_launches(args, on_device), 0, 0, 0)
+    return (1, 0, 0, 0)
+
+
+def _accelerator(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
+def _everywhere(device: torch.device) -> bool:
+    return True
+
+
+class _CountingMode(TorchDispatchMode):
+    """Records every operator call classified both ways (on a device, and CPU standing for it)."""
+
+    def __init__(self, work: DeviceWork) -> None:
         super().__init__()
-        self.counter = counter
+        self.work = work
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in _VALUE_DEPENDENT_SHAPE or _is_mask_index(func, args):
-            self.counter._add(str(func))
-        elif func in _COPIES and (_is_device_to_host(func, args, kwargs, out) or _is_pageable_to_device(func, args, out)):
-            self.counter._add(str(func))
-        return out
+        device = classify(func, args, kwargs, _accelerator)
+        if any(_accelerator(t.device) for t in _tensors((args, kwargs))) or any(device):
+            self.work.on_device = True
+        self.work._calls.append((str(func), device, classify(func, args, kwargs, _everywhere)))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def count_device_work() -> Iterator[DeviceWork]:
+    """Context manager: count the launches, syncs and copies of the torch operations run inside it.
+
+    Yields a :class:`DeviceWork`, final when the block exits. On the test suite's stand-in device,
+    enter the stand-in first (its dispatch mode must sit below this one).
+    """
+    work = DeviceWork()
+    lift = torch._C._only_lift_cpu_tensors()
+    torch._C._set_only_lift_cpu_tensors(True)  # torch.tensor(data, device=...): copy where modes see it
+    try:
+        with _CountingMode(work):
+            yield work
+    finally:
+        torch._C._set_only_lift_cpu_tensors(lift)
 
 
 @contextmanager
 def count_host_syncs() -> Iterator[SyncCounter]:
     """Context manager: count the host syncs of the torch operations run inside it.
 
-    Yields a :class:`SyncCounter` whose ``.count`` is final when the block exits.  Nested
-    dispatch modes (e.g. ``FakeTensorMode``) are not supported inside the block.
+    Yields a :class:`SyncCounter` (a :class:`DeviceWork`) whose ``.count`` and ``.ops`` are final when
+    the block exits. Other dispatch modes (e.g. ``FakeTensorMode``) are not supported inside the
+    block, except the stand-in device entered before it.
     """
-    counter = SyncCounter()
-    with _SyncCountingMode(counter):
-        yield counter
+    with count_device_work() as work:
+        yield work
