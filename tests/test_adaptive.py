@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import lossscale
 from lossscale import DynamicPolicy, StaticPolicy, is_power_of_two
 from _rules import TensorForm
-from lossscale.adaptive import HIGHEST_SCALE, LOWEST_SCALE, NO_AMAX, AdaptivePolicy, AdaptiveState
+from lossscale.adaptive import HIGHEST_SCALE, NO_AMAX, AdaptivePolicy, AdaptiveState
+from lossscale.policy import SMALLEST_SCALE as LOWEST_SCALE
 from _models import drive
 
 

@@ -68,11 +68,12 @@ class LateEvents:
         return Event()
 
 
-def _stuck_run(scaler, steps, bad_from):
+def _stuck_run(scaler, steps, bad_from, fused=True):
     """A one-parameter loop whose gradients are inf from ``bad_from`` on; returns the update at which
-    on_stuck='raise' fired (None if never)."""
+    on_stuck='raise' fired (None if never). ``fused``: Adam(fused=True), whose flags stay on device
+    (the deferred check); else SGD, whose check syncs (the host runs the rule and reacts at once)."""
     p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.1)
+    opt = torch.optim.Adam([p], lr=0.1, fused=True) if fused else torch.optim.SGD([p], lr=0.1)
     for step in range(steps):
         opt.zero_grad()
         scaler.scale((p * p).sum()).backward()
@@ -88,11 +89,19 @@ def _stuck_run(scaler, steps, bad_from):
 
 
 def test_on_stuck_fires_one_update_after_the_stuck_step_on_every_device():
-    # The stuck check reads a snapshot copied without blocking: on CPU its "event" is complete at
-    # once, so the streak that reaches max_consecutive_skips at update 4 is reported at update 5.
-    # CUDA runs the same code; its event is complete by then unless the device lags (next test).
+    # With flags on device the stuck check reads a snapshot copied without blocking: on CPU its
+    # "event" is complete at once, so the streak that reaches max_consecutive_skips at update 4 is
+    # reported at update 5. CUDA runs the same code; its event is complete by then unless the device
+    # lags (next test).
     scaler = lossscale.GradScaler("cpu", on_stuck="raise", max_consecutive_skips=2)
     assert _stuck_run(scaler, 10, bad_from=3) == 5
+
+
+def test_on_stuck_fires_at_the_stuck_step_where_the_check_synced():
+    # SGD's check syncs, so the host knows the flags and runs the pure rule itself: it knows the
+    # state at once, on every device.
+    scaler = lossscale.GradScaler("cpu", on_stuck="raise", max_consecutive_skips=2)
+    assert _stuck_run(scaler, 10, bad_from=3, fused=False) == 4
 
 
 def test_a_lagging_device_reports_later_but_never_loses_the_stuck_state(monkeypatch):
@@ -117,7 +126,7 @@ def test_a_caught_raise_does_not_raise_again_once_training_is_clean():
             scaler.update()
         except RuntimeError:
             raised.append(step)
-    assert raised == [3]  # once, at the update after the skipped step; never again
+    assert raised == [2]  # once, at the skipped step's update (SGD: the host runs the rule); never again
 
 
 def test_the_ring_keeps_snapshots_in_flight_and_reads_them_in_order():

@@ -24,10 +24,12 @@ from lossscale.policy import policy_class
 NAN, INF = float("nan"), float("inf")
 
 
-def train(scaler, steps=3, model=None, first=0):
-    """A few real iterations of the tiny MLP under fp16 autocast (CPU); returns the model."""
+def train(scaler, steps=3, model=None, first=0, fused=False):
+    """A few real iterations of the tiny MLP under fp16 autocast (CPU); returns the model. ``fused``:
+    Adam(fused=True), whose flags stay on device (the tensor rule); else SGD (the host runs the rule)."""
     model = model if model is not None else tiny_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.05))
     for step in range(first, first + steps):
         opt.zero_grad()
         backward(model, scaler, step)
@@ -267,16 +269,29 @@ def test_float_new_scale_beyond_float32_is_refused(bad):
     assert scaler.state_dict() == before
 
 
-@pytest.mark.parametrize("bad", [NAN, INF])
-def test_stuck_check_catches_a_bad_scale_written_from_outside(bad):
+def test_stuck_check_catches_a_bad_scale_written_from_outside():
     # update() no longer lets one in, but the scale tensor is reachable (torch's _get_scale_async,
-    # which frameworks use). Every step is then skipped: the stuck check must say why, at once.
+    # which frameworks use). With flags on device every step is then skipped: the stuck check must
+    # say why, at once. (An inf written there is clamped back to max_scale by the next update.)
+    scaler = lossscale.GradScaler(init_scale=2.0**8, on_stuck="raise")
+    model = train(scaler, 1, fused=True)
+    scaler._get_scale_async().fill_(NAN)
+    with pytest.raises(RuntimeError, match="scale itself is nan"):
+        train(scaler, 3, model, first=1, fused=True)
+    assert finite(model)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF])
+def test_a_bad_scale_written_from_outside_is_overwritten_where_the_host_runs_the_rule(bad):
+    # Where the checks sync, the host holds the state and the next update copies it to the device:
+    # one skipped step (and a backoff), then training goes on.
     scaler = lossscale.GradScaler(init_scale=2.0**8, on_stuck="raise")
     model = train(scaler, 1)
     scaler._get_scale_async().fill_(bad)
-    with pytest.raises(RuntimeError, match=f"scale itself is {bad:g}"):
-        train(scaler, 3, model, first=1)
-    assert finite(model)
+    train(scaler, 1, model, first=1)
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0**7
+    train(scaler, 2, model, first=2)
+    assert not scaler.last_step_skipped and finite(model)
 
 
 def test_unbounded_backoff_stops_at_float32s_smallest_normal_and_is_stuck_there():

@@ -46,9 +46,9 @@ def test_the_stuck_message_names_the_module_of_the_step_that_tripped_it(fused):
     opt = torch.optim.Adam(model.parameters(), fused=fused)
     scaler = lossscale.GradScaler(model=model, trace=True, max_consecutive_skips=1)
     _step(model, opt, scaler)
-    _step(model, opt, scaler, bad=True)  # stuck: one bad loss is the limit
     with pytest.warns(RuntimeWarning) as caught:
-        _step(model, opt, scaler)  # a clean step; the snapshot of the bad one is read here
+        _step(model, opt, scaler, bad=True)  # stuck: one bad loss is the limit (SGD: reported at once)
+        _step(model, opt, scaler)  # a clean step (fused: the snapshot of the bad one is read here)
     message = str(caught[0].message)
     assert "forward output of `2`" in message
     assert "not skipped" not in message
@@ -64,8 +64,8 @@ def test_the_stuck_message_gives_the_scale_and_parameters_of_an_overflow_at_min_
     scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
     model[3].weight.grad[0, 0] = math.inf
     scaler.step(opt)
-    scaler.update()
     with pytest.warns(RuntimeWarning) as caught:
+        scaler.update()  # SGD's check synced: the host runs the rule and reports the stuck step at once
         _step(model, opt, scaler)
     message = str(caught[0].message)
     assert "The step that tripped this check: inf in the gradients (3.weight) at scale 2^4" in message

@@ -17,7 +17,8 @@ from . import formats
 from .adaptive import AdaptivePolicy, AdaptiveState
 from .dynamic import DynamicPolicy, DynamicState
 from .logmax import LogMaxPolicy, LogMaxState
-from .policy import Policy, ScaleState, diagnose, is_power_of_two
+from .diagnosis import diagnose
+from .policy import Policy, ScaleState, is_power_of_two
 from .static import StaticPolicy, StaticState
 
 __version__ = "0.1.0"

@@ -59,6 +59,8 @@ class Flags:
         found_nan: float32 0-dim, 1.0 when NaN was among them, else 0.0.
         amax: max|g| of the scaled gradients for policies that need it, else None.
         host_found: the skip decision as a host bool where it was synced, else None (on device).
+        host_nan, host_bad, host_amax: where it was synced, the rest of what the policy reads, on the
+            host (found_nan and bad_loss are read only on an overflow: a clean step has neither).
         bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling on
             some rank; None when the scaler does not check. ``found_inf`` includes it (the step is
             skipped), and the policy learns from it that the scale was not the cause.
@@ -71,8 +73,33 @@ class Flags:
     amax: Optional[torch.Tensor] = None
     host_found: Optional[bool] = None
     bad_loss: Optional[torch.Tensor] = None
+    host_nan: bool = False
+    host_bad: bool = False
+    host_amax: Optional[float] = None
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
+
+    def vector(self) -> torch.Tensor:
+        """``[1, overflow, nan, bad_loss]`` as float32 0/1 on the flags' device: what a tensor rule
+        takes (:func:`lossscale.policy.count_tensor`). ``found_inf`` already includes a bad loss."""
+        bad = torch.zeros_like(self.found_inf) if self.bad_loss is None else self.bad_loss.to(self.found_inf.dtype)
+        return torch.stack([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
+
+    def read_found(self, needs_amax: bool) -> bool:
+        """THE sync of this optimizer's iteration: the skip decision (and the amax a policy needs) on
+        the host. Returns the decision."""
+        if needs_amax:
+            found, self.host_amax = torch.stack([self.found_inf, self.amax]).tolist()
+        else:
+            found = self.found_inf.item()
+        self.host_found = bool(found)
+        return self.host_found
+
+    def read_overflow(self) -> None:
+        """On an overflow only (a second sync, rare): NaN and the bad loss on the host as well."""
+        bad = torch.zeros_like(self.found_nan) if self.bad_loss is None else self.bad_loss.to(self.found_nan.dtype)
+        nan, bad = torch.stack([self.found_nan, bad]).tolist()
+        self.host_nan, self.host_bad = bool(nan), bool(bad)
 
 
 class GradientCheck:
@@ -215,12 +242,12 @@ class GradientCheck:
         flags.found_inf, flags.found_nan, flags.amax, bad = self.reduce(found_inf, found_nan,
                                                                         amax if needs_amax else None, bad_loss)
         self._with_bad_loss(flags, bad)
-        if sync:
-            flags.host_found = bool(flags.found_inf.item())  # THE sync of this optimizer's iteration
-            # Decided on reduced values only, so every rank takes the same path to the collective below.
-            if flags.host_found and nan_pending:
+        # Decided on reduced values only, so every rank takes the same path to the collective below.
+        if sync and flags.read_found(needs_amax):
+            if nan_pending:
                 flags.amax_vectors, local = _kernels.amax_per_tensor(groups, device)
                 _, flags.found_nan, _, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
+            flags.read_overflow()
         return flags
 
     def clip_(self, gathered: Gathered, scale: torch.Tensor, max_norm: float, norm_type: float, *, sync: bool,
@@ -244,8 +271,8 @@ class GradientCheck:
         flags = Flags(found_inf, found_nan, amax, params=[gathered.params[i] for i in order],
                       amax_vectors=[per_tensor] if order else [])
         self._with_bad_loss(flags, reduced_bad)
-        if sync:
-            flags.host_found = bool(flags.found_inf.item())  # THE sync of this optimizer's iteration
+        if sync and flags.read_found(needs_amax):
+            flags.read_overflow()
         return true_norm, flags
 
 

@@ -2,8 +2,9 @@
 
 The scaler runs the same sequence of operations on every device; only these primitives differ:
 
-* :func:`host_buffer`: where an asynchronous device-to-host copy lands. On CUDA pinned memory (a
-  ``non_blocking`` copy into it does not wait); on CPU a plain tensor (the "copy" is a memcpy).
+* :func:`host_buffer`: where an asynchronous copy between host and device lands or starts. On CUDA
+  pinned memory (a ``non_blocking`` copy does not wait); on CPU a plain tensor (a memcpy).
+  :func:`copy_to_host_` and :func:`copy_from_host_` queue the copies.
 * :func:`record_event`: a marker that a copy has landed. On CUDA an event recorded on the stream of
   the *state's* device (not the current device's); on CPU an event that is always complete.
   On other accelerators (XPU, MPS, ...) no event is used and the copy is made blocking: correct,
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["host_buffer", "record_event", "capturing", "reciprocal", "copy_to_host_"]
+__all__ = ["host_buffer", "record_event", "capturing", "reciprocal", "copy_to_host_", "copy_from_host_"]
 
 _NO_FLOAT64 = ("mps",)
 
@@ -54,6 +55,13 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
 def copy_to_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Queue ``dst <- src`` without waiting where the device allows it (see :func:`record_event`)."""
     dst.copy_(src, non_blocking=_async(src.device))
+
+
+def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Queue ``dst <- src`` (a host buffer from :func:`host_buffer`) without waiting where the device
+    allows it: from pinned memory a CUDA copy is queued on the stream (the caller must not rewrite
+    ``src`` until it has run); on the CPU it is a memcpy."""
+    dst.copy_(src, non_blocking=_async(dst.device))
 
 
 def record_event(device: torch.device):

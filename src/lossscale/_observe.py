@@ -1,7 +1,7 @@
 """The deferred stuck check: look at the state after an update without making the host wait.
 
-After every ``update()`` that may have overflowed, the state's vectors are copied to host buffers
-without blocking and an event is recorded; a later ``update()`` reads every snapshot whose event has
+After every ``update()`` whose flags stayed on device (fused optimizers), the state's buffer is
+copied to a host buffer without blocking (one copy) and an event is recorded; a later ``update()`` reads every snapshot whose event has
 completed, oldest first, and the scaler reacts (warn or raise) if the policy says training is stuck.
 On CPU the copy is a memcpy and its event is always complete, so a stuck iteration is reported at
 the next ``update()``; on CUDA at the next one whose snapshot has landed by then (usually the next:
@@ -28,10 +28,10 @@ SLOTS = 4
 
 
 class _Slot:
-    __slots__ = ("buffers", "event", "state", "seq", "evidence")
+    __slots__ = ("buffer", "event", "state", "seq", "evidence")
 
     def __init__(self):
-        self.buffers: Optional[List[torch.Tensor]] = None
+        self.buffer: Optional[torch.Tensor] = None
         self.event = None
         self.state: Optional[TensorState] = None  # decodes the buffers (None: empty or read)
         self.seq = 0
@@ -63,11 +63,9 @@ class Observer:
         The caller skips it during CUDA-graph capture."""
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
-        vectors = t.vectors()
-        if slot.buffers is None or [b.shape for b in slot.buffers] != [v.shape for v in vectors]:
-            slot.buffers = [_device.host_buffer(v) for v in vectors]
-        for buf, vec in zip(slot.buffers, vectors):
-            _device.copy_to_host_(buf, vec)
+        if slot.buffer is None or slot.buffer.shape != t.buffer.shape:
+            slot.buffer = _device.host_buffer(t.buffer)
+        _device.copy_to_host_(slot.buffer, t.buffer)
         slot.event = self._record_event(t.device)
         slot.state = t
         slot.evidence = evidence
@@ -86,5 +84,5 @@ class Observer:
         for slot in ready:
             t, slot.state = slot.state, None
             evidence, slot.evidence = slot.evidence, None
-            out.append((*t.decode([b.tolist() for b in slot.buffers]), evidence))
+            out.append((*t.decode(slot.buffer), evidence))
         return out

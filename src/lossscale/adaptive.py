@@ -88,25 +88,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from . import formats
-from .policy import (
-    SIGNED,
-    PolicyBase,
-    ScaleState,
-    _torch,
-    as_bool_tensor,
-    as_tensor,
-    count,
-    count_tensor,
-    f32,
-    positive_finite,
-    register,
-    stuck_at_bound_or_streak,
-    unless_bad,
-    validate_backoff,
-    validate_int,
-    validate_stuck,
-    warn_not_powers_of_two,
-)
+from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
+from .diagnosis import stuck_at_bound_or_streak
+from .hysteresis import on_clean, on_overflow, on_overflow_tensor
+from .policy import SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 
@@ -114,8 +99,9 @@ __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 #: every float32 (>= -148), so ``max(window, e)`` needs no special case.
 NO_AMAX = -(2**30)
 
-#: Bounds of the scale when ``min_scale`` / ``max_scale`` is None: float32's normal powers of two.
-LOWEST_SCALE, HIGHEST_SCALE = 2.0**-126, 2.0**127
+#: The highest scale when ``max_scale`` is None: float32's largest power of two (the lowest is
+#: :data:`~lossscale.policy.SMALLEST_SCALE`, float32's smallest normal).
+HIGHEST_SCALE = 2.0**127
 
 #: Any single move is clamped to this many binades: far beyond any real one (float32 spans 277), and it
 #: keeps ``scale * 2**k`` finite and normal in float64, where both forms compute it.
@@ -228,7 +214,7 @@ class AdaptivePolicy(PolicyBase):
             v = getattr(self, name)
             if v is not None:
                 positive_finite(name, v)
-                if not LOWEST_SCALE <= v <= HIGHEST_SCALE:
+                if not SMALLEST_SCALE <= v <= HIGHEST_SCALE:
                     raise ValueError(f"{name}={v!r} must lie in float32's [2**-126, 2**127].")
         lo, hi = self.bounds()
         if lo > hi:
@@ -245,7 +231,7 @@ class AdaptivePolicy(PolicyBase):
 
     def bounds(self) -> Tuple[float, float]:
         """(lowest, highest) scale as float32 values; float32's normal range where a bound is None."""
-        lo = LOWEST_SCALE if self.min_scale is None else f32(self.min_scale)
+        lo = SMALLEST_SCALE if self.min_scale is None else f32(self.min_scale)
         hi = HIGHEST_SCALE if self.max_scale is None else f32(self.max_scale)
         return lo, hi
 
@@ -285,15 +271,11 @@ class AdaptivePolicy(PolicyBase):
                 scale = _shift(scale, self.search_bits, lo, hi)
             return counted.replace(scale=scale, growth_tracker=0)
         if found_inf:
-            hyst = state.hysteresis_tracker
-            if hyst > 1:  # tolerated: spend one
-                hyst -= 1
-            else:  # spent: back off
-                scale = max(f32(scale * self.backoff_factor), lo)
+            scale, hyst = on_overflow(scale, state.hysteresis_tracker, self.backoff_factor, lo)
             return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst, window_exp=NO_AMAX)
         window = max(state.window_exp, _binade(amax)) if measured else state.window_exp
         growth = state.growth_tracker + 1
-        hyst = self.hysteresis if self.consecutive_hysteresis else state.hysteresis_tracker
+        hyst = on_clean(state.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
         if growth >= self.growth_interval:
             k = limit - self.margin_bits - window
             if window != NO_AMAX and k > 0:
@@ -301,64 +283,50 @@ class AdaptivePolicy(PolicyBase):
             growth, window, hyst = 0, NO_AMAX, self.hysteresis
         return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst, window_exp=window)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
+    def tensor_update(self, t, flags, amax=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync.
 
-        ``amax``: float32 0-dim tensor on the state's device, the max |g| of the scaled gradients
-        (NaN/inf when they hold one), or None when not measured.
+        ``flags`` as for :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite
+        ``amax`` as an overflow (the scaler's check derives both from the same read). ``amax``: float32
+        0-dim tensor, the max |g| of the scaled gradients, or None when not measured.
         """
         torch = _torch()
-        # Host-known flags (bools) as device tensors: this rule does not fold them.
-        found_inf, found_nan = as_tensor(t, found_inf), as_tensor(t, found_nan)
-        bad_loss = None if bad_loss is None else as_bool_tensor(t, bad_loss)
-        overflow = found_inf > 0
-        nan = found_nan > 0
-        no = torch.zeros((), dtype=torch.bool, device=overflow.device)
+        count_tensor(t, flags)
+        overflow, keep = flags[1] > 0, flags[3] > 0  # keep: a non-finite loss moves nothing
         if amax is None:
-            measured = zero = no
-            e = torch.zeros((), dtype=torch.int64, device=overflow.device)
+            amax = torch.zeros_like(flags[1])
+            measured = zero = torch.zeros_like(overflow)
         else:
-            amax = amax.to(dtype=torch.float32)
-            overflow = overflow | ~torch.isfinite(amax)  # a non-finite amax is an overflow
-            nan = nan | torch.isnan(amax)
-            measured = ~overflow & (amax > 0)
-            zero = ~overflow & (amax == 0)
-            e = torch.frexp(amax)[1].to(torch.int64)  # amax < 2**e; meaningless unless measured
-        if bad_loss is not None:
-            overflow = overflow | bad_loss
-        count_tensor(t, overflow, nan & overflow, bad_loss)
-        hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker", "calibrated", "window_exp"))
+            measured, zero = ~overflow & (amax > 0), ~overflow & (amax == 0)
+        e = torch.frexp(amax.float())[1].to(torch.int64)  # amax < 2**e; meaningless unless measured
         lo, hi = self.bounds()
-        window, hyst = t.window_exp, t.hysteresis_tracker
-        calibrating = t.calibrated == 0
-        scale = t.scale
         top = self.limit_exp - self.margin_bits
-        # Before calibration: search on overflow / all-zero gradients, jump to the target on a measurement.
-        step = torch.where(overflow, -self.search_bits, self.search_bits).to(torch.int64)
-        searched = _shift_tensor(scale, step, lo, hi)
-        cal_scale = torch.where(measured, _shift_tensor(scale, top - e, lo, hi),
-                                torch.where(overflow | zero, searched, scale))
-        # After calibration: back off on overflow (hysteresis as dynamic), grow at the end of a clean window.
-        spent = hyst <= 1
-        tolerated = (hyst - 1).clamp_min(1)
-        down = (scale.double() * self.backoff_factor).float().clamp_min(lo)
-        new_window = torch.where(measured, torch.maximum(window, e), window)
+        scale, hyst, window = t.scale, t.hysteresis_tracker, t.window_exp
+        # Before calibration: jump to the target on a measurement, search on overflow / all-zero gradients.
+        searched = _shift_tensor(scale, torch.where(overflow, -self.search_bits, self.search_bits), lo, hi)
+        calibrating_scale = torch.where(measured, _shift_tensor(scale, top - e, lo, hi),
+                                        torch.where(overflow | zero, searched, scale))
+        # After calibration: back off on overflow (as dynamic), grow at the end of a clean window.
+        down, tolerated = on_overflow_tensor(scale, hyst, self.backoff_factor, lo)
+        seen = torch.where(measured, torch.maximum(window, e), window)
         tracker = t.growth_tracker + 1
-        check = ~overflow & (tracker >= self.growth_interval)
-        k = top - new_window
-        grow = check & (new_window != NO_AMAX) & (k > 0)
-        run_scale = torch.where(overflow, torch.where(spent, down, scale),
-                                torch.where(grow, _shift_tensor(scale, k, lo, hi), scale))
-        scale.copy_(torch.where(calibrating, cal_scale, run_scale))
-        t.growth_tracker.copy_(torch.where(calibrating | overflow | check, torch.zeros_like(tracker), tracker))
-        refill = torch.full_like(hyst, self.hysteresis)
-        keep = refill if self.consecutive_hysteresis else hyst
-        run_hyst = torch.where(overflow, tolerated, torch.where(check, refill, keep))
-        hyst.copy_(torch.where(calibrating, hyst, run_hyst))
-        run_window = torch.where(overflow | check, torch.full_like(window, NO_AMAX), new_window)
-        window.copy_(torch.where(calibrating, window, run_window))
-        t.calibrated.copy_(t.calibrated | (calibrating & measured))
-        hold()
+        window_end = ~overflow & (tracker >= self.growth_interval)
+        k = top - seen
+        grow = window_end & (seen != NO_AMAX) & (k > 0)
+        running_scale = torch.where(overflow, down, torch.where(grow, _shift_tensor(scale, k, lo, hi), scale))
+        running_hyst = torch.where(overflow, tolerated, torch.where(
+            window_end, self.hysteresis, on_clean(hyst, self.hysteresis, self.consecutive_hysteresis)))
+        calibrating = t.calibrated == 0
+        new = {
+            "scale": torch.where(calibrating, calibrating_scale, running_scale),
+            "growth_tracker": torch.where(calibrating | overflow | window_end, 0, tracker),
+            "hysteresis_tracker": torch.where(calibrating, hyst, running_hyst),
+            "window_exp": torch.where(calibrating, window, torch.where(overflow | window_end, NO_AMAX, seen)),
+            "calibrated": t.calibrated | (calibrating & measured),
+        }
+        for name, value in new.items():
+            old = getattr(t, name)
+            old.copy_(torch.where(keep, old, value))
 
     def is_stuck(self, state: AdaptiveState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

@@ -152,8 +152,10 @@ def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _as_held(f: dataclasses.Field, value):
-    kind = field_kind(f)
-    return f32(float(value)) if kind == "f32" else float(value) if kind == "f64" else value
+    """A float field as the device holds it (float32 or float64); ints and bools as they are."""
+    if str(f.type) != "float":
+        return value
+    return f32(float(value)) if field_kind(f) == "f32" else float(value)
 
 
 def _torch_number(sd: Dict[str, Any], key: str, kind: type):

@@ -44,31 +44,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .policy import (
-    I32,
-    SMALLEST_SCALE,
-    PolicyBase,
-    ScaleState,
-    _torch,
-    as_tensor,
-    assign,
-    both,
-    count,
-    count_flags,
-    either,
-    f32,
-    negate,
+from ._validate import (
     positive_finite,
-    register,
-    stuck_at_bound_or_streak,
-    unless_bad,
-    where,
     validate_backoff,
     validate_bounds,
     validate_int,
     validate_stuck,
     warn_not_powers_of_two,
 )
+from .diagnosis import stuck_at_bound_or_streak
+from .hysteresis import on_clean, on_overflow, on_overflow_tensor
+from .policy import I32, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["DynamicPolicy", "DynamicState"]
 
@@ -164,86 +150,67 @@ class DynamicPolicy(PolicyBase):
             return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
         if found_inf:
-            hyst, scale = state.hysteresis_tracker, state.scale
-            if hyst > 1:  # tolerated: spend one
-                hyst -= 1
-            else:  # spent: back off
-                scale = max(f32(scale * self.backoff_factor), self.lowest())
+            scale, hyst = on_overflow(state.scale, state.hysteresis_tracker, self.backoff_factor, self.lowest())
             return counted.replace(scale=scale, growth_tracker=0, hysteresis_tracker=hyst)
         growth = state.growth_tracker + 1
-        hyst = self.hysteresis if self.consecutive_hysteresis else state.hysteresis_tracker
+        hyst = on_clean(state.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
         scale = state.scale
         if growth >= self.growth_interval:
             grown = f32(scale * self.growth_factor)
-            if math.isfinite(grown):
+            if math.isfinite(grown):  # torch: a non-finite growth is refused
                 scale = grown if self.max_scale is None else min(grown, f32(self.max_scale))
             growth, hyst = 0, self.hysteresis
         return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
-        """:meth:`update` on device tensors, in place, branch-free (no host sync, CUDA-graph safe).
+    def tensor_update(self, t, flags, amax=None) -> None:
+        """:meth:`update` on device tensors, in place, with no host sync (the fused-optimizer path).
 
-        ``found_inf`` / ``found_nan``: float32 0-dim tensors, > 0 meaning true (torch's convention:
-        found_inf is a sum of per-device flags), or host bools where the scaler has synced them
-        (:func:`lossscale.policy.is_set`; a known flag folds). ``bad_loss``: a bool 0-dim tensor,
-        a host bool, or None.
-
+        ``flags``: ``[1, overflow, nan, bad_loss]`` as float32 0/1 (:func:`lossscale.policy.count_tensor`).
         Like every way of setting the scale (``init_scale``, ``update(new_scale)``,
-        ``load_state_dict``), the rule keeps ``lowest() <= scale <= max_scale``, and relies on it: on
+        ``load_state_dict``), the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on
         such a scale the floor can only act on a backoff and the cap only on a growth, so both are
         one clamp.
         """
-        overflow = count_flags(t, found_inf, found_nan, bad_loss)
-        if self.hysteresis == 1:  # the hysteresis tracker never leaves 1
-            hold = unless_bad(t, bad_loss, ("scale", "growth_tracker"))
-            # Without a loss check found_inf is the overflow already, as torch's kernel reads it.
-            self._torch_rule(t, overflow, found_inf if bad_loss is None else overflow)
+        count_tensor(t, flags)
+        overflow, bad = flags[1], flags[3]
+        if self.hysteresis == 1:
+            self._torch_rule(t, overflow, bad)
         else:
-            hold = unless_bad(t, bad_loss, ("scale", "growth_tracker", "hysteresis_tracker"))
-            self._hysteresis_rule(t, overflow)
-        hold()
+            self._hysteresis_rule(t, overflow, bad)
 
-    def _torch_rule(self, t, overflow, kernel_flag) -> None:
-        """Hysteresis 1 is torch's rule: its own fused kernel moves the scale and the growth tracker
-        in one launch (bitwise torch by construction; the property tests hold it to the pure rule).
+    def _torch_rule(self, t, overflow, bad) -> None:
+        """Hysteresis 1 is torch's rule, so torch's own kernel moves the scale and the growth tracker
+        (bitwise torch by construction). It grows when ``tracker + 1 == growth_interval``; the state
+        never holds a tracker at or past the interval, so that is the pure rule's ``>=``.
 
-        ``kernel_flag``: the overflow as the kernel reads it (nonzero = overflow), in any form
-        :func:`~lossscale.policy.as_tensor` takes. torch's kernel grows when ``tracker + 1 == growth_interval``; the state
-        never holds a tracker at or past the interval (``set_growth_interval`` clamps it), so that is
-        the pure rule's ``>=``.
+        A non-finite loss must leave both alone: the kernel then sees no overflow (``overflow - bad``
+        is 0: a bad loss always counts as an overflow), and the tracker is stepped back first, so the
+        kernel's ``+ 1`` lands where it was and cannot reach the interval.
         """
         torch = _torch()
-        torch._amp_update_scale_(t.scale, t.growth_tracker, as_tensor(t, kernel_flag), self.growth_factor,
+        t.growth_tracker.sub_(bad.int())
+        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow - bad, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
-        # The bounds, where the pure rule applies them: the floor after a backoff, the cap after a
-        # finite growth (a refused one keeps the scale, already <= max_scale). The hysteresis
-        # tracker stays at 1: nothing to write.
-        lo = None if overflow is False else self.lowest()
-        hi = None if self.max_scale is None or overflow is True else f32(self.max_scale)
-        if lo is not None or hi is not None:
-            t.scale.clamp_(lo, hi)
+        t.scale.clamp_(self.lowest(), None if self.max_scale is None else f32(self.max_scale))
 
-    def _hysteresis_rule(self, t, overflow) -> None:
-        """The rule for any hysteresis, branch-free."""
+    def _hysteresis_rule(self, t, overflow, bad) -> None:
+        """The rule for any hysteresis, as the pure one: new values from the old, then written."""
         torch = _torch()
-        hyst = t.hysteresis_tracker
-        backoff = both(overflow, hyst <= 1)
-        tolerated = (hyst - 1).clamp_min(1)  # after an overflow: one spent, or still 1 when spent
+        overflow, keep = overflow > 0, bad > 0  # keep: a non-finite loss moves nothing
         tracker = t.growth_tracker + 1
-        grow = both(negate(overflow), tracker >= self.growth_interval)
-        # Multiply in float64 and round once to float32, as torch's kernel does
-        # (static_cast<float>(scale * factor) with double factors). float(): a factor given as a huge
-        # int (valid: finite and > 1) would not convert to a tensor scalar.
-        down = (t.scale.double() * float(self.backoff_factor)).float().clamp_min(self.lowest())
-        up = (t.scale.double() * float(self.growth_factor)).float()
-        up_ok = both(grow, torch.isfinite(up))
-        if self.max_scale is not None:
-            up = up.clamp_max(f32(self.max_scale))
-        assign(t.scale, where(backoff, down, where(up_ok, up, t.scale)))
-        assign(t.growth_tracker, where(either(overflow, grow), torch.zeros_like(tracker), tracker))
-        refill = torch.full_like(hyst, self.hysteresis)
-        keep = refill if self.consecutive_hysteresis else hyst
-        assign(hyst, where(overflow, tolerated, where(grow, refill, keep)))
+        grow = ~overflow & (tracker >= self.growth_interval)
+        down, tolerated = on_overflow_tensor(t.scale, t.hysteresis_tracker, self.backoff_factor, self.lowest())
+        # Grown in float64 and rounded once to float32, as torch's kernel; a non-finite growth is refused.
+        up = (t.scale.double() * self.growth_factor).float()
+        up = torch.where(torch.isfinite(up), up if self.max_scale is None else up.clamp_max(f32(self.max_scale)),
+                         t.scale)
+        scale = torch.where(overflow, down, torch.where(grow, up, t.scale))
+        growth = torch.where(overflow | grow, 0, tracker)
+        refill = on_clean(t.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
+        hyst = torch.where(overflow, tolerated, torch.where(grow, self.hysteresis, refill))
+        t.scale.copy_(torch.where(keep, t.scale, scale))
+        t.growth_tracker.copy_(torch.where(keep, t.growth_tracker, growth))
+        t.hysteresis_tracker.copy_(torch.where(keep, t.hysteresis_tracker, hyst))
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

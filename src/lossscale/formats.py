@@ -451,3 +451,23 @@ def table() -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def f32(x: float) -> float:
+    """Round a Python float to the nearest float32, as a device scale tensor stores it (inf beyond
+    float32's range, as the cast on device gives).
+
+    Why: torch keeps the scale in a float32 tensor and multiplies in double before storing
+    (``static_cast<float>(scale * growth_factor)``); mirroring that rounding keeps a pure rule
+    bitwise equal to its tensor form for any factor, not only powers of two.
+    """
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # beyond float32's range: the cast gives inf, as on device
+        return math.copysign(math.inf, x)
+
+
+def is_power_of_two(x: float) -> bool:
+    """True when ``x`` is a positive, finite power of two (2**k for any integer k, negative included)."""
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+            and math.frexp(x)[0] == 0.5)

@@ -51,21 +51,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import formats
-from .policy import (
-    F64,
-    PolicyBase,
-    ScaleState,
-    _torch,
-    as_bool_tensor,
-    as_tensor,
-    count,
-    count_tensor,
-    f32,
-    is_power_of_two,
-    register,
-    stuck_at_bound_or_streak,
-    validate_stuck,
-)
+from ._validate import validate_stuck
+from .diagnosis import stuck_at_bound_or_streak
+from .policy import F64, PolicyBase, ScaleState, _torch, count, count_tensor, f32, is_power_of_two, register
 
 __all__ = ["LogMaxPolicy", "LogMaxState"]
 
@@ -198,42 +186,32 @@ class LogMaxPolicy(PolicyBase):
         return counted.replace(scale=math.ldexp(1.0, k), x_hat=x_hat, slow_x_hat=slow, xsquared_hat=xsq,
                                b1_correction=b1c, b2_correction=b2c)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
+    def tensor_update(self, t, flags, amax=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync (float64 arithmetic in
-        the pure rule's order, so the two agree bitwise)."""
+        the pure rule's order, so the two agree bitwise). ``flags`` as for
+        :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite ``amax`` as an
+        overflow (the scaler's check derives both from the same read)."""
         torch = _torch()
-        # Host-known flags (bools) as device tensors: this rule does not fold them.
-        found_inf, found_nan = as_tensor(t, found_inf), as_tensor(t, found_nan)
-        bad_loss = None if bad_loss is None else as_bool_tensor(t, bad_loss)
-        overflow = found_inf > 0
-        nan = found_nan > 0
+        count_tensor(t, flags)
+        overflow, bad = flags[1] > 0, flags[3] > 0
         if amax is None:  # not measured: only an overflow carries information
-            amax = torch.full_like(found_inf, math.nan)
-            learn = overflow
+            amax = torch.full_like(flags[1], math.nan)
+            learn = overflow & ~bad
         else:
-            amax = amax.to(torch.float32)
-            overflow = overflow | ~torch.isfinite(amax)
-            nan = nan | torch.isnan(amax)
-            learn = torch.ones_like(overflow)
-        if bad_loss is not None:  # non-finite before scaling: counted, nothing learned
-            overflow = overflow | bad_loss
-            learn = learn & ~bad_loss
-        count_tensor(t, overflow, nan & overflow, bad_loss)
+            learn = ~bad  # a non-finite loss: counted, nothing learned
         f64 = torch.float64
         log2_scale = (torch.frexp(t.scale)[1] - 1).to(f64)
         measured = torch.floor(torch.log2(amax.to(f64)) * GRID) / GRID
-        x = torch.where(overflow, torch.full_like(log2_scale, self.limit_exp),
-                        torch.where(amax == 0, torch.full_like(log2_scale, self.flush_exp), measured)) - log2_scale
-        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, x)
+        x = torch.where(overflow, float(self.limit_exp), torch.where(amax == 0, float(self.flush_exp), measured))
+        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, x - log2_scale)
         sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)
         scale = ((k + 1023) << 52).view(f64).float()  # 2**k from its bit pattern: exact
         for name, new in (("x_hat", x_hat), ("slow_x_hat", slow), ("xsquared_hat", xsq),
-                          ("b1_correction", b1c), ("b2_correction", b2c)):
+                          ("b1_correction", b1c), ("b2_correction", b2c), ("scale", scale)):
             old = getattr(t, name)
             old.copy_(torch.where(learn, new, old))
-        t.scale.copy_(torch.where(learn, scale, t.scale))
 
     def is_stuck(self, state: LogMaxState, scale_before: float) -> bool:
         """An overflow at ``min_scale``, or a streak of ``max_consecutive_skips``."""

@@ -43,7 +43,9 @@ from . import distributed as _distributed
 from ._check import Flags, GradientCheck, any_flag, names_of
 from ._observe import Observer
 from ._state import TensorState
-from .policy import SMALLEST_SCALE, Policy, ScaleState, count_flags, diagnose, f32, policy_class
+from ._keywords import policy_from_keywords
+from .diagnosis import diagnose
+from .policy import SMALLEST_SCALE, Policy, ScaleState, count, count_tensor, f32, policy_class
 from ._validate import plain_bool, plain_number
 from .static import StaticPolicy
 
@@ -112,7 +114,7 @@ def _takes_grad_scaler(step) -> bool:
 
 def _make_policy(policy, given: Dict[str, Any]):
     if isinstance(policy, str):
-        return policy_class(policy).from_scaler_kwargs(**given)
+        return policy_from_keywords(policy, **given)
     if not isinstance(policy, Policy):
         raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
     if given:
@@ -246,7 +248,10 @@ class GradScaler:
         given = {k: v for k, v in torch_named.items() if v is not _DEFAULT}
         given.update(policy_keywords)
         self._policy = _make_policy(policy, given)
-        self._pending: ScaleState = self._policy.init_state()  # the state until the device is known
+        # The state as the host knows it: always before the device state exists, and after updates
+        # whose flags the host knew; None once a tensor rule has moved the device state.
+        self._mirror: Optional[ScaleState] = self._policy.init_state()
+        self._graphed = False  # update() ran under CUDA-graph capture or torch.compile: the device may move alone
         self._t: Optional[TensorState] = None
         self._records: Dict[int, _Record] = {}
         self._names: Dict[int, Tuple[weakref.ref, str]] = {}  # id(param) -> (the param, weakly; its name)
@@ -409,7 +414,7 @@ class GradScaler:
                     f"GradScaler(device={self._device_type!r}) was given a tensor on {device}; pass "
                     f"device={device.type!r} or device=None to infer it."
                 )
-            self._t = TensorState(self._pending, device)
+            self._t = TensorState(self._mirror, device)
         return self._t
 
     def _require_state(self, call: str) -> TensorState:
@@ -420,8 +425,17 @@ class GradScaler:
         return self._t
 
     def state(self) -> ScaleState:
-        """The policy's state now (a frozen dataclass of plain Python values). Syncs host and device."""
-        return self._pending if self._t is None else self._t.to_state()
+        """The policy's state now (a frozen dataclass of plain Python values).
+
+        Free where the host knows it (before the first step, and after updates whose checks synced:
+        optimizers without amp-scaling support); otherwise it syncs host and device once.
+        """
+        if self._mirror is not None:
+            return self._mirror
+        state = self._t.to_state()
+        if not self._graphed:  # the device state moves only through update(): the host knows it again
+            self._mirror = state
+        return state
 
     # ------------------------------------------------------------------ torch's API
     def scale(self, outputs):
@@ -658,8 +672,13 @@ class GradScaler:
         Call after :meth:`step` for every optimizer of the iteration. A float ``new_scale`` must lie
         within the bounds; a tensor one is copied on device, ignored when it is not finite or below
         2**-126 (float32's smallest normal; checking it on the host would sync), then clamped to the
-        bounds. The step counters still count the iteration. No host sync. A stuck run (see
-        ``on_stuck``) is reported at the next update.
+        bounds. The step counters still count the iteration. No host sync.
+
+        Where every check of the iteration synced (optimizers without amp-scaling support), the host
+        knows the flags: it runs the policy's pure rule on its copy of the state and sends the result
+        in one host-to-device copy, and a stuck run is reported now. Otherwise (fused optimizers,
+        CUDA graphs, torch.compile) the policy's tensor rule runs on device, and a stuck run is
+        reported at a later update, when a snapshot of the state has reached the host.
         """
         if not self._enabled:
             return
@@ -673,45 +692,34 @@ class GradScaler:
                 "(or unscale_) for each optimizer before update()."
             )
         host_known = all(f.host_found is not None for f in flags)
-        host_overflow = any(f.host_found for f in flags)
-        bads = [f.bad_loss for f in flags if f.bad_loss is not None]
-        if host_known and not host_overflow:
-            # The host synced every check and all were clean, so found_nan and bad_loss are too
-            # (both imply found_inf): the rules fold the bools (policy.is_set), nothing is summed.
-            found_inf, found_nan, bad_loss = False, False, None if not bads else False
-        else:
-            # Where the host knows an overflow, found_inf is that bool; found_nan and bad_loss stay
-            # on device.
-            found_inf = True if host_known else any_flag([f.found_inf for f in flags], t.device)
-            found_nan = any_flag([f.found_nan for f in flags], t.device)
-            bad_loss = None if not bads else bads[0] if len(bads) == 1 else torch.stack(bads).any()
-        clean = host_known and not host_overflow
-        if not clean:  # possibly skipped: keep what the report needs (device tensors, no sync)
-            self._evidence = dict(loss_bad=self._loss_bad, losses=self._losses, scale=t.scale.clone(),
+        skipped = any(f.host_found for f in flags) if host_known else None
+        capturing = _device.capturing(t.device)
+        if skipped is not False:  # possibly skipped: keep what the report needs (no sync)
+            self._evidence = dict(loss_bad=self._loss_bad, losses=self._losses, scale=self.state_scale(t),
                                   trace=None if self._tracer is None else self._tracer.snapshot(),
                                   source=[(f.params, f.amax_vectors) for f in flags if f.amax_vectors])
             self._last_report = None
         elif self._tracer is not None:
             self._tracer.snapshot()  # a clean iteration: start the next one afresh
-        if new_scale is not None:
-            if flags:  # the iteration still happened: count it; torch leaves the trackers alone
-                count_flags(t, found_inf, found_nan, bad_loss)
-            self._set_scale(t, new_scale)
+        self._graphed = self._graphed or capturing
+        host = (host_known and self._mirror is not None and not self._graphed
+                and not isinstance(new_scale, torch.Tensor))
+        if host:
+            before, after = self._host_update(t, flags, new_scale)
         else:
-            amaxes = [f.amax for f in flags if f.amax is not None]
-            amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
-            self._policy.tensor_update(t, found_inf, found_nan, amax, bad_loss)
+            self._device_update(t, flags, new_scale)
         self._loss_bad, self._losses = None, []
-        self._last_skipped = host_overflow if host_known else None
-        capturing = _device.capturing(t.device)
+        self._last_skipped = skipped
         self._skip_read, self._skip_cacheable = None, not capturing
         self._records = {}
         self._in_iteration = False
         self._check.new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
-        if not capturing:
-            self._observe(t, clean)
+        if host:
+            self._react(after, before.scale, self._evidence if skipped else None, stacklevel=3)
+        elif not capturing:
+            self._observe(t, skipped is False)
         elif not self._warned_capture:
             # Under torch.compile the warning breaks the graph of this first trace only: the flag is
             # then True, dynamo's guard on it recompiles once, and later traces have no break.
@@ -721,6 +729,42 @@ class GradScaler:
                 "read the device, so the stuck check (on_stuck) is off for these updates. Call "
                 "scaler.check_stuck() eagerly now and then (e.g. every few hundred steps; one sync) to run it.",
                 RuntimeWarning, stacklevel=2)
+
+    def state_scale(self, t: TensorState):
+        """The scale this iteration ran with, for a report: a float where the host knows it, else a copy
+        on device (no sync)."""
+        return self._mirror.scale if self._mirror is not None else t.scale.clone()
+
+    def _host_update(self, t: TensorState, flags: List[Flags], new_scale) -> Tuple[ScaleState, ScaleState]:
+        """The pure rule on the host's copy of the state, then one copy to the device (no sync: the
+        check synced this iteration already, so the staging buffer's last copy has landed)."""
+        before = self._mirror
+        found_inf = any(f.host_found for f in flags)
+        found_nan = any(f.host_nan for f in flags)
+        bad_loss = any(f.host_bad for f in flags)
+        amaxes = [f.host_amax for f in flags if f.host_amax is not None]
+        if new_scale is None:
+            after = self._policy.update(before, found_inf, found_nan, max(amaxes) if amaxes else None, bad_loss)
+        else:  # the iteration still happened: count it; torch leaves the trackers alone
+            counted = count(before, found_inf, found_nan, bad_loss) if flags else before
+            after = counted.replace(scale=f32(new_scale))
+        t.load_(after, staging_free=bool(flags))
+        self._mirror = after
+        return before, after
+
+    def _device_update(self, t: TensorState, flags: List[Flags], new_scale) -> None:
+        """The tensor rule on device, in place, no sync; the host's copy of the state is then unknown."""
+        vectors = [f.vector() for f in flags]
+        vector = vectors[0] if len(vectors) == 1 else torch.stack(vectors).amax(0) if vectors else None
+        if new_scale is not None:
+            if vector is not None:  # the iteration still happened: count it; torch leaves the trackers alone
+                count_tensor(t, vector)
+            self._set_scale(t, new_scale)
+        else:
+            amaxes = [f.amax for f in flags if f.amax is not None]
+            amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
+            self._policy.tensor_update(t, vector, amax)
+        self._mirror = None
 
     def _set_scale(self, t: TensorState, new_scale) -> None:
         lo, hi = self._policy.scale_bounds()
@@ -784,7 +828,7 @@ class GradScaler:
         """
         if not self._enabled or self._t is None:
             return
-        state, scale_before = self._t.decode([v.tolist() for v in self._t.vectors()])
+        state, scale_before = self._t.decode(self._t.buffer.cpu())
         self._react(state, scale_before, None, stacklevel=3)
 
     def _react(self, state: ScaleState, scale_before: float, evidence, stacklevel: int = 4) -> None:
@@ -841,7 +885,7 @@ class GradScaler:
         if evidence.get("trace") is not None and self._tracer is not None:
             report.update(self._tracer.names_of(evidence["trace"]))
         if evidence.get("scale") is not None:
-            report["scale"] = float(evidence["scale"].item())
+            report["scale"] = float(evidence["scale"])
         report["cause"] = _explain(report)
         return report
 
@@ -980,10 +1024,10 @@ class GradScaler:
 
     # ------------------------------------------------------------------ getters / setters
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Syncs host and device."""
+        """The current scale as a Python float (1.0 when disabled). May sync: see :meth:`state`."""
         if not self._enabled:
             return 1.0
-        return self._pending.scale if self._t is None else float(self._t.scale.item())
+        return self.state().scale
 
     def _get_scale_async(self) -> Optional[torch.Tensor]:
         """The scale tensor without a sync (None before the first :meth:`scale`), as in torch."""
@@ -1028,8 +1072,8 @@ class GradScaler:
         self._replace_policy(growth_interval=new_interval)
         if self._t is not None:
             self._t.growth_tracker.clamp_(max=new_interval - 1)
-        else:
-            self._pending = self._pending.replace(growth_tracker=min(self._pending.growth_tracker, new_interval - 1))
+        if self._mirror is not None:
+            self._mirror = self._mirror.replace(growth_tracker=min(self._mirror.growth_tracker, new_interval - 1))
 
     def _get_growth_tracker(self) -> int:
         """torch's private getter (used by some trainers). Syncs."""
@@ -1102,7 +1146,7 @@ class GradScaler:
                 self._t.load_(state)
             else:
                 self._t = TensorState(state, self._t.device)
-        self._policy, self._pending = policy, state
+        self._policy, self._mirror = policy, (None if self._graphed else state)
         self._records = {}
         self._check.new_iteration()
         self._observer.reset()
@@ -1130,7 +1174,8 @@ class GradScaler:
         if self._records:
             raise RuntimeError("A GradScaler can be pickled only between iterations (after update()).")
         state = self.__dict__.copy()
-        state["_pending"] = self.state()
+        state["_mirror"] = self.state()
+        state["_graphed"] = False  # the copy's tensors are new: no graph reads them
         state["_t"] = None
         state["_observer"] = None
         state["_evidence"], state["_last_report"] = None, None

@@ -16,19 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .policy import (
-    PolicyBase,
-    ScaleState,
-    count,
-    count_flags,
-    f32,
-    positive_finite,
-    register,
-    stuck_at_bound_or_streak,
-    unless_bad,
-    validate_stuck,
-    warn_not_powers_of_two,
-)
+from ._validate import positive_finite, validate_stuck, warn_not_powers_of_two
+from .diagnosis import stuck_at_bound_or_streak
+from .policy import PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["StaticPolicy", "StaticState"]
 
@@ -92,18 +82,15 @@ class StaticPolicy(PolicyBase):
             return count(state, True, found_nan, bad_loss=True)
         return count(state, found_inf, found_nan).replace(growth_tracker=0 if found_inf else state.growth_tracker + 1)
 
-    def tensor_update(self, t, found_inf, found_nan, amax=None, bad_loss=None) -> None:
-        """:meth:`update` on device tensors, in place: counters only. Flags as for
-        :meth:`lossscale.DynamicPolicy.tensor_update` (device tensors or host bools)."""
-        overflow = count_flags(t, found_inf, found_nan, bad_loss)
-        hold = unless_bad(t, bad_loss, ("growth_tracker",))
-        if overflow is True:
-            t.growth_tracker.zero_()
-        else:
-            t.growth_tracker.add_(1)
-            if overflow is not False:
-                t.growth_tracker.mul_(~overflow)
-        hold()
+    def tensor_update(self, t, flags, amax=None) -> None:
+        """:meth:`update` on device tensors, in place: the counters, and the clean-step tracker (reset
+        by an overflow, left alone by a non-finite loss). ``flags`` as for
+        :meth:`lossscale.DynamicPolicy.tensor_update`."""
+        torch = _torch()
+        count_tensor(t, flags)
+        overflow, bad = flags[1] > 0, flags[3] > 0
+        tracker = torch.where(overflow, 0, t.growth_tracker + 1)
+        t.growth_tracker.copy_(torch.where(bad, t.growth_tracker, tracker))
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
         """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``;

@@ -1,0 +1,69 @@
+"""``GradScaler(policy=name, **keywords)``: the keywords a user passes, routed to the policy's fields.
+
+A keyword that is not a field of the chosen policy does not apply: it is validated by a registered
+policy that has it (so ``hysteresis=0`` fails whatever the policy) and then warned about, since it
+changes nothing. An unknown keyword raises. Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from ._validate import positive_finite
+from .policy import policy_class, policy_names, registered
+
+__all__ = ["policy_from_keywords"]
+
+
+def policy_from_keywords(name: str, **given):
+    """The policy registered as ``name``, built from the GradScaler keywords ``given``."""
+    cls = policy_class(name)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs, ignored = {}, []
+    for key, value in given.items():
+        field = cls.keyword_aliases.get(key, key)
+        if field in names:
+            kwargs[field] = value
+        else:
+            ignored.append(key)
+    for key in ignored:
+        _validate_elsewhere(cls, key, given[key])
+    if ignored:
+        warnings.warn(
+            f"lossscale.GradScaler: {', '.join(f'{k}={given[k]!r}' for k in ignored)} do(es) not apply to "
+            f"policy={cls.name!r} and is ignored; its keywords are: "
+            f"{', '.join(sorted(names | set(cls.keyword_aliases)))}.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return cls(**kwargs)
+
+
+def _validate_elsewhere(cls, key: str, value) -> None:
+    """Validate a keyword that ``cls`` does not have with a registered policy that has it."""
+    for other in registered():
+        if other is cls:
+            continue
+        fields = {f.name for f in dataclasses.fields(other)}
+        field = other.keyword_aliases.get(key, key)
+        if field not in fields:
+            continue
+        if field in ("init_scale", "scale", "min_scale", "max_scale"):
+            # The bounds and the scale only make sense beside each other: check the value alone.
+            if not (value is None and field in ("min_scale", "max_scale")):
+                try:
+                    positive_finite(key, value)
+                except ValueError as e:
+                    raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                other(**{field: value})
+        except ValueError as e:
+            raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
+        return
+    raise ValueError(
+        f"{key}={value!r} is not a keyword of any scale policy; known policies: {', '.join(policy_names())}."
+    )

@@ -1,0 +1,86 @@
+"""When training is stuck, and what to tell the user: the policies' shared ``is_stuck`` and the diagnosis.
+
+Pure Python: the diagnosis is built from the counters alone, no tensors needed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .policy import BAD_LOSS_STREAK, ScaleState, f32
+
+__all__ = ["stuck_at_bound_or_streak", "diagnose"]
+
+
+def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:
+    """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak.
+
+    A streak made only of non-finite losses is stuck after ``max_consecutive_skips`` (or
+    :data:`BAD_LOSS_STREAK`) steps: the scale is not theirs to answer, so the floor does not apply.
+    """
+    if state.overflow_streak == 0:
+        return False
+    if not (math.isfinite(state.scale) and state.scale > 0):
+        return True  # a scale of NaN, inf or 0 that the update kept skips every step from now on
+    if state.streak_bad_loss_steps == state.overflow_streak:
+        limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
+        return state.overflow_streak >= limit
+    at_min = lowest is not None and scale_before <= f32(lowest)
+    too_long = policy.max_consecutive_skips is not None and state.overflow_streak >= policy.max_consecutive_skips
+    return at_min or too_long
+
+
+def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
+    """A plain-language diagnosis of a stuck run, from the counters alone (no tensors needed).
+
+    ``tracing``: the scaler traces first causes (``trace=True``), so its caller names the module
+    and this text does not suggest turning tracing on."""
+    streak, nan = state.overflow_streak, state.streak_nan_steps
+    lo = policy.scale_bounds()[0]
+    if state.streak_bad_loss_steps == streak:
+        return (
+            f"lossscale: the loss was non-finite before any scaling in {streak} consecutive step(s) "
+            f"({nan} with NaN gradients); every one was skipped and the scale kept at {state.scale:g}: the "
+            "scale is not the cause (it only multiplies the backward). This is a data or model problem: a "
+            "bad batch (NaN/inf inputs or labels), a log or sqrt of zero or a negative, a division by zero, "
+            "an fp16 activation that overflowed in the forward, or weights that are already NaN."
+            + ("" if tracing else " GradScaler(model=model, trace=True) names the first module whose output was "
+               "non-finite (overflow_report()['forward']).")
+        )
+    lines = [
+        f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "
+        f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"
+        + (f" (min_scale={lo:g})." if lo is not None else ".")
+    ]
+    if not (math.isfinite(state.scale) and state.scale > 0):
+        lines.append(
+            f"The scale itself is {state.scale:g}, so every step overflows and is skipped. lossscale never "
+            "sets such a scale (update(new_scale=...) ignores one); something wrote it into the scale tensor "
+            "(scaler._get_scale_async()), or min_scale=None let the backoff reach 0. Set a good one with "
+            "scaler.update(new_scale=2.0**16) after a step."
+        )
+    elif nan and streak > 1 and state.streak_start_scale != state.scale:
+        lines.append(
+            f"NaN persisted while the scale fell {state.streak_start_scale / state.scale:g}x: the scale is "
+            "not the cause (a smaller scale cures inf, never NaN). NaN comes from the model or data: 0/0, "
+            "log or sqrt of a negative or zero, inf - inf (e.g. an overflowed fp16 activation), NaN "
+            "already in the weights or inputs, or a learning rate that diverged. Find it with "
+            "torch.autograd.set_detect_anomaly(True)."
+        )
+    elif nan:
+        lines.append(
+            "NaN at the smallest scale the policy allows: lowering the scale cannot cure a NaN. Look for "
+            "0/0, log or sqrt of a negative or zero, inf - inf (an overflowed fp16 activation), or NaN "
+            "already in the weights or inputs (torch.autograd.set_detect_anomaly(True) finds the op)."
+        )
+    else:
+        lines.append(
+            "Gradients overflow even at the smallest scale allowed: the overflow is in the fp16 "
+            "forward/backward itself (an activation or gradient above 65504), not in the scaling. Fixes: "
+            "keep that layer in fp32 (autocast(enabled=False) around it, or a softmax/norm in fp32), "
+            "lower the learning rate or clip gradients, check the inputs for extreme values, or train in "
+            "bf16 (GradScaler.passthrough()). If the overflows are rare and isolated, lower min_scale."
+        )
+    lines.append("scaler.overflow_report() names the parameters that held inf and NaN on the last skipped step.")
+    return "\n".join(lines)
