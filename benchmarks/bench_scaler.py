@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scaler.py                  # the full table (~1M, 10M, 50M parameters)
     python benchmarks/bench_scaler.py --quick          # a smoke run (tiny sizes, a few repeats)
+    python benchmarks/bench_scaler.py --settings default   # lossscale at its defaults (torch-like otherwise)
 
 Writes ``benchmarks/results/bench_scaler.json`` and ``bench_scaler.md`` (``--out`` to change).
 
@@ -60,6 +61,8 @@ def clock() -> float:
         torch.cuda.synchronize(DEVICE)
     return time.perf_counter()
 TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
+SETTINGS = {"torch-like": TORCH_LIKE, "default": {}}  # --settings: lossscale's keywords beside torch's
+OURS = TORCH_LIKE
 FULL_SIZES = [(1_000_000, 16), (1_000_000, 200), (10_000_000, 16), (10_000_000, 200), (50_000_000, 16),
               (50_000_000, 200)]
 QUICK_SIZES = [(20_000, 16), (20_000, 200)]
@@ -251,8 +254,8 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
     for p, g in zip(params, grads0):
         p.grad = g.clone()
     t = Side("torch", torch.amp.GradScaler(DEVICE.type, **cfg), params)
-    ours = Side("lossscale", lossscale.GradScaler(DEVICE.type, **cfg, **TORCH_LIKE), params)
-    tel = Side("lossscale", lossscale.GradScaler(DEVICE.type, **cfg, **TORCH_LIKE, telemetry=1), params)
+    ours = Side("lossscale", lossscale.GradScaler(DEVICE.type, **cfg, **OURS), params)
+    tel = Side("lossscale", lossscale.GradScaler(DEVICE.type, **cfg, **OURS, telemetry=1), params)
     sides = [t, ours]
     rows = {}
     cheap, full = repeats
@@ -378,9 +381,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sizes", default=None, help="comma list of PARAMSxTENSORS, e.g. 1000000x16,1000000x200")
+    ap.add_argument("--settings", choices=sorted(SETTINGS), default="torch-like",
+                    help="lossscale's settings: torch-like (default: hysteresis=1, no bounds, no loss check) or "
+                         "default (what users run); the outputs of 'default' end in _default")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, OURS
     DEVICE = torch.device(args.device)
+    OURS = SETTINGS[args.settings]
     torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if args.sizes:
@@ -400,12 +407,15 @@ def main(argv=None):
         "threads": args.threads,
         "command": "python benchmarks/bench_scaler.py" + (" --quick" if args.quick else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")
-        + (f" --threads {args.threads}" if args.threads != 1 else "") + (f" --sizes {args.sizes}" if args.sizes else ""),
+        + (f" --threads {args.threads}" if args.threads != 1 else "") + (f" --sizes {args.sizes}" if args.sizes else "")
+        + (f" --settings {args.settings}" if args.settings != "torch-like" else ""),
+        "settings": args.settings,
         "wall_s": time.time() - start,
         "goals": GOALS,
     }
     os.makedirs(args.out, exist_ok=True)
-    stem = ("bench_scaler_quick" if args.quick else "bench_scaler") + ("" if DEVICE.type == "cpu" else f"_{DEVICE.type}")
+    stem = (("bench_scaler_quick" if args.quick else "bench_scaler") + ("" if DEVICE.type == "cpu" else f"_{DEVICE.type}")
+            + ("" if args.settings == "torch-like" else "_default"))
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     table = markdown(results)

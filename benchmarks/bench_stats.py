@@ -15,6 +15,8 @@ It reports the median of each and the ratios, prints a markdown table and writes
     python benchmarks/bench_stats.py            # full run, ~3-5 minutes on 2 cores
     python benchmarks/bench_stats.py --quick    # 1M and 10M only, fewer repeats
     python benchmarks/bench_stats.py --profile  # where the time goes: per-operator breakdown, 10M, 1 thread
+    python benchmarks/bench_stats.py --quick --device cuda --methods index_add,histc,sort --out DIR
+                                                # on a GPU, each histogram method (stats_cuda.json/.md)
 
 This is a benchmark, not a test: nothing here asserts a time.
 """
@@ -38,6 +40,14 @@ sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 from lossscale.stats import grad_stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+DEVICE = torch.device("cpu")  # --device: where the tensors live and grad_stats runs
+
+
+def clock() -> float:
+    """``time.perf_counter()`` once the device has finished what was queued (CUDA runs async)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
 
 WHY = """\
 ## Why it is not <= 1.0x a memcpy on CPU
@@ -62,22 +72,22 @@ def _median_ms(samples):
     return statistics.median(samples) * 1e3
 
 
-def bench_one(numel: int, pieces: int, dtype: torch.dtype, repeats: int, budget_s: float):
+def bench_one(numel: int, pieces: int, dtype: torch.dtype, repeats: int, budget_s: float, method: str = "auto"):
     gen = torch.Generator().manual_seed(0)
     # Gradient-like values: normal times a log-uniform magnitude, a few zeros.
     flat = torch.randn(numel, generator=gen) * torch.exp2(torch.empty(numel).uniform_(-30, -5, generator=gen))
     flat[::97] = 0.0
     flat = flat.to(dtype)
     tensors = list(flat.chunk(pieces)) if pieces > 1 else [flat]
-    tensors = [t.clone() for t in tensors]  # separate allocations, as real gradients are
+    tensors = [t.to(DEVICE, copy=True) for t in tensors]  # separate allocations, as real gradients are
     del flat
-    src = torch.empty(numel, dtype=dtype).normal_()
+    src = torch.empty(numel, dtype=dtype, device=DEVICE).normal_()
     dst = torch.empty_like(src)
 
     cases = {
         "copy_": lambda: dst.copy_(src),
         "clone": lambda: src.clone(),
-        "grad_stats": lambda: grad_stats(tensors, scale=1024.0).flushed,
+        "grad_stats": lambda: grad_stats(tensors, scale=1024.0, method=method).flushed,
     }
     for fn in cases.values():  # warm-up: caches, allocator, page tables
         fn()
@@ -86,9 +96,9 @@ def bench_one(numel: int, pieces: int, dtype: torch.dtype, repeats: int, budget_
     done = 0
     for _ in range(repeats):
         for name, fn in cases.items():  # interleaved, so drifts in machine load hit all alike
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
         done += 1
         if time.perf_counter() - start > budget_s and done >= 3:
             break
@@ -97,6 +107,7 @@ def bench_one(numel: int, pieces: int, dtype: torch.dtype, repeats: int, budget_
         "numel": numel,
         "tensors": pieces,
         "dtype": str(dtype).replace("torch.", ""),
+        "method": method,
         "repeats": done,
         "copy_ms": med["copy_"],
         "clone_ms": med["clone"],
@@ -128,10 +139,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1M and 10M only, fewer repeats")
     ap.add_argument("--profile", action="store_true", help="per-operator breakdown instead of the table")
+    ap.add_argument("--device", default="cpu", help="where to measure: cpu (default) or cuda (one thread setting)")
+    ap.add_argument("--methods", default="auto", help="comma list of grad_stats histogram methods (default auto)")
+    ap.add_argument("--out", default=str(RESULTS), help="where stats[_DEVICE].json/.md go")
     args = ap.parse_args(argv)
     if args.profile:
         profile()
         return
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    methods = args.methods.split(",")
 
     default_threads = torch.get_num_threads()
     sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 50_000_000]
@@ -143,14 +160,14 @@ def main(argv=None) -> None:
         repeats = {k: max(5, v // 3) for k, v in repeats.items()}
 
     rows = []
-    for threads in sorted({1, default_threads}):
+    for threads in sorted({1, default_threads}) if DEVICE.type == "cpu" else [default_threads]:
         torch.set_num_threads(threads)
-        for numel, pieces, dtype in configs:
-            r = bench_one(numel, pieces, dtype, repeats[numel], budget[numel])
+        for (numel, pieces, dtype), method in [(c, m) for c in configs for m in methods]:
+            r = bench_one(numel, pieces, dtype, repeats[numel], budget[numel], method)
             r["threads"] = threads
             rows.append(r)
             print(
-                f"threads={threads} numel={numel:>10,} tensors={pieces:>3} {r['dtype']:>7}: "
+                f"threads={threads} numel={numel:>10,} tensors={pieces:>3} {r['dtype']:>7} {method:>9}: "
                 f"copy_ {r['copy_ms']:7.2f} ms  clone {r['clone_ms']:7.2f} ms  "
                 f"grad_stats {r['grad_stats_ms']:7.2f} ms  = {r['ratio_vs_copy']:.2f}x copy_, "
                 f"{r['ratio_vs_clone']:.2f}x clone",
@@ -159,12 +176,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(default_threads)
 
     md = [
-        "| threads | elements | tensors | dtype | copy_ ms | clone ms | grad_stats ms | x copy_ | x clone | ns/elem |",
-        "|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|",
+        "| threads | elements | tensors | dtype | method | copy_ ms | clone ms | grad_stats ms | x copy_ | x clone | ns/elem |",
+        "|---:|---:|---:|:---|:---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         md.append(
-            f"| {r['threads']} | {r['numel']:,} | {r['tensors']} | {r['dtype']} | {r['copy_ms']:.2f} | "
+            f"| {r['threads']} | {r['numel']:,} | {r['tensors']} | {r['dtype']} | {r['method']} | {r['copy_ms']:.2f} | "
             f"{r['clone_ms']:.2f} | {r['grad_stats_ms']:.2f} | {r['ratio_vs_copy']:.2f} | "
             f"{r['ratio_vs_clone']:.2f} | {r['ns_per_element']:.2f} |"
         )
@@ -181,10 +198,13 @@ def main(argv=None) -> None:
         "default_threads": default_threads,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "quick": args.quick,
+        "device": str(DEVICE) if DEVICE.type == "cpu" else f"{DEVICE} ({torch.cuda.get_device_name(DEVICE)})",
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "stats.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (RESULTS / "stats.md").write_text(
+    out = pathlib.Path(args.out)
+    stem = "stats" if DEVICE.type == "cpu" else f"stats_{DEVICE.type}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(
         "# grad_stats vs memcpy\n\n"
         "Median wall time; `x copy_` is grad_stats / `dst.copy_(src)` of the same bytes, "
         "`x clone` is grad_stats / `src.clone()`. grad_stats includes reading one figure.\n\n"

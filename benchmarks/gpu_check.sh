@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# The first GPU run, in one command (under 8 minutes on one GPU):
-#   bash benchmarks/gpu_check.sh
-# 1. the CUDA tests (the device-parametrised suite's CUDA half, CUDA graphs, a second GPU if present);
-# 2. the tests of the device paths, which then also see torch.cuda (kernels, architecture, syncs, clip);
-# 3. the scaler benchmark on the GPU (1M and 10M parameters, 16 and 200 tensors), side by side with torch.
-# Results land in benchmarks/results/bench_scaler_cuda.{json,md} (or $OUT when set).
-# It installs nothing into torch: the GPU machine's own CUDA build of torch is used.
-set -euo pipefail
+# The GPU check, in one call of at most 8 minutes on a bare device machine (torch there, nothing installed):
+#   bash benchmarks/gpu_check.sh                 # results under $OUT (or benchmarks/results)
+# It runs benchmarks/gpu_check.py from this source tree (PYTHONPATH=src, no pip): the CUDA tests (when
+# pytest is there), one clean iteration of every path at the default settings beside torch under torch's
+# sync detector (and "error" mode where torch's path makes no sync), the fused NaN-batch check, the sync
+# counter beside torch's detector, bench_scaler at the default and torch-like settings, and grad_stats
+# timed per histogram method. Every result goes to $OUT/gpu_check.json (rewritten after each step, so a
+# run cut short keeps what it measured), a one-screen summary to stdout.
+# Its CPU twin runs in CI: python benchmarks/gpu_check.py --stand-in --quick (tests/test_fake_cuda.py).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')"
-pip install -q --no-deps -e . && pip install -q "pytest>=7" "hypothesis>=6.80"
-python -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
 out="${OUT:-benchmarks/results}"
-status=0
-timeout 240 python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider || status=1
-timeout 120 python -m pytest -q tests/test_kernels.py tests/test_architecture.py tests/test_syncs.py tests/test_clip.py \
-    -p no:cacheprovider || status=1
-timeout 150 python benchmarks/bench_scaler.py --device cuda --sizes 1000000x16,1000000x200,10000000x16,10000000x200 \
-    --out "$out" || status=1
-cat "$out/bench_scaler_cuda.md" 2>/dev/null | head -20 || true
-exit $status
+mkdir -p "$out"
+python -c "import torch" 2>/dev/null || { echo "gpu_check: torch cannot be imported here: nothing to check" >&2; exit 2; }
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "gpu_check: torch sees no CUDA device (the CPU twin: python benchmarks/gpu_check.py --stand-in)" >&2; exit 2; }
+python -c "import pytest" 2>/dev/null \
+    || echo "gpu_check: pytest is not installed: the CUDA tests are skipped, every other step runs" >&2
+PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 465 python benchmarks/gpu_check.py --out "$out" "$@"
+status=$?
+if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "gpu_check: stopped at the 8-minute limit; $out/gpu_check.json holds the steps that finished" >&2
+fi
+exit "$status"

@@ -70,7 +70,6 @@ import torch.utils._foreach_utils as _foreach_utils
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lossscale import _sync
 
@@ -263,7 +262,7 @@ def _check_devices(func, args, kwargs) -> None:
     packet = func.overloadpacket
     if packet in _sync._COPIES or packet in _sync._INDEXING:
         return
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
     if not any(isinstance(t, FakeCudaTensor) for t in tensors):
         return
     strict = packet.__name__.startswith(_STRICT)
@@ -275,6 +274,25 @@ def _check_devices(func, args, kwargs) -> None:
 
 def _unwrap(x):
     return x._data if isinstance(x, FakeCudaTensor) else x
+
+
+def _map(fn, x):
+    """``fn`` over the leaves of an operator's arguments or outputs (tuples, lists, dicts; faster than pytree)."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _leaves(*trees) -> Iterator[Any]:
+    for x in trees:
+        if isinstance(x, (list, tuple)):
+            yield from _leaves(*x)
+        elif isinstance(x, dict):
+            yield from _leaves(*x.values())
+        else:
+            yield x
 
 
 def _run(func, args: tuple, kwargs: dict):
@@ -289,8 +307,8 @@ def _run(func, args: tuple, kwargs: dict):
         if to_device:
             kwargs = {**kwargs, "device": _HOST}
     else:
-        to_device = any(isinstance(t, FakeCudaTensor) for t in tree_leaves((args, kwargs)))
-    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        to_device = any(isinstance(t, FakeCudaTensor) for t in _leaves(args, kwargs))
+    out = func(*_map(_unwrap, args), **_map(_unwrap, kwargs))
     written = _written_args(func)
     if any(written):  # in place or out=: hand back the caller's own tensors
         originals = [None if n is None else _argument(func, args, kwargs, n) for n in written]
@@ -299,7 +317,7 @@ def _run(func, args: tuple, kwargs: dict):
         return tuple(o if o is not None else r for o, r in zip(originals, out))
     if not to_device:
         return out
-    return tree_map(lambda x: FakeCudaTensor(x) if isinstance(x, torch.Tensor) else x, out)
+    return _map(lambda x: FakeCudaTensor(x) if isinstance(x, torch.Tensor) else x, out)
 
 
 class _FakeCudaMode(TorchDispatchMode):
@@ -369,7 +387,7 @@ class _CudaCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _autocast(self, policy: str, args, kwargs):
-        floats = [t for t in tree_leaves((args, kwargs)) if isinstance(t, FakeCudaTensor) and t.is_floating_point()
+        floats = [t for t in _leaves(args, kwargs) if isinstance(t, FakeCudaTensor) and t.is_floating_point()
                   and t.dtype is not torch.float64]
         if policy == "fast":
             dtype = torch.get_autocast_dtype("cuda")
@@ -390,7 +408,7 @@ class _CudaCalls(TorchFunctionMode):
                 hit = self.cache[id(x)] = (x, torch.ops.aten._to_copy.default(x, dtype=dtype))
             return hit[1]
 
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        return _map(cast, args), _map(cast, kwargs)
 
 
 # ------------------------------------------------------------------ the CUDA runtime, faked

@@ -18,8 +18,9 @@ fused kernel is one launch), the forward runs under ``torch.autocast(device, tor
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 
@@ -87,13 +88,14 @@ class Iteration:
         self.scaler_part()
         self.step_no += 1
 
-    def counted(self) -> DeviceWork:
-        """One iteration whose scaler share (``scale``, then clip/step/update/...) is counted."""
-        loss = self.forward()
-        with count_device_work() as scale:
+    def counted(self, bad: Optional[str] = None, watch: Callable[[], ContextManager] = nullcontext) -> DeviceWork:
+        """One iteration whose scaler share (``scale``, then clip/step/update/...) is counted; ``watch()``
+        is entered around each counted block too (``benchmarks/gpu_check.py``: torch's sync detector)."""
+        loss = self.forward(bad)
+        with count_device_work() as scale, watch():
             scaled = self.scaler.scale(loss)
         scaled.backward()
-        with count_device_work() as rest:
+        with count_device_work() as rest, watch():
             self.scaler_part()
         self.step_no += 1
         return merged(scale, rest)

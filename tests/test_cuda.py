@@ -1,25 +1,30 @@
 """Every device present: bitwise torch, host syncs no more than torch's (none on the fused path), and
 on CUDA a graph-captured step+update, the skip flag under replay, and a state on a second GPU.
 
-The same tests run on CPU (always) and on CUDA (when present); the CUDA-only ones skip without it
-(``-m cuda`` selects them; ``benchmarks/gpu_check.sh`` runs them on a GPU). Since the scaler takes the
-same path on every device, the CPU run exercises the code CUDA runs; what only a device can show is
-that nothing in the hot path reads a value back (a sync is a real stall there, and illegal inside a
-graph capture) and that a captured ``step`` + ``update`` replays exactly like an eager
-torch.amp.GradScaler.
+The same tests run on CPU (always), on the stand-in CUDA device (always: ``tests/_fake_cuda.py``,
+tensors that report ``cuda:0`` and compute on the CPU, so CI runs lossscale's CUDA path and counts
+syncs as CUDA sees them) and on CUDA (when present); the CUDA-only ones skip without it (``-m cuda``
+selects them; ``benchmarks/gpu_check.sh`` runs them on a GPU). What only a real device can show is
+that nothing in the hot path reads a value back under torch's own detector, and that a captured
+``step`` + ``update`` replays exactly like an eager torch.amp.GradScaler (the stand-in captures no
+graphs and has one device).
 """
 
 import copy
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from lossscale._sync import count_device_work, count_host_syncs
+from _fake_cuda import fake_cuda
 from _models import tiny_mlp
 
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]
+STAND_IN = pytest.param("stand-in", id="stand-in")
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
+CUDA_LIKE = [pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
 
 TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 CUDA = torch.device("cuda")
@@ -39,6 +44,16 @@ def _backward(model, scaler, step, bad=None, device=CUDA):
         next(model.parameters()).grad.view(-1)[step % 7] = float(bad)
 
 
+@contextmanager
+def on(device):
+    """The device to ask for: ``device`` itself, or "cuda" inside the stand-in for "stand-in"."""
+    if device != "stand-in":
+        yield device
+        return
+    with fake_cuda():
+        yield "cuda"
+
+
 def _blocking(syncs):
     """Every counted sync (the scaler's non_blocking snapshot copy into pinned memory is not one:
     ``count_host_syncs`` leaves asynchronous copies into pinned memory out)."""
@@ -55,6 +70,11 @@ def _optimizer(kind, params):
 @pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
 @pytest.mark.parametrize("clip", [False, True])
 def test_bitwise_torch_and_syncs(kind, clip, device):
+    with on(device) as device:
+        _bitwise_torch_and_syncs(kind, clip, device)
+
+
+def _bitwise_torch_and_syncs(kind, clip, device):
     model_t = tiny_mlp(3).to(device)
     model_l = copy.deepcopy(model_t)
     opt_t, opt_l = _optimizer(kind, model_t.parameters()), _optimizer(kind, model_l.parameters())
@@ -173,21 +193,25 @@ def test_state_on_a_second_gpu_while_the_first_is_current():
     assert fired is not None and fired >= 7  # 3 skipped (4, 5, 6): reported once the snapshot lands
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_first_update_and_a_load_make_no_host_to_device_copy():
+@pytest.mark.parametrize("device", CUDA_LIKE)
+def test_the_first_update_and_a_load_make_no_copy_the_host_waits_for(device):
     # Constants built from host lists (torch.tensor(list, device="cuda"), .to() from pageable memory)
-    # would wait for the stream, and fail inside a graph capture.
-    model = tiny_mlp(6).to(CUDA)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-    for policy in ("dynamic", "adaptive", "logmax", "static"):
-        scaler = lossscale.GradScaler("cuda", policy=policy)
-        with count_host_syncs() as syncs:
-            _backward(model, scaler, 0)
-            scaler.step(opt)
-            scaler.update()
-        assert syncs.count == 0, (policy, syncs.ops)
-        sd = scaler.state_dict()
-        with count_host_syncs() as syncs:
-            scaler.load_state_dict(sd)
-        assert syncs.count == 0, (policy, syncs.ops)
+    # would wait for the stream, and fail inside a graph capture. The batch moves to the device
+    # before the count (its copies are the caller's), and so does the forward.
+    with on(device) as device:
+        model = tiny_mlp(6).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        x, y = _batch(0, device)
+        for policy in ("dynamic", "adaptive", "logmax", "static"):
+            scaler = lossscale.GradScaler(device, policy=policy)
+            with torch.autocast(torch.device(device).type, dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            with count_device_work() as work:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            assert (work.syncs, work.h2d) == (0, 0), (policy, work.ops)
+            sd = scaler.state_dict()
+            with count_device_work() as work:
+                scaler.load_state_dict(sd)
+            assert work.syncs == 0, (policy, work.ops)

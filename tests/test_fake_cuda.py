@@ -7,7 +7,9 @@ counted for each optimizer kind (printed with ``-s``; budgets are for the tests 
 """
 
 import copy
-import warnings
+import importlib.util
+import json
+import os
 
 import pytest
 import torch
@@ -247,3 +249,27 @@ def test_one_clean_iteration_beside_torch(capsys):
         "sgd": (10, 1), "adam": (16, 1), "fused_adam": (12, 0)}
     with capsys.disabled():
         print("\n" + "\n".join(table(rows)))
+
+
+def test_gpu_check_runs_on_the_stand_in(tmp_path):
+    # benchmarks/gpu_check.py's CPU twin: the driver the GPU machine runs, with its benchmarks shrunk.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--stand-in", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = results["steps"]
+    assert results["ok"] and results["meta"]["stand_in"] and steps["tests"]["status"] == "skipped"
+    rows = steps["paths"]["rows"]
+    assert list(rows) == [p[0] for p in gpu_check.PATHS] and all(r["ok"] for r in rows.values())
+    # On the stand-in torch's detector is the counter's rule, so the two agree exactly.
+    assert all(r[side]["syncs"] == r[side]["detector_syncs"] for r in rows.values() for side in ("lossscale", "torch"))
+    assert rows["adam fused"]["error_mode"] == "ok" and rows["adam fused"]["lossscale"]["syncs"] == 0
+    assert steps["nan_batch"]["weights_unchanged"] and steps["nan_batch"]["skipped"]
+    assert steps["counter"]["differences"] == [] and steps["counter"]["rows"]["torch.tensor(list, device=cuda)"]["h2d"] == 1
+    assert steps["bench_scaler"]["default"]["result"]["meta"]["settings"] == "default"
+    assert (tmp_path / "bench_scaler_quick_cuda_default.json").exists() and (tmp_path / "bench_scaler_quick_cuda.json").exists()
+    checks = steps["grad_stats"]["checks"]
+    assert len(checks) == 8 and all(c["equal_to_index_add"] and c["sync_raised"] is None for c in checks.values())
+    assert {r["method"] for r in steps["grad_stats"]["timing"]} == {"auto", "index_add", "histc", "sort"}

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -252,8 +252,9 @@ class _CountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = classify(func, args, kwargs, _accelerator)
-        if any(_accelerator(t.device) for t in _tensors((args, kwargs))) or any(device):
-            self.work.on_device = True
+        if not self.work.on_device:
+            where = [t.device for t in _tensors((args, kwargs))] + [torch.device(kwargs.get("device") or _HOST)]
+            self.work.on_device = any(map(_accelerator, where))
         self.work._calls.append((str(func), device, classify(func, args, kwargs, _everywhere)))
         return func(*args, **kwargs)
 
