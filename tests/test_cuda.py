@@ -97,9 +97,10 @@ def _bitwise_torch_and_syncs(kind, clip, device):
                 scaler.step(opt)
                 scaler.update()
             counts[scaler is ours] = len(_blocking(syncs))
+            ops = syncs.ops  # lossscale's, the last in the loop
         # Never more syncs than torch, overflow steps included (the model overflows on its own at
         # 2**16 too, not only on the injected steps): the stuck check reads a snapshot later.
-        assert counts[True] <= counts[False], (step, counts)
+        assert counts[True] <= counts[False], (step, counts, ops)
         if kind == "fused_adam":
             assert counts[True] == 0, (step, syncs.ops)
         skipped += ours.last_step_skipped
