@@ -99,25 +99,29 @@ def sync_debug(mode: str, seen: Optional[List[str]] = None):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-def profiled(fn: Callable[[], Any], real_gpu: bool) -> Optional[Dict[str, int]]:
-    """Kernels and memcpys the CUDA profiler saw while ``fn`` ran (None on the stand-in or on failure)."""
+@contextlib.contextmanager
+def cuda_kernels(tally: Dict[str, int]):
+    """Add the kernels and memcpys/memsets the CUDA profiler sees inside the block to ``tally``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            copy = any(w in e.name.lower() for w in ("memcpy", "memset"))
+            tally["memcpys" if copy else "kernels"] += 1
+
+
+def profiled(it, real_gpu: bool) -> Optional[Dict[str, Any]]:
+    """Kernels and memcpys the CUDA profiler saw in one iteration's scaler share (the blocks
+    ``count_device_work`` counts); None on the stand-in (no profiler), the error if it failed."""
     if not real_gpu:
         return None
+    tally = {"kernels": 0, "memcpys": 0}
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        kernels = memcpys = 0
-        for e in prof.events():
-            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-                continue
-            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
-                memcpys += 1
-            else:
-                kernels += 1
-        return {"kernels": kernels, "memcpys": memcpys}
+        it.counted(watch=lambda: cuda_kernels(tally))
+        return tally
     except Exception as e:  # the profiler is a bonus: never the reason a check fails
         return {"error": f"{type(e).__name__}: {e}"[:200]}
 
@@ -130,7 +134,7 @@ def measure(scaler: str, optimizer: str, real_gpu: bool, kwargs: dict, it_kwargs
     seen: List[str] = []
     work = it.counted(watch=lambda: sync_debug("warn", seen))
     out: Dict[str, Any] = {**work.summary(), "detector_syncs": len(seen), "sync_ops": work.ops}
-    prof = profiled(lambda: it.counted(), real_gpu)
+    prof = profiled(it, real_gpu)
     if prof is not None:
         out["profiled"] = prof
     return out | {"_it": it}
@@ -326,15 +330,17 @@ def summary(results: Dict[str, Any]) -> str:
     lines.append(f"tests: {t.get('status')} {t.get('summary') or t.get('why', '')}".rstrip())
     p = steps.get("paths", {})
     if "rows" in p:
-        lines.append("paths (one clean iteration, default settings)   launches   syncs (detector)  error mode")
-        lines.append("                                                ours/torch  ours/torch")
+        lines.append("paths (one clean iteration, default settings)  launches   syncs (detector)  error mode")
+        lines.append("                                    ours/torch  ours/torch")
         for name, r in p["rows"].items():
             o, tr = r["lossscale"], r["torch"]
-            lines.append(f"  {'ok ' if r['ok'] else 'BAD'} {name:<42} {o['launches']:>4}/{tr['launches']:<4} "
+            kernels = (f"  profiler {o['profiled'].get('kernels', '?')}/{tr['profiled'].get('kernels', '?')}"
+                       if "profiled" in o and "profiled" in tr else "")
+            lines.append(f"  {'ok ' if r['ok'] else 'BAD'} {name:<30} {o['launches']:>4}/{tr['launches']:<4} "
                          f"{o['syncs']}/{tr['syncs']} ({o['detector_syncs']}/{tr['detector_syncs']})"
-                         f"{'':<6}{r.get('error_mode', '-')[:40]}")
+                         f"{'':<6}{r.get('error_mode', '-')[:40]}{kernels}")
         for name, r in p.get("not judged", {}).items():
-            lines.append(f"      {name:<42} {r['launches']:>4}       {r['syncs']} ({r['detector_syncs']})")
+            lines.append(f"      {name:<30} {r['launches']:>4}       {r['syncs']} ({r['detector_syncs']})")
     for key in ("nan_batch", "counter"):
         s = steps.get(key, {})
         extra = (f"weights unchanged {s.get('weights_unchanged')}, skipped {s.get('skipped')}, sync {s.get('sync_raised')}"
