@@ -114,40 +114,13 @@ class DeviceWork:
     def _names(self, i: int) -> List[str]:
         return [c[0] for c in self._calls for _ in range(self._pick(c)[i])]
 
-    @property
-    def launches(self) -> int:
-        """Kernel launches."""
-        return self._sum(0)
-
-    @property
-    def syncs(self) -> int:
-        """Host syncs."""
-        return self._sum(1)
-
-    @property
-    def h2d(self) -> int:
-        """Host-to-device copies."""
-        return self._sum(2)
-
-    @property
-    def d2h(self) -> int:
-        """Device-to-host copies."""
-        return self._sum(3)
-
-    @property
-    def count(self) -> int:
-        """Host syncs (``count_host_syncs``' name for :attr:`syncs`)."""
-        return self.syncs
-
-    @property
-    def ops(self) -> List[str]:
-        """The syncing operators, in call order (one entry per sync)."""
-        return self._names(1)
-
-    @property
-    def launch_ops(self) -> List[str]:
-        """The launching operators, in call order (one entry per launch)."""
-        return self._names(0)
+    launches = property(lambda self: self._sum(0), doc="Kernel launches.")
+    syncs = property(lambda self: self._sum(1), doc="Host syncs.")
+    h2d = property(lambda self: self._sum(2), doc="Host-to-device copies.")
+    d2h = property(lambda self: self._sum(3), doc="Device-to-host copies.")
+    count = property(lambda self: self._sum(1), doc="Host syncs (``count_host_syncs``' name for :attr:`syncs`).")
+    ops = property(lambda self: self._names(1), doc="The syncing operators, in call order (one entry per sync).")
+    launch_ops = property(lambda self: self._names(0), doc="The launching operators, one entry per launch.")
 
     def summary(self) -> dict:
         """``{"launches", "syncs", "h2d", "d2h"}`` as plain ints (for JSON and messages)."""
