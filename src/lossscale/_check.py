@@ -79,11 +79,21 @@ class Flags:
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
 
+    flag_vector: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_vector(cls, vector: torch.Tensor, amax: Optional[torch.Tensor], **kwargs) -> "Flags":
+        """Flags whose found_inf, found_nan and bad_loss are views of ``[1, overflow, nan, bad_loss]``."""
+        return cls(found_inf=vector[1], found_nan=vector[2], amax=amax, bad_loss=vector[3] > 0, flag_vector=vector,
+                   **kwargs)
+
     def vector(self) -> torch.Tensor:
         """``[1, overflow, nan, bad_loss]`` as float32 0/1 on the flags' device: what a tensor rule
         takes (:func:`lossscale.policy.count_tensor`). ``found_inf`` already includes a bad loss."""
-        bad = torch.zeros_like(self.found_inf) if self.bad_loss is None else self.bad_loss.to(self.found_inf.dtype)
-        return torch.stack([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
+        if self.flag_vector is None:
+            bad = torch.zeros_like(self.found_inf) if self.bad_loss is None else self.bad_loss.to(self.found_inf.dtype)
+            self.flag_vector = torch.stack([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
+        return self.flag_vector
 
     def read_found(self, needs_amax: bool) -> bool:
         """THE sync of this optimizer's iteration: the skip decision (and the amax a policy needs) on
@@ -192,6 +202,15 @@ class GradientCheck:
             return found_inf, found_nan, amax, bad_loss
         return _distributed.all_reduce_flags(found_inf, found_nan, amax, group, bad_loss)
 
+    def reduce_vector(self, vector: torch.Tensor, amax: Optional[torch.Tensor]):
+        """:meth:`reduce` for a flag vector ``[1, overflow, nan, bad_loss]`` (0/1, MAX keeps it so) and
+        ``amax``: one collective; returns ``(vector, amax)``."""
+        group = _distributed.resolve_group(self.process_group)
+        if group is None:
+            return vector, amax
+        found_inf, found_nan, amax, bad = _distributed.all_reduce_flags(vector[1], vector[2], amax, group, vector[3])
+        return torch.stack([vector[0], found_inf, found_nan, bad]), amax
+
     @staticmethod
     def _with_bad_loss(flags: "Flags", bad_loss: Optional[torch.Tensor]) -> None:
         """A reduced non-finite loss skips the step: fold it into found_inf (a max: the flag contract
@@ -200,13 +219,20 @@ class GradientCheck:
             flags.found_inf = torch.maximum(flags.found_inf, bad_loss.to(flags.found_inf.dtype))
             flags.bad_loss = bad_loss > 0
 
+    @staticmethod
+    def bad_flag(loss_check: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The loss check's value (NaN where a loss was non-finite before scaling, else 0) as a
+        float32 0/1 flag, which reduces across ranks exactly (a MAX over a NaN need not)."""
+        return None if loss_check is None else torch.isnan(loss_check).float()
+
     # ------------------------------------------------------------------------------ the checks
     def check_(self, gathered: Gathered, scale: torch.Tensor, *, unscale: bool, sync: bool,
                needs_amax: bool, bad_loss: Optional[torch.Tensor] = None) -> Flags:
         """Check (and optionally unscale in place) the gathered gradients; return the reduced flags.
 
-        ``bad_loss``: a 0-dim flag that the loss was non-finite before scaling (or None: not checked);
-        reduced with the others and folded into ``found_inf``.
+        ``bad_loss``: the loss check's float32 0-dim value, NaN where a loss (or a traced forward
+        output) was non-finite before scaling, else 0 (None: not checked); reduced with the others and
+        folded into ``found_inf``.
 
         ``sync``: decide on the host now (one sync) and, on overflow only, classify inf vs NaN with a
         second read pass. Without ``sync`` the flags stay on device (read-only amax pass first).
@@ -222,26 +248,26 @@ class GradientCheck:
             params = [owner[id(g)] for per_dtype in groups.values() for gs in per_dtype.values() for g in gs]
         if unscale:
             self._claim(gathered)
-        flags = Flags(found_inf=None, found_nan=None, params=params)  # filled below
         nan_pending = False
-        amax = None
         if unscale and sync and not needs_amax:
             # torch's fused check+unscale: one read+write pass. It cannot tell NaN from inf; that is
             # learned below, on the overflow path only.
             found = torch.zeros((), dtype=torch.float32, device=device)
             per_device = _kernels.check_and_unscale_(groups, _device.reciprocal(scale), found)
             found_inf = any_flag(per_device.values(), device)
-            found_nan, nan_pending = found_inf, True  # a placeholder: 0 when clean
+            flags = Flags(found_inf=None, found_nan=None, params=params)
+            # Every rank must feed the policy the same flags: they ride in one collective.
+            flags.found_inf, flags.found_nan, _, bad = self.reduce(found_inf, found_inf, None, self.bad_flag(bad_loss))
+            self._with_bad_loss(flags, bad)
+            nan_pending = True  # found_nan is a placeholder until an overflow is classified below
         else:
             # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.
-            flags.amax_vectors, amax = _kernels.amax_per_tensor(groups, device)
-            found_inf, found_nan = _kernels.flags_from_amax(amax)
+            amax_vectors, amax = _kernels.amax_per_tensor(groups, device)
             if unscale:
-                _kernels.check_and_unscale_(groups, _device.reciprocal(scale), torch.zeros_like(found_inf))
-        # Every rank must feed the policy the same amax: it rides in the flags' collective.
-        flags.found_inf, flags.found_nan, flags.amax, bad = self.reduce(found_inf, found_nan,
-                                                                        amax if needs_amax else None, bad_loss)
-        self._with_bad_loss(flags, bad)
+                _kernels.check_and_unscale_(groups, _device.reciprocal(scale), torch.zeros_like(amax))
+            # Every rank must feed the policy the same flags and amax: they ride in one collective.
+            vector, amax = self.reduce_vector(_kernels.flag_vector(amax, bad_loss), amax if needs_amax else None)
+            flags = Flags.from_vector(vector, amax, params=params, amax_vectors=amax_vectors)
         # Decided on reduced values only, so every rank takes the same path to the collective below.
         if sync and flags.read_found(needs_amax):
             if nan_pending:
@@ -265,7 +291,7 @@ class GradientCheck:
             _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
         true_norm, bad, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
                                                                counted, reduce_norm)
-        found_inf, found_nan, amax, reduced_bad = self.reduce(bad[0], bad[1], amax, bad_loss)
+        found_inf, found_nan, amax, reduced_bad = self.reduce(bad[0], bad[1], amax, self.bad_flag(bad_loss))
         # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
         # holding a NaN and inf for one holding an inf, so it serves as an amax vector.
         flags = Flags(found_inf, found_nan, amax, params=[gathered.params[i] for i in order],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -122,6 +122,20 @@ def amax_per_tensor(groups: Groups, device: torch.device) -> Tuple[List[torch.Te
         return [], torch.zeros((), dtype=torch.float32, device=device)
     overall = torch.cat(vectors).max() if len(vectors) > 1 else vectors[0].max()
     return vectors, overall
+
+
+def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[1, overflow, nan, bad_loss]`` as float32 0/1 from a NaN-propagating max |g| and the loss
+    check's value (NaN where a loss was non-finite before scaling, else 0; None: not checked).
+
+    One ``isnan`` over four values: ``amax - amax + loss_check`` is NaN exactly when the gradients
+    held an inf or a NaN or the loss was bad (the overflow, a bad loss included); ``amax`` itself when
+    they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives the leading 1 (the
+    step itself, for the counters: :func:`lossscale.policy.count_tensor`).
+    """
+    bad = torch.zeros_like(amax) if loss_check is None else loss_check
+    nan = torch.full_like(amax, math.nan)
+    return torch.isnan(torch.stack([nan, amax - amax + bad, amax, bad])).float()
 
 
 def flags_from_amax(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -492,25 +492,27 @@ class GradScaler:
         if not self._loss_check:
             return
         x = loss.detach()
-        # x - x is NaN exactly where x is inf or NaN: one subtraction and one isnan.
-        bad = torch.isnan(x - x)
-        bad = _kernels.to_device(bad if bad.dim() == 0 else bad.any(), t.device)
-        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        # x - x is NaN exactly where x is inf or NaN, else 0: one subtraction. The check turns the
+        # iteration's sum of them into its flags (lossscale._kernels.flag_vector).
+        bad = x - x
+        bad = _kernels.to_device((bad if bad.dim() == 0 else bad.sum()).float(), t.device)
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad + bad
         self._losses.append(x)  # for overflow_report()'s "loss" (inf or NaN), read only if asked
 
     def _bad_loss(self) -> Optional[torch.Tensor]:
-        """This iteration's "non-finite before scaling" flag (loss check, and the traced forward), as a
-        float32 0-dim tensor on the state's device; None when neither is on. A rank that never called
-        :meth:`scale` (a pipeline stage) sends 0, so every rank joins the same collective."""
+        """This iteration's loss check (and the traced forward), a float32 0-dim tensor on the state's
+        device: NaN where something was non-finite before scaling, else 0; None when neither is on. A
+        rank that never called :meth:`scale` (a pipeline stage) sends 0, so every rank joins the same
+        collective."""
         if not self._loss_check and self._tracer is None:
             return None
         device = self._t.device
-        bad = torch.zeros((), dtype=torch.bool, device=device) if self._loss_bad is None else self._loss_bad
+        bad = torch.zeros((), dtype=torch.float32, device=device) if self._loss_bad is None else self._loss_bad
         if self._tracer is not None:
             forward = self._tracer.forward_flag()
             if forward is not None:
-                bad = bad | _kernels.to_device(forward, device)
-        return bad.float()
+                bad = bad + torch.where(_kernels.to_device(forward, device), math.nan, 0.0)
+        return bad
 
     def _record(self, optimizer, call: str) -> _Record:
         """This iteration's record of ``optimizer``; a new one is kept only by :meth:`_keep`, once the
@@ -731,9 +733,9 @@ class GradScaler:
                 RuntimeWarning, stacklevel=2)
 
     def state_scale(self, t: TensorState):
-        """The scale this iteration ran with, for a report: a float where the host knows it, else a copy
-        on device (no sync)."""
-        return self._mirror.scale if self._mirror is not None else t.scale.clone()
+        """The scale this iteration ran with, for a report: a float where the host knows it, else None
+        (the device path's update writes it to ``scale_before``, which the report reads)."""
+        return self._mirror.scale if self._mirror is not None else None
 
     def _host_update(self, t: TensorState, flags: List[Flags], new_scale) -> Tuple[ScaleState, ScaleState]:
         """The pure rule on the host's copy of the state, then one copy to the device (no sync: the
@@ -840,7 +842,7 @@ class GradScaler:
         message = diagnose(self._policy, state, tracing=self._tracer is not None)
         if evidence is not None:
             # Rare (the run is stuck): one sync to say where the stuck step's trouble began.
-            message += "\nThe step that tripped this check: " + self._report_from(evidence)["cause"]
+            message += "\nThe step that tripped this check: " + self._report_from(evidence, scale_before)["cause"]
         if self._policy.on_stuck == "raise":
             raise RuntimeError(message)
         if not self._warned_streak:
@@ -872,7 +874,7 @@ class GradScaler:
             self._last_report = self._report_from(self._evidence)
         return self._last_report
 
-    def _report_from(self, evidence: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    def _report_from(self, evidence: Optional[Dict[str, Any]], scale_before: Optional[float] = None) -> Dict[str, Any]:
         """:meth:`overflow_report`'s dict from one iteration's evidence (its device tensors). Syncs."""
         report = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None}
         evidence = evidence or {}
@@ -880,12 +882,16 @@ class GradScaler:
             values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
             for key, names in names_of(values, params, self._name_of).items():
                 report[key].extend(names)
-        if evidence.get("loss_bad") is not None and bool(evidence["loss_bad"].item()):
+        if evidence.get("loss_bad") is not None and bool(torch.isnan(evidence["loss_bad"]).item()):
             report["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in evidence["losses"]) else "inf"
         if evidence.get("trace") is not None and self._tracer is not None:
             report.update(self._tracer.names_of(evidence["trace"]))
         if evidence.get("scale") is not None:
             report["scale"] = float(evidence["scale"])
+        elif scale_before is not None:
+            report["scale"] = scale_before
+        elif evidence and self._t is not None:  # the device path's last update wrote it
+            report["scale"] = float(self._t.scale_before.item())
         report["cause"] = _explain(report)
         return report
 
