@@ -347,14 +347,13 @@ def summary(results: Dict[str, Any]) -> str:
                  if key == "nan_batch" else f"differences from the detector: {s.get('differences')}")
         lines.append(f"{key}: {s.get('status')}; {extra}")
     b = steps.get("bench_scaler", {})
+    if "why" in b:
+        lines.append(f"bench_scaler: {b.get('status')} {b['why']}")
     for settings in ("default", "torch-like"):
-        if settings in b:
-            for size, ratios in b[settings]["ratios"].items():
-                pick = {k: v for k, v in ratios.items() if k.startswith(("check+", "fused", "clip", "iter"))}
-                lines.append(f"bench_scaler {settings:<10} {size:>12}: "
-                             + ", ".join(f"{k} {v:.2f}" for k, v in list(pick.items())[:5]))
-        elif "why" in b:
-            lines.append(f"bench_scaler: {b.get('status')} {b['why']}")
+        for size, ratios in b.get(settings, {}).get("ratios", {}).items():
+            pick = {k: v for k, v in ratios.items() if k.startswith(("check+", "fused", "clip", "iter"))}
+            lines.append(f"bench_scaler {settings:<10} {size:>12}: "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in list(pick.items())[:5]))
     gs = steps.get("grad_stats", {})
     if "timing" in gs:
         by: Dict[str, List[str]] = {}
