@@ -162,7 +162,11 @@ def step_tests(args, remaining: float) -> Dict[str, Any]:
     """The CUDA tests, in a subprocess with its own time limit."""
     if args.stand_in:
         return {"status": "skipped", "why": "the CUDA tests need a GPU (the stand-in runs their stand-in twins in CI)"}
-    if importlib.util.find_spec("pytest") is None:
+    try:
+        has_pytest = importlib.util.find_spec("pytest") is not None
+    except ImportError:
+        has_pytest = False
+    if not has_pytest:
         return {"status": "skipped", "why": "pytest is not installed on this machine (no package index to get it)"}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/test_cuda.py"]
@@ -222,10 +226,12 @@ def step_nan_batch(args, remaining: float) -> Dict[str, Any]:
 
 def step_counter(args, remaining: float) -> Dict[str, Any]:
     """The dispatch counter beside torch's detector, on operations whose syncs are known."""
-    from _fake_cuda import pinned  # noqa: F401  (the stand-in's pinned memory; real pinning on a GPU)
-
     def pin(t):
-        return pinned(t) if args.stand_in else t.pin_memory()
+        if args.stand_in:  # the stand-in's pinned memory (imported only there: it needs pytest)
+            from _fake_cuda import pinned
+
+            return pinned(t)
+        return t.pin_memory()
 
     d = torch.arange(6.0, device="cuda")
     cases = {
