@@ -13,8 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# lossscale configured as torch's GradScaler: bitwise the same trajectory.
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
+from _models import TORCH_LIKE  # noqa: E402,F401  (lossscale configured as torch's GradScaler; re-exported)
+
 INIT_SCALE = 2.0**10  # small enough that no step overflows by itself: only the injected inf does
 
 
@@ -29,16 +29,6 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run each test on one CPU thread: at these sizes OpenMP's barriers cost more than the math (ten
-    times the run time on a busy 2-core machine). Test modules import this name to use it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:

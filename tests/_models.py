@@ -1,10 +1,25 @@
-"""Tiny models and a twin-run harness shared by the scaler tests (kept tiny: CPU fp16 is slow)."""
+"""Tiny models, a twin-run harness and the small helpers the tests share (kept tiny: CPU fp16 is slow)."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
+
+#: The dynamic rule as torch runs it: no hysteresis, no bounds.
+TORCH_RULE = dict(hysteresis=1, min_scale=None, max_scale=None)
+#: A scaler configured like torch's GradScaler: torch's rule, and no look at the loss before scaling
+#: (a check torch does not make). Bitwise the same trajectory as torch.
+TORCH_LIKE = {**TORCH_RULE, "loss_check": False}
+
+
+def quiet(make):
+    """``make()`` with the warnings that fire by design (non-power-of-two config, replaced policy)
+    silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make()
 
 
 def tiny_mlp(seed: int = 0, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> torch.nn.Module:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from _models import backward, drive, tiny_mlp
+from _models import backward, drive, quiet, tiny_mlp
 from lossscale.adaptive import NO_AMAX
 from lossscale.policy import policy_class
 
@@ -40,13 +40,6 @@ def train(scaler, steps=3, model=None, first=0, fused=False):
 
 def finite(model) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def quiet(make):
-    """``make()`` with the warnings that fire by design (power of two, replaced policy) silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return make()
 
 
 def refuses(scaler, state_dict, match):

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import lossscale
-from _models import backward, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
+from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
 
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 S = 2.0**16
 
 
@@ -63,7 +62,7 @@ def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
     scaler = lossscale.GradScaler()
     backward(model, scaler, 0)
     scaler.clip_grad_norm_(opt, 1.0)
-    assert scaler._records[id(opt)].stage is lossscale.OptState.UNSCALED
+    assert scaler._it.records[id(opt)].stage is lossscale.OptState.UNSCALED
     with pytest.raises(RuntimeError, match="already"):
         scaler.clip_grad_norm_(opt, 1.0)
     with pytest.raises(RuntimeError, match="already been called"):

@@ -19,14 +19,13 @@ import torch
 import lossscale
 from lossscale._sync import count_device_work, count_host_syncs
 from _fake_cuda import fake_cuda
-from _models import tiny_mlp
+from _models import TORCH_LIKE, tiny_mlp
 
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 STAND_IN = pytest.param("stand-in", id="stand-in")
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
 CUDA_LIKE = [pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
 
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 CUDA = torch.device("cuda")
 
 

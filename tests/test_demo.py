@@ -11,20 +11,13 @@ from lossscale.demo import claims as C
 from lossscale.demo.workload import RunResult, RunSpec, TrainConfig, load_digits_data, reference_grads, train
 
 pytest.importorskip("sklearn")
+# As the demo does: 64-wide matrices gain nothing from a second thread, and lose a lot on a busy machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def data():
     return load_digits_data(0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As the demo does: 64-wide matrices gain nothing from a second thread, and lose a lot on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _steps(run: RunResult, key: str):

@@ -20,7 +20,8 @@ from torch.optim.swa_utils import (SWALR, AveragedModel, get_ema_avg_fn, get_ema
 import lossscale
 from lossscale._sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import one_thread  # noqa: F401  (autouse fixture: tiny ops, one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
 STEPS = 8
 # step -> fault: lone and consecutive skips, inf and NaN gradients, a NaN loss. Not step 0: torch's

@@ -18,7 +18,7 @@ import lossscale
 from lossscale._sync import count_device_work, count_host_syncs
 from _fake_cuda import FakeCudaTensor, fake_cuda, pinned, stand_in_cuda  # noqa: F401 (fixture)
 from _iterations import OPTIMIZERS, count_iteration, make_iteration, table
-from _models import tiny_mlp
+from _models import TORCH_LIKE, tiny_mlp
 
 F = torch.nn.functional
 
@@ -224,7 +224,7 @@ def test_lossscale_takes_its_cuda_path_on_the_stand_in():
 # ------------------------------------------------------------------ iterations, side by side
 SIDE_BY_SIDE = {
     "default": {},
-    "torch-like": dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False),
+    "torch-like": TORCH_LIKE,
     "hysteresis=2": dict(hysteresis=2),
     "adaptive": dict(policy="adaptive"),
     "logmax": dict(policy="logmax"),

@@ -13,11 +13,9 @@ from hypothesis import strategies as st
 import lossscale
 from _rules import TensorForm
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
-from _models import five_layer_mlp
+from _models import TORCH_RULE, five_layer_mlp
 from lossscale._sync import count_host_syncs
 from lossscale.policy import BAD_LOSS_STREAK
-
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None)
 
 
 # ------------------------------------------------------------------ the rules: pure and tensor agree
@@ -87,9 +85,9 @@ def _run(scaler, steps, bad_steps, kind="nan", second_loss=False, seed=0):
 def test_loss_check_off_is_bitwise_torch_and_on_keeps_the_scale(kind):
     bad = {2, 3, 7}
     ref_scales, ref_params = _run(torch.amp.GradScaler("cpu", growth_interval=3), 12, bad, kind)
-    off_scales, off_params = _run(lossscale.GradScaler(growth_interval=3, loss_check=False, **TORCH_LIKE), 12, bad, kind)
+    off_scales, off_params = _run(lossscale.GradScaler(growth_interval=3, loss_check=False, **TORCH_RULE), 12, bad, kind)
     assert off_scales == ref_scales and all(torch.equal(a, b) for a, b in zip(ref_params, off_params))
-    on = lossscale.GradScaler(growth_interval=3, **TORCH_LIKE)
+    on = lossscale.GradScaler(growth_interval=3, **TORCH_RULE)
     on_scales, on_params = _run(on, 12, bad, kind)
     assert all(torch.equal(a, b) for a, b in zip(ref_params, on_params))  # the same steps were skipped
     assert min(ref_scales) < 2.0**16 and min(on_scales) >= 2.0**16  # torch backed off; the check did not

@@ -12,9 +12,11 @@ from accelerate.utils import GradScalerKwargs
 import lossscale
 from lossscale._sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
-from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, all_equal, batch, lr_reference, mlp,
                                  snapshot, warmup_decay)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
 K = 9       # the step whose gradient gets an inf
 STEPS = 24

@@ -13,11 +13,12 @@ from lossscale._sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
 from lossscale.integrations.lightning import MixedPrecision
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (fixtures)
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, batch, dataset, mlp
 
 # Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
-pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
 
 SKIPS = [3, 4, 9]  # steps whose gradient gets an inf (a lone skip and two in a row)
 STEPS = 14

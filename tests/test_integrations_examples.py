@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -10,12 +10,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 import lossscale
 from lossscale.integrations.lightning import FabricMixedPrecision, MixedPrecision
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import one_thread  # noqa: F401  (autouse fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, all_equal, batch, dataset,
                                  lr_reference, mlp, read_tensorboard, snapshot, warmup_decay)
 
 # Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
-pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
 
 K = 9        # the step whose gradient gets an inf
 STEPS = 24

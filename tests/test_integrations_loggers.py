@@ -6,8 +6,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 import lossscale
 from lossscale.integrations.loggers import log_tensorboard, scalars
-from _integration_models import one_thread  # noqa: F401  (autouse fixture)
 from _integration_models import INIT_SCALE, InfAt, batch, mlp, read_tensorboard
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
 
 def _train_and_log(logdir, steps=6, inject=(3,)):

@@ -14,8 +14,9 @@ from torch.optim import lr_scheduler as lrs
 import lossscale
 from lossscale._sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import one_thread  # noqa: F401  (autouse fixture)
 from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, all_equal, batch, lr_reference, mlp, snapshot
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
 K = 5  # the step whose gradient gets an inf
 STEPS = 12

@@ -16,10 +16,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from lossscale.integrations import transformers as ls_transformers
 from lossscale.integrations.lightning import MixedPrecision
-from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import all_equal, batch, mlp, snapshot, tiny_gpt2
 
-pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
 
 BAD = 3     # the sample with a NaN input
 STEPS = 6

@@ -7,9 +7,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, get_linear
 
 import lossscale
 from lossscale.integrations import transformers as ls_transformers
-from _integration_models import fresh_accelerate_state, one_thread  # noqa: F401  (autouse fixture)
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, TokenData, all_equal, lr_reference,
                                  read_tensorboard, snapshot, tiny_gpt2)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,7 @@ import pytest
 import torch
 
 import lossscale
-from _models import backward, inject, make_optimizer, params_equal, states_equal, twins
-
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
+from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, twins
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "fused_adam"])

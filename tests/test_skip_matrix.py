@@ -24,17 +24,10 @@ KINDS = optimizer_kinds()
 
 # A static scale (and any scale at its floor) meets every injected fault "at the minimum": the stuck
 # diagnosis fires by design. The matrix tests the skip, not the diagnosis (tests/test_stuck.py does).
-pytestmark = pytest.mark.filterwarnings("ignore:lossscale. .*consecutive skipped step:RuntimeWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the models are tiny, and on a busy 2-core machine torch's thread pool
-    made a fused Adam step ~10x slower (measured: the Adam-fused row 9.5 s with 2 threads, 1.1 s with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (conftest's one_thread): the models are tiny, and on a busy 2-core machine torch's
+# thread pool made a fused Adam step ~10x slower (measured: the Adam-fused row 9.5 s with 2 threads, 1.1 s with 1).
+pytestmark = [pytest.mark.filterwarnings("ignore:lossscale. .*consecutive skipped step:RuntimeWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def test_the_matrix_covers_every_optimizer_torch_ships():

@@ -12,9 +12,8 @@ import torch
 
 import lossscale
 from lossscale._sync import count_host_syncs
-from _models import backward, make_optimizer, tiny_mlp
+from _models import TORCH_LIKE, backward, make_optimizer, tiny_mlp
 
-TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 MODES = ["plain", "unscale_", "unscale_+clip", "clip"]
 
 
