@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
+from hypothesis import strategies as st
 
 from lossscale._state import TensorState
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32, as the device holds it; written here, not taken from the library, so a
+    slip in the library's own rounding shows up against it."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # not raised by Python 3.10 to 3.13 (they pack inf), kept in case one does
+        return math.copysign(math.inf, x)
+
+
+# ------------------------------------------------------------- hypothesis strategies the policies share
+def powers_of_two(lo: int, hi: int):
+    """``2.0**k`` for ``lo <= k <= hi``."""
+    return st.integers(lo, hi).map(lambda k: 2.0**k)
+
+
+def flag_lists(max_size: int):
+    """Iterations as (overflow, nan) pairs, each clean, inf or NaN."""
+    return st.lists(st.sampled_from([(False, False), (True, False), (True, True)]), max_size=max_size)
+
+
+#: Backoff factors, off the powers of two too (every product then rounds to float32).
+backoffs = st.one_of(st.sampled_from([0.5, 0.25, 0.9, 0.7, 0.1]), st.floats(0.01, 0.99))
 
 
 class TensorForm:

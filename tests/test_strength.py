@@ -24,7 +24,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from _rules import TensorForm
+from _rules import TensorForm, backoffs
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, ScaleState, StaticPolicy, formats
 from lossscale.adaptive import NO_AMAX, AdaptiveState
 from lossscale.checkpoint import to_dict
@@ -51,32 +51,6 @@ def quiet(make):
 # ------------------------------------------------------------------------------------ strategies
 pow2 = st.integers(-10, 30).map(lambda k: 2.0**k)
 # Scales and factors off the powers of two: every product rounds to float32.
-any_scale = st.one_of(pow2, st.floats(1.0, 2.0**24).map(f32), st.sampled_from([844422.0, 1000.0, 3.0]))
-backoffs = st.one_of(st.sampled_from([0.5, 0.25, 0.9, 0.7, 0.1]), st.floats(0.01, 0.99))
-growths = st.one_of(st.sampled_from([2.0, 4.0, 1.5, 1.1, 3.0]), st.floats(1.001, 8.0))
-
-
-def _chain(x, factor, n):
-    """``x`` multiplied ``n`` times by ``factor``, rounded to float32 each time, as the rules do."""
-    for _ in range(n):
-        x = f32(x * factor)
-    return x
-
-
-@st.composite
-def dynamic_configs(draw):
-    """A DynamicPolicy; bounds None, anywhere, or exactly where a chain of backoffs/growths lands (a tie)."""
-    init, bf, gf = draw(any_scale), draw(backoffs), draw(growths)
-    lo = draw(st.one_of(st.none(), any_scale.map(lambda v: min(v, init)),
-                        st.integers(1, 4).map(lambda n: _chain(f32(init), bf, n))))
-    hi = draw(st.one_of(st.none(), any_scale.map(lambda v: max(v, init)),
-                        st.integers(1, 4).map(lambda n: _chain(f32(init), gf, n))))
-    if hi is not None and not math.isfinite(hi):
-        hi = None
-    return quiet(lambda: DynamicPolicy(
-        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=draw(st.integers(1, 4)),
-        hysteresis=draw(st.integers(1, 4)), consecutive_hysteresis=draw(st.booleans()),
-        min_scale=lo, max_scale=hi))
 
 
 flags = st.lists(st.sampled_from([(False, False), (True, False), (True, True)]), max_size=60)
@@ -216,83 +190,6 @@ def test_our_checkpoint_taken_mid_run_continues_in_torch_at_the_same_step():
 
 
 # ------------------------------------------ 4, 5. float32 rounding of a non-power-of-two backoff
-def test_pure_dynamic_rule_rounds_a_non_power_of_two_backoff_to_float32():
-    """Kills: the pure rule's backoff without ``f32`` (``scale = scale * self.backoff_factor``):
-    683981.82 instead of the device scale 683981.8125."""
-    p = quiet(lambda: DynamicPolicy(init_scale=844422.0, backoff_factor=0.9, hysteresis=2, min_scale=None))
-    s = p.init_state()
-    scales = []
-    for _ in range(3):
-        s = p.update(s, found_inf=True)
-        scales.append(s.scale)
-    assert scales == [844422.0, 759979.8125, 683981.8125]
-
-
-def test_tensor_dynamic_rule_multiplies_in_float64_then_rounds_with_hysteresis():
-    """Kills: the device rule's backoff multiplied in float32 (``t.scale * self.backoff_factor``
-    without ``.double()``): 759979.75 instead of 759979.8125 once hysteresis is spent. torch's own
-    kernel covers only hysteresis 1, so this path is ours alone."""
-    p = quiet(lambda: DynamicPolicy(init_scale=844422.0, backoff_factor=0.9, hysteresis=2, min_scale=None))
-    dev = TensorForm(p)
-    scales = []
-    for _ in range(3):
-        dev.step(True)
-        scales.append(dev.t.scale.item())
-    assert scales == [844422.0, 759979.8125, 683981.8125]
-
-
-def test_tensor_dynamic_rule_rounds_a_non_power_of_two_growth_like_the_pure_rule():
-    """The growth side of the same rounding (``(t.scale.double() * growth_factor).float()``)."""
-    p = quiet(lambda: DynamicPolicy(init_scale=844422.0, growth_factor=1.1, growth_interval=1, hysteresis=2,
-                                    max_scale=None))
-    s, dev = p.init_state(), TensorForm(p)
-    for _ in range(4):
-        s = p.update(s, found_inf=False)
-        dev.step(False)
-        assert dev.t.scale.item() == s.scale == _chain(844422.0, 1.1, s.steps)
-
-
-@settings(max_examples=150, deadline=None)
-@given(dynamic_configs(), flags)
-def test_dynamic_pure_and_device_rules_agree_for_any_factor_and_bound(policy, seq):
-    """Widens test_policy's configs: non-power-of-two scales and factors, bounds on a tie. Kills the
-    two rounding changes above and any min/max clamp that is off by one comparison."""
-    s, dev = policy.init_state(), TensorForm(policy)
-    lo = policy.lowest()  # min_scale, or float32's smallest normal when None
-    hi = None if policy.max_scale is None else f32(policy.max_scale)
-    for overflow, nan in seq:
-        before = s
-        s = policy.update(s, found_inf=overflow, found_nan=nan)
-        dev.step(overflow, nan)
-        assert dev.to_state() == s
-        # the rule itself, with float32 rounding and the bounds, from the previous state
-        if overflow and before.hysteresis_tracker <= 1:
-            want = f32(before.scale * policy.backoff_factor)
-            assert s.scale == max(want, lo)
-        elif not overflow and s.growth_tracker == 0:
-            grown = f32(before.scale * policy.growth_factor)
-            want = before.scale if not math.isfinite(grown) else grown if hi is None else min(grown, hi)
-            assert s.scale == want
-        else:
-            assert s.scale == before.scale
-        assert s.scale >= lo and (hi is None or s.scale <= hi)
-
-
-@settings(max_examples=100, deadline=None)
-@given(any_scale, backoffs, growths, st.integers(1, 4), st.lists(st.booleans(), max_size=60))
-def test_hysteresis_one_is_torchs_kernel_for_any_factor(init, bf, gf, interval, seq):
-    """The pure rule against torch's own ``_amp_update_scale_`` with non-power-of-two factors."""
-    p = quiet(lambda: DynamicPolicy(init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval,
-                                    **TORCH_RULE))
-    s = p.init_state()
-    scale, tracker = torch.tensor(f32(init)), torch.zeros((), dtype=torch.int32)
-    for overflow in seq:
-        s = p.update(s, found_inf=overflow)
-        torch._amp_update_scale_(scale, tracker, torch.tensor(float(overflow)), gf, bf, interval)
-        if scale.item() < 2.0**-126:  # torch backs off below float32's normal range; lossscale stops there
-            assert s.scale == 2.0**-126
-            break
-        assert (s.scale, s.growth_tracker) == (scale.item(), tracker.item())
 
 
 # --------------------------------------- the adaptive rule: ties at powers of two, rounding backoffs
@@ -476,19 +373,6 @@ def test_scale_bounds_of_every_policy():
     assert StaticPolicy().scale_bounds() == (None, None)
     assert LogMaxPolicy(init_scale=2.0, min_scale=2.0, max_scale=2.0**20).scale_bounds() == (2.0, 2.0**20)
     assert AdaptivePolicy(min_scale=None, max_scale=None).scale_bounds() == (2.0**-126, 2.0**127)
-
-
-def test_static_is_stuck_on_every_overflow_unless_a_streak_is_set():
-    """Kills every change to StaticPolicy.is_stuck (no selected test called it)."""
-    p, q = StaticPolicy(), StaticPolicy(max_consecutive_skips=3)
-    s = p.init_state()
-    assert not p.is_stuck(p.update(s, False), s.scale)
-    assert p.is_stuck(p.update(s, True), s.scale)
-    streak = s
-    for n in range(1, 5):
-        streak = q.update(streak, True)
-        assert q.is_stuck(streak, s.scale) == (n >= 3)
-    assert not q.is_stuck(q.update(streak, False), s.scale)
 
 
 def test_is_stuck_at_the_lower_bound_for_the_measuring_policies():
@@ -966,47 +850,3 @@ def test_a_bad_loss_with_nan_gradients_counts_the_nan(cls):
     assert s.scale == p.init_state().scale
 
 
-@pytest.mark.parametrize("max_scale, scale, interval", [(2.0**127, 2.0**127, 1), (2.0**24, 2.0**24, 1),
-                                                      (2.0**24, 2.0**23, 1), (2.0**24, 2.0**24, 3)])
-def test_torchs_kernel_path_holds_the_scale_at_max_scale_like_the_pure_rule(max_scale, scale, interval):
-    """Kills: the cap of the hysteresis-1 path (torch's kernel plus one clamp) dropped, moved to the
-    backoff, or applied before the kernel: a growth from max_scale stays there (refused as inf at
-    2**127, capped below), one to max_scale lands on it, a non-growing step keeps it."""
-    p = DynamicPolicy(init_scale=scale, growth_interval=interval, min_scale=None, max_scale=max_scale)
-    s, dev = p.init_state(), TensorForm(p)
-    for overflow in (False, False, True, False):
-        s = p.update(s, found_inf=overflow)
-        dev.step(overflow)
-        assert dev.to_state() == s and s.scale <= max_scale
-
-
-def test_the_tensor_rules_domain_is_every_scale_a_policy_accepts():
-    """The dynamic tensor rule assumes ``lowest() <= scale <= max_scale`` (one clamp then serves as
-    the floor after a backoff and the cap after a growth). Every way in refuses a scale outside it:
-    the config, ``update(new_scale)`` (a float raises, a tensor is clamped or ignored) and a checkpoint."""
-    p = DynamicPolicy(min_scale=2.0**4, max_scale=2.0**24)
-    for bad in (2.0**3, 2.0**25, math.inf):
-        with pytest.raises(ValueError):
-            DynamicPolicy(init_scale=bad, min_scale=2.0**4, max_scale=2.0**24)
-        with pytest.raises(ValueError):
-            p.check_state(p.init_state().replace(scale=bad))
-    unbounded = DynamicPolicy(min_scale=None, max_scale=None)
-    for bad in (0.0, 2.0**-127, math.inf):
-        with pytest.raises(ValueError):
-            unbounded.check_state(unbounded.init_state().replace(scale=bad))
-    scaler = lossscale.GradScaler("cpu", min_scale=2.0**4, max_scale=2.0**24)
-    scaler.scale(torch.ones(()))
-    with pytest.raises(ValueError, match="outside"):
-        scaler.update(2.0**25)
-    for value, kept in ((2.0**30, 2.0**24), (1.0, 2.0**4), (math.inf, 2.0**24), (0.0, 2.0**24)):
-        scaler._records.clear()
-        scaler.update(2.0**24)
-        scaler.update(torch.tensor(value))
-        assert scaler.get_scale() == kept
-
-
-def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():
-    """Kills: the int32 bound of ``growth_interval`` dropped or moved."""
-    assert DynamicPolicy(growth_interval=2**31 - 1).growth_interval == 2**31 - 1
-    with pytest.raises(ValueError, match="^growth_interval="):
-        DynamicPolicy(growth_interval=2**31)
