@@ -193,49 +193,9 @@ def test_our_checkpoint_taken_mid_run_continues_in_torch_at_the_same_step():
 
 
 # --------------------------------------- the adaptive rule: ties at powers of two, rounding backoffs
-def _adaptive(init, margin, interval, bf, h, ch, lo, hi):
-    return quiet(lambda: AdaptivePolicy(init_scale=init, margin_bits=margin, growth_interval=interval,
-                                        backoff_factor=bf, hysteresis=h, consecutive_hysteresis=ch,
-                                        min_scale=None if lo is None else min(lo, init),
-                                        max_scale=None if hi is None else max(hi, init)))
 
 
-adaptive_configs = st.builds(
-    _adaptive, st.one_of(pow2, st.sampled_from([844422.0, 1000.0])), st.integers(1, 8), st.integers(1, 4), backoffs,
-    st.integers(1, 3), st.booleans(), st.one_of(st.none(), pow2), st.one_of(st.none(), pow2))
 # amax exactly at a power of two (the binade boundary), one float32 step either side, and fp16's max.
-tie_amaxes = st.builds(lambda k, d: float(np.nextafter(np.float32(2.0**k), np.float32(d * math.inf)))
-                       if d else 2.0**k, st.integers(-40, 30), st.sampled_from([0, 1, -1]))
-adaptive_events = st.lists(
-    st.one_of(st.tuples(st.just(False), st.just(False),
-                        st.one_of(tie_amaxes, st.just(0.0), st.none(), st.sampled_from([65504.0, 65536.0]))),
-              st.tuples(st.just(True), st.booleans(), st.sampled_from([None, math.inf, math.nan]))),
-    max_size=60)
-
-
-@settings(max_examples=100, deadline=None)
-@given(adaptive_configs, adaptive_events)
-def test_adaptive_pure_and_device_rules_agree_at_binade_ties_and_rounding_backoffs(policy, seq):
-    s, dev = policy.init_state(), TensorForm(policy)
-    for found_inf, found_nan, amax in seq:
-        before = s
-        s = policy.update(s, found_inf=found_inf, found_nan=found_nan, amax=amax)
-        dev.step(found_inf, found_nan, amax)
-        assert dev.to_state() == s
-        if not before.calibrated and not found_inf and amax is not None and amax > 0:
-            # calibration: the measured amax lands at least margin_bits binades under the format's max
-            lo, hi = policy.bounds()
-            if lo < s.scale < hi:
-                assert amax / before.scale * s.scale < 2.0 ** (policy.limit_exp - policy.margin_bits)
-                assert amax / before.scale * s.scale >= 2.0 ** (policy.limit_exp - policy.margin_bits - 1)
-
-
-def test_adaptive_binade_of_an_exact_power_of_two():
-    """amax = 2**e lies in binade e + 1 (amax < 2**(e+1)); one float32 step below it, in binade e."""
-    p = AdaptivePolicy(margin_bits=4, max_scale=None)
-    at = p.update(p.init_state(), found_inf=False, amax=2.0**-10)
-    below = p.update(p.init_state(), found_inf=False, amax=float(np.nextafter(np.float32(2.0**-10), np.float32(0))))
-    assert at.scale == 2.0**16 * 2.0**(16 - 4 + 9) and below.scale == 2.0 * at.scale
 
 
 # -------------------------------------------------------------- 6. recommend_scale at the exact tie
@@ -414,42 +374,6 @@ def test_logmax_constant_amax_sets_the_scale_at_the_mean():
     for _ in range(8):
         s = p.update(s, found_inf=False, amax=4.0 * s.scale)
     assert s.scale == 2.0**14
-
-
-def test_adaptive_grows_by_a_single_binade_of_headroom():
-    """Kills: growth only for ``k > 1`` binades of room (pure and device rules)."""
-    p = AdaptivePolicy(margin_bits=4, growth_interval=2, max_scale=None)  # the target binade: 16 - 4 = 12
-    s, dev = p.init_state().replace(calibrated=True), TensorForm(p, p.init_state().replace(calibrated=True))
-    for _ in range(2):
-        s = p.update(s, found_inf=False, amax=1500.0)  # binade 11: one binade of room
-        dev.step(False, False, 1500.0)
-    assert s.scale == dev.to_state().scale == 2.0**17
-
-
-@st.composite
-def adaptive_states(draw, policy):
-    """Any state an AdaptivePolicy could load from a checkpoint (not only the ones its updates reach)."""
-    calibrated = draw(st.booleans())
-    return policy.init_state().replace(
-        scale=2.0 ** draw(st.integers(0, 24)), calibrated=calibrated,
-        growth_tracker=draw(st.integers(0, policy.growth_interval - 1)),
-        hysteresis_tracker=draw(st.integers(1, policy.hysteresis)),
-        window_exp=draw(st.one_of(st.just(NO_AMAX), st.integers(-140, 130))) if calibrated else NO_AMAX)
-
-
-@settings(max_examples=60, deadline=None)
-@given(adaptive_configs.flatmap(lambda p: st.tuples(st.just(p), adaptive_states(p))), adaptive_events)
-def test_adaptive_rules_agree_from_any_loadable_state(policy_state, seq):
-    """Kills: the calibration's ``growth_tracker=0`` dropped (a loaded, uncalibrated state may hold one)."""
-    policy, s = policy_state
-    lo, hi = policy.bounds()
-    s = s.replace(scale=min(max(s.scale, lo), hi))
-    policy.check_state(s)
-    dev = TensorForm(policy, s)
-    for found_inf, found_nan, amax in seq[:20]:
-        s = policy.update(s, found_inf=found_inf, found_nan=found_nan, amax=amax)
-        dev.step(found_inf, found_nan, amax)
-        assert dev.to_state() == s
 
 
 def test_a_counter_at_its_device_limit_reaches_the_device_exactly():
