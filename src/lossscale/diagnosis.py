@@ -12,6 +12,10 @@ from .policy import BAD_LOSS_STREAK, ScaleState, f32
 
 __all__ = ["stuck_at_bound_or_streak", "diagnose"]
 
+#: A line of every diagnosis: where the whole run's account is.
+HEALTH_POINTER = ("scaler.health() tells the run's skips apart (the scale calibrating, overflows, bad batches, "
+                  "persistent NaN) and says whether training is healthy now.")
+
 
 def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:
     """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak.
@@ -47,6 +51,7 @@ def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
             "an fp16 activation that overflowed in the forward, or weights that are already NaN."
             + ("" if tracing else " GradScaler(model=model, trace=True) names the first module whose output was "
                "non-finite (overflow_report()['forward']).")
+            + "\n" + HEALTH_POINTER
         )
     lines = [
         f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "
@@ -82,5 +87,6 @@ def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
             "lower the learning rate or clip gradients, check the inputs for extreme values, or train in "
             "bf16 (GradScaler.passthrough()). If the overflows are rare and isolated, lower min_scale."
         )
+    lines.append(HEALTH_POINTER)
     lines.append("scaler.overflow_report() names the parameters that held inf and NaN on the last skipped step.")
     return "\n".join(lines)

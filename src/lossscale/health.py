@@ -1,0 +1,482 @@
+"""The run-health account: which skipped steps were the scale calibrating, which were overflows in
+steady training, bad batches or persistent NaN, and whether training is healthy now.
+
+It answers the question every scaler's "Gradient overflow, skipping step" message raises (apex #864,
+DeepSpeed #931): *is this normal?* ``scaler.health()`` returns a :class:`HealthReport`: plain numbers,
+a verdict (healthy, recovering or stuck) and one short paragraph that says what to do.
+
+Pure Python, like the policies (no torch): :class:`Health` is fed the states the scaler already
+computes, in order, once per update whose outcome the host learns. On the synced path (optimizers
+without amp-scaling support) that is every update, at once; on the fused path it is the snapshots
+of the deferred stuck check (``lossscale._observe``), one or more updates late, some possibly
+dropped. Nothing is added to an iteration but a few integer operations on the host.
+
+**How each skip is classified.** A skip is an update whose optimizer step was skipped
+(``found_inf``). Each belongs to exactly one kind, and the kinds add up to ``skipped``:
+
+* **bad batch**: the loss (or, with ``trace=True``, a forward output) was inf/NaN before scaling
+  (``bad_loss``): the data or the model, not the scale, which is kept. Exact, from the counters.
+* **persistent NaN**: NaN gradients (with a finite loss) in a streak of consecutive skips that the
+  policy judged stuck (``policy.is_stuck``: an overflow at the lowest scale, a static scale, or
+  ``max_consecutive_skips`` in a row) and that held NaN at least twice: NaN kept coming although
+  the scale fell, or could not fall. All the streak's NaN skips count, the ones before it got stuck
+  too. A NaN that stops once the scale is lower was an overflow (inf - inf is NaN), and counts as one
+  of the next two kinds.
+* **calibration**: any other skip (a finite loss) that came while the scale was still searching: after
+  the start or a checkpoint load, before the first *clean stretch*, ``settle`` consecutive steps
+  without an overflow (skipped bad batches do not break a stretch). ``settle`` per policy:
+
+  - ``dynamic``: ``min(growth_interval, SETTLE)`` (50 with torch's 2000): the backoffs from
+    ``init_scale`` down to the level the gradients fit;
+  - ``adaptive``: the search before ``calibrated`` (the first measured amax), then the same stretch,
+    ``min(growth_interval, SETTLE)``, counted from the update that calibrated;
+  - ``logmax`` and policies lossscale does not know: ``SETTLE`` steps (LogMax's averages warm up);
+  - ``static``: 0: the scale never searches, so no skip is calibration.
+
+  A streak that ends stuck is not calibration: its skips are persistent NaN or overflows.
+* **overflow**: a skip with a finite loss in steady training (after the first clean stretch), or in a
+  stuck streak. ``overflow_after_growth`` counts those that came at most ``SETTLE`` steps after the
+  scale grew, at the grown scale: the dynamic policy probing for a larger scale (one every
+  ``growth_interval`` clean steps when the gradients sit near the top of FP16's range), expected.
+
+A streak's skips are classified when it ends; the report counts the streak in progress as if it
+ended now (a streak that gets stuck later turns its calibration skips into persistent NaN or overflows).
+
+**The verdict**, from the latest state:
+
+* ``"stuck"``: the last update was skipped and its streak is stuck (``policy.is_stuck``, the condition
+  of the ``on_stuck`` warning): the scale cannot answer, training makes no progress.
+* ``"recovering"``: not stuck, and either the last 2 or more updates were skipped (the scale is
+  backing off, or bad batches in a row), or the last one was skipped while the scale is still
+  calibrating, or fewer than ``SETTLE`` steps have passed since the last skip of a stuck streak.
+* ``"healthy"``: otherwise. One skip in steady training (a growth probe, a spike) or an isolated bad
+  batch leaves training healthy: the scale answered it, or it was not the scale's.
+
+**Gaps.** Where snapshots were dropped (more than 4 in flight on a lagging device, or updates under
+CUDA-graph capture or torch.compile, which read nothing), the counters' deltas still count every
+step and skip exactly; only the split of a gap's skips between streaks and phases is inferred: a
+gap's skips before its last clean step go to the streak open before it, in the phase known before
+it, bad batches are taken to be the NaN ones, and the last overflow and scale change are placed at
+the latest step they can have happened (so ``steps_since_overflow`` and ``scale_held`` are lower
+bounds). The scaler also records the state it reads in ``health()`` itself, so the report is never
+behind.
+
+**After a checkpoint load** (:meth:`Health.reset`) calibration starts again: the run may resume on
+other data, or from a torch checkpoint's scale. The checkpoint's counters carry its steps and skips,
+but not their kinds: its skips (bad batches apart, which the counters keep) are reported as
+``earlier``.
+
+**First causes.** With ``trace=True`` the scaler passes each update's evidence; the account keeps it
+for the last :data:`KEEP_CAUSES` bad batches whose own update it saw (device tensors, no read) and
+the report turns it into text (the scaler's ``overflow_report()`` cause, one host read each, in
+``health()`` only).
+
+Example, a scripted run (the scale overflows above 2**10)::
+
+    >>> from lossscale import DynamicPolicy
+    >>> p, h = DynamicPolicy(), Health(DynamicPolicy().init_state())
+    >>> s = p.init_state()
+    >>> for _ in range(100):
+    ...     before = s.scale
+    ...     s = p.update(s, found_inf=before > 2.0**10)
+    ...     h.record(p, s, before)
+    >>> r = h.report(p, s)
+    >>> r.verdict, r.skipped, r.calibration, r.steps_since_overflow
+    ('healthy', 6, 6, 94)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .adaptive import AdaptivePolicy, AdaptiveState
+from .dynamic import DynamicPolicy
+from .formats import pow2_label
+from .policy import BAD_LOSS_STREAK, ScaleState
+from .static import StaticPolicy
+
+__all__ = ["Health", "HealthReport", "settle_steps", "disabled", "SETTLE", "KEEP_CAUSES", "VERDICTS"]
+
+#: Consecutive steps without an overflow that end calibration (capped by a policy's growth interval),
+#: and that end "recovering" after a stuck streak.
+SETTLE = 50
+#: The bad batches whose first cause (with ``trace=True``) a report gives: the last few.
+KEEP_CAUSES = 3
+#: The verdicts, in order of concern; :meth:`HealthReport.metrics` gives the index as ``verdict``.
+VERDICTS = ("healthy", "recovering", "stuck")
+#: A flushed share above this (1%) gets advice in the report.
+FLUSHED_WARN = 0.01
+
+
+def settle_steps(policy) -> int:
+    """Steps without an overflow that end calibration for ``policy`` (0: it never calibrates)."""
+    if isinstance(policy, StaticPolicy):
+        return 0
+    if isinstance(policy, (DynamicPolicy, AdaptivePolicy)):
+        return min(policy.growth_interval, SETTLE)
+    return SETTLE
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """How training went, in plain numbers, a verdict and a paragraph (``str(report)`` is the paragraph).
+
+    Attributes:
+        verdict: "healthy", "recovering" or "stuck" (see :mod:`lossscale.health`); "disabled" when
+            the scaler is disabled.
+        text: one short paragraph: the counts, the state now, and what to do.
+        steps: updates counted (skipped ones included).
+        skipped: skipped updates; ``calibration + overflow + bad_batch + persistent_nan + earlier``.
+        calibration: skips while the scale was still searching after the start or a load.
+        overflow: skips with a finite loss in steady training (or in a stuck streak).
+        overflow_after_growth: of ``overflow``, those right after the scale grew (a growth probe).
+        bad_batch: skips whose loss was non-finite before scaling (the scale kept).
+        persistent_nan: NaN skips of streaks that got stuck: not the scale's doing.
+        earlier: skips before the last checkpoint load other than bad batches (kind unknown).
+        streak: consecutive skipped updates up to now (0: the last step was taken).
+        steps_since_overflow: updates since the last overflow (a skip with a finite loss) since the
+            start or the last load; None if there was none.
+        scale: the scale now.
+        scale_held: updates since the scale last changed (since the start or the last load).
+        calibrating: whether the scale is still calibrating (no clean stretch yet).
+        flushed: with telemetry on, the share of the gradients of the last sampled iteration that
+            FP16 flushes to zero at their scale (``grad/flushed_frac``); else None.
+        flushed_step: the iteration ``flushed`` was sampled at, or None.
+        causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
+    """
+
+    verdict: str
+    text: str
+    steps: int = 0
+    skipped: int = 0
+    calibration: int = 0
+    overflow: int = 0
+    overflow_after_growth: int = 0
+    bad_batch: int = 0
+    persistent_nan: int = 0
+    earlier: int = 0
+    streak: int = 0
+    steps_since_overflow: Optional[int] = None
+    scale: float = 1.0
+    scale_held: int = 0
+    calibrating: bool = False
+    flushed: Optional[float] = None
+    flushed_step: Optional[int] = None
+    causes: Tuple[Tuple[int, str], ...] = ()
+
+    def __str__(self) -> str:
+        return self.text
+
+    def metrics(self, prefix: str = "health/") -> Dict[str, Any]:
+        """The numbers as a flat dict for any logger (int, float, bool; no text): ``verdict`` is the
+        index in :data:`VERDICTS` (0 healthy, 1 recovering, 2 stuck; -1 disabled); ``steps_since_overflow``,
+        ``flushed`` and ``flushed_step`` are left out while None."""
+        out: Dict[str, Any] = {"verdict": VERDICTS.index(self.verdict) if self.verdict in VERDICTS else -1}
+        for name in ("steps", "skipped", "calibration", "overflow", "overflow_after_growth", "bad_batch",
+                     "persistent_nan", "earlier", "streak", "steps_since_overflow", "scale", "scale_held",
+                     "calibrating", "flushed", "flushed_step"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return {prefix + k: v for k, v in out.items()}
+
+
+def disabled() -> HealthReport:
+    """The report of a disabled scaler: nothing was counted."""
+    return HealthReport("disabled", "lossscale health: loss scaling is disabled (GradScaler(enabled=False)); "
+                                    "no step was counted.")
+
+
+class _Streak:
+    """The skips of the streak in progress, kept apart until it ends: whether its overflows were
+    calibration, steady overflows or persistent NaN depends on how it ends."""
+
+    __slots__ = ("skips", "calibration", "steady", "nan", "probe", "stuck")
+
+    def __init__(self):
+        self.skips = 0  # every skip, bad batches included
+        self.calibration = 0  # overflows (finite loss) while calibrating
+        self.steady = 0  # overflows after calibration
+        self.nan = 0  # of the overflows, those with NaN
+        self.probe = 0  # 1 when its first steady overflow came right after a growth
+        self.stuck = False  # the policy judged some update of it stuck
+
+    def kinds(self) -> Tuple[int, int, int, int]:
+        """``(calibration, overflow, overflow_after_growth, persistent_nan)`` if it ended now."""
+        overflows = self.calibration + self.steady
+        if self.stuck:
+            nan = self.nan if self.nan >= 2 else 0
+            return 0, overflows - nan, 0, nan
+        return self.calibration, self.steady, self.probe, 0
+
+
+class Health:
+    """The run-health accumulator (see :mod:`lossscale.health` for every definition).
+
+    Args:
+        state: the state training starts from (``policy.init_state()``, or a loaded one).
+
+    Call :meth:`record` once per update whose state the host learns, in order (later calls with an
+    older state are ignored; gaps are allowed), :meth:`reset` after a checkpoint load, and
+    :meth:`report` for the account. Pickling keeps the counts and drops the kept causes (device
+    evidence).
+    """
+
+    def __init__(self, state: ScaleState):
+        self.reset(state)
+
+    def reset(self, state: ScaleState) -> None:
+        """Start the account again from ``state`` (after a checkpoint load): calibration starts again,
+        and the state's own skips (bad batches apart) become ``earlier``."""
+        self._steps, self._skipped, self._nan, self._bad = (state.steps, state.skipped_steps, state.nan_steps,
+                                                            state.bad_loss_steps)
+        self._scale = state.scale
+        self._earlier = state.skipped_steps - state.bad_loss_steps
+        self._base = state.steps
+        self._calibration = self._overflow = self._after_growth = self._persistent = 0
+        self._open = _Streak()
+        self._calibrating = True
+        calibrated = isinstance(state, AdaptiveState) and state.calibrated
+        self._calibrated_at: Optional[int] = state.steps if calibrated else None
+        self._last_overflow: Optional[int] = None
+        self._scale_since = state.steps
+        self._grown_at: Optional[int] = None
+        self._stuck_ended: Optional[int] = None  # the last skip of the last stuck streak
+        self._causes: deque = deque(maxlen=KEEP_CAUSES)
+
+    @property
+    def seen(self) -> int:
+        """The step count of the last state recorded (or reset to)."""
+        return self._steps
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_causes"] = deque(maxlen=KEEP_CAUSES)  # device evidence: meaningful in this process only
+        return state
+
+    # ------------------------------------------------------------------------------------ record
+    def record(self, policy, state: ScaleState, scale_before: float, cause: Any = None) -> None:
+        """Account for the updates up to ``state`` (an update's result; ``scale_before``: the scale that
+        update ran with). ``cause``: that update's evidence of a first cause, kept if it was a bad batch."""
+        k = state.steps - self._steps
+        if k <= 0:
+            if k == 0 and state.scale != self._scale:  # update(new_scale=...) without a check: not a step
+                self._moved(state)
+            return  # k < 0: a snapshot older than what was seen (the host path got ahead of the ring)
+        if self._calibrating and settle_steps(policy) == 0:
+            self._calibrating = False
+        skips = state.skipped_steps - self._skipped
+        nan = state.nan_steps - self._nan
+        bad = state.bad_loss_steps - self._bad
+        if k and skips < k:  # a clean step in between: the streak open before it has ended
+            streak = min(state.overflow_streak, skips)
+            cur_nan = min(state.streak_nan_steps, nan)
+            cur_bad = min(state.streak_bad_loss_steps, bad)
+            clean_at = state.steps - streak  # the last clean step
+            self._add(skips - streak, nan - cur_nan, bad - cur_bad, clean_at - 1)
+            self._close(clean_at)
+            self._settle(policy, state, clean_at)
+            self._add(streak, cur_nan, cur_bad, state.steps)
+        else:
+            self._add(skips, nan, bad, state.steps)
+        if state.overflow_streak and not self._open.stuck:
+            self._open.stuck = bool(policy.is_stuck(state, scale_before))
+        if state.scale != self._scale:
+            self._moved(state)
+        if k == 1 and bad == 1 and cause is not None:
+            self._causes.append((state.steps, cause, scale_before))
+        self._steps, self._skipped, self._nan, self._bad = (state.steps, state.skipped_steps, state.nan_steps,
+                                                            state.bad_loss_steps)
+        self._scale = state.scale
+
+    def _moved(self, state: ScaleState) -> None:
+        """The scale changed, by the update that produced ``state`` (in a gap: the latest it can have)."""
+        self._grown_at = state.steps if state.scale > self._scale else None
+        self._scale_since = state.steps
+        self._scale = state.scale
+
+    def _add(self, skips: int, nan: int, bad: int, last: int) -> None:
+        """``skips`` more skips in the open streak (``bad`` of them bad batches, ``nan`` with NaN), the
+        last at step ``last``."""
+        if skips <= 0:
+            return
+        streak = self._open
+        streak.skips += skips
+        overflows = skips - bad
+        if overflows <= 0:
+            return
+        streak.nan += min(overflows, max(0, nan - bad))  # bad batches taken to be the NaN ones
+        if self._calibrating:
+            streak.calibration += overflows
+        else:
+            if self._grown_at is not None and last - self._grown_at <= SETTLE and not streak.steady:
+                streak.probe = 1
+            streak.steady += overflows
+        self._grown_at = None
+        self._last_overflow = last
+
+    def _close(self, clean_at: int) -> None:
+        """The open streak ended with a clean step at ``clean_at``: classify its skips."""
+        streak = self._open
+        if not streak.skips:
+            return
+        calibration, overflow, after_growth, persistent = streak.kinds()
+        self._calibration += calibration
+        self._overflow += overflow
+        self._after_growth += after_growth
+        self._persistent += persistent
+        if streak.stuck:
+            self._stuck_ended = clean_at - 1  # its last skip
+        self._open = _Streak()
+
+    def _settle(self, policy, state: ScaleState, at: int) -> None:
+        """End calibration at step ``at`` (a clean step) once a clean stretch is complete."""
+        if not self._calibrating:
+            return
+        settle = settle_steps(policy)
+        if settle == 0:
+            self._calibrating = False
+            return
+        start = self._base if self._last_overflow is None else self._last_overflow
+        if isinstance(state, AdaptiveState):
+            if not state.calibrated:
+                return
+            if self._calibrated_at is None:
+                self._calibrated_at = at  # (in a gap: the latest step it can have happened)
+            start = max(start, self._calibrated_at)
+        if at - start >= settle:
+            self._calibrating = False
+
+    # ------------------------------------------------------------------------------------ report
+    def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
+               flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None
+               ) -> HealthReport:
+        """The account up to ``state`` (the current state; recorded first if newer than the last one).
+
+        Args:
+            policy: the scaler's policy.
+            state: the state now.
+            scale_before: the scale the update that produced ``state`` ran with, if known.
+            flushed, flushed_step: the telemetry's flushed share and the iteration it was sampled at.
+            describe: ``(cause, scale_before) -> text`` for the kept causes (default ``str``).
+        """
+        if state.steps < self._steps:
+            raise ValueError(f"state.steps={state.steps} is older than the last state recorded ({self._steps}); "
+                             "report() takes the current state.")
+        h = copy.copy(self)
+        h._open = copy.copy(self._open)
+        h._causes = deque(self._causes, maxlen=KEEP_CAUSES)
+        h.record(policy, state, self._scale if scale_before is None else scale_before)
+        calibration, overflow, after_growth, persistent = h._open.kinds()
+        streak = state.overflow_streak
+        recent_stuck = h._stuck_ended is not None and state.steps - h._stuck_ended < SETTLE
+        if streak and h._open.stuck:
+            verdict = "stuck"
+        elif streak >= 2 or (streak == 1 and h._open.calibration == 1) or recent_stuck:
+            verdict = "recovering"
+        else:
+            verdict = "healthy"
+        describe = describe or (lambda cause, scale: str(cause))
+        report = HealthReport(
+            verdict=verdict, text="", steps=state.steps, skipped=state.skipped_steps,
+            calibration=h._calibration + calibration, overflow=h._overflow + overflow,
+            overflow_after_growth=h._after_growth + after_growth, bad_batch=state.bad_loss_steps,
+            persistent_nan=h._persistent + persistent, earlier=h._earlier, streak=streak,
+            steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
+            scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
+            settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step,
+            causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
+        text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
+        return dataclasses.replace(report, text=text)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuck_ended: Optional[int]) -> str:
+    """The report's paragraph: the counts, the state now, what to do."""
+    parts = [f"lossscale health: {r.verdict}."]
+    if r.steps == 0:
+        parts.append("No step yet.")
+    else:
+        counts = f"{_plural(r.steps, 'step')}, " + ("none skipped" if not r.skipped else
+                                                    f"{r.skipped} skipped ({r.skipped / r.steps:.1%})")
+        kinds = []
+        if r.calibration:
+            kinds.append(f"{r.calibration} while the scale calibrated (expected after the start or a checkpoint load: "
+                         "it backs off until the gradients fit FP16)")
+        if r.overflow:
+            probes = (f", {r.overflow_after_growth} right after the scale grew (the policy probing for a larger "
+                      "scale: expected)" if r.overflow_after_growth else "")
+            kinds.append(f"{_plural(r.overflow, 'overflow')} in steady training or while stuck{probes}")
+        if r.bad_batch:
+            kinds.append(f"{r.bad_batch} bad batch{'' if r.bad_batch == 1 else 'es'} (the loss was inf/NaN "
+                         "before scaling: the data or the model, not the scale, which was kept)")
+        if r.persistent_nan:
+            kinds.append(f"{r.persistent_nan} with NaN that persisted although the scale fell or could not "
+                         "(not the scale's doing)")
+        if r.earlier:
+            kinds.append(f"{r.earlier} before the last checkpoint load (of unknown kind)")
+        parts.append(counts + (": " + "; ".join(kinds) if kinds else "") + ".")
+        if r.streak:
+            parts.append(f"The last {_plural(r.streak, 'step')} {'was' if r.streak == 1 else 'were'} skipped.")
+        elif r.steps_since_overflow is not None:
+            parts.append(f"No overflow in the last {_plural(r.steps_since_overflow, 'step')}.")
+        parts.append(f"The scale is {pow2_label(r.scale)}, unchanged for {_plural(r.scale_held, 'step')}.")
+    if r.flushed is not None:
+        parts.append(f"{r.flushed:.2%} of the gradients sampled at iteration {r.flushed_step} flush to zero in "
+                     "FP16 at their scale.")
+    if r.causes:
+        parts.append("First causes of the last bad batches: " + "; ".join(f"step {s}: {c}" for s, c in r.causes))
+    parts.append("What to do: " + _advice(r, policy, state, streak, stuck_ended))
+    if r.flushed is not None and r.flushed > FLUSHED_WARN:
+        parts.append(f"More than {FLUSHED_WARN:.0%} of the gradients flush: a larger scale keeps them (raise "
+                     "max_scale, or policy='adaptive'), or train in bf16.")
+    return " ".join(parts)
+
+
+def _advice(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuck_ended: Optional[int]) -> str:
+    lowest = policy.scale_bounds()[0]
+    if r.verdict == "stuck":
+        if state.streak_bad_loss_steps == r.streak:
+            return ("the loss was inf/NaN before scaling in every one of them: a data or model problem (NaN/inf in "
+                    "inputs or labels, a log or division by zero, an fp16 activation that overflowed in the "
+                    "forward, weights already NaN); the scale cannot fix it. GradScaler(model=model, trace=True) "
+                    "names the first module whose output was non-finite.")
+        if streak.nan >= 2:
+            return (f"NaN kept coming while the scale went from {pow2_label(state.streak_start_scale)} to "
+                    f"{pow2_label(state.scale)}: "
+                    "a smaller scale cures inf, never NaN, so look in the model or the data (0/0, log or sqrt of "
+                    "a negative or zero, inf - inf, NaN already in the weights or inputs; "
+                    "torch.autograd.set_detect_anomaly(True) finds the op). scaler.overflow_report() names the "
+                    "parameters.")
+        if isinstance(policy, StaticPolicy):
+            return ("a static scale cannot back off: lower init_scale, or use the default dynamic policy. "
+                    "scaler.overflow_report() names the parameters.")
+        floor = "" if lowest is None else f" ({lowest:g})"
+        return (f"gradients overflow even at the lowest scale allowed{floor}: the overflow is in the fp16 "
+                "forward/backward itself (a value above 65504). Keep that layer in fp32, lower the learning rate "
+                "or clip gradients, or train in bf16 (GradScaler.passthrough()); if the overflows are rare and "
+                "isolated, lower min_scale. scaler.overflow_report() names the parameters.")
+    if r.verdict == "recovering":
+        if r.streak and state.streak_bad_loss_steps == r.streak:
+            limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
+            return (f"the loss was inf/NaN before scaling in the last {r.streak} steps: check the data; after "
+                    f"{limit} in a row lossscale warns that training is stuck.")
+        if r.streak and streak.calibration and not streak.steady:
+            return ("nothing: the scale is still calibrating (backing off until the gradients fit FP16). Only "
+                    "if it reaches its lowest scale and still overflows does lossscale warn that training is stuck.")
+        if r.streak:
+            return (f"nothing yet: the scale is backing off after {r.streak} skipped steps in a row and recovers by "
+                    "itself; if it overflows at its lowest scale, lossscale warns that training is stuck.")
+        return (f"nothing now: training steps again after being stuck until step {stuck_ended}. If it gets "
+                "stuck again, the stuck warning's diagnosis says why.")
+    if r.bad_batch:
+        return ("nothing for the scale. Look at the data of the bad batches (GradScaler(model=model, trace=True) "
+                "names the first module whose output was non-finite).")
+    return "nothing."

@@ -1,0 +1,311 @@
+"""The run-health account (issue 21 item 1): scripted runs through the pure policies, then the same
+through a real GradScaler on the synced (SGD) and the device (fused Adam) path, then the integrations.
+
+Every scripted run asserts the counts of each kind of skip and the verdict: a clean run, a
+calibration-only run, bad batches, persistent NaN and a run stuck at min_scale (the issue's "done when").
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lossscale
+from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
+from lossscale.health import SETTLE, Health, HealthReport, settle_steps
+
+KINDS = ("calibration", "overflow", "bad_batch", "persistent_nan", "earlier")
+
+
+# --------------------------------------------------------------------------------- scripted runs
+def clean(step, scale):
+    return {}
+
+
+def above(limit):
+    """Overflow whenever the scale is above ``limit`` (gradients that fit FP16 only below it)."""
+    return lambda step, scale: {"found_inf": scale > limit}
+
+
+def at(steps, **flags):
+    """``flags`` (default found_inf) at the given steps, clean elsewhere."""
+    steps = steps if isinstance(steps, range) else set(steps)
+    flags = flags or {"found_inf": True}
+    return lambda step, scale: flags if step in steps else {}
+
+
+def both(*rules):
+    """The first rule that flags something."""
+    def rule(step, scale):
+        for r in rules:
+            flags = r(step, scale)
+            if flags.get("found_inf") or flags.get("bad_loss"):
+                return flags
+        return {}
+    return rule
+
+
+NAN = {"found_inf": True, "found_nan": True}
+BAD = {"found_inf": True, "found_nan": True, "bad_loss": True}
+
+
+def script(policy, rule, n, *, record=lambda i: True, amax=None, state=None):
+    """Run ``policy.update`` for ``n`` steps with the flags ``rule(step, scale)`` gives, recording the
+    steps ``record(step)`` selects; returns (final state, report, health)."""
+    s = policy.init_state() if state is None else state
+    h = Health(s)
+    for i in range(n):
+        before = s.scale
+        flags = {"found_inf": False, **rule(i, before)}
+        if amax is not None and "amax" not in flags:
+            flags["amax"] = None if flags["found_inf"] else amax(before)
+        s = policy.update(s, **flags)
+        if record(i):
+            h.record(policy, s, before)
+    return s, h.report(policy, s), h
+
+
+def kinds(r: HealthReport):
+    return {k: getattr(r, k) for k in KINDS if getattr(r, k)}
+
+
+def assert_adds_up(r: HealthReport):
+    assert sum(getattr(r, k) for k in KINDS) == r.skipped
+    assert r.overflow_after_growth <= r.overflow
+
+
+def test_a_clean_run_is_healthy_under_every_policy():
+    for policy, amax in [(DynamicPolicy(), None), (StaticPolicy(), None),
+                         (AdaptivePolicy(), lambda s: s * 2.0**-20), (LogMaxPolicy(), lambda s: s * 2.0**-20)]:
+        s, r, _ = script(policy, clean, 120, amax=amax)
+        assert (r.verdict, r.steps, r.skipped, kinds(r), r.streak) == ("healthy", 120, 0, {}, 0), policy.name
+        assert r.steps_since_overflow is None and not r.calibrating
+        assert r.text.startswith("lossscale health: healthy. 120 steps, none skipped.")
+    _, r, _ = script(DynamicPolicy(), clean, 120)
+    assert r.scale == 2.0**16 and r.scale_held == 120
+
+
+def test_a_calibration_only_run_says_the_skips_were_the_scale_calibrating():
+    # The gradients fit FP16 only at 2**10 or below: torch's start at 2**16 skips 6 steps, then trains.
+    s, r, _ = script(DynamicPolicy(), above(2.0**10), 300)
+    assert r.verdict == "healthy"
+    assert kinds(r) == {"calibration": 6} and r.skipped == 6 and r.streak == 0
+    assert r.steps_since_overflow == 294 and r.scale == 2.0**10 and r.scale_held == 294
+    assert "6 while the scale calibrated" in r.text and "What to do: nothing." in r.text
+    # Mid-calibration the scale is still searching: recovering, every skip so far calibration.
+    _, r, _ = script(DynamicPolicy(), above(2.0**10), 3)
+    assert (r.verdict, kinds(r), r.streak, r.calibrating) == ("recovering", {"calibration": 3}, 3, True)
+    assert "still calibrating" in r.text
+
+
+def test_calibration_ends_after_a_clean_stretch_and_later_overflows_are_steady():
+    # growth_interval=10: the stretch is 10 clean steps. Grown to 2**11 the scale overflows right away:
+    # the dynamic policy probing upward, one overflow per growth, each right after it.
+    policy = DynamicPolicy(growth_interval=10)
+    assert settle_steps(policy) == 10
+    s, r, _ = script(policy, above(2.0**10), 100)
+    assert r.calibration == 6  # 2**16 .. 2**11
+    assert r.overflow == r.overflow_after_growth > 0
+    assert r.verdict == "healthy" and not r.calibrating
+    assert "right after the scale grew" in r.text
+    # Torch's interval: the stretch is SETTLE steps; an overflow 10 steps after calibration is still it.
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([16])), 100)
+    assert kinds(r) == {"calibration": 7}
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + SETTLE + 5])), 100)
+    assert kinds(r) == {"calibration": 6, "overflow": 1} and r.overflow_after_growth == 0
+    assert r.verdict == "healthy"  # one overflow in steady training: the scale answered it
+
+
+def test_bad_batches_are_counted_apart_and_training_stays_healthy():
+    s, r, h = script(DynamicPolicy(), at([40, 90, 91], **BAD), 150)
+    assert kinds(r) == {"bad_batch": 3} and r.scale == 2.0**16  # the scale was kept
+    assert r.verdict == "healthy" and r.steps_since_overflow is None
+    assert "3 bad batches" in r.text and "not the scale" in r.text and "Look at the data" in r.text
+    # Mixed with calibration: each skip its own kind.
+    _, r, _ = script(DynamicPolicy(), both(at([2, 60], **BAD), above(2.0**12)), 100)
+    assert kinds(r) == {"calibration": 4, "bad_batch": 2}
+    # Bad losses in a row: recovering, then stuck at BAD_LOSS_STREAK (10).
+    _, r, _ = script(DynamicPolicy(), at(range(50, 55), **BAD), 55)
+    assert (r.verdict, r.streak) == ("recovering", 5) and "check the data" in r.text
+    _, r, _ = script(DynamicPolicy(), at(range(50, 60), **BAD), 60)
+    assert (r.verdict, kinds(r)) == ("stuck", {"bad_batch": 10})
+    assert "before scaling in every one of them" in r.text
+
+
+def test_bad_batch_causes_keep_the_last_few_and_are_described_lazily():
+    policy = DynamicPolicy()
+    s, h = policy.init_state(), Health(policy.init_state())
+    for i in range(10):
+        before = s.scale
+        s = policy.update(s, **(BAD if i % 2 else {"found_inf": False}))
+        h.record(policy, s, before, cause=f"evidence {i}")
+    r = h.report(policy, s, describe=lambda cause, scale: f"{cause} at {scale:g}")
+    assert r.causes == ((6, "evidence 5 at 65536"), (8, "evidence 7 at 65536"), (10, "evidence 9 at 65536"))
+    assert "First causes of the last bad batches: step 6: evidence 5 at 65536" in r.text
+    assert h.report(policy, s).causes[0] == (6, "evidence 5")
+    assert pickle.loads(pickle.dumps(h)).report(policy, s).causes == ()  # device evidence stays home
+
+
+def test_persistent_nan_is_stuck_once_the_scale_cannot_answer():
+    # NaN from step 100 on: the scale halves 16 times to min_scale=1, then the policy calls it stuck;
+    # every NaN skip of the streak was the same NaN, not the scale.
+    s, r, _ = script(DynamicPolicy(), at(range(100, 2**62), **NAN), 130)
+    assert (r.verdict, kinds(r), r.streak) == ("stuck", {"persistent_nan": 30}, 30)
+    assert r.scale == 1.0 and "NaN kept coming while the scale went from 2^16 to 2^0" in r.text
+    # Before the floor it could still be an overflow (inf - inf is NaN): recovering, counted as such.
+    _, r, _ = script(DynamicPolicy(), at(range(100, 2**62), **NAN), 105)
+    assert (r.verdict, kinds(r)) == ("recovering", {"overflow": 5})
+    assert "backing off after 5 skipped steps" in r.text
+    # A NaN streak that ends once the scale is lower was the scale's: never persistent.
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**12), at(range(100, 103), **NAN)), 200)
+    assert kinds(r) == {"calibration": 4, "overflow": 3}
+    # One NaN at the floor is stuck for that update, but not persistent.
+    s, r, _ = script(DynamicPolicy(init_scale=1.0), at([100], **NAN), 101)
+    assert (r.verdict, kinds(r)) == ("stuck", {"overflow": 1})
+
+
+def test_a_run_stuck_at_min_scale_then_recovering_then_healthy():
+    # inf from step 100: 16 backoffs to min_scale=1, then overflows at the floor: stuck.
+    rule = at(range(100, 130))
+    s, r, _ = script(DynamicPolicy(), rule, 130)
+    assert (r.verdict, kinds(r), r.streak, r.scale) == ("stuck", {"overflow": 30}, 30, 1.0)
+    assert "lowest scale allowed (1)" in r.text and "overflow_report()" in r.text
+    # It steps again: recovering for SETTLE steps, then healthy.
+    _, r, _ = script(DynamicPolicy(), rule, 130 + SETTLE - 1)
+    assert (r.verdict, kinds(r), r.streak) == ("recovering", {"overflow": 30}, 0)
+    assert "after being stuck until step 130" in r.text
+    _, r, _ = script(DynamicPolicy(), rule, 130 + SETTLE)
+    assert r.verdict == "healthy" and r.steps_since_overflow == SETTLE
+    # A streak stuck from the start is not calibration.
+    _, r, _ = script(DynamicPolicy(init_scale=4.0), at(range(0, 10)), 10)
+    assert (r.verdict, kinds(r)) == ("stuck", {"overflow": 10})
+    # max_consecutive_skips makes a shorter streak stuck, above the floor.
+    _, r, _ = script(DynamicPolicy(max_consecutive_skips=3), at(range(100, 103)), 103)
+    assert (r.verdict, r.scale) == ("stuck", 2.0**13)
+
+
+def test_a_static_scale_never_calibrates():
+    s, r, _ = script(StaticPolicy(), at([0, 1]), 20)
+    assert kinds(r) == {"overflow": 2} and not r.calibrating
+    assert r.verdict == "recovering"  # every overflow of a static scale is stuck (it cannot back off)
+    assert "after being stuck until step 2" in r.text
+    _, r, _ = script(StaticPolicy(), at([5, 6], **NAN), 7)
+    assert (r.verdict, kinds(r)) == ("stuck", {"persistent_nan": 2})
+    _, r, _ = script(StaticPolicy(), at([5]), 6)
+    assert r.verdict == "stuck" and "static scale cannot back off" in r.text
+
+
+def test_adaptive_calibration_is_the_search_then_a_clean_stretch():
+    # Gradients of amax 2**-2: at 2**20 the first step overflows, the policy searches down 16 binades
+    # at once, measures the amax, jumps to its target (2**12), and trains.
+    policy = AdaptivePolicy(init_scale=2.0**20, growth_interval=20)
+    assert settle_steps(policy) == 20
+    rule, amax = above(2.0**17), lambda scale: scale * 2.0**-2
+    s, r, _ = script(policy, rule, 100, amax=amax)
+    assert s.calibrated and s.scale == 2.0**12
+    assert kinds(r) == {"calibration": 1} and r.verdict == "healthy"
+    # An overflow soon after the jump is still calibration; one after the stretch is steady.
+    _, r, _ = script(policy, both(at([5]), rule), 100, amax=amax)
+    assert kinds(r) == {"calibration": 2}
+    _, r, _ = script(policy, both(at([50]), rule), 100, amax=amax)
+    assert kinds(r) == {"calibration": 1, "overflow": 1}
+    # All-zero gradients measure nothing: the policy never calibrates, nor does the account.
+    _, r, _ = script(policy, clean, 100, amax=lambda scale: 0.0)
+    assert r.calibrating
+
+
+def test_logmax_settles_after_SETTLE_steps():
+    policy = LogMaxPolicy()
+    assert settle_steps(policy) == SETTLE
+    _, r, _ = script(policy, at([3, SETTLE + 30]), SETTLE + 40, amax=lambda scale: scale * 2.0**-20)
+    assert kinds(r) == {"calibration": 1, "overflow": 1}
+
+
+def test_a_checkpoint_load_restarts_calibration_and_keeps_the_loaded_counts():
+    policy = DynamicPolicy()
+    loaded, r0, _ = script(policy, both(above(2.0**10), at([200], **BAD)), 300)
+    h = Health(loaded)  # what the scaler does at a load: reset to the loaded state
+    s = loaded
+    for i in range(100):  # the resumed run's data overflow at 2**10: the scale searches again
+        before = s.scale
+        s = policy.update(s, found_inf=before > 2.0**8)
+        h.record(policy, s, before)
+    r = h.report(policy, s)
+    assert kinds(r) == {"calibration": 2, "bad_batch": 1, "earlier": 6} and r.skipped == 9
+    assert "6 before the last checkpoint load" in r.text
+
+
+def test_update_with_new_scale_and_no_check_moves_only_the_scale():
+    policy = DynamicPolicy()
+    s, h = policy.init_state(), Health(policy.init_state())
+    for _ in range(5):
+        before, s = s.scale, policy.update(s, False)
+        h.record(policy, s, before)
+    s = s.replace(scale=2.0**8)  # update(new_scale=...) without a step: counters unchanged
+    h.record(policy, s, 2.0**16)
+    r = h.report(policy, s)
+    assert (r.steps, r.scale, r.scale_held, r.skipped) == (5, 2.0**8, 0, 0)
+
+
+def test_report_validates_and_gives_plain_numbers():
+    policy = DynamicPolicy()
+    s, r, h = script(policy, above(2.0**12), 20)
+    with pytest.raises(ValueError, match="older than the last state recorded"):
+        h.report(policy, policy.init_state())
+    m = r.metrics()
+    assert m["health/verdict"] == 0 and m["health/calibration"] == 4 and "health/flushed" not in m
+    assert all(isinstance(v, (int, float, bool)) for v in m.values())
+    assert set(r.metrics(prefix="x/")) == {"x/" + k[len("health/"):] for k in m}
+    assert str(r) == r.text
+    r = h.report(policy, s, flushed=0.25, flushed_step=7)
+    assert r.metrics()["health/flushed"] == 0.25 and "25.00% of the gradients sampled at iteration 7" in r.text
+    assert "a larger scale keeps them" in r.text
+    assert "flush:" not in h.report(policy, s, flushed=0.001, flushed_step=7).text
+    assert lossscale.health.disabled().metrics() == {"health/verdict": -1, **{
+        f"health/{k}": v for k, v in HealthReport("x", "").metrics(prefix="").items() if k != "verdict"}}
+
+
+def _flags_sequence(draw_list, policy):
+    """A policy run from a list of flag kinds ('c' clean, 'i' inf, 'n' NaN, 'b' bad loss)."""
+    table = {"c": {"found_inf": False}, "i": {"found_inf": True}, "n": NAN, "b": BAD}
+    s, states = policy.init_state(), []
+    for kind in draw_list:
+        before = s.scale
+        s = policy.update(s, **table[kind])
+        states.append((s, before))
+    return states
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from("ccccccinb"), min_size=1, max_size=120), st.integers(1, 4),
+       st.sampled_from(["dynamic", "static", "small"]))
+def test_gaps_count_every_skip_exactly(kinds_drawn, every, name):
+    """Recording every `every`-th state (snapshots dropped) still counts every skip exactly: the kinds
+    add up to the skips, bad batches are exact, and a sparse account that says stuck agrees with the
+    full one (it judged the same states)."""
+    policy = {"dynamic": DynamicPolicy(growth_interval=5), "static": StaticPolicy(),
+              "small": DynamicPolicy(init_scale=4.0, growth_interval=3)}[name]
+    states = _flags_sequence(kinds_drawn, policy)
+    full, sparse = Health(policy.init_state()), Health(policy.init_state())
+    for i, (s, before) in enumerate(states):
+        full.record(policy, s, before)
+        if i % every == every - 1:
+            sparse.record(policy, s, before)
+    last, before = states[-1]
+    a, b = full.report(policy, last, before), sparse.report(policy, last, before)
+    for r in (a, b):
+        assert_adds_up(r)
+        assert (r.skipped, r.bad_batch, r.streak) == (last.skipped_steps, last.bad_loss_steps, last.overflow_streak)
+        assert r.verdict != "stuck" or last.overflow_streak > 0
+    if b.verdict == "stuck":
+        assert a.verdict == "stuck"
+    if every == 1:
+        assert a == b
