@@ -8,7 +8,11 @@ import struct
 import torch
 from hypothesis import strategies as st
 
+from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 from lossscale._state import TensorState
+
+#: Every policy the library ships.
+ALL_POLICIES = [DynamicPolicy, StaticPolicy, AdaptivePolicy, LogMaxPolicy]
 
 
 def f32(x: float) -> float:

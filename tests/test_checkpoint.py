@@ -1,6 +1,7 @@
 """Checkpoints (``lossscale.checkpoint``, ``GradScaler.state_dict/load_state_dict``) and the scaler's
-other round trips: issue 12's bugs 1-3 and 6-9, each with a regression test, and the property test
-that every loader must pass.
+other round trips: issue 12's bugs 1-3 and 7-9, each with a regression test (bug 6, the keywords of
+another policy, is in test_keywords.py), the property test that every loader must pass, and the
+mutation-killing tests of the loader (issue 15).
 
 The standard (issue 12): a corrupted checkpoint either loads a state that trains with finite weights,
 or raises ``ValueError`` naming the key, with the scaler's ``state_dict()`` unchanged.
@@ -26,7 +27,6 @@ from lossscale.adaptive import NO_AMAX, AdaptiveState
 from lossscale.checkpoint import to_dict
 from lossscale.dynamic import DynamicState
 from lossscale.logmax import LogMaxState
-from lossscale.policy import policy_class
 from lossscale.static import StaticState
 
 NAN, INF = float("nan"), float("inf")
@@ -314,35 +314,6 @@ def test_every_policy_calls_a_nonfinite_scale_stuck(policy):
         state = p.init_state().replace(scale=bad, steps=1, skipped_steps=1, inf_steps=1, overflow_streak=1)
         assert p.is_stuck(state, bad)
         assert "scale itself" in lossscale.diagnose(p, state)
-
-
-# ------------------------------------------------------------------------------------------ bug 6
-@pytest.mark.parametrize("policy, kwargs", [
-    ("static", dict(growth_factor=4)),
-    ("static", dict(min_scale=2**20)),
-    ("static", dict(max_scale=None)),
-    ("logmax", dict(hysteresis=2)),
-    ("dynamic", dict(margin_bits=3)),
-    ("dynamic", dict(scale=8.0)),
-])
-def test_keywords_of_another_policy_are_warned_about(policy, kwargs):
-    with pytest.warns(UserWarning, match=f"{next(iter(kwargs))}=.*not apply to policy='{policy}'") as record:
-        scaler = lossscale.GradScaler(policy=policy, **kwargs)
-    assert record[0].filename == __file__  # points at the user's line
-    assert scaler.policy == policy_class(policy)()  # and changes nothing
-
-
-@pytest.mark.parametrize("policy, kwargs, match", [
-    ("static", dict(hysteresis=0), "hysteresis"),
-    ("static", dict(growth_factor=0.5), "growth_factor"),
-    ("static", dict(min_scale=-1.0), "min_scale"),
-    ("dynamic", dict(margin_bits=0), "margin_bits"),
-    ("dynamic", dict(fmt="fp17"), "fmt"),
-    ("static", dict(bogus=1), "bogus"),
-])
-def test_keywords_of_another_policy_are_validated_as_that_policy_would(policy, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        quiet(lambda: lossscale.GradScaler(policy=policy, **kwargs))
 
 
 # ------------------------------------------------------------------------------------------ bug 7

@@ -1,0 +1,56 @@
+"""``GradScaler(policy=name, **keywords)`` (``lossscale._keywords``): a keyword the chosen policy does not
+have is validated as a policy that has it would, then warned about (it changes nothing); a bound or a
+scale meant for another policy is checked alone, since it only makes sense beside its own policy's.
+(Issue 12's bug 6, and mutation-killing tests of issue 15 whose "Kills: ..." names the change each was
+seen to fail on.)"""
+
+import pytest
+
+import lossscale
+from _models import quiet
+from lossscale import StaticPolicy
+from lossscale.policy import policy_class
+
+
+@pytest.mark.parametrize("policy, kwargs", [
+    ("static", dict(growth_factor=4)),
+    ("static", dict(min_scale=2**20)),
+    ("static", dict(max_scale=None)),
+    ("logmax", dict(hysteresis=2)),
+    ("dynamic", dict(margin_bits=3)),
+    ("dynamic", dict(scale=8.0)),
+])
+def test_keywords_of_another_policy_are_warned_about(policy, kwargs):
+    with pytest.warns(UserWarning, match=f"{next(iter(kwargs))}=.*not apply to policy='{policy}'") as record:
+        scaler = lossscale.GradScaler(policy=policy, **kwargs)
+    assert record[0].filename == __file__  # points at the user's line
+    assert scaler.policy == policy_class(policy)()  # and changes nothing
+
+
+@pytest.mark.parametrize("policy, kwargs, match", [
+    ("static", dict(hysteresis=0), "hysteresis"),
+    ("static", dict(growth_factor=0.5), "growth_factor"),
+    ("static", dict(min_scale=-1.0), "min_scale"),
+    ("dynamic", dict(margin_bits=0), "margin_bits"),
+    ("dynamic", dict(fmt="fp17"), "fmt"),
+    ("static", dict(bogus=1), "bogus"),
+])
+def test_keywords_of_another_policy_are_validated_as_that_policy_would(policy, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quiet(lambda: lossscale.GradScaler(policy=policy, **kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_scale=2.0**20), dict(max_scale=2.0), dict(min_scale=None), dict(max_scale=None)])
+def test_a_bound_for_another_policy_is_checked_alone_and_only_warned_about(kwargs):
+    """Kills: the bound names missing from _validate_elsewhere's list (then DynamicPolicy(min_scale=2**20)
+    is built and refuses, with its own init_scale, a value that was never wrong)."""
+    with pytest.warns(UserWarning, match="not apply"):
+        scaler = lossscale.GradScaler(policy="static", **kwargs)
+    assert scaler.policy == StaticPolicy()
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(min_scale=-1.0), "min_scale"), (dict(max_scale=0.0), "max_scale")])
+def test_a_bad_bound_for_another_policy_is_refused_by_name(kwargs, name):
+    """Kills: _validate_elsewhere checking the bound under another name, or not at all."""
+    with pytest.raises(ValueError, match=f"^{name}="):
+        lossscale.GradScaler(policy="static", **kwargs)
