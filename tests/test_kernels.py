@@ -1,15 +1,14 @@
-"""The fused passes over gradients (``lossscale._kernels``) and the device state they feed: the
-read-only check's flags and per-tensor amax with every device type's kernel, a flag that is a sum of
-per-device flags, copies of the device state."""
+"""The fused passes over gradients (``lossscale._kernels``): the read-only check's flags and per-tensor
+amax with every device type's kernel, a flag that is a sum of per-device flags. (The device state they
+feed is tested in test_state.py.)"""
 
 import math
 
 import pytest
 import torch
 
-from lossscale import DynamicPolicy, GradScaler
+from lossscale import GradScaler
 from lossscale import _kernels
-from lossscale._state import TensorState
 
 
 def test_flags_of_several_devices_combine_to_one_not_a_sum():
@@ -49,18 +48,6 @@ def test_read_only_check_flags_and_amax_per_tensor(dtype, kernel, monkeypatch):
     assert (found_inf.item(), found_nan.item()) == (0.0, 0.0)
     # Nothing was written.
     assert torch.equal(grads[0], before[0])
-
-
-def test_a_copied_state_does_not_write_through_the_originals_views():
-    import copy
-
-    policy = DynamicPolicy(init_scale=2.0**4, growth_interval=2, hysteresis=1, min_scale=None, max_scale=None)
-    st = TensorState(policy.init_state(), torch.device("cpu"))
-    clean = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    policy.tensor_update(st, clean)
-    twin = copy.deepcopy(st)
-    policy.tensor_update(twin, clean)
-    assert st.to_state().steps == 1 and twin.to_state().steps == 2
 
 
 @pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
