@@ -432,7 +432,8 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
         parts.append(f"{r.flushed:.2%} of the gradients sampled at iteration {r.flushed_step} flush to zero in "
                      "FP16 at their scale.")
     if r.causes:
-        parts.append("First causes of the last bad batches: " + "; ".join(f"step {s}: {c}" for s, c in r.causes))
+        parts.append("First causes of the last bad batches: "
+                     + "; ".join(f"step {s}: {c.rstrip('.')}" for s, c in r.causes) + ".")
     parts.append("What to do: " + _advice(r, policy, state, streak, stuck_ended))
     if r.flushed is not None and r.flushed > FLUSHED_WARN:
         parts.append(f"More than {FLUSHED_WARN:.0%} of the gradients flush: a larger scale keeps them (raise "
@@ -477,6 +478,7 @@ def _advice(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuck_e
         return (f"nothing now: training steps again after being stuck until step {stuck_ended}. If it gets "
                 "stuck again, the stuck warning's diagnosis says why.")
     if r.bad_batch:
-        return ("nothing for the scale. Look at the data of the bad batches (GradScaler(model=model, trace=True) "
-                "names the first module whose output was non-finite).")
+        return "nothing for the scale. Look at the data of the bad batches" + (
+            " (their first causes are above)." if r.causes else
+            " (GradScaler(model=model, trace=True) names the first module whose output was non-finite).")
     return "nothing."
