@@ -110,6 +110,8 @@ KEEP_CAUSES = 3
 VERDICTS = ("healthy", "recovering", "stuck")
 #: A flushed share above this (1%) gets advice in the report.
 FLUSHED_WARN = 0.01
+#: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
+_TEXT_FIELDS = ("verdict", "text", "causes")
 
 
 def settle_steps(policy) -> int:
@@ -176,12 +178,10 @@ class HealthReport:
         index in :data:`VERDICTS` (0 healthy, 1 recovering, 2 stuck; -1 disabled); ``steps_since_overflow``,
         ``flushed`` and ``flushed_step`` are left out while None."""
         out: Dict[str, Any] = {"verdict": VERDICTS.index(self.verdict) if self.verdict in VERDICTS else -1}
-        for name in ("steps", "skipped", "calibration", "overflow", "overflow_after_growth", "bad_batch",
-                     "persistent_nan", "earlier", "streak", "steps_since_overflow", "scale", "scale_held",
-                     "calibrating", "flushed", "flushed_step"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in _TEXT_FIELDS and value is not None:
+                out[f.name] = value
         return {prefix + k: v for k, v in out.items()}
 
 
