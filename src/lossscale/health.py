@@ -272,7 +272,7 @@ class Health:
         skips = state.skipped_steps - self._skipped
         nan = state.nan_steps - self._nan
         bad = state.bad_loss_steps - self._bad
-        if k and skips < k:  # a clean step in between: the streak open before it has ended
+        if skips < k:  # a clean step in between: the streak open before it has ended
             streak = min(state.overflow_streak, skips)
             cur_nan = min(state.streak_nan_steps, nan)
             cur_bad = min(state.streak_bad_loss_steps, bad)
