@@ -2,7 +2,7 @@
 # The standing mutation score of the policy core (docs/testing.md), outside CI.
 #
 #   bash benchmarks/mutation.sh [REV]      # REV: the commit to measure (default HEAD)
-#   MUTATION_EMPTY="tests/test_strength.py" bash benchmarks/mutation.sh   # the score without those tests
+#   MUTATION_EMPTY="tests/test_validate.py tests/test_keywords.py" bash benchmarks/mutation.sh   # without those tests
 #
 # mutmut rewrites the code it mutates, so it never runs in this checkout: REV is exported into a
 # fresh folder ($MUTATION_DIR, default /tmp/lossscale-mutation), this checkout's setup.cfg (the

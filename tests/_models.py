@@ -114,3 +114,25 @@ def drive(scaler, bad_flags, kind: str = "nan"):
         scaler.step(opt)
         scaler.update()
     return p
+
+
+def two_optimizer_run(scaler, bad_steps, kind, unscale_first):
+    """Six iterations of one loss over two parameters, each with its own SGD optimizer, planting ``kind``
+    in the FIRST optimizer's gradient at ``bad_steps`` (``unscale_first``: ``unscale_`` it before the
+    steps). Returns both parameters and the scale after each iteration."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((2,), 2.0))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1, momentum=0.9), torch.optim.SGD([b], lr=0.1, momentum=0.9)
+    scales = []
+    for step in range(6):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        scaler.scale(a.sum() * 2 + b.sum() * 3).backward()
+        if step in bad_steps:
+            a.grad[1] = float(kind)  # the FIRST optimizer's gradient only
+        if unscale_first:
+            scaler.unscale_(opt_a)
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return a, b, scales

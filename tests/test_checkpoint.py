@@ -426,6 +426,7 @@ def test_torch_dict_of_one_element_tensors_loads(shape):
 # ------------------------------------------------------- state_dict() keeps every field (issue 15)
 # The tests from here to the property test are mutation-killing tests: "Kills: ..." names the one-line
 # change to the library each was seen to fail on (docs/testing.md).
+#: A value off its default for every shared field (a consistent state: check_state accepts it).
 _SHARED = dict(scale=2.0**10, steps=9, skipped_steps=5, inf_steps=3, nan_steps=2, bad_loss_steps=2, overflow_streak=2,
                streak_nan_steps=1, streak_bad_loss_steps=1, streak_start_scale=2.0**12)
 

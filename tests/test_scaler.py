@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import lossscale
-from _models import backward, batch, drive, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
+from _models import (TORCH_LIKE, backward, batch, drive, inject, make_optimizer, params_equal, states_equal, tiny_mlp,
+                     twins, two_optimizer_run)
 
 
 def snapshot(model, opt):
@@ -293,6 +294,16 @@ def test_several_optimizers_and_losses_per_iteration():
             s.update()
         assert ours.get_scale() == ref.get_scale()
         assert params_equal(a, ta) and params_equal(b, tb)
+
+
+def test_two_optimizers_overflow_in_the_first_is_counted_and_skips_both():
+    """Kills the same change seen through the counters: the iteration must count as skipped."""
+    scaler = lossscale.GradScaler("cpu", growth_interval=100, **TORCH_LIKE)
+    a, b, _ = two_optimizer_run(scaler, {0}, "inf", False)
+    s = scaler.state()
+    assert (s.steps, s.skipped_steps, s.inf_steps, s.nan_steps) == (6, 1, 1, 0)
+    # No streak runs now: streak_start_scale is the last step's scale, where a next streak would begin.
+    assert s.streak_start_scale == 2.0**15 and s.scale == 2.0**15
 
 
 def test_gradient_accumulation_matches_torch():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lossscale
-from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, twins
+from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, twins, two_optimizer_run
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "fused_adam"])
@@ -69,3 +69,17 @@ def test_state_dict_is_torch_loadable_and_torch_state_loads():
     ours2 = lossscale.GradScaler(**TORCH_LIKE)
     ours2.load_state_dict(ref2.state_dict())
     assert ours2.get_scale() == 2.0**12 and ours2.get_growth_interval() == 5
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_two_optimizers_overflow_in_the_first_backs_off_like_torch(kind, unscale_first):
+    """Kills: ``update()`` combining only the last stepped optimizer's found_inf
+    (``sum_flags([f.found_inf for f in flags][-1:], ...)`` in scaler.update): the first optimizer's
+    step is still skipped, but the scale stays at 65536 where torch backs off to 32768."""
+    bad = {1, 2, 4}
+    ref = two_optimizer_run(torch.amp.GradScaler("cpu", growth_interval=2), bad, kind, unscale_first)
+    ours = two_optimizer_run(lossscale.GradScaler("cpu", growth_interval=2, **TORCH_LIKE), bad, kind, unscale_first)
+    assert ours[2] == ref[2]
+    assert ref[2][1] == 2.0**15  # the overflow in the first optimizer backed off
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])

@@ -5,10 +5,15 @@ import doctest
 import json
 import math
 import random
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
+from _rules import f32
 from lossscale import formats, stats
 from lossscale._sync import count_host_syncs
 from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2
@@ -647,6 +652,53 @@ def test_recommend_scale_for_another_format_and_edge_cases():
     assert recommend_scale(grad_stats([])).flushed == 0
     with pytest.raises(ValueError, match="margin_bits"):
         recommend_scale(s, margin_bits=-1)
+
+
+# At the exact tie (issue 15; "Kills: ..." names the change a test was seen to fail on, docs/testing.md).
+def test_recommend_scale_at_the_exact_tie():
+    """Kills an off-by-one in the floor of log2(fmt.max / amax) (e.g. ``m_max <= m_a`` for
+    ``m_max < m_a`` in stats.recommend_scale): at amax * S == fmt.max / 2**margin the answer is S."""
+    amax = 65504.0 * 2.0**-10
+    assert recommend_scale(grad_stats(torch.tensor([amax, -1e-3]), fmt="fp16"), margin_bits=0).scale == 2.0**10
+    assert recommend_scale(grad_stats(torch.tensor([amax]), fmt="fp16"), margin_bits=2).scale == 2.0**8
+    above = float(np.nextafter(np.float32(amax), np.float32(math.inf)))
+    assert recommend_scale(grad_stats(torch.tensor([above]), fmt="fp16"), margin_bits=0).scale == 2.0**9
+
+
+def _largest_power_of_two_scale(amax, fmt_max, margin):
+    """Exact: the largest k with amax * 2**k * 2**margin <= fmt_max (fractions, no rounding)."""
+    ratio = Fraction(fmt_max) / (Fraction(amax) * 2**margin)
+    k = ratio.numerator.bit_length() - ratio.denominator.bit_length()
+    while Fraction(2) ** k > ratio:
+        k -= 1
+    while Fraction(2) ** (k + 1) <= ratio:
+        k += 1
+    return k
+
+
+#: The formats a scale is recommended for.
+tie_fmts = st.sampled_from([formats.FP16, formats.BF16, formats.FP8_E4M3, formats.FP8_E5M2])
+
+
+@st.composite
+def amax_near_a_tie(draw, fmt):
+    """A float32 amax at ``fmt.max * 2**-k`` exactly, one float32 step either side, or anywhere."""
+    tie = fmt.max * 2.0 ** -draw(st.integers(0, 60))
+    step = draw(st.sampled_from([0, 1, -1, None]))
+    if step is None:
+        return f32(draw(st.floats(2.0**-100, 2.0**60)))
+    return float(np.nextafter(np.float32(tie), np.float32(step * math.inf))) if step else f32(tie)
+
+
+@settings(max_examples=150, deadline=None)
+@example(fmt=formats.FP16, margin=0, data=None)
+@given(tie_fmts, st.integers(0, 3), st.data())
+def test_recommend_scale_is_the_largest_power_of_two_that_fits_ties_included(fmt, margin, data):
+    amax = 65504.0 * 2.0**-10 if data is None else data.draw(amax_near_a_tie(fmt))
+    if amax == 0 or not math.isfinite(amax):
+        return
+    rec = recommend_scale(grad_stats(torch.tensor([amax]), fmt=fmt), margin_bits=margin)
+    assert rec.scale == 2.0 ** _largest_power_of_two_scale(amax, fmt.max, margin)
 
 
 # ----- validation ---------------------------------------------------------------------------------
