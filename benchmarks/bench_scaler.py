@@ -132,8 +132,7 @@ class Side:
 
             self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         else:
-            self.scaler._records = {}
-            self.scaler._check.new_iteration()  # it also remembers which gradients were unscaled
+            self.scaler.discard_iteration()  # the records and which gradients were unscaled
 
 
 def clip_only(side: Side, kind: str):

@@ -106,7 +106,7 @@ def test_on_stuck_fires_at_the_stuck_step_where_the_check_synced():
 
 def test_a_lagging_device_reports_later_but_never_loses_the_stuck_state(monkeypatch):
     scaler = lossscale.GradScaler("cpu", on_stuck="raise", max_consecutive_skips=2)
-    scaler._observer = _observe.Observer(record_event=LateEvents(lag=2))
+    scaler._stuck.observer = _observe.Observer(record_event=LateEvents(lag=2))
     fired = _stuck_run(scaler, 12, bad_from=3)
     assert fired is not None and fired > 5
 
@@ -134,7 +134,7 @@ def test_the_ring_keeps_snapshots_in_flight_and_reads_them_in_order():
     obs = _observe.Observer(slots=4, record_event=LateEvents(lag=3))
     scaler = lossscale.GradScaler("cpu")
     scaler.scale(torch.ones(()))
-    t = scaler._t
+    t = scaler._s.t
     seen = []
     for k in range(4):
         t.steps.fill_(k)

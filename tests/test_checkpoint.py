@@ -392,15 +392,15 @@ def test_pickling_the_scaler_alone_pickles_no_parameter():
     scaler = lossscale.GradScaler(model=model)
     assert len(pickle.dumps(scaler)) < 16_384
     alone = pickle.loads(pickle.dumps(scaler))
-    assert alone._name_of(model[0].weight) == "0.weight"  # the same process's parameters: still named
+    assert alone._names(model[0].weight) == "0.weight"  # the same process's parameters: still named
     twin = copy.deepcopy(scaler)
-    assert twin._name_of(model[0].weight) == "0.weight"
+    assert twin._names(model[0].weight) == "0.weight"
 
 
 def test_a_reused_id_does_not_inherit_a_stale_name():
     scaler = lossscale.GradScaler(model=[("gone", torch.zeros(3))])  # freed at once; its id may come back
     fresh = [torch.zeros(3) for _ in range(64)]
-    assert all(scaler._name_of(t) is None for t in fresh)
+    assert all(scaler._names(t) is None for t in fresh)
 
 
 def test_name_parameters_refuses_what_is_not_a_tensor():

@@ -276,6 +276,16 @@ class GradientCheck:
             flags.read_overflow()
         return flags
 
+    def clip_unscaled_(self, optimizer, max_norm: float, norm_type: float, norm_group: Any = None) -> torch.Tensor:
+        """A disabled scaler's ``clip_grad_norm_``: torch's clip, or where the gradients are spread over
+        ranks the same reduced norm as when enabled, at scale 1 (exact). Returns the norm."""
+        gathered = self.gather(optimizer, allow_half=True, coalesce=True)
+        reduce_norm, counted = _distributed.norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
+        if reduce_norm is None:
+            return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
+        one = torch.ones((), device=gathered.all_params[0].grad.device if gathered.all_params else "cpu")
+        return _clip.clip_scaled_(gathered.grads, one, max_norm, norm_type, counted, reduce_norm)[0]
+
     def clip_(self, gathered: Gathered, scale: torch.Tensor, max_norm: float, norm_type: float, *, sync: bool,
               needs_amax: bool, bad_loss: Optional[torch.Tensor] = None, norm_group: Any = None):
         """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``.

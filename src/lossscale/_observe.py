@@ -15,6 +15,7 @@ oldest unread one is dropped (its streak is still counted in the newer ones).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from . import _device
 from ._state import TensorState
 
-__all__ = ["Observer"]
+__all__ = ["Observer", "StuckCheck"]
 
 SLOTS = 4
 
@@ -86,3 +87,74 @@ class Observer:
             evidence, slot.evidence = slot.evidence, None
             out.append((*t.decode(slot.buffer), evidence))
         return out
+
+
+class StuckCheck:
+    """When training is stuck (the policy's ``is_stuck``), warn once per streak or raise (``on_stuck``).
+
+    It sees every state the host learns: at once after an update the host ran itself (the synced
+    path), and through the :class:`Observer` ring one or more updates late after a device update.
+    ``describe(evidence, scale_before)`` builds the one-line first cause of the step that tripped it
+    (it syncs; called only when stuck). Under CUDA-graph capture or torch.compile nothing reaches the
+    host: :meth:`capture_warning` says so once, and :meth:`now` is the eager point.
+    """
+
+    def __init__(self, record_event: Callable = _device.record_event):
+        self.observer = Observer(record_event=record_event)
+        self.warned_streak = False
+        self.warned_capture = False
+
+    def reset(self) -> None:
+        """Forget pending snapshots and the streak (after a checkpoint load)."""
+        self.observer.reset()
+        self.warned_streak = False
+
+    def after_device_update(self, t: TensorState, clean: bool, evidence: Any, policy, describe: Callable,
+                            tracing: bool) -> List[Tuple[object, float, Any]]:
+        """React to every landed snapshot of earlier updates, then queue this one's (none when the
+        host knows the step was clean); returns the states it read (oldest first)."""
+        landed = self.observer.poll()
+        for state, scale_before, kept in landed:
+            self.react(policy, state, scale_before, kept, describe, tracing, stacklevel=4)
+        if clean:
+            self.warned_streak = False
+        else:
+            self.observer.push(t, evidence)
+        return landed
+
+    def now(self, policy, t: TensorState, describe: Callable, tracing: bool) -> None:
+        """Run the check on the device state now (one sync)."""
+        state, scale_before = t.decode(t.buffer.cpu())
+        self.react(policy, state, scale_before, None, describe, tracing, stacklevel=4)
+
+    def react(self, policy, state, scale_before: float, evidence: Any, describe: Callable, tracing: bool,
+              stacklevel: int = 4) -> None:
+        """Warn (once per streak) or raise if ``state`` says the run is stuck."""
+        from .diagnosis import diagnose
+
+        if state.overflow_streak == 0:
+            self.warned_streak = False
+            return
+        if not policy.is_stuck(state, scale_before) or policy.on_stuck == "ignore":
+            return
+        message = diagnose(policy, state, tracing=tracing)
+        if evidence is not None:
+            # Rare (the run is stuck): one sync to say where the stuck step's trouble began.
+            message += "\nThe step that tripped this check: " + describe(evidence, scale_before)
+        if policy.on_stuck == "raise":
+            raise RuntimeError(message)
+        if not self.warned_streak:
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+            self.warned_streak = True
+
+    def capture_warning(self) -> None:
+        """Say once that the check is off inside a CUDA-graph capture or torch.compile. Under
+        torch.compile the warning breaks the first trace's graph only: the flag is then True, dynamo's
+        guard on it recompiles once, and later traces have no break."""
+        if not self.warned_capture:
+            self.warned_capture = True
+            warnings.warn(
+                "lossscale: update() runs inside a CUDA-graph capture or torch.compile, where the host cannot "
+                "read the device, so the stuck check (on_stuck) is off for these updates. Call "
+                "scaler.check_stuck() eagerly now and then (e.g. every few hundred steps; one sync) to run it.",
+                RuntimeWarning, stacklevel=3)

@@ -136,3 +136,69 @@ class TensorState:
     def to_state(self) -> ScaleState:
         """The pure state. Syncs host and device (one small copy)."""
         return self.decode(self.buffer.cpu())[0]
+
+
+class StateKeeper:
+    """Where the policy state lives: on the host (``mirror``) and on device (``t``).
+
+    The host knows the state before the device state exists, after a load, and after every update
+    whose flags it knew (it ran the pure rule); a tensor rule on device makes the mirror unknown
+    (None) until :meth:`state` reads the device. After an update captured in a CUDA graph or compiled
+    (``graphed``), replays move the device state alone: the host never trusts a copy again.
+
+    Args:
+        state: the initial state; ``device_type``: the device type the scaler was built for, or None.
+    """
+
+    def __init__(self, state: ScaleState, device_type=None):
+        self.mirror: "ScaleState | None" = state
+        self.t: "TensorState | None" = None
+        self.graphed = False
+        self.device_type = device_type
+
+    @property
+    def device(self):
+        """Where the device state lives (None before it exists)."""
+        return None if self.t is None else self.t.device
+
+    def ensure(self, device: torch.device) -> TensorState:
+        """The device state, created on ``device`` from the host's state at first use."""
+        if self.t is None:
+            if self.device_type is not None and device.type != self.device_type:
+                raise ValueError(f"GradScaler(device={self.device_type!r}) was given a tensor on {device}; pass "
+                                 f"device={device.type!r} or device=None to infer it.")
+            self.t = TensorState(self.mirror, device)
+        return self.t
+
+    def require(self, call: str) -> TensorState:
+        """The device state; RuntimeError naming ``call`` before the first ``scale()``."""
+        if self.t is None:
+            raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() first in the "
+                               "iteration.")
+        return self.t
+
+    def state(self) -> ScaleState:
+        """The state: free where the host knows it, else one sync."""
+        if self.mirror is not None:
+            return self.mirror
+        state = self.t.to_state()
+        if not self.graphed:
+            self.mirror = state
+        return state
+
+    def set(self, state: ScaleState, synced: bool = False) -> None:
+        """Make ``state`` the state, on the host and (one copy, in place) on device. ``synced``: the
+        iteration synced, so the staging buffer of the last copy is free."""
+        if self.t is not None:
+            if self.t.state_type is type(state):
+                self.t.load_(state, staging_free=synced)
+            else:
+                self.t = TensorState(state, self.t.device)
+        self.mirror = None if self.graphed else state
+
+    def cap_growth_tracker(self, limit: int) -> None:
+        """Keep the growth tracker below ``limit`` (a lowered growth interval)."""
+        if self.t is not None:
+            self.t.growth_tracker.clamp_(max=limit - 1)
+        if self.mirror is not None:
+            self.mirror = self.mirror.replace(growth_tracker=min(self.mirror.growth_tracker, limit - 1))

@@ -34,7 +34,7 @@ from .dynamic import DynamicPolicy
 from ._validate import plain_number
 from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
 
-__all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
+__all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "TELEMETRY_KEY", "to_dict", "load", "telemetry_iteration"]
 
 STATE_DICT_VERSION = 2
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -49,6 +49,21 @@ def to_dict(policy, state: ScaleState) -> Dict[str, Any]:
         "policy": policy.config(),
         "state": dataclasses.asdict(state),
     }
+
+
+#: The key of the telemetry's iteration count (its sampling phase), present with telemetry on.
+TELEMETRY_KEY = "telemetry_iteration"
+
+
+def telemetry_iteration(state_dict: Dict[str, Any]):
+    """The telemetry's iteration count a state dict holds (None when absent), validated."""
+    value = state_dict.get(TELEMETRY_KEY)
+    if value is None:
+        return None
+    value = plain_number(TELEMETRY_KEY, value, integral=True)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"state dict '{TELEMETRY_KEY}'={state_dict[TELEMETRY_KEY]!r} must be an int >= 0.")
+    return value
 
 
 def load(state_dict: Any, current) -> Tuple[Any, ScaleState]:

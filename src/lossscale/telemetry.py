@@ -77,6 +77,23 @@ class Telemetry:
         self.scale_used: Optional[torch.Tensor] = None
         self._warned_dtype = False  # gradients of a dtype the statistics do not measure: said once
 
+    @classmethod
+    def from_arg(cls, telemetry) -> Optional["Telemetry"]:
+        """A ``GradScaler(telemetry=...)`` argument as a Telemetry: None/False (off), an int N (every N
+        iterations), a dict of Telemetry arguments, or a Telemetry."""
+        if telemetry is None or telemetry is False:
+            return None
+        if isinstance(telemetry, Telemetry):
+            return telemetry
+        if isinstance(telemetry, int) and not isinstance(telemetry, bool):
+            return cls(every=telemetry)
+        if isinstance(telemetry, dict):
+            return cls(**telemetry)
+        raise ValueError(
+            f"telemetry={telemetry!r} must be None, an int (collect every N iterations), a dict of "
+            "Telemetry arguments, or a lossscale.Telemetry."
+        )
+
     def due(self) -> bool:
         """Whether this iteration is sampled."""
         return self.iteration % self.every == 0

@@ -1,0 +1,58 @@
+"""How the scaler drives an optimizer's step: torch's two contracts for optimizers that unscale themselves.
+
+* ``_step_supports_amp_scaling`` (torch's fused Adam, AdamW, SGD, Adagrad): the optimizer reads the
+  attributes ``grad_scale`` (the scale its gradients carry, or None when already unscaled) and
+  ``found_inf`` (a float32 0-dim tensor: it skips on device exactly when it is 1.0), set for the
+  duration of its ``step()``;
+* the older ``step(grad_scaler=...)`` keyword (torch is deprecating it): the optimizer asks the scaler
+  itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Dict
+
+__all__ = ["supports_amp_scaling", "takes_grad_scaler", "step_with_flags"]
+
+# Optimizer step functions (a handful per process, alive as long as their classes): a plain dict, which
+# torch.compile traces (a WeakKeyDictionary lookup does not survive tracing).
+_GRAD_SCALER_KWARG: Dict[Any, bool] = {}
+
+
+def supports_amp_scaling(optimizer) -> bool:
+    """Whether the optimizer unscales and skips by itself (torch's fused optimizers)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def takes_grad_scaler(step) -> bool:
+    """Whether ``step`` takes ``grad_scaler=``, cached per function: ``inspect.signature`` costs
+    ~100 us, more than the rest of a small fused step."""
+    func = getattr(step, "__func__", step)
+    found = _GRAD_SCALER_KWARG.get(func)
+    if found is None:
+        found = _GRAD_SCALER_KWARG[func] = "grad_scaler" in inspect.signature(step).parameters
+    return found
+
+
+def step_with_flags(optimizer, scale, found_inf, unscaled: bool, args, kwargs):
+    """``optimizer.step(*args, **kwargs)`` with ``grad_scale``/``found_inf`` set for its duration.
+
+    ``scale``: the scale the gradients carry (None is passed when ``unscaled``); a ``grad_scale`` the
+    user set on the optimizer is multiplied in, as torch does.
+    """
+    user_scale = getattr(optimizer, "grad_scale", None)
+    optimizer.grad_scale = user_scale if unscaled else scale if user_scale is None else scale * user_scale
+    optimizer.found_inf = found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
+
+
+def warn_grad_scaler_contract() -> None:
+    """The deprecated ``grad_scaler=`` contract is in use: say so (once per call site)."""
+    warnings.warn("lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; prefer "
+                  "optimizers that read grad_scale/found_inf.", FutureWarning, stacklevel=3)

@@ -1,0 +1,77 @@
+"""Why a step was skipped: the first-cause report (``GradScaler.overflow_report``) from one iteration's evidence.
+
+The scaler keeps, for every iteration that may have been skipped, what the report needs as device
+tensors (no sync while training): the loss check's value, the losses, the trace's snapshot, the
+per-parameter amax vectors and the scale the step ran with. :func:`report` reads them (it syncs),
+names what held inf and NaN, and says in one line whether the scale or the model and data were the
+cause.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from . import formats
+
+__all__ = ["NOT_SKIPPED", "keep_evidence", "report", "explain", "names_of"]
+
+#: The report of a step that was not skipped.
+NOT_SKIPPED = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
+               "cause": "the last step was not skipped."}
+
+
+def names_of(values: List[float], params: List[torch.Tensor], name_of: Callable) -> Dict[str, List[str]]:
+    """``{"inf": [...], "nan": [...]}``: the parameters whose value is inf / NaN."""
+    inf, nan = [], []
+    for p, v in zip(params, values):
+        name = name_of(p) or f"param {tuple(p.shape)}"
+        if math.isnan(v):
+            nan.append(name)
+        elif math.isinf(v):
+            inf.append(name)
+    return {"inf": inf, "nan": nan}
+
+
+def keep_evidence(iteration, flags, trace, scale: Optional[float]) -> Dict[str, Any]:
+    """What the report of a possibly skipped iteration needs, kept on device (no sync): the loss check
+    and the losses (``iteration``: :class:`lossscale._iteration.Iteration`), the per-parameter amax
+    vectors of its checks (``flags``), the trace's snapshot, the scale where the host knows it."""
+    return dict(loss_bad=iteration.loss_check, losses=iteration.losses, scale=scale, trace=trace,
+                source=[(f.params, f.amax_vectors) for f in flags if f.amax_vectors])
+
+
+def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[float]) -> Dict[str, Any]:
+    """The report dict (see ``GradScaler.overflow_report``) from one iteration's ``evidence``; ``scale``:
+    the scale the step ran with where the evidence does not hold it. Syncs host and device."""
+    out = dict(NOT_SKIPPED, inf=[], nan=[])
+    for params, vectors in evidence.get("source") or []:
+        values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
+        for key, names in names_of(values, params, name_of).items():
+            out[key].extend(names)
+    loss_check = evidence.get("loss_bad")
+    if loss_check is not None and bool(torch.isnan(loss_check).item()):
+        out["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in evidence["losses"]) else "inf"
+    if evidence.get("trace") is not None and tracer is not None:
+        out.update(tracer.names_of(evidence["trace"]))
+    out["scale"] = evidence["scale"] if evidence.get("scale") is not None else scale
+    out["cause"] = explain(out)
+    return out
+
+
+def explain(rep: Dict[str, Any]) -> str:
+    """A one-line diagnosis of a skipped step from the report's fields."""
+    kind = "NaN" if rep["nan"] or rep["loss"] == "nan" else "inf"
+    scale = "?" if rep["scale"] is None else formats.pow2_label(rep["scale"])
+    if rep["forward"] is not None:
+        return (f"inf/NaN first appeared in the forward output of `{rep['forward']}` (before any scaling): "
+                "a model or data problem, not the loss scale (kept).")
+    if rep["loss"] != "finite":
+        return (f"the loss itself was {rep['loss']} before scaling: a data or model problem (a bad batch, "
+                "log of 0, an overflowed fp16 activation), not the loss scale (kept).")
+    if rep["backward"] is not None:
+        return f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: the loss scale (backed off)."
+    where = ", ".join(rep["nan"] + rep["inf"])[:200] or "some gradient"
+    return f"{kind} in the gradients ({where}) at scale {scale}: the loss scale (backed off)."
