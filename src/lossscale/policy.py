@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 from ._validate import SMALLEST_SCALE, plain_number
