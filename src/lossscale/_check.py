@@ -60,7 +60,7 @@ class Flags:
         amax: max|g| of the scaled gradients for policies that need it, else None.
         host_found: the skip decision as a host bool where it was synced, else None (on device).
         host_nan, host_bad, host_amax: where it was synced, the rest of what the policy reads, on the
-            host (found_nan and bad_loss are read only on an overflow: a clean step has neither).
+            host (``host_nan`` None: an overflow whose NaN is learned on device, after the decision).
         bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling on
             some rank; None when the scaler does not check. ``found_inf`` includes it (the step is
             skipped), and the policy learns from it that the scale was not the cause.
@@ -73,7 +73,7 @@ class Flags:
     amax: Optional[torch.Tensor] = None
     host_found: Optional[bool] = None
     bad_loss: Optional[torch.Tensor] = None
-    host_nan: bool = False
+    host_nan: Optional[bool] = False
     host_bad: bool = False
     host_amax: Optional[float] = None
     params: List[torch.Tensor] = field(default_factory=list)
@@ -95,21 +95,31 @@ class Flags:
             self.flag_vector = torch.stack([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
         return self.flag_vector
 
-    def read_found(self, needs_amax: bool) -> bool:
-        """THE sync of this optimizer's iteration: the skip decision (and the amax a policy needs) on
-        the host. Returns the decision."""
-        if needs_amax:
-            found, self.host_amax = torch.stack([self.found_inf, self.amax]).tolist()
-        else:
-            found = self.found_inf.item()
-        self.host_found = bool(found)
-        return self.host_found
+    def read(self, needs_amax: bool, nan_known: bool) -> bool:
+        """THE sync of this optimizer's iteration: the skip decision on the host, with what the policy's
+        pure rule needs besides (the bad loss, the amax of a measuring policy, and NaN where it is
+        known already: ``nan_known``) in the same read. Returns the decision.
 
-    def read_overflow(self) -> None:
-        """On an overflow only (a second sync, rare): NaN and the bad loss on the host as well."""
-        bad = torch.zeros_like(self.found_nan) if self.bad_loss is None else self.bad_loss.to(self.found_nan.dtype)
-        nan, bad = torch.stack([self.found_nan, bad]).tolist()
-        self.host_nan, self.host_bad = bool(nan), bool(bad)
+        One ``.item()``, as torch's: the 0/1 flags ride in one number, ``overflow + 2 nan + 4 bad``,
+        and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
+        (an overflow's code is then negative). Where NaN is learned only after the decision (torch's
+        check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
+        goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
+        """
+        code = self.found_inf
+        if nan_known:
+            code = torch.add(code, self.found_nan, alpha=2)
+        if self.bad_loss is not None:
+            code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
+        if needs_amax:
+            code = torch.where(self.found_inf > 0, -code, self.amax.to(code.dtype))
+        value = code.item()
+        bits = int(-value) if needs_amax and value < 0 else 0 if needs_amax else int(value)
+        self.host_found = bool(bits & 1)
+        self.host_nan = bool(bits & 2) if nan_known else (None if self.host_found else False)
+        self.host_bad = bool(bits & 4)
+        self.host_amax = value if needs_amax and not self.host_found else None
+        return self.host_found
 
 
 class GradientCheck:
@@ -269,11 +279,9 @@ class GradientCheck:
             vector, amax = self.reduce_vector(_kernels.flag_vector(amax, bad_loss), amax if needs_amax else None)
             flags = Flags.from_vector(vector, amax, params=params, amax_vectors=amax_vectors)
         # Decided on reduced values only, so every rank takes the same path to the collective below.
-        if sync and flags.read_found(needs_amax):
-            if nan_pending:
-                flags.amax_vectors, local = _kernels.amax_per_tensor(groups, device)
-                _, flags.found_nan, _, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
-            flags.read_overflow()
+        if sync and flags.read(needs_amax, nan_known=not nan_pending) and nan_pending:
+            flags.amax_vectors, local = _kernels.amax_per_tensor(groups, device)
+            _, flags.found_nan, _, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
         return flags
 
     def clip_unscaled_(self, optimizer, max_norm: float, norm_type: float, norm_group: Any = None) -> torch.Tensor:
@@ -307,8 +315,8 @@ class GradientCheck:
         flags = Flags(found_inf, found_nan, amax, params=[gathered.params[i] for i in order],
                       amax_vectors=[per_tensor] if order else [])
         self._with_bad_loss(flags, reduced_bad)
-        if sync and flags.read_found(needs_amax):
-            flags.read_overflow()
+        if sync:
+            flags.read(needs_amax, nan_known=True)
         return true_norm, flags
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["host_buffer", "record_event", "capturing", "reciprocal", "copy_to_host_", "copy_from_host_"]
+__all__ = ["host_buffer", "record_event", "wait", "capturing", "reciprocal", "copy_to_host_", "copy_from_host_"]
 
 _NO_FLOAT64 = ("mps",)
 
@@ -37,6 +37,9 @@ class _Done:
     def query(self) -> bool:
         """Always complete."""
         return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
 
 
 _DONE = _Done()
@@ -71,6 +74,12 @@ def record_event(device: torch.device):
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def wait(event) -> None:
+    """Block until ``event`` (from :func:`record_event`) has completed: a sync, unless it already has."""
+    if not event.query():
+        event.synchronize()
 
 
 def capturing(device: torch.device) -> bool:

@@ -155,6 +155,7 @@ class StateKeeper:
         self.t: "TensorState | None" = None
         self.graphed = False
         self.device_type = device_type
+        self._pending_nan = None  # (host buffer, event): an overflow's NaN flag on its way to the host
 
     @property
     def device(self):
@@ -180,21 +181,48 @@ class StateKeeper:
     def state(self) -> ScaleState:
         """The state: free where the host knows it, else one sync."""
         if self.mirror is not None:
+            self.resolve()
             return self.mirror
         state = self.t.to_state()
+        self._pending_nan = None  # the device counters hold it already
         if not self.graphed:
             self.mirror = state
         return state
 
-    def set(self, state: ScaleState, synced: bool = False) -> None:
+    def set(self, state: ScaleState, synced: bool = False, nan=None) -> None:
         """Make ``state`` the state, on the host and (one copy, in place) on device. ``synced``: the
-        iteration synced, so the staging buffer of the last copy is free."""
+        iteration synced, so the staging buffer of the last copy is free.
+
+        ``nan``: a float32 0/1 device flag that an overflow ``state`` counted as inf held NaN, learned
+        after the host's decision (torch's check+unscale kernel cannot tell them apart). The device
+        counters take it now (two adds); the host's copy takes it from a non-blocking copy, by the
+        next sync (:meth:`resolve`), so an overflow costs no second sync.
+        """
         if self.t is not None:
             if self.t.state_type is type(state):
                 self.t.load_(state, staging_free=synced)
             else:
                 self.t = TensorState(state, self.t.device)
         self.mirror = None if self.graphed else state
+        self._pending_nan = None
+        if nan is not None and self.t is not None:
+            self.t.totals[2].add_(nan)   # nan_steps (inf_steps is skipped - nan)
+            self.t.streaks[1].add_(nan)  # streak_nan_steps: this step is in the current streak
+            buffer = _device.host_buffer(nan)
+            _device.copy_to_host_(buffer, nan)
+            self._pending_nan = (buffer, _device.record_event(nan.device))
+
+    def resolve(self) -> None:
+        """Take a pending NaN flag into the host's copy (waits for its copy only if it has not landed)."""
+        if self._pending_nan is None or self.mirror is None:
+            return
+        buffer, event = self._pending_nan
+        self._pending_nan = None
+        _device.wait(event)
+        if buffer.tolist():  # host memory: no device read (a CPU counter would take .item() for one)
+            m = self.mirror
+            self.mirror = m.replace(nan_steps=m.nan_steps + 1, inf_steps=m.inf_steps - 1,
+                                    streak_nan_steps=m.streak_nan_steps + 1)
 
     def cap_growth_tracker(self, limit: int) -> None:
         """Keep the growth tracker below ``limit`` (a lowered growth interval)."""

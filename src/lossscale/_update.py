@@ -18,17 +18,27 @@ from ._check import Flags
 from ._validate import plain_number
 from .policy import SMALLEST_SCALE, ScaleState, count, count_tensor, f32
 
-__all__ = ["host_rule", "device_rule", "validate_new_scale"]
+__all__ = ["host_rule", "pending_nan", "device_rule", "validate_new_scale"]
 
 
 def host_rule(policy, before: ScaleState, flags: List[Flags], new_scale) -> ScaleState:
-    """The state after this iteration by the policy's pure rule, from the flags the checks read."""
+    """The state after this iteration by the policy's pure rule, from the flags the checks read. An
+    overflow whose NaN is not known on the host yet counts as inf here (see :func:`pending_nan`)."""
     found_inf = any(f.host_found for f in flags)
     found_nan, bad_loss = any(f.host_nan for f in flags), any(f.host_bad for f in flags)
     if new_scale is not None:  # the iteration still happened: count it; torch leaves the trackers alone
         return (count(before, found_inf, found_nan, bad_loss) if flags else before).replace(scale=f32(new_scale))
     amaxes = [f.host_amax for f in flags if f.host_amax is not None]
     return policy.update(before, found_inf, found_nan, max(amaxes) if amaxes else None, bad_loss)
+
+
+def pending_nan(flags: List[Flags]):
+    """The device flag of the NaN that :func:`host_rule` could not know (None when it knew): the
+    checks that overflowed before they could tell NaN from inf."""
+    pending = [f.found_nan for f in flags if f.host_nan is None]
+    if not pending or any(f.host_nan for f in flags):  # none, or a NaN the host knows counts already
+        return None
+    return pending[0] if len(pending) == 1 else torch.stack(pending).amax()
 
 
 def device_rule(policy, t, flags: List[Flags], new_scale) -> None:

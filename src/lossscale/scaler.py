@@ -44,7 +44,7 @@ from ._observe import StuckCheck
 from ._optimizers import step_with_flags, supports_amp_scaling, takes_grad_scaler, warn_grad_scaler_contract
 from ._outputs import map_tensors, refuse_unscalable
 from ._state import StateKeeper
-from ._update import device_rule, host_rule, validate_new_scale
+from ._update import device_rule, host_rule, pending_nan, validate_new_scale
 from ._validate import plain_bool, plain_number
 from .policy import Policy, ScaleState
 from .static import StaticPolicy
@@ -429,7 +429,9 @@ class GradScaler:
         host = skipped is not None and before is not None and not self._s.graphed and not isinstance(
             new_scale, torch.Tensor)
         if host:  # one copy to the device; this iteration synced, so the staging buffer is free
-            self._s.set(host_rule(self._policy, before, flags, new_scale), synced=bool(flags))
+            self._s.resolve()  # a NaN pending from an earlier overflow has landed: this iteration synced
+            before = self._s.mirror
+            self._s.set(host_rule(self._policy, before, flags, new_scale), synced=bool(flags), nan=pending_nan(flags))
         else:
             device_rule(self._policy, t, flags, new_scale)
             self._s.mirror = None
@@ -440,7 +442,8 @@ class GradScaler:
             self._telemetry.iteration += 1
         evidence, tracing = self._evidence if skipped is not False else None, self._tracer is not None
         if host:
-            self._stuck.react(self._policy, self._s.mirror, before.scale, evidence if skipped else None,
+            after = self._s.mirror if not self._policy.is_stuck(self._s.mirror, before.scale) else self._s.state()
+            self._stuck.react(self._policy, after, before.scale, evidence if skipped else None,
                               self._describe, tracing, stacklevel=3)
         elif not capturing:
             self._stuck.after_device_update(t, skipped is False, evidence, self._policy, self._describe, tracing)
