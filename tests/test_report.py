@@ -395,3 +395,35 @@ def test_report_legends_name_the_key_as_logged(tmp_path, monkeypatch):
     text = (out / "index.html").read_text()
     assert "param/0" not in text and "one layer each (grad/&lt;layer&gt;/...)" in text
     assert schema.read_jsonl(str(_sparse_run(tmp_path))).layer_key("param", "0", "flushed_frac") == "grad/0/flushed_frac"
+
+
+# ------------------------------------------------------------------ input a report must survive (issue 19)
+def _write_lines(path, lines):
+    with open(path, "wb") as fh:
+        for line in lines:
+            fh.write(line if isinstance(line, bytes) else (line + "\n").encode())
+
+
+def test_a_line_that_is_not_utf8_is_one_bad_line(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _write_lines(path, [schema.dumps_record(r) for r in _records(5)] + [b"\xff\xfe not text\n"])
+    with pytest.warns(UserWarning, match=r"line \d+: not UTF-8"):
+        tel = schema.read_jsonl(str(path))
+    assert len(tel.step) == 5
+
+
+def test_deeply_nested_json_is_one_bad_line(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _write_lines(path, [schema.dumps_record(r) for r in _records(5)] + ["[" * 100_000 + "]" * 100_000])
+    with pytest.warns(UserWarning, match=r"line \d+: nested too deeply"):
+        tel = schema.read_jsonl(str(path))
+    assert len(tel.step) == 5
+
+
+def test_a_layer_named_like_mathtext_is_drawn_as_written(tmp_path):
+    path = tmp_path / "run.jsonl"
+    recs = [{"step": i, "loss_scale": 65536.0, "act/$\\foo$/flushed_frac": 0.1, "act/$\\foo$/headroom_bits": 3.0}
+            for i in range(5)]
+    _write_lines(path, [schema.dumps_record(r) for r in recs])
+    render_run_report(str(path), str(tmp_path / "out"))
+    assert (tmp_path / "out" / "layers_act.png").exists()

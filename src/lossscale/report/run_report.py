@@ -128,6 +128,12 @@ def steps_text(summary: Dict[str, Any]) -> str:
     return f"{summary['steps']} steps ({span})"
 
 
+def _plain(label: str) -> str:
+    """A name from the run as matplotlib text: a ``$`` would start mathtext (``$\\foo$`` in a layer's
+    name made the whole report fail), so each one is escaped to print as it is."""
+    return label.replace("$", r"\$")
+
+
 def describe(key: str, layer: Optional[str] = None, logged: Optional[str] = None) -> str:
     """What a summary figure is, naming the JSONL series it is computed over.
 
@@ -197,8 +203,8 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
         if not (fl or hr):
             continue
         # The overall series first: drawn thick, and the one the overflow line is drawn from.
-        fl = {f"{layer} ({tel.layer_key(kind, layer, 'flushed_frac')})": v for layer, v in fl.items()}
-        hr = {f"{layer} ({tel.layer_key(kind, layer, 'headroom_bits')})": v for layer, v in hr.items()}
+        fl = {_plain(f"{layer} ({tel.layer_key(kind, layer, 'flushed_frac')})"): v for layer, v in fl.items()}
+        hr = {_plain(f"{layer} ({tel.layer_key(kind, layer, 'headroom_bits')})"): v for layer, v in hr.items()}
         prefixes = sorted({key.split("/", 1)[0] for (k, _, _), key in tel.layer_keys.items() if k == kind})
         thick = []
         if fl and f"{overall}/flushed_frac" in tel.metrics:

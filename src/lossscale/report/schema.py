@@ -251,14 +251,19 @@ def read_jsonl(path: str, *, strict: bool = False) -> Telemetry:
     step record raises ValueError.
     """
     records: List[Tuple[int, Any]] = []
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
+    with open(path, "rb") as fh:  # bytes: one line that is not UTF-8 is one bad line, not a failed report
+        for i, raw in enumerate(fh, 1):
+            if not raw.strip():
                 continue
             try:
-                records.append((i, json.loads(line)))
+                records.append((i, json.loads(raw.decode("utf-8"))))
+            except UnicodeDecodeError:
+                records.append((i, _Unparsable("not UTF-8 text; one JSON object per line is expected.")))
             except json.JSONDecodeError as e:
                 records.append((i, _Unparsable(f"not a JSON object ({e.msg}); one JSON object per line is expected.")))
+            except RecursionError:  # the json module recurses once per nesting level
+                records.append((i, _Unparsable("nested too deeply to read; one flat JSON object per line is "
+                                               "expected.")))
     tel = _parse(records, path, not strict, Telemetry())
     if not tel.step:
         skipped = f" ({len(tel.bad_lines)} bad lines skipped, first: line {tel.bad_lines[0][0]}: " \
