@@ -41,7 +41,7 @@ def test_the_public_surface_is_pinned():
     assert lossscale.__all__ == [
         "GradScaler", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
         "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
-        "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale", "ActivationGradRecorder",
+        "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale", "ActivationGradRecorder",
         "activation_grad_probe", "Telemetry", "JsonlLogger",
     ]
 

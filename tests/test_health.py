@@ -309,3 +309,266 @@ def test_gaps_count_every_skip_exactly(kinds_drawn, every, name):
         assert a.verdict == "stuck"
     if every == 1:
         assert a == b
+
+
+def test_a_nan_learned_after_the_step_joins_its_streak():
+    # The host may count an overflow as inf and learn its NaN at the next sync (the same step's state,
+    # one more NaN): the account takes the news into the streak it belongs to.
+    policy = DynamicPolicy(init_scale=2.0)
+    s, h = policy.init_state(), Health(policy.init_state())
+    for i in range(6):
+        before, s = s.scale, policy.update(s, found_inf=True)  # counted as inf
+        h.record(policy, s, before)
+        s = s.replace(nan_steps=s.nan_steps + 1, inf_steps=s.inf_steps - 1, streak_nan_steps=s.streak_nan_steps + 1)
+        if i % 2:
+            h.record(policy, s, before)  # the news alone (k == 0) ...
+    r = h.report(policy, s)  # ... or with the next state
+    assert (r.verdict, kinds(r)) == ("stuck", {"persistent_nan": 6})
+    before, s = s.scale, policy.update(s, found_inf=False)
+    h.record(policy, s, before)
+    assert kinds(h.report(policy, s)) == {"persistent_nan": 6}
+
+
+# --------------------------------------------------------------------------------- the scaler
+class Blowup(torch.nn.Module):
+    """Multiplies by ``factor``: inf makes this module's forward output (and the loss) non-finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):  # noqa: D102
+        return x * self.factor
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), Blowup(), torch.nn.Linear(8, 2))
+
+
+def _optimizer(model, fused):
+    if fused:
+        return torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def _train(scaler, model, fused, n, inf=(), nan=(), bad=(), opt=None):
+    """``n`` iterations; an inf / NaN written into a gradient at the steps in ``inf`` / ``nan`` (a finite
+    loss), a non-finite forward at the steps in ``bad`` (a bad batch). Returns the optimizer."""
+    opt = opt or _optimizer(model, fused)
+    for step in range(n):
+        model[2].factor = math.inf if step in bad else 1.0
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
+        if step in inf or step in nan:
+            model[0].weight.grad[0, 0] = math.inf if step in inf else math.nan
+        scaler.step(opt)
+        scaler.update()
+    return opt
+
+
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adam"])
+
+
+@FUSED
+def test_the_scaler_counts_each_kind_on_both_paths(fused):
+    # Calibration (3 overflows at the start), two bad batches, a clean end: healthy.
+    model = _model()
+    scaler = lossscale.GradScaler(model=model, trace=True)
+    _train(scaler, model, fused, 40, inf=(0, 1, 2), bad=(10, 30))
+    r = scaler.health()
+    assert (r.verdict, kinds(r), r.steps, r.streak) == ("healthy", {"calibration": 3, "bad_batch": 2}, 40, 0)
+    assert r.scale == 2.0**13 and r.steps_since_overflow == 37
+    # With trace=True each bad batch's first cause, read only now.
+    assert [s for s, _ in r.causes] == [11, 31]
+    assert all("forward output of `2`" in cause for _, cause in r.causes)
+    assert "First causes of the last bad batches: step 11: inf/NaN first appeared in the forward output" in r.text
+
+
+@FUSED
+def test_the_scaler_reports_persistent_nan_and_a_run_stuck_at_min_scale(fused):
+    for kind in ("nan", "inf"):
+        model = _model()
+        scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, on_stuck="ignore")
+        steps = range(5, 15)
+        _train(scaler, model, fused, 15, **{kind: steps})
+        r = scaler.health()
+        expected = {"persistent_nan": 10} if kind == "nan" else {"overflow": 10}
+        assert (r.verdict, kinds(r), r.streak, r.scale) == ("stuck", expected, 10, 1.0), kind
+        # It steps again: recovering, then healthy once SETTLE clean steps have passed.
+        _train(scaler, model, fused, SETTLE - 1)
+        assert scaler.health().verdict == "recovering"
+        _train(scaler, model, fused, 1)
+        assert scaler.health().verdict == "healthy"
+
+
+@FUSED
+def test_a_clean_run_and_a_stuck_warning_that_points_to_health(fused):
+    model = _model()
+    scaler = lossscale.GradScaler(model=model)
+    _train(scaler, model, fused, 10)
+    r = scaler.health()
+    assert (r.verdict, r.steps, r.skipped, r.scale_held) == ("healthy", 10, 0, 10)
+    scaler = lossscale.GradScaler(model=model, init_scale=1.0)
+    with pytest.warns(RuntimeWarning, match=r"scaler\.health\(\) tells the run's skips apart"):
+        _train(scaler, model, fused, 3, inf=(1, 2))
+
+
+def test_telemetry_gives_the_flushed_share_and_a_load_restarts_the_account():
+    model = _model()
+    scaler = lossscale.GradScaler(model=model, telemetry=2)
+    _train(scaler, model, False, 5, inf=(0,))
+    r = scaler.health()
+    assert r.flushed == scaler.metrics()["grad/flushed_frac"] and r.flushed_step == 4
+    assert "of the gradients sampled at iteration 4 flush to zero" in r.text
+    saved = scaler.state_dict()
+    scaler.load_state_dict(saved)
+    _train(scaler, model, False, 3, inf=(1,))
+    r = scaler.health()
+    assert kinds(r) == {"earlier": 1, "calibration": 1} and r.steps == 8 and r.calibrating
+
+
+def test_health_adds_no_sync_to_an_iteration_and_syncs_once_itself():
+    from lossscale._sync import count_host_syncs
+
+    model = _model()
+    scaler = lossscale.GradScaler(model=model)
+    opt = _train(scaler, model, True, 2)
+    with count_host_syncs() as syncs:
+        _train(scaler, model, True, 6, inf=(2,), bad=(4,), opt=opt)
+    assert syncs.count == 0  # fused Adam: the account reads the stuck check's snapshots, nothing else
+    with count_host_syncs() as syncs:
+        r = scaler.health()
+    assert syncs.count <= 1 and kinds(r) == {"calibration": 1, "bad_batch": 1}  # (a CPU read counts 0)
+
+
+def test_a_disabled_scaler_and_copies():
+    assert lossscale.GradScaler(enabled=False).health().verdict == "disabled"
+    assert lossscale.GradScaler().health().text.startswith("lossscale health: healthy. No step yet.")
+    model = _model()
+    scaler = lossscale.GradScaler(model=model, trace=True)
+    _train(scaler, model, False, 4, bad=(1,))
+    twin = copy.deepcopy(scaler)  # the kept evidence stays with the original
+    assert len(scaler.health().causes) == 1 and twin.health().causes == ()
+    assert kinds(twin.health()) == kinds(pickle.loads(pickle.dumps(scaler)).health()) == {"bad_batch": 1}
+
+
+# --------------------------------------------------------------------------------- integrations
+INTEGRATION_STEPS, INTEGRATION_K = 6, 2  # an inf injected into step 2's gradient: a calibration skip
+
+
+@pytest.fixture
+def _accelerate_state():
+    pytest.importorskip("accelerate")
+    from _integration_models import fresh_accelerate_state
+
+    yield from fresh_accelerate_state.__wrapped__()
+
+
+def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_thread, _accelerate_state):
+    pytest.importorskip("transformers")
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    from _integration_models import INIT_SCALE, InfAt, TokenData, tiny_gpt2
+    from lossscale.integrations import transformers as ls_transformers
+
+    model = tiny_gpt2()
+    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, per_device_train_batch_size=2,
+                             max_steps=INTEGRATION_STEPS, logging_steps=3, save_strategy="no", report_to=[],
+                             disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenData(2 * INTEGRATION_STEPS, length=8))
+    scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE)
+    InfAt(model.transformer.h[0].mlp.c_fc.weight, [INTEGRATION_K])
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.trainer")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        out = trainer.train()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # The numbers: in train()'s metrics and the final log_history entry (so in every report_to logger).
+    expected = scaler.health().metrics(prefix="scaler/health/")
+    assert expected["scaler/health/calibration"] == expected["scaler/health/skipped"] == 1
+    assert {k: out.metrics[k] for k in expected} == expected
+    final = trainer.state.log_history[-1]
+    assert "train_runtime" in final and {k: final[k] for k in expected} == expected
+    assert not any(k.startswith("scaler/health/") for h in trainer.state.log_history[:-1] for k in h)
+    # The paragraph: in the Trainer's own logger, at INFO (healthy).
+    texts = [r.getMessage() for r in records if r.getMessage().startswith("lossscale health:")]
+    assert texts == [scaler.health().text] and records[-1].levelno == logging.INFO
+    assert "1 while the scale calibrated" in texts[0]
+
+
+# Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
+@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypatch):
+    L = pytest.importorskip("lightning")
+    import lightning.pytorch.utilities.rank_zero as rank_zero
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from _integration_models import INIT_SCALE, InfAt, dataset, mlp, read_tensorboard
+    from lossscale.integrations.lightning import MixedPrecision
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x).float(), y)
+
+        def test_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+    said = []
+    monkeypatch.setattr(rank_zero, "rank_zero_info", lambda text: said.append(("info", text)))
+    monkeypatch.setattr(rank_zero, "rank_zero_warn", lambda text: said.append(("warn", text)))
+    module, plugin = Module(), MixedPrecision(init_scale=INIT_SCALE)
+    InfAt(module.net[2].weight, [INTEGRATION_K])
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=INTEGRATION_STEPS, plugins=[plugin], logger=logger,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=INTEGRATION_STEPS)
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(INTEGRATION_STEPS), batch_size=8))
+    report = plugin.scaler.health()
+    assert said == [("info", report.text)] and kinds(report) == {"calibration": 1}
+    tb = read_tensorboard(logger.log_dir)
+    assert tb["scaler/health/calibration"] == [(INTEGRATION_STEPS, 1.0)]
+    assert tb["scaler/health/verdict"] == [(INTEGRATION_STEPS, 0.0)]
+    trainer.test(module, torch.utils.data.DataLoader(dataset(2), batch_size=8), verbose=False)
+    assert len(said) == 1  # only the end of a fit
+
+
+def test_accelerate_log_health_prints_and_logs(capsys, one_thread, _accelerate_state):
+    from accelerate import Accelerator
+
+    from _integration_models import INIT_SCALE, InfAt, batch, mlp
+    from lossscale.integrations import accelerate as ls_accelerate
+
+    with pytest.raises(ValueError, match="attach"):
+        ls_accelerate.log_health(Accelerator(mixed_precision="fp16"))
+    accelerator = Accelerator(mixed_precision="fp16")
+    ls_accelerate.attach(accelerator, init_scale=INIT_SCALE)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = accelerator.prepare(model, opt)
+    InfAt(model[2].weight, [INTEGRATION_K])
+    for step in range(INTEGRATION_STEPS):
+        x, y = batch(step)
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x).float(), y))
+        opt.step()
+        opt.zero_grad()
+    report = ls_accelerate.log_health(accelerator, step=INTEGRATION_STEPS)
+    assert (report.verdict, kinds(report), report.steps) == ("healthy", {"calibration": 1}, INTEGRATION_STEPS)
+    assert capsys.readouterr().out.strip() == report.text

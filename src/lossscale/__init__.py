@@ -18,6 +18,7 @@ from .adaptive import AdaptivePolicy, AdaptiveState
 from .dynamic import DynamicPolicy, DynamicState
 from .logmax import LogMaxPolicy, LogMaxState
 from .diagnosis import diagnose
+from .health import HealthReport
 from .policy import Policy, ScaleState, is_power_of_two
 from .static import StaticPolicy, StaticState
 
@@ -50,6 +51,7 @@ __all__ = [
     "LogMaxState",
     "ScaleState",
     "diagnose",
+    "HealthReport",
     "is_power_of_two",
     "formats",
     "grad_stats",

@@ -263,10 +263,10 @@ class Health:
         """Account for the updates up to ``state`` (an update's result; ``scale_before``: the scale that
         update ran with). ``cause``: that update's evidence of a first cause, kept if it was a bad batch."""
         k = state.steps - self._steps
-        if k <= 0:
-            if k == 0 and state.scale != self._scale:  # update(new_scale=...) without a check: not a step
-                self._moved(state)
-            return  # k < 0: a snapshot older than what was seen (the host path got ahead of the ring)
+        if k < 0:
+            return  # a snapshot older than what was seen (the host path got ahead of the ring)
+        # k == 0: no step, but news of the last one (a NaN learned after the host counted the overflow
+        # as inf), or update(new_scale=...) without a check, which moves only the scale.
         if self._calibrating and settle_steps(policy) == 0:
             self._calibrating = False
         skips = state.skipped_steps - self._skipped
@@ -283,7 +283,7 @@ class Health:
             self._add(streak, cur_nan, cur_bad, state.steps)
         else:
             self._add(skips, nan, bad, state.steps)
-        if state.overflow_streak and not self._open.stuck:
+        if k and state.overflow_streak and not self._open.stuck:
             self._open.stuck = bool(policy.is_stuck(state, scale_before))
         if state.scale != self._scale:
             self._moved(state)
@@ -300,24 +300,23 @@ class Health:
         self._scale = state.scale
 
     def _add(self, skips: int, nan: int, bad: int, last: int) -> None:
-        """``skips`` more skips in the open streak (``bad`` of them bad batches, ``nan`` with NaN), the
-        last at step ``last``."""
-        if skips <= 0:
-            return
+        """``skips`` more skips in the open streak (``bad`` of them bad batches), the last at step
+        ``last``; ``nan``: NaN steps counted since the last record, these skips' and any learned late
+        for the streak's earlier ones (bad batches are taken to be the NaN ones)."""
         streak = self._open
-        streak.skips += skips
         overflows = skips - bad
-        if overflows <= 0:
-            return
-        streak.nan += min(overflows, max(0, nan - bad))  # bad batches taken to be the NaN ones
-        if self._calibrating:
-            streak.calibration += overflows
-        else:
-            if self._grown_at is not None and last - self._grown_at <= SETTLE and not streak.steady:
-                streak.probe = 1
-            streak.steady += overflows
-        self._grown_at = None
-        self._last_overflow = last
+        if skips > 0:
+            streak.skips += skips
+        if overflows > 0:
+            if self._calibrating:
+                streak.calibration += overflows
+            else:
+                if self._grown_at is not None and last - self._grown_at <= SETTLE and not streak.steady:
+                    streak.probe = 1
+                streak.steady += overflows
+            self._grown_at = None
+            self._last_overflow = last
+        streak.nan = min(streak.calibration + streak.steady, streak.nan + max(0, nan - bad))
 
     def _close(self, clean_at: int) -> None:
         """The open streak ended with a clean step at ``clean_at``: classify its skips."""

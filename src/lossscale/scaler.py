@@ -46,6 +46,7 @@ from ._outputs import map_tensors, refuse_unscalable
 from ._state import StateKeeper
 from ._update import device_rule, host_rule, pending_nan, validate_new_scale
 from ._validate import plain_bool, plain_number
+from .health import Health, HealthReport, disabled as health_disabled
 from .policy import Policy, ScaleState
 from .static import StaticPolicy
 from .telemetry import Telemetry
@@ -164,6 +165,7 @@ class GradScaler:
         self._check = GradientCheck(self._names, _distributed.validate_group(process_group))
         self._it = Iteration()
         self._stuck = StuckCheck()
+        self._health = Health(self._s.state())  # the run-health account (lossscale.health), fed by update()
         self._last = LastUpdate()
         self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
         self._last_report: Optional[Dict[str, Any]] = None
@@ -443,16 +445,38 @@ class GradScaler:
         evidence, tracing = self._evidence if skipped is not False else None, self._tracer is not None
         if host:
             after = self._s.mirror if not self._policy.is_stuck(self._s.mirror, before.scale) else self._s.state()
+            self._health.record(self._policy, after, before.scale, evidence if skipped and tracing else None)
             self._stuck.react(self._policy, after, before.scale, evidence if skipped else None,
                               self._describe, tracing, stacklevel=3)
         elif not capturing:
-            self._stuck.after_device_update(t, skipped is False, evidence, self._policy, self._describe, tracing)
+            for state, scale_before, kept in self._stuck.after_device_update(
+                    t, skipped is False, evidence, self._policy, self._describe, tracing):
+                self._health.record(self._policy, state, scale_before, kept if tracing else None)
         else:
             self._stuck.capture_warning()
 
     # ------------------------------------------------------------------ diagnosis
     def _describe(self, evidence, scale_before: Optional[float]) -> str:
         return _overflow.report(evidence, self._names, self._tracer, scale_before)["cause"]
+
+    def health(self) -> HealthReport:
+        """The run's health: every skip classified (the scale calibrating, an overflow in steady
+        training, a bad batch, persistent NaN), the steps since the last overflow, how long the scale
+        has held, the flushed share (telemetry on), and a verdict with what to do (:mod:`lossscale.health`).
+
+        Built from what :meth:`update` already computes: training pays no sync for it. Reading it syncs
+        once for the state where the host does not know it (fused optimizers), once more with telemetry
+        on (the last sampled figures, this rank's own: never a collective), once per kept first cause
+        (``trace=True``). Not inside a CUDA-graph capture.
+        """
+        if not self._enabled:
+            return health_disabled()
+        known = self._s.mirror is not None and self._s.mirror.steps == self._health.seen
+        state, before = (self._s.state(), None) if known else self._s.t.decode(self._s.t.buffer.cpu())
+        sampled = self._telemetry is not None and self._telemetry.overall is not None
+        return self._health.report(self._policy, state, before,
+                                   self._telemetry.overall.flushed_frac if sampled else None,
+                                   self._telemetry.step_collected if sampled else None, self._describe)
 
     def check_stuck(self) -> None:
         """Run the stuck check on the state now (warn or raise per ``on_stuck``). Syncs host and device.
@@ -673,6 +697,7 @@ class GradScaler:
         self._s.set(state)
         self.discard_iteration()
         self._stuck.reset()
+        self._health.reset(state)
         self._last, self._evidence, self._last_report = LastUpdate(), None, None
 
     def discard_iteration(self) -> None:

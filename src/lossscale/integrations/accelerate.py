@@ -18,6 +18,10 @@ What it changes in accelerate (1.x; line numbers are accelerate 1.15.0's):
   a fused optimizer always runs and skips inside its kernel (accelerate issue #4242). Reading the
   flag costs one host sync per step for fused optimizers (none otherwise), paid once.
 
+At the end of training, ``log_health(accelerator)`` prints the scaler's run-health account
+(``scaler.health()``: which skips were the scale calibrating, which were bad batches, whether
+training is healthy now) on the main process and logs its numbers to the accelerator's trackers.
+
 Tested with accelerate 1.15.0 on CPU; see docs/integrations.md.
 """
 
@@ -27,7 +31,7 @@ from typing import Any
 
 from . import _require
 
-__all__ = ["attach"]
+__all__ = ["attach", "log_health"]
 
 _SKIP_AWARE_NAME = "SkipAwareAcceleratedOptimizer"
 
@@ -94,6 +98,29 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     accelerator.native_amp = True
     accelerator.prepare_optimizer = _reporting_prepare_optimizer(accelerator.prepare_optimizer)
     return scaler
+
+
+def log_health(accelerator, step=None):
+    """Report the run's health at the end of training; returns the ``lossscale.health.HealthReport``.
+
+    Prints its paragraph on the main process (``accelerator.print``) and logs its numbers, prefixed
+    ``scaler/health/``, to the accelerator's trackers (``accelerator.log``, at ``step`` when given;
+    nothing when there are none). One host sync (two with telemetry on). Call it on every process,
+    after the training loop, on an accelerator that :func:`attach` prepared.
+    """
+    _require("accelerate")
+    from accelerate import Accelerator
+
+    from .loggers import scalars
+
+    scaler = _attached(accelerator, None, {}) if isinstance(accelerator, Accelerator) else None
+    if scaler is None:
+        raise ValueError(f"accelerator={accelerator!r} has no lossscale scaler: call "
+                         "lossscale.integrations.accelerate.attach(accelerator) before prepare(...).")
+    report = scaler.health()
+    accelerator.print(report.text)
+    accelerator.log(scalars(report.metrics(prefix=""), prefix="scaler/health/"), step=step)
+    return report
 
 
 def _attached(accelerator, scaler, scaler_kwargs):

@@ -20,12 +20,17 @@ They are Lightning's own ``MixedPrecision`` plugins (lightning 2.x; line numbers
   otherwise). Epoch-interval schedulers step as before.
 * ``Trainer``: ``scaler.metrics()`` go to the module's loggers (``scaler/...``) at the Trainer's
   logging steps only (``log_every_n_steps``), so reading them costs one sync per logged step.
+* ``Trainer``: at the end of fit (the plugin's ``teardown``, pytorch/trainer/trainer.py:1085, before
+  the loggers are finalized), ``scaler.health()``: its numbers to the loggers (``scaler/health/...``)
+  and its paragraph to Lightning's console log (``rank_zero_info`` when healthy, ``rank_zero_warn``
+  otherwise).
 * Checkpoints: the plugin's state is the scaler's ``state_dict()``, saved under the key
   "MixedPrecision" as Lightning's own plugin does; either plugin loads the other's checkpoints.
   With Fabric, put the scaler in the state you save: ``fabric.save(path, {..., "scaler": plugin.scaler})``.
 
 Fabric steps no schedulers itself: wrap yours with ``lossscale.schedulers.skip_aware(scheduler,
-plugin.scaler)``, and log ``plugin.scaler.metrics()`` with ``fabric.log_dict``.
+plugin.scaler)``, log ``plugin.scaler.metrics()`` with ``fabric.log_dict``, and at the end
+``fabric.print(plugin.scaler.health())``.
 
 The classes are built on first access, so importing this module does not import Lightning.
 Tested with lightning 2.6.6 on CPU; see docs/integrations.md.
@@ -33,6 +38,7 @@ Tested with lightning 2.6.6 on CPU; see docs/integrations.md.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from . import _require
@@ -100,6 +106,20 @@ def _check_device(device_type: str, tensor) -> None:
                          f"forward did not run in FP16; pass device={tensor.device.type!r} to the plugin.")
 
 
+def _log_health(trainer, scaler) -> None:
+    """``scaler.health()`` at the end of fit: its numbers to the Trainer's loggers, its paragraph to
+    Lightning's console log (info when healthy, a warning otherwise)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    from .loggers import scalars
+
+    report = scaler.health()
+    figures = scalars(report.metrics(prefix=""), prefix="scaler/health/")
+    for logger in trainer.loggers:
+        logger.log_metrics(figures, step=trainer.global_step)  # rank zero only (logger.py's decorator)
+    (rank_zero_info if report.verdict == "healthy" else rank_zero_warn)(report.text)
+
+
 def _builder(name):
     def register(fn):
         _BUILDERS[name] = fn
@@ -124,13 +144,15 @@ def _trainer_plugin():
                 what to use instead.
             **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
 
-        Interval-"step" LR schedulers do not advance on skipped steps, and the scaler's metrics go to
-        the module's loggers at logging steps. Given to ``Fabric``, it raises ``RuntimeError``: use
-        ``FabricMixedPrecision`` there. See :mod:`lossscale.integrations.lightning`.
+        Interval-"step" LR schedulers do not advance on skipped steps, the scaler's metrics go to
+        the module's loggers at logging steps, and its health account is logged at the end of fit.
+        Given to ``Fabric``, it raises ``RuntimeError``: use ``FabricMixedPrecision`` there. See
+        :mod:`lossscale.integrations.lightning`.
         """
 
         def __init__(self, scaler=None, device=None, *, precision: str = _FP16, **scaler_kwargs: Any) -> None:
             super().__init__(*_plugin_args(scaler, device, precision, scaler_kwargs))
+            self._fitting = None  # the Trainer whose fit stepped the optimizer (weakly), until teardown
 
         def convert_module(self, module):
             """Refuse Fabric (whose setup() calls this first), then Lightning's own convert_module."""
@@ -146,6 +168,7 @@ def _trainer_plugin():
         def optimizer_step(self, optimizer, model, closure, **kwargs: Any):
             """Lightning's step (closure, unscale, step, update), with skip-aware schedulers and logging."""
             trainer = model.trainer
+            self._fitting = weakref.ref(trainer)
             for config in trainer.lr_scheduler_configs:
                 # training_epoch_loop.py:486 steps interval-"step" schedulers after every optimizer
                 # step, skipped or not; before the first one this wraps them (same objects).
@@ -158,6 +181,14 @@ def _trainer_plugin():
                 figures = {f"scaler/{k}": float(v) for k, v in self.scaler.metrics().items()}
                 model.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
             return out
+
+        def teardown(self) -> None:
+            """Log the scaler's health after a fit that stepped (strategy.py:537 calls this when a
+            stage ends, before the loggers are finalized), then Lightning's own teardown."""
+            trainer, self._fitting = (None if self._fitting is None else self._fitting()), None
+            if trainer is not None:
+                _log_health(trainer, self.scaler)
+            super().teardown()
 
     return MixedPrecision
 

@@ -12,8 +12,11 @@ The Trainer runs on accelerate: this is :func:`lossscale.integrations.accelerate
 included, so the Trainer's ``if not accelerator.optimizer_step_was_skipped: lr_scheduler.step()``
 (trainer.py:1949, transformers 5.24.0) holds the LR on skipped steps), plus a callback that adds
 ``scaler.metrics()`` (prefixed ``scaler/``) to the Trainer's training logs: ``trainer.state.log_history``
-and every ``report_to`` logger. The Trainer's checkpoints already save and restore the scaler
-(``scaler.pt``, trainer.py:3605 and 4023, loaded with ``weights_only=True``).
+and every ``report_to`` logger. At the end of training it adds the scaler's run-health account
+(``scaler.health().metrics()``, prefixed ``scaler/``) to the Trainer's final training log (the one
+with ``train_runtime``, trainer.py:2022), and writes its paragraph to the Trainer's own logger
+(``transformers.trainer``: INFO when healthy, WARNING otherwise). The Trainer's checkpoints already
+save and restore the scaler (``scaler.pt``, trainer.py:3605 and 4023, loaded with ``weights_only=True``).
 
 Tested with transformers 5.24.0 (accelerate 1.15.0) on CPU; see docs/integrations.md.
 """
@@ -35,7 +38,9 @@ def attach(trainer, scaler=None, **scaler_kwargs):
     otherwise train in FP32 without a word), and with the default fused AdamW: a skipped step does
     not advance the LR (one host sync per step for fused optimizers, to read the skip flag).
     ``scaler.metrics()`` appear in the Trainer's training logs under ``scaler/`` at its logging
-    steps (one host sync each); checkpoints and ``resume_from_checkpoint`` restore the scaler.
+    steps (one host sync each), and ``scaler.health()`` at the end of training (its numbers in the
+    final log, its paragraph in the Trainer's logger); checkpoints and ``resume_from_checkpoint``
+    restore the scaler.
 
     Called again on the same Trainer, it returns the same scaler (a different scaler or scaler
     keywords then raise ``ValueError``, as in :func:`lossscale.integrations.accelerate.attach`).
@@ -79,9 +84,11 @@ def _metrics_callback(trainer, scaler):
     trainer_ref = weakref.ref(trainer)
 
     class LossScaleCallback(TrainerCallback):
-        """Adds ``scaler.metrics()`` to the Trainer's training logs; checks the scaler is in place."""
+        """Adds ``scaler.metrics()`` to the Trainer's training logs and ``scaler.health()`` at the end of
+        training; checks the scaler is in place."""
 
         _lossscale = True
+        _health = None  # the end-of-training account, from the final log to on_train_end
 
         def on_train_begin(self, args, state, control, **kwargs):
             """Refuse to train if the Trainer rebuilt its accelerator after attach()."""
@@ -94,13 +101,32 @@ def _metrics_callback(trainer, scaler):
                                    "before trainer.train().")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            """Add the scaler's figures to a training log (the one with "loss")."""
-            if logs is None or "loss" not in logs:
+            """Add the scaler's figures to a training log (the one with "loss"), and its health account
+            to the final one (with "train_runtime")."""
+            if logs is None:
                 return
-            figures = {f"scaler/{k}": v for k, v in scaler.metrics().items()}
+            if "train_runtime" in logs:
+                # trainer.py:2022 logs the training's closing metrics (speed_metrics("train", ...)); the
+                # same dict is TrainOutput.metrics (trainer.py:2049), so the figures reach train()'s result.
+                self._health = scaler.health()
+                figures = self._health.metrics(prefix="scaler/health/")
+            elif "loss" in logs:
+                figures = {f"scaler/{k}": v for k, v in scaler.metrics().items()}
+            else:
+                return
             logs.update(figures)
             # trainer.py:4209-4211 appends a copy of `logs` (plus "step") to log_history, then calls on_log.
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(figures)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            """Write the health paragraph to the Trainer's logger (where "Training completed" goes,
+            trainer.py:2003): INFO when healthy, WARNING otherwise."""
+            report, self._health = self._health or scaler.health(), None
+            if state.is_world_process_zero:
+                from transformers.utils import logging as hf_logging
+
+                logger = hf_logging.get_logger("transformers.trainer")
+                (logger.info if report.verdict == "healthy" else logger.warning)(report.text)
 
     return LossScaleCallback()
