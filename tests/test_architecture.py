@@ -41,8 +41,8 @@ def test_the_public_surface_is_pinned():
     assert lossscale.__all__ == [
         "GradScaler", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
         "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
-        "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale", "ActivationGradRecorder",
-        "activation_grad_probe", "Telemetry", "JsonlLogger",
+        "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale",
+        "ActivationGradRecorder", "activation_grad_probe", "Telemetry", "JsonlLogger",
     ]
 
 
