@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 import lossscale
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 from lossscale.health import SETTLE, Health, HealthReport, settle_steps
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
+from test_stuck import _model  # Linear, Tanh, Blowup (factor=inf: a non-finite forward), Linear
 
 KINDS = ("calibration", "overflow", "bad_batch", "persistent_nan", "earlier")
 
@@ -330,22 +332,6 @@ def test_a_nan_learned_after_the_step_joins_its_streak():
 
 
 # --------------------------------------------------------------------------------- the scaler
-class Blowup(torch.nn.Module):
-    """Multiplies by ``factor``: inf makes this module's forward output (and the loss) non-finite."""
-
-    def __init__(self):
-        super().__init__()
-        self.factor = 1.0
-
-    def forward(self, x):  # noqa: D102
-        return x * self.factor
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), Blowup(), torch.nn.Linear(8, 2))
-
-
 def _optimizer(model, fused):
     if fused:
         return torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
@@ -457,15 +443,7 @@ def test_a_disabled_scaler_and_copies():
 INTEGRATION_STEPS, INTEGRATION_K = 6, 2  # an inf injected into step 2's gradient: a calibration skip
 
 
-@pytest.fixture
-def _accelerate_state():
-    pytest.importorskip("accelerate")
-    from _integration_models import fresh_accelerate_state
-
-    yield from fresh_accelerate_state.__wrapped__()
-
-
-def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_thread, _accelerate_state):
+def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_thread, fresh_accelerate_state):
     pytest.importorskip("transformers")
     import logging
 
@@ -550,7 +528,7 @@ def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypat
     assert len(said) == 1  # only the end of a fit
 
 
-def test_accelerate_log_health_prints_and_logs(capsys, one_thread, _accelerate_state):
+def test_accelerate_log_health_prints_and_logs(capsys, one_thread, fresh_accelerate_state):
     from accelerate import Accelerator
 
     from _integration_models import INIT_SCALE, InfAt, batch, mlp
