@@ -61,7 +61,7 @@ class Flags:
         host_found: the skip decision as a host bool where it was synced, else None (on device).
         host_nan, host_bad, host_amax: where it was synced, the rest of what the policy reads, on the
             host (``host_nan`` None: an overflow whose NaN is learned on device, after the decision).
-        bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling on
+        bad_loss: 0-dim (bool, or float32 0/1), the loss (or a traced forward output) was non-finite before scaling on
             some rank; None when the scaler does not check. ``found_inf`` includes it (the step is
             skipped), and the policy learns from it that the scale was not the cause.
         params, amax_vectors: the parameters in check order and per-parameter max|g| vectors
@@ -84,7 +84,7 @@ class Flags:
     @classmethod
     def from_vector(cls, vector: torch.Tensor, amax: Optional[torch.Tensor], **kwargs) -> "Flags":
         """Flags whose found_inf, found_nan and bad_loss are views of ``[1, overflow, nan, bad_loss]``."""
-        return cls(found_inf=vector[1], found_nan=vector[2], amax=amax, bad_loss=vector[3] > 0, flag_vector=vector,
+        return cls(found_inf=vector[1], found_nan=vector[2], amax=amax, bad_loss=vector[3], flag_vector=vector,
                    **kwargs)
 
     def vector(self) -> torch.Tensor:

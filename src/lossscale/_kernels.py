@@ -124,18 +124,30 @@ def amax_per_tensor(groups: Groups, device: torch.device) -> Tuple[List[torch.Te
     return vectors, overall
 
 
+#: Per device: a NaN and a zero, made once (each would be a launch per call, and a tensor made inside
+#: a CUDA-graph capture must outlive it).
+_CONSTANTS: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _nan_and_zero(like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    pair = _CONSTANTS.get(like.device)
+    if pair is None or pair[0].dtype != like.dtype:
+        pair = _CONSTANTS[like.device] = (torch.full_like(like, math.nan), torch.zeros_like(like))
+    return pair
+
+
 def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """``[1, overflow, nan, bad_loss]`` as float32 0/1 from a NaN-propagating max |g| and the loss
     check's value (NaN where a loss was non-finite before scaling, else 0; None: not checked).
 
-    One ``isnan`` over four values: ``amax - amax + loss_check`` is NaN exactly when the gradients
-    held an inf or a NaN or the loss was bad (the overflow, a bad loss included); ``amax`` itself when
-    they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives the leading 1 (the
-    step itself, for the counters: :func:`lossscale.policy.count_tensor`).
+    One ``isnan`` over four values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
+    an inf or a NaN (``inf * 0`` is NaN) or the loss was bad: the overflow, a bad loss included;
+    ``amax`` itself when they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives
+    the leading 1 (the step itself, for the counters: :func:`lossscale.policy.count_tensor`).
     """
-    bad = torch.zeros_like(amax) if loss_check is None else loss_check
-    nan = torch.full_like(amax, math.nan)
-    return torch.isnan(torch.stack([nan, amax - amax + bad, amax, bad])).float()
+    nan, zero = _nan_and_zero(amax)
+    bad = zero if loss_check is None else loss_check
+    return torch.isnan(torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad])).float()
 
 
 def flags_from_amax(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

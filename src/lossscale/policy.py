@@ -187,7 +187,8 @@ def count_tensor(t, flags) -> None:
     torch.where(t.overflow_streak == 0, t.scale, t.streak_start_scale, out=t.streak_start_scale)
     t.scale_before.copy_(t.scale)  # read by the stuck check: did this overflow happen at the floor?
     t.totals.add_(flags)
-    t.streaks.add_(flags[1:]).mul_(flags[1])  # a clean step (overflow 0) zeroes the streak
+    # streaks * overflow + [overflow, nan, bad]: +1 each during a streak; a clean step (all 0) zeroes them
+    torch.addcmul(flags[1:], t.streaks, flags[1], out=t.streaks)
 
 
 # ---------------------------------------------------------------------------------------- protocol
