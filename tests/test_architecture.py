@@ -251,3 +251,53 @@ def test_scale_keywords_come_from_the_policy_fields():
         lossscale.GradScaler(policy="static", hysteresis=0)
     with pytest.raises(ValueError, match="not a keyword of any scale policy"):
         lossscale.GradScaler(hysterisis=2)
+
+
+# ------------------------------------------------------------------ no import cycle
+def _intra_package_imports():
+    """``{module: modules of lossscale it imports}``, module-level and inside functions alike (a
+    lazy import that runs back up is a cycle all the same). A submodule's import of its own package
+    (``from . import x`` reads the package, which is already loading) is not an edge."""
+    import ast
+    import os
+
+    root = os.path.dirname(lossscale.__file__)
+    mods = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), os.path.dirname(root))[:-3].replace(os.sep, ".")
+                mods[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(dirpath, f)
+    graph = {}
+    for mod, path in mods.items():
+        pkg = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                deps.update(c for c in [base] + [f"{base}.{a.name}" for a in node.names] if c in mods)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in mods)
+        graph[mod] = {d for d in deps if d != mod and not mod.startswith(d + ".")}
+    return graph
+
+
+def test_no_import_cycle_anywhere_the_demo_included():
+    graph = _intra_package_imports()
+    assert "lossscale.demo.render" in graph and "lossscale.scaler" in graph
+    cycles = []
+
+    def visit(mod, path):
+        for dep in sorted(graph[mod]):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif len(path) < 40:
+                visit(dep, path + [dep])
+
+    for mod in sorted(graph):
+        visit(mod, [mod])
+    assert not cycles, cycles[:5]

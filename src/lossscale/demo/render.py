@@ -10,7 +10,7 @@ import math
 import os
 import re
 from dataclasses import asdict
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 from ..report import plots
 from ..report.html import Section, write_html
@@ -422,6 +422,14 @@ def _write_html(result, summary: Dict[str, Any], out_dir: str) -> None:
                + (" (quick run)" if cfg.quick else ""), summary=summary_rows, footer=foot)
 
 
+def uncapped_note(shift_log2: int, reached: Optional[float] = None) -> str:
+    """Why the dynamic run has no ``max_scale`` (the terminal says it under the run table)."""
+    got = "" if reached is None or not reached > 0 else f" (this run reached 2^{math.log2(reached):g})"
+    return ("dynamic: uncapped (max_scale=None), unlike GradScaler's default cap of 2^24. C6 checks that the\n"
+            f"  scale finds FP16's overflow line by itself; under the 2^-{shift_log2} loss shift that line lies above\n"
+            f"  2^24{got}.")
+
+
 def terminal_summary(summary: Dict[str, Any], out_dir: str) -> str:
     """The table printed at the end of ``lossscale demo``."""
     lines = ["", "claim  verdict    measured", "-----  ---------  " + "-" * 60]
@@ -433,8 +441,6 @@ def terminal_summary(summary: Dict[str, Any], out_dir: str) -> str:
         fs = r["final_scale"]
         lines.append(f"{name:<16} {pct(r['final_acc']):>8} {r['skipped_steps']:>8} {p2(fs):>9} {r['wall_s']:>5.1f}s")
     if "dynamic" in summary["runs"]:
-        from .run import uncapped_note
-
         dyn = summary["claims"].get("C6", {}).get("figures", {}).get("dynamic", {})
         reached = dyn.get("max_scale") if isinstance(dyn, dict) else None
         lines.append(uncapped_note(summary["config"]["shift_log2"],

@@ -19,12 +19,11 @@ bad_*          bad batches, torch's scaler against lossscale's (not a claim: see
 
 from __future__ import annotations
 
-import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,7 +34,7 @@ from . import claims as C
 from .observe import make_observer
 from .workload import Data, RunResult, RunSpec, TrainConfig, load_digits_data, reference_grads, steps_per_epoch, train
 
-__all__ = ["DemoConfig", "DemoResult", "run_demo", "execute", "header", "uncapped_note"]
+__all__ = ["DemoConfig", "DemoResult", "run_demo", "execute", "header"]
 
 
 @dataclass(frozen=True)
@@ -188,14 +187,6 @@ def header(cfg: DemoConfig, steps_per_epoch: int) -> List[str]:
         "  for it), so that this small model's gradients are as tiny as a deep network's and fall off FP16's",
         "  underflow cliff. FP32 is unaffected: it trains bit for bit as without the shift.",
     ]
-
-
-def uncapped_note(shift_log2: int, reached: Optional[float] = None) -> str:
-    """Why the dynamic run has no ``max_scale`` (the terminal says it under the run table)."""
-    got = "" if reached is None or not reached > 0 else f" (this run reached 2^{math.log2(reached):g})"
-    return ("dynamic: uncapped (max_scale=None), unlike GradScaler's default cap of 2^24. C6 checks that the\n"
-            f"  scale finds FP16's overflow line by itself; under the 2^-{shift_log2} loss shift that line lies above\n"
-            f"  2^24{got}.")
 
 
 def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> DemoResult:
