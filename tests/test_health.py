@@ -550,3 +550,20 @@ def test_accelerate_log_health_prints_and_logs(capsys, one_thread, fresh_acceler
     report = ls_accelerate.log_health(accelerator, step=INTEGRATION_STEPS)
     assert (report.verdict, kinds(report), report.steps) == ("healthy", {"calibration": 1}, INTEGRATION_STEPS)
     assert capsys.readouterr().out.strip() == report.text
+
+
+def test_a_lagging_device_drops_snapshots_and_the_account_still_adds_up():
+    # Events that complete only after 6 queries: the ring of 4 drops snapshots, and those it reads
+    # come late. The counters' deltas still count every skip; health() reads the state now.
+    from lossscale import _observe
+    from test_architecture import LateEvents
+
+    model = _model()
+    scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, on_stuck="ignore")
+    scaler._stuck.observer = _observe.Observer(record_event=LateEvents(lag=6))
+    opt = _train(scaler, model, True, 30, inf=(0, 1), bad=(12,))
+    r = scaler.health()
+    assert (r.verdict, kinds(r), r.steps) == ("healthy", {"calibration": 2, "bad_batch": 1}, 30)
+    _train(scaler, model, True, 10, nan=range(10), opt=opt)
+    r = scaler.health()
+    assert (r.verdict, kinds(r), r.streak) == ("stuck", {"calibration": 2, "bad_batch": 1, "persistent_nan": 10}, 10)
