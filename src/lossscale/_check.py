@@ -66,6 +66,8 @@ class Flags:
             skipped), and the policy learns from it that the scale was not the cause.
         params, amax_vectors: the parameters in check order and per-parameter max|g| vectors
             (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
+        loss_check: the loss check's value (NaN or 0) not yet folded into ``found_inf`` (one process,
+            synced: the host reads it with the decision; :meth:`fold` makes the device flags on demand).
     """
 
     found_inf: torch.Tensor
@@ -76,6 +78,7 @@ class Flags:
     host_nan: Optional[bool] = False
     host_bad: bool = False
     host_amax: Optional[float] = None
+    loss_check: Optional[torch.Tensor] = None
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
 
@@ -87,9 +90,18 @@ class Flags:
         return cls(found_inf=vector[1], found_nan=vector[2], amax=amax, bad_loss=vector[3], flag_vector=vector,
                    **kwargs)
 
+    def fold(self) -> "Flags":
+        """Fold a loss check still kept apart into ``found_inf`` and ``bad_loss`` (device ops, no
+        sync); returns self."""
+        if self.loss_check is not None:
+            bad = torch.isnan(self.loss_check).float()
+            self.found_inf, self.bad_loss, self.loss_check = torch.maximum(self.found_inf, bad), bad, None
+        return self
+
     def vector(self) -> torch.Tensor:
         """``[1, overflow, nan, bad_loss]`` as float32 0/1 on the flags' device: what a tensor rule
         takes (:func:`lossscale.policy.count_tensor`). ``found_inf`` already includes a bad loss."""
+        self.fold()
         if self.flag_vector is None:
             bad = torch.zeros_like(self.found_inf) if self.bad_loss is None else self.bad_loss.to(self.found_inf.dtype)
             self.flag_vector = torch.stack([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
@@ -109,13 +121,15 @@ class Flags:
         code = self.found_inf
         if nan_known:
             code = torch.add(code, self.found_nan, alpha=2)
-        if self.bad_loss is not None:
+        if self.loss_check is not None:  # kept apart: its NaN-or-0 becomes the bad-loss bit here
+            code = torch.add(code, torch.isnan(self.loss_check), alpha=4)
+        elif self.bad_loss is not None:
             code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
         if needs_amax:
-            code = torch.where(self.found_inf > 0, -code, self.amax.to(code.dtype))
+            code = torch.where(code > 0, -code, self.amax.to(code.dtype))
         value = code.item()
         bits = int(-value) if needs_amax and value < 0 else 0 if needs_amax else int(value)
-        self.host_found = bool(bits & 1)
+        self.host_found = bool(bits & 5)  # an inf/NaN gradient, or a bad loss
         self.host_nan = bool(bits & 2) if nan_known else (None if self.host_found else False)
         self.host_bad = bool(bits & 4)
         self.host_amax = value if needs_amax and not self.host_found else None
@@ -265,10 +279,16 @@ class GradientCheck:
             found = torch.zeros((), dtype=torch.float32, device=device)
             per_device = _kernels.check_and_unscale_(groups, _device.reciprocal(scale), found)
             found_inf = any_flag(per_device.values(), device)
-            flags = Flags(found_inf=None, found_nan=None, params=params)
-            # Every rank must feed the policy the same flags: they ride in one collective.
-            flags.found_inf, flags.found_nan, _, bad = self.reduce(found_inf, found_inf, None, self.bad_flag(bad_loss))
-            self._with_bad_loss(flags, bad)
+            if _distributed.resolve_group(self.process_group) is None:
+                # One process: the host reads the loss check with the decision (Flags.read); the device
+                # flags with it folded in are made only if something asks for them (Flags.fold).
+                flags = Flags(found_inf=found_inf, found_nan=found_inf, params=params, loss_check=bad_loss)
+            else:
+                flags = Flags(found_inf=None, found_nan=None, params=params)
+                # Every rank must feed the policy the same flags: they ride in one collective.
+                flags.found_inf, flags.found_nan, _, bad = self.reduce(found_inf, found_inf, None,
+                                                                       self.bad_flag(bad_loss))
+                self._with_bad_loss(flags, bad)
             nan_pending = True  # found_nan is a placeholder until an overflow is classified below
         else:
             # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.

@@ -22,6 +22,7 @@ import torch
 
 from . import _device
 from ._state import TensorState
+from .diagnosis import diagnose
 
 __all__ = ["Observer", "StuckCheck"]
 
@@ -130,8 +131,6 @@ class StuckCheck:
     def react(self, policy, state, scale_before: float, evidence: Any, describe: Callable, tracing: bool,
               stacklevel: int = 4) -> None:
         """Warn (once per streak) or raise if ``state`` says the run is stuck."""
-        from .diagnosis import diagnose
-
         if state.overflow_streak == 0:
             self.warned_streak = False
             return

@@ -111,8 +111,16 @@ class ScaleState:
     streak_start_scale: float = 0.0
 
     def replace(self, **changes) -> "ScaleState":
-        """A copy with ``changes`` applied (the state itself is frozen)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (the state itself is frozen). A field it does not have is a
+        TypeError, as ``dataclasses.replace``'s; this copy skips ``__init__`` (the host runs it every
+        step: ``dataclasses.replace`` costs ~15 us)."""
+        unknown = changes.keys() - self.__dict__.keys()
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     @property
     def last_step_skipped(self) -> bool:

@@ -169,6 +169,7 @@ class GradScaler:
         self._last = LastUpdate()
         self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
         self._last_report: Optional[Dict[str, Any]] = None
+        self._hint_checks = _hints.CALLS_CHECKED
         self._tracer = None
         if trace:
             from .trace import Tracer
@@ -266,7 +267,9 @@ class GradScaler:
         if not self._enabled:
             return outputs
         refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
-        _hints.warn_if_bf16(outputs, self._passthrough())
+        if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
+            self._hint_checks -= 1
+            _hints.warn_if_bf16(outputs, self._passthrough())
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
         self._it.begun = True
@@ -647,7 +650,8 @@ class GradScaler:
     def _found_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private accessor, used by some trainers: this iteration's found_inf per device."""
         rec = self._it.records.get(id(optimizer))
-        return {} if rec is None or rec.flags is None else {rec.flags.found_inf.device: rec.flags.found_inf}
+        flags = None if rec is None or rec.flags is None else rec.flags.fold()
+        return {} if flags is None else {flags.found_inf.device: flags.found_inf}
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private read-only check, used by some trainers."""
