@@ -118,13 +118,14 @@ class Flags:
         check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
         goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
         """
-        code = self.found_inf
-        if nan_known:
-            code = torch.add(code, self.found_nan, alpha=2)
-        if self.loss_check is not None:  # kept apart: its NaN-or-0 becomes the bad-loss bit here
-            code = torch.add(code, torch.isnan(self.loss_check), alpha=4)
-        elif self.bad_loss is not None:
-            code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
+        if self.flag_vector is not None:  # [1, overflow, nan, bad]: one dot gives the number
+            code = torch.dot(self.flag_vector[1:], _kernels.bit_weights(self.flag_vector))
+        else:
+            code = self.found_inf if not nan_known else torch.add(self.found_inf, self.found_nan, alpha=2)
+            if self.loss_check is not None:  # kept apart: its NaN-or-0 becomes the bad-loss bit here
+                code = torch.add(code, torch.isnan(self.loss_check), alpha=4)
+            elif self.bad_loss is not None:
+                code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
         if needs_amax:
             code = torch.where(code > 0, -code, self.amax.to(code.dtype))
         value = code.item()
@@ -327,14 +328,13 @@ class GradientCheck:
         if needs_amax:
             # max|g| of the *scaled* gradients, taken before anything below rewrites them.
             _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
-        true_norm, bad, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
-                                                               counted, reduce_norm)
-        found_inf, found_nan, amax, reduced_bad = self.reduce(bad[0], bad[1], amax, self.bad_flag(bad_loss))
+        true_norm, vector, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
+                                                                  counted, reduce_norm, loss_check=bad_loss)
+        vector, amax = self.reduce_vector(vector, amax)
         # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
         # holding a NaN and inf for one holding an inf, so it serves as an amax vector.
-        flags = Flags(found_inf, found_nan, amax, params=[gathered.params[i] for i in order],
-                      amax_vectors=[per_tensor] if order else [])
-        self._with_bad_loss(flags, reduced_bad)
+        flags = Flags.from_vector(vector, amax, params=[gathered.params[i] for i in order],
+                                  amax_vectors=[per_tensor] if order else [])
         if sync:
             flags.read(needs_amax, nan_known=True)
         return true_norm, flags

@@ -107,6 +107,7 @@ def validate(max_norm, norm_type) -> float:
 def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float, norm_type: float,
                  counted: Optional[List[bool]] = None,
                  reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 loss_check: Optional[torch.Tensor] = None,
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
     """Unscale and clip ``grads`` (the *scaled* gradients) in place by their true total norm.
 
@@ -118,11 +119,14 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
             which of ``grads`` this rank counts in the norm (the others are copies another rank
             counts), and the collective that turns the norm of the counted ones into the total.
             None (default): this rank's gradients are the whole.
+        loss_check: the loss check's value (NaN where a loss was non-finite before scaling, else 0),
+            or None: folded into the flags.
 
     Returns:
         ``(true_norm, flags, per_tensor, order)``: the total norm of the unscaled gradients (a
-        tensor: no sync; the same on every rank when reduced); ``flags``, float32 ``[non-finite,
-        NaN]`` of this rank's gradients, copies included (not reduced); the per-tensor norms of the
+        tensor: no sync; the same on every rank when reduced); ``flags``, the flag vector
+        ``[1, overflow, nan, bad_loss]`` (float32 0/1, :func:`lossscale._kernels.flag_vector`) of this
+        rank's gradients, copies included (not reduced); the per-tensor norms of the
         *scaled* gradients (a NaN or inf one names the tensor that held it, like an amax vector) and
         the index into ``grads`` of each, in that order.
     """
@@ -137,27 +141,26 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
             torch._foreach_mul_(tensors, _kernels.to_device(inv_scale, tensors[0].device))
         norms.extend(torch._foreach_norm(tensors, norm_type))
         order.extend(indices)
-    zero = torch.zeros((), dtype=torch.float32, device=device)
     first = grads[0].device if grads else device  # torch stacks the norms on the first gradient's device
     moved = [n.to(first) for n in norms]
     if not norms:
-        total = zero
+        total = torch.zeros((), dtype=torch.float32, device=device)
         per_tensor = torch.zeros(0, dtype=torch.float32, device=device)
     else:
         stacked = torch.stack(moved)
         total = torch.linalg.vector_norm(stacked, norm_type)
         per_tensor = _kernels.to_device(stacked.float(), device)
-    # [non-finite, NaN]: total - total is NaN exactly when total is inf or NaN (a norm is never
-    # -inf); one isnan gives both flags (torch.isfinite alone is four kernels on CPU).
-    bad = torch.isnan(torch.stack([total - total, total]))
-    overflow = bad[0]
+    # A norm is never -inf: the flag vector's isnan tells inf from NaN, the bad loss folded in.
+    bools = _kernels.flag_bools(total, None if loss_check is None else _kernels.to_device(loss_check, total.device))
+    overflow = bools[1]
     if reduce_norm is not None:
         # Sharded: the norm of the parts this rank counts, then one all-reduce to the total. Every
         # rank gets the same total, so every rank clips by the same coefficient.
         mine = [n for n, i in zip(moved, order) if counted is None or counted[i]]
         local = total
         if len(mine) < len(moved):
-            local = torch.linalg.vector_norm(torch.stack(mine), norm_type) if mine else zero.to(first)
+            local = (torch.linalg.vector_norm(torch.stack(mine), norm_type) if mine
+                     else torch.zeros((), dtype=torch.float32, device=first))
             # A copy counted elsewhere adds nothing, unless it holds inf/NaN: then so does the total,
             # on every rank, as in torch (copies should agree; one that does not is a fault).
             copies = torch.linalg.vector_norm(torch.stack([n for n, i in zip(moved, order) if not counted[i]]),
@@ -181,4 +184,4 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
         if m is None:
             m = per_device[target] = _kernels.to_device(multiplier, target)
         torch._foreach_mul_(tensors, m)
-    return true_norm, _kernels.to_device(bad.float(), device), per_tensor, order
+    return true_norm, _kernels.to_device(bools.float(), device), per_tensor, order

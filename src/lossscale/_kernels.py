@@ -136,6 +136,26 @@ def _nan_and_zero(like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return pair
 
 
+_WEIGHTS: Dict[torch.device, torch.Tensor] = {}
+
+
+def bit_weights(like: torch.Tensor) -> torch.Tensor:
+    """``[1, 2, 4]`` on ``like``'s device and dtype, made once: a flag vector's ``[overflow, nan, bad]``
+    dotted with it is one number that carries all three (``Flags.read``'s one ``.item()``)."""
+    w = _WEIGHTS.get(like.device)
+    if w is None or w.dtype != like.dtype:
+        # Made on the device (a copy from host memory would wait for it, and fail in a graph capture).
+        w = _WEIGHTS[like.device] = torch.exp2(torch.arange(3, dtype=like.dtype, device=like.device))
+    return w
+
+
+def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`flag_vector` as bools (before the float conversion)."""
+    nan, zero = _nan_and_zero(amax)
+    bad = zero if loss_check is None else loss_check
+    return torch.isnan(torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad]))
+
+
 def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """``[1, overflow, nan, bad_loss]`` as float32 0/1 from a NaN-propagating max |g| and the loss
     check's value (NaN where a loss was non-finite before scaling, else 0; None: not checked).
@@ -145,9 +165,7 @@ def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch
     ``amax`` itself when they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives
     the leading 1 (the step itself, for the counters: :func:`lossscale.policy.count_tensor`).
     """
-    nan, zero = _nan_and_zero(amax)
-    bad = zero if loss_check is None else loss_check
-    return torch.isnan(torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad])).float()
+    return flag_bools(amax, loss_check).float()
 
 
 def flags_from_amax(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

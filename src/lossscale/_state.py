@@ -215,6 +215,14 @@ class StateKeeper:
             self.mirror = state
         return state
 
+    def take(self, values) -> None:
+        """Learn the device state from a host copy of its buffer (the bytes as numbers, read by
+        someone else's transfer); the host knows it again, as after :meth:`state`."""
+        state = self.t.decode(torch.tensor([int(v) for v in values], dtype=torch.uint8))[0]
+        self._pending_nan = None
+        if not self.graphed:
+            self.mirror = state
+
     def set(self, state: ScaleState, synced: bool = False, nan=None) -> None:
         """Make ``state`` the state, on the host and (one copy, in place) on device. ``synced``: the
         iteration synced, so the staging buffer of the last copy is free.

@@ -553,6 +553,8 @@ class GradScaler:
         return self._last.flag(self._s.t) if flag is None else flag
 
     def _skipped_at_update(self) -> bool:
+        if self._last.skipped is None and self._s.mirror is not None:  # the host learned the state since
+            return self._s.mirror.overflow_streak > 0
         return self._last.was_skipped(self._s.t, self._s.graphed)
 
     @property
@@ -582,16 +584,23 @@ class GradScaler:
     def metrics(self) -> Dict[str, Union[int, float, bool]]:
         """A flat dict of numbers for any logger: ``loss_scale``, the :meth:`counters`,
         ``last_step_skipped``, and with telemetry the figures of the last sampled iteration
-        (``grad/flushed_frac``, ..., see :meth:`metric_labels`). Syncs at most once for the state
-        (:meth:`state`) and once for the telemetry; with telemetry reducing across ranks, a collective.
+        (``grad/flushed_frac``, ..., see :meth:`metric_labels`). Syncs at most once (the state, where
+        only the device knows it, rides in the telemetry's transfer); with telemetry reducing across
+        ranks, a collective.
         """
+        figures: Dict[str, Any] = {}
+        if self._telemetry is not None:
+            group = _distributed.resolve_group(self.process_group) if self._telemetry.wants_reduction() else None
+            # The state rides along in the telemetry's one transfer where only the device knows it.
+            also = [self._s.t.buffer] if self._enabled and self._s.mirror is None and self._s.t is not None else []
+            figures, riding = self._telemetry.metrics_with(group=group, device=self.device, also=also)
+            if riding:
+                self._s.take(riding[0])
         out: Dict[str, Any] = {"loss_scale": self.get_scale()}
         if self._enabled:
             out.update(self.counters())
         out["last_step_skipped"] = bool(self._enabled and self.last_step_skipped)
-        if self._telemetry is not None:
-            group = _distributed.resolve_group(self.process_group) if self._telemetry.wants_reduction() else None
-            out.update(self._telemetry.metrics(group=group, device=self.device))
+        out.update(figures)
         return out
 
     def metric_labels(self) -> Dict[str, str]:

@@ -299,27 +299,26 @@ class GradStats:
             self._cache["counts_tensor"] = t
         return t
 
+    def _packed(self) -> torch.Tensor:
+        """Everything the figures need in one float64 vector (the histogram too, for to_dict): float64
+        holds every count exactly (< 2^53) and the float32 amax exactly. No sync."""
+        return torch.cat([self.counts_tensor().to(torch.float64), self.amax_tensor.reshape(1).to(torch.float64),
+                          self.hist.to(torch.float64)])
+
+    def _take(self, values: List[float]) -> None:
+        """Cache the figures from a host copy of :meth:`_packed`."""
+        counts = [int(v) for v in values[:_NUM_ROWS]]
+        names = ("zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan", "error_bound")
+        fig = dict(zip(names, counts))
+        fig["numel"] = sum(counts[:_STRADDLE])
+        fig["amax"] = float(values[_NUM_ROWS])
+        fig["hist"] = {i: int(c) for i, c in enumerate(values[_NUM_ROWS + 1 :]) if c}
+        self._cache["figures"] = fig
+
     def _figures(self) -> Dict[str, Any]:
-        fig = self._cache.get("figures")
-        if fig is None:
-            # One transfer for everything (the histogram too, for to_dict): float64 holds every
-            # count exactly (< 2^53) and the float32 amax exactly.
-            packed = torch.cat(
-                [
-                    self.counts_tensor().to(torch.float64),
-                    self.amax_tensor.reshape(1).to(torch.float64),
-                    self.hist.to(torch.float64),
-                ]
-            )
-            values = packed.tolist()  # the one host sync
-            counts = [int(v) for v in values[:_NUM_ROWS]]
-            names = ("zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan", "error_bound")
-            fig = dict(zip(names, counts))
-            fig["numel"] = sum(counts[:_STRADDLE])
-            fig["amax"] = float(values[_NUM_ROWS])
-            fig["hist"] = {i: int(c) for i, c in enumerate(values[_NUM_ROWS + 1 :]) if c}
-            self._cache["figures"] = fig
-        return fig
+        if "figures" not in self._cache:
+            self._take(self._packed().tolist())  # the one host sync
+        return self._cache["figures"]
 
     @property
     def numel(self) -> int:
@@ -1033,3 +1032,29 @@ def recommend_scale(
     scale = math.ldexp(1.0, k)
     at = stats.at(scale, f)
     return ScaleRecommendation(scale, at.flushed, at.flushed_frac, at.headroom_bits, at.error_bound)
+
+
+def fetch_figures(stats: "Iterable[GradStats]", extras: Sequence[torch.Tensor] = ()) -> List[List[float]]:
+    """Read the figures of several statistics in one transfer (one sync where they share a device), for
+    a logger that reads them all (``Telemetry.metrics``: the overall figures and every group's), with
+    ``extras`` (small tensors on the statistics' device: the scale, the scaler's state) riding along;
+    returns the extras' values, each flattened to a list of floats. Statistics whose figures were read
+    already are left alone."""
+    pending: Dict[Any, List[GradStats]] = {}
+    for st in stats:
+        if "figures" not in st._cache:
+            pending.setdefault(st.hist.device, []).append(st)
+    extras = [e.reshape(-1).to(torch.float64) for e in extras]
+    ride = {id(e): None for e in extras}
+    for device, group in pending.items():
+        riding = [e for e in extras if ride[id(e)] is None and e.device == device]
+        packed = [st._packed() for st in group] + riding
+        values = torch.cat(packed).tolist()  # the one host sync for the device
+        offset = 0
+        for i, part in enumerate(packed):
+            chunk, offset = values[offset:offset + part.numel()], offset + part.numel()
+            if i < len(group):
+                group[i]._take(chunk)
+            else:
+                ride[id(part)] = chunk
+    return [ride[id(e)] if ride[id(e)] is not None else e.tolist() for e in extras]

@@ -20,12 +20,12 @@ import json
 import math
 import os
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import formats
-from .stats import GradStats, grad_stats
+from .stats import GradStats, fetch_figures, grad_stats
 
 __all__ = ["Telemetry", "JsonlLogger", "flatten_stats"]
 
@@ -164,12 +164,17 @@ class Telemetry:
         return {"grad/measured": self.measured} if self.overall is not None else {}
 
     def metrics(self, group=None, device: Optional[torch.device] = None) -> Dict[str, float]:
-        """Flat figures of the last sampled iteration (empty before the first). Syncs.
+        """Flat figures of the last sampled iteration (empty before the first). Syncs once.
 
         ``group``: the process group to sum the figures over (the scaler passes its own when
         :meth:`wants_reduction`); a collective then: every rank of it calls this at the same
         iterations. ``device``: where a rank without gradients makes its empty statistics.
         """
+        return self.metrics_with(group, device)[0]
+
+    def metrics_with(self, group=None, device: Optional[torch.device] = None, also: Sequence[torch.Tensor] = ()
+                     ) -> Tuple[Dict[str, float], List[List[float]]]:
+        """:meth:`metrics`, and the values of the tensors ``also`` read in the same transfer (one sync)."""
         overall, groups = self.overall, self.groups
         if group is not None:
             from .distributed import reduce_stats
@@ -181,14 +186,15 @@ class Telemetry:
                 groups = reduce_stats(groups, group)
             # the sampled step and its scale are the same on every rank (the scaler keeps them so)
         if overall is None:
-            return {}
+            return {}, [t.reshape(-1).tolist() for t in also]
+        # One transfer for every figure read below (the overall ones, each group's, the scale, ``also``).
+        scale, *riding = fetch_figures([overall, *groups.values()], [self.scale_used, *also])
         out = flatten_stats("grad", overall)
         out["grad/step"] = self.step_collected
-        if self.scale_used is not None:
-            out["grad/loss_scale"] = float(self.scale_used)
+        out["grad/loss_scale"] = float(scale[0])
         for name, s in groups.items():
             out.update(flatten_stats(f"grad/{name}", s))
-        return out
+        return out, riding
 
 
 class JsonlLogger:
