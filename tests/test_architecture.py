@@ -301,3 +301,24 @@ def test_no_import_cycle_anywhere_the_demo_included():
     for mod in sorted(graph):
         visit(mod, [mod])
     assert not cycles, cycles[:5]
+
+
+# ------------------------------------------------------------------ sizes (issue 22)
+def _lines(module) -> int:
+    import inspect
+
+    return len(inspect.getsource(module).splitlines())
+
+
+def test_policy_module_stays_small():
+    assert _lines(lossscale.policy) <= 400
+
+
+@pytest.mark.xfail(strict=True, reason="not met yet: GradScaler is ~660 lines and scaler.py ~740 (2026-12-01; "
+                                       "from 837 and 966 before the split)")
+def test_the_scaler_class_and_module_stay_small():
+    import inspect
+
+    from lossscale import scaler
+
+    assert len(inspect.getsource(scaler.GradScaler).splitlines()) <= 500 and _lines(scaler) <= 600
