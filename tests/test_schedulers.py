@@ -64,8 +64,9 @@ def test_the_lr_holds_on_the_skipped_step_in_either_order(order, optimizer, how)
     assert lrs == [0.05, 0.025, 0.025, 0.0125]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
-def test_last_step_skipped_between_step_and_update_is_this_steps_decision(optimizer):
+def _three_steps(optimizer):
+    """A linear model, its optimizer and a scaler; yields after each step() of three iterations whose
+    second has a NaN gradient (with whether it is bad): the caller checks, then calls update()."""
     model = torch.nn.Linear(3, 2)
     opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
            else torch.optim.Adam(model.parameters(), lr=0.1, fused=True))
@@ -75,11 +76,17 @@ def test_last_step_skipped_between_step_and_update_is_this_steps_decision(optimi
         if bad:
             model.weight.grad[0, 0] = math.nan
         scaler.step(opt)
+        yield scaler, opt, bad
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_last_step_skipped_between_step_and_update_is_this_steps_decision(optimizer):
+    for scaler, opt, bad in _three_steps(optimizer):
         assert scaler.last_step_skipped is bad
         assert scaler.step_was_skipped(opt) is bad
         scaler.update()
         assert scaler.last_step_skipped is bad
-        opt.zero_grad()
 
 
 def test_a_scheduler_stepped_before_the_optimizer_is_refused_with_what_to_do():
@@ -120,16 +127,8 @@ def test_two_optimizers_each_scheduler_follows_its_own_optimizer():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
 def test_skip_flag_is_a_host_bool_where_the_host_decided_and_a_device_flag_otherwise(optimizer):
-    model = torch.nn.Linear(3, 2)
     fused = optimizer == "fused_adam"
-    opt = (torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused
-           else torch.optim.SGD(model.parameters(), lr=0.1))
-    scaler = lossscale.GradScaler()
-    for bad in (False, True, False):
-        scaler.scale(model(torch.ones(1, 3)).sum()).backward()
-        if bad:
-            model.weight.grad[0, 0] = math.nan
-        scaler.step(opt)
+    for scaler, opt, bad in _three_steps(optimizer):
         for when in ("before update", "after update"):
             with count_host_syncs() as syncs:
                 flag = scaler.skip_flag(opt)
@@ -141,4 +140,3 @@ def test_skip_flag_is_a_host_bool_where_the_host_decided_and_a_device_flag_other
                 assert flag is bad, when
             if when == "before update":
                 scaler.update()
-        opt.zero_grad()

@@ -23,9 +23,8 @@ the scale twice.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, List, Optional, Set
 
 import torch
 
@@ -352,15 +351,3 @@ def any_flag(flags, device: torch.device) -> torch.Tensor:
     for f in flags[1:]:
         total = torch.maximum(total, f)
     return total
-
-
-def names_of(values: List[float], params: List[torch.Tensor], name_of) -> Dict[str, List[str]]:
-    """``{"inf": [...], "nan": [...]}``: the parameters whose value is inf / NaN."""
-    inf, nan = [], []
-    for p, v in zip(params, values):
-        name = name_of(p) or f"param {tuple(p.shape)}"
-        if math.isnan(v):
-            nan.append(name)
-        elif math.isinf(v):
-            inf.append(name)
-    return {"inf": inf, "nan": nan}
