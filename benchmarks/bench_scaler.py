@@ -380,13 +380,19 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sizes", default=None, help="comma list of PARAMSxTENSORS, e.g. 1000000x16,1000000x200")
-    ap.add_argument("--settings", choices=sorted(SETTINGS), default="torch-like",
-                    help="lossscale's settings: torch-like (default: hysteresis=1, no bounds, no loss check) or "
-                         "default (what users run); the outputs of 'default' end in _default")
+    ap.add_argument("--settings", choices=sorted(SETTINGS) + ["both"], default="both",
+                    help="lossscale's settings: default (what users run), torch-like (hysteresis=1, no bounds, no "
+                         "loss check), or both (the default: one table each); the outputs of 'default' end in _default")
     args = ap.parse_args(argv)
+    for settings in (["default", "torch-like"] if args.settings == "both" else [args.settings]):
+        run(args, settings)
+
+
+def run(args, settings: str) -> None:
+    """Measure every size with lossscale at ``settings`` and write its JSON and markdown table."""
     global DEVICE, OURS
     DEVICE = torch.device(args.device)
-    OURS = SETTINGS[args.settings]
+    OURS = SETTINGS[settings]
     torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if args.sizes:
@@ -407,14 +413,14 @@ def main(argv=None):
         "command": "python benchmarks/bench_scaler.py" + (" --quick" if args.quick else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")
         + (f" --threads {args.threads}" if args.threads != 1 else "") + (f" --sizes {args.sizes}" if args.sizes else "")
-        + (f" --settings {args.settings}" if args.settings != "torch-like" else ""),
-        "settings": args.settings,
+        + f" --settings {settings}",
+        "settings": settings,
         "wall_s": time.time() - start,
         "goals": GOALS,
     }
     os.makedirs(args.out, exist_ok=True)
     stem = (("bench_scaler_quick" if args.quick else "bench_scaler") + ("" if DEVICE.type == "cpu" else f"_{DEVICE.type}")
-            + ("" if args.settings == "torch-like" else "_default"))
+            + ("" if settings == "torch-like" else "_default"))
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     table = markdown(results)
