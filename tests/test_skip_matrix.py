@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lossscale
-from _skip_matrix import (CLIPS, FAULTS, POLICIES, Net, OptimizerKind, applies, backward, differences, iteration,
+from _skip_matrix import (CLIPS, FAULTS, POLICIES, Net, OptimizerKind, applies, backward, differences, iteration, make_scaler,
                           optimizer_kinds, run_scenario, snapshot)
 
 KINDS = optimizer_kinds()
@@ -124,3 +124,22 @@ def test_a_fault_on_one_rank_is_skipped_bitwise_on_every_rank():
     failures = [f"rank {rank}, {cell}: {why}" for rank, r in enumerate(results) for cell, why in r.items() if why]
     assert not failures, "\n".join(failures)
     assert len(results[0]) == 12
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.id for k in KINDS])
+def test_a_skipped_first_step_leaves_the_optimizer_as_if_it_had_not_run(kind):
+    """The first step is often skipped (a fresh scale overflows). torch's SGD(fused=True, momentum) makes
+    its momentum buffers with empty_like and its kernel leaves them unwritten when it skips: the next
+    step read garbage (weights at 5e27). So after a skipped first step, one clean step must train
+    exactly as a fresh optimizer's first step does (bitwise: the scales differ by a power of two)."""
+    for fault in ("inf_grad", "nan_input_row"):
+        model, fresh = Net(kind.model_kind), Net(kind.model_kind)
+        optimizer, fresh_optimizer = kind.build(model.parameters()), kind.build(fresh.parameters())
+        scaler, fresh_scaler = make_scaler("dynamic", model, False), make_scaler("dynamic", fresh, False)
+        iteration(model, optimizer, scaler, 1, "none", fault)
+        assert scaler.last_step_skipped, (kind.id, fault)
+        iteration(model, optimizer, scaler, 2, "none")
+        iteration(fresh, fresh_optimizer, fresh_scaler, 2, "none")
+        assert not scaler.last_step_skipped
+        for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+            assert torch.equal(a, b), (kind.id, fault, name)

@@ -14,7 +14,9 @@ import inspect
 import warnings
 from typing import Any, Dict
 
-__all__ = ["supports_amp_scaling", "takes_grad_scaler", "step_with_flags"]
+import torch
+
+__all__ = ["supports_amp_scaling", "takes_grad_scaler", "step_with_flags", "first_step_needs_the_host"]
 
 # Optimizer step functions (a handful per process, alive as long as their classes): a plain dict, which
 # torch.compile traces (a WeakKeyDictionary lookup does not survive tracing).
@@ -34,6 +36,26 @@ def takes_grad_scaler(step) -> bool:
     if found is None:
         found = _GRAD_SCALER_KWARG[func] = "grad_scaler" in inspect.signature(step).parameters
     return found
+
+
+def first_step_needs_the_host(optimizer) -> bool:
+    """Whether a skip decided on device would leave this optimizer's state garbage, so the host must
+    decide its step (one sync) and not call it when skipped.
+
+    torch's ``SGD(fused=True)`` with momentum makes its momentum buffers with ``torch.empty_like`` on
+    its first step and lets the fused kernel fill them; a skipped step (``found_inf == 1``) returns
+    before writing, and the next step reads the uninitialised memory as momentum (torch 2.13,
+    ``optim/sgd.py`` ``_fused_sgd``; measured: weights at 5e27 two steps later). Torch's own GradScaler
+    has the same hole. Only until the buffers exist: then this is False.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    for group in optimizer.param_groups:
+        if group.get("fused") and group.get("momentum", 0) != 0:
+            state = optimizer.state
+            if any(p.grad is not None and state.get(p, {}).get("momentum_buffer") is None for p in group["params"]):
+                return True
+    return False
 
 
 def step_with_flags(optimizer, scale, found_inf, unscaled: bool, args, kwargs):

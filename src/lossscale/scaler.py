@@ -41,7 +41,13 @@ from ._iteration import Iteration, LastUpdate, OptState, Record
 from ._keywords import policy_from_keywords
 from ._names import ParamNames
 from ._observe import StuckCheck
-from ._optimizers import step_with_flags, supports_amp_scaling, takes_grad_scaler, warn_grad_scaler_contract
+from ._optimizers import (
+    first_step_needs_the_host,
+    step_with_flags,
+    supports_amp_scaling,
+    takes_grad_scaler,
+    warn_grad_scaler_contract,
+)
 from ._outputs import map_tensors, refuse_unscalable
 from ._state import StateKeeper
 from ._update import device_rule, host_rule, pending_nan, validate_new_scale
@@ -393,10 +399,14 @@ class GradScaler:
             retval = optimizer.step(*args, grad_scaler=self, **kwargs)
             self._it.keep(optimizer, rec)
         else:
+            host = first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
             if rec.stage is OptState.READY:
-                self._run_check(optimizer, rec, unscale=False, sync=False)
-            retval = step_with_flags(optimizer, t.scale, rec.flags.found_inf, rec.stage is OptState.UNSCALED,
-                                     args, kwargs)
+                self._run_check(optimizer, rec, unscale=False, sync=host)
+            if host and rec.read_skipped():  # one sync, on the first step of such an optimizer only
+                retval = None
+            else:
+                retval = step_with_flags(optimizer, t.scale, rec.flags.found_inf, rec.stage is OptState.UNSCALED,
+                                         args, kwargs)
         rec.stage = OptState.STEPPED
         return retval
 
