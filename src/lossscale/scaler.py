@@ -440,33 +440,39 @@ class GradScaler:
             scale = None if self._s.mirror is None else self._s.mirror.scale
             self._evidence = _overflow.keep_evidence(self._it, flags, trace, scale)
             self._last_report = None
-        before = self._s.mirror
-        host = skipped is not None and before is not None and not self._s.graphed and not isinstance(
-            new_scale, torch.Tensor)
-        if host:  # one copy to the device; this iteration synced, so the staging buffer is free
-            self._s.resolve()  # a NaN pending from an earlier overflow has landed: this iteration synced
-            before = self._s.mirror
-            self._s.set(host_rule(self._policy, before, flags, new_scale), synced=bool(flags), nan=pending_nan(flags))
+        evidence = self._evidence if skipped is not False else None
+        host = (skipped is not None and self._s.mirror is not None and not self._s.graphed
+                and not isinstance(new_scale, torch.Tensor))
+        if host:
+            # The pure rule on the host's copy, sent in one copy. The iteration synced, so the staging
+            # buffer is free, and a NaN flag pending from an earlier overflow has landed.
+            before = self._s.state()
+            self._s.set(host_rule(self._policy, before, flags, new_scale), synced=bool(flags),
+                        nan=pending_nan(flags))
         else:
             device_rule(self._policy, t, flags, new_scale)
             self._s.mirror = None
-        self._last = LastUpdate(skipped)
-        self._it = Iteration()
+        self._last, self._it = LastUpdate(skipped), Iteration()
         self._check.new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
-        evidence, tracing = self._evidence if skipped is not False else None, self._tracer is not None
         if host:
-            after = self._s.mirror if not self._policy.is_stuck(self._s.mirror, before.scale) else self._s.state()
-            self._health.record(self._policy, after, before.scale, evidence if skipped and tracing else None)
-            self._stuck.react(self._policy, after, before.scale, evidence if skipped else None,
-                              self._describe, tracing, stacklevel=3)
-        elif not capturing:
+            self._learn(self._s.mirror, before.scale, evidence if skipped else None)
+        elif not capturing:  # snapshots of earlier device updates that have landed
             for state, scale_before, kept in self._stuck.after_device_update(
-                    t, skipped is False, evidence, self._policy, self._describe, tracing):
-                self._health.record(self._policy, state, scale_before, kept if tracing else None)
+                    t, skipped is False, evidence, self._policy, self._describe, self._tracer is not None):
+                self._health.record(self._policy, state, scale_before, kept if self._tracer is not None else None)
         else:
             self._stuck.capture_warning()
+
+    def _learn(self, state: ScaleState, scale_before: float, evidence) -> None:
+        """What the host learns from a state it computed itself: the health account, the stuck check
+        (a stuck state is read whole: a NaN flag still on its way is part of its diagnosis)."""
+        if state.overflow_streak and self._policy.is_stuck(state, scale_before):
+            state = self._s.state()
+        tracing = self._tracer is not None
+        self._health.record(self._policy, state, scale_before, evidence if tracing else None)
+        self._stuck.react(self._policy, state, scale_before, evidence, self._describe, tracing, stacklevel=4)
 
     # ------------------------------------------------------------------ diagnosis
     def _describe(self, evidence, scale_before: Optional[float]) -> str:
