@@ -2,6 +2,7 @@
 amax with every device type's kernel, a flag that is a sum of per-device flags. (The device state they
 feed is tested in test_state.py.)"""
 
+import itertools
 import math
 
 import pytest
@@ -145,3 +146,18 @@ def test_snapshots_from_a_device_without_events_are_blocking_copies(monkeypatch)
     _device.copy_to_host_(Dst(), Src())
     assert seen == [False] and _device.record_event(torch.device("xpu")).query()
     assert not _device.capturing(torch.device("xpu"))
+
+
+def test_four_bools_are_read_in_one_item_and_no_kernel():
+    """Kills: the bytes of the int32 word taken in the wrong order (overflow read as the bad loss),
+    and a read that launches a kernel (the synced clip path's budget)."""
+    from lossscale._kernels import read_four_bools
+    from lossscale._sync import count_device_work
+
+    for bits in itertools.product([False, True], repeat=4):
+        v = torch.tensor(bits)
+        with count_device_work() as work:
+            got = read_four_bools(v)
+        assert got == list(bits) and work.launches == 0 and work.syncs == 1
+    with pytest.raises(ValueError, match="bool vector of 4"):
+        read_four_bools(torch.zeros(4))

@@ -1,5 +1,7 @@
 """Differential tests: lossscale.GradScaler configured like torch is bitwise torch.amp.GradScaler("cpu")."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -83,3 +85,42 @@ def test_two_optimizers_overflow_in_the_first_backs_off_like_torch(kind, unscale
     assert ours[2] == ref[2]
     assert ref[2][1] == 2.0**15  # the overflow in the first optimizer backed off
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+def test_unscale_after_device_updates_divides_by_the_live_scale():
+    """The host sends torch's inverse scale with every state it computes, and ``unscale_`` reads it;
+    an update on device (fused optimizer) moves the scale without it. Kills: unscaling by a stale
+    inverse after a device update (gradients off by the growth factor), and an inverse that is not
+    torch's ``scale.double().reciprocal().float()`` (a non-power-of-two factor makes it round)."""
+    g = torch.Generator().manual_seed(3)
+    runs = []
+    for make in (lambda: torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=1.5, growth_interval=1),
+                 lambda: lossscale.GradScaler(init_scale=1000.0, growth_factor=1.5, growth_interval=1, **TORCH_LIKE)):
+        torch.manual_seed(0)
+        fused_p, plain_p = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "lossscale.*power of two", UserWarning)  # on purpose here
+            scaler = make()
+        runs.append((scaler, fused_p, plain_p, torch.optim.Adam([fused_p], lr=0.01, fused=True),
+                     torch.optim.SGD([plain_p], lr=0.1)))
+    used_fused = 0
+    for step in range(30):
+        fused = torch.rand((), generator=g).item() < 0.5
+        bad = torch.rand((), generator=g).item() < 0.2
+        used_fused += fused
+        grads = []
+        for scaler, fused_p, plain_p, fused_opt, plain_opt in runs:
+            p, opt = (fused_p, fused_opt) if fused else (plain_p, plain_opt)
+            opt.zero_grad()
+            scaler.scale((p * p).sum() * 1e-3).backward()
+            if bad:
+                p.grad[1] = float("inf")
+            scaler.unscale_(opt)
+            grads.append(p.grad.clone())
+            scaler.step(opt)
+            scaler.update()
+        (ref, *ref_params), (ours, *our_params) = [(r[0], r[1], r[2]) for r in runs]
+        assert torch.equal(grads[0], grads[1]), step
+        assert ref.get_scale() == ours.get_scale(), step
+        assert all(torch.equal(a, b) for a, b in zip(ref_params, our_params)), step
+    assert 5 < used_fused < 25

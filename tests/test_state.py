@@ -5,9 +5,12 @@ pure rule.)"""
 
 import copy
 import dataclasses
+import struct
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _rules import TensorForm
 from lossscale import AdaptivePolicy, DynamicPolicy
@@ -49,3 +52,17 @@ def test_a_copied_state_does_not_write_through_the_originals_views():
     twin = copy.deepcopy(st)
     policy.tensor_update(twin, clean)
     assert st.to_state().steps == 1 and twin.to_state().steps == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(bits=st.integers(min_value=0x00800000, max_value=0x7F7FFFFF))  # every normal positive float32
+def test_the_host_inverse_is_torchs_bit_for_bit(bits):
+    """The host packs ``1/scale`` with every state it sends; ``unscale_`` reads it in place of torch's
+    ``scale.double().reciprocal().float()``. Kills: an inverse rounded otherwise than to nearest
+    (truncated, or an approximate reciprocal), a subnormal inverse (scales above 2**126) flushed to 0,
+    and the inverse left in the decoded state."""
+    scale = struct.unpack("<f", struct.pack("<I", bits))[0]
+    t = TensorState(DynamicPolicy().init_state().replace(scale=scale), torch.device("cpu"))
+    expected = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
+    assert torch.equal(t.inv_scale, expected), (scale, t.inv_scale.item(), expected.item())
+    assert t.to_state().scale == scale  # the inverse is not part of the state

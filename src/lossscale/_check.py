@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional, Set
 
 import torch
 
-from . import _clip, _device, _kernels
+from . import _clip, _kernels
 from . import distributed as _distributed
 
 __all__ = ["Flags", "Gathered", "GradientCheck"]
@@ -67,6 +67,9 @@ class Flags:
             (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
         loss_check: the loss check's value (NaN or 0) not yet folded into ``found_inf`` (one process,
             synced: the host reads it with the decision; :meth:`fold` makes the device flags on demand).
+        bools: the flag vector ``[1, overflow, nan, bad_loss]`` as bools, not yet converted: until
+            :meth:`fold` converts it (on demand: where the host reads the decision, nothing may ask),
+            ``found_inf``, ``found_nan``, ``bad_loss`` and ``flag_vector`` are None.
     """
 
     found_inf: torch.Tensor
@@ -82,16 +85,23 @@ class Flags:
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
 
     flag_vector: Optional[torch.Tensor] = None
+    bools: Optional[torch.Tensor] = None
 
     @classmethod
     def from_vector(cls, vector: torch.Tensor, amax: Optional[torch.Tensor], **kwargs) -> "Flags":
-        """Flags whose found_inf, found_nan and bad_loss are views of ``[1, overflow, nan, bad_loss]``."""
+        """Flags whose found_inf, found_nan and bad_loss are views of ``[1, overflow, nan, bad_loss]``
+        (float32 0/1; bools are kept as they are until :meth:`fold`)."""
+        if vector.dtype == torch.bool:
+            return cls(found_inf=None, found_nan=None, amax=amax, bools=vector, **kwargs)
         return cls(found_inf=vector[1], found_nan=vector[2], amax=amax, bad_loss=vector[3], flag_vector=vector,
                    **kwargs)
 
     def fold(self) -> "Flags":
-        """Fold a loss check still kept apart into ``found_inf`` and ``bad_loss`` (device ops, no
-        sync); returns self."""
+        """Make the device flags from what is still kept apart: the bool vector (one conversion), or a
+        loss check (folded into ``found_inf`` and ``bad_loss``). Device ops, no sync; returns self."""
+        if self.bools is not None:
+            vector, self.bools = self.bools.float(), None
+            self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
         if self.loss_check is not None:
             bad = torch.isnan(self.loss_check).float()
             self.found_inf, self.bad_loss, self.loss_check = torch.maximum(self.found_inf, bad), bad, None
@@ -111,12 +121,17 @@ class Flags:
         pure rule needs besides (the bad loss, the amax of a measuring policy, and NaN where it is
         known already: ``nan_known``) in the same read. Returns the decision.
 
-        One ``.item()``, as torch's: the 0/1 flags ride in one number, ``overflow + 2 nan + 4 bad``,
-        and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
+        One read, as torch's ``.item()``: the 0/1 flags ride in one number, ``overflow + 2 nan + 4
+        bad`` (a bool vector not yet converted is copied as it is), and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
         (an overflow's code is then negative). Where NaN is learned only after the decision (torch's
         check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
         goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
         """
+        if self.bools is not None:  # [1, overflow, nan, bad]
+            if not needs_amax:  # one read, no kernel
+                _, overflow, nan, bad = _kernels.read_four_bools(self.bools)
+                return self._learn(overflow + 2 * nan + 4 * bad, needs_amax, nan_known)
+            self.fold()  # the float vector, for the dot below
         if self.flag_vector is not None:  # [1, overflow, nan, bad]: one dot gives the number
             code = torch.dot(self.flag_vector[1:], _kernels.bit_weights(self.flag_vector))
         else:
@@ -127,7 +142,10 @@ class Flags:
                 code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
         if needs_amax:
             code = torch.where(code > 0, -code, self.amax.to(code.dtype))
-        value = code.item()
+        return self._learn(code.item(), needs_amax, nan_known)
+
+    def _learn(self, value: float, needs_amax: bool, nan_known: bool) -> bool:
+        """Take the number :meth:`read` read apart into the host's flags; returns the decision."""
         bits = int(-value) if needs_amax and value < 0 else 0 if needs_amax else int(value)
         self.host_found = bool(bits & 5)  # an inf/NaN gradient, or a bad loss
         self.host_nan = bool(bits & 2) if nan_known else (None if self.host_found else False)
@@ -227,11 +245,12 @@ class GradientCheck:
         return _distributed.all_reduce_flags(found_inf, found_nan, amax, group, bad_loss)
 
     def reduce_vector(self, vector: torch.Tensor, amax: Optional[torch.Tensor]):
-        """:meth:`reduce` for a flag vector ``[1, overflow, nan, bad_loss]`` (0/1, MAX keeps it so) and
-        ``amax``: one collective; returns ``(vector, amax)``."""
+        """:meth:`reduce` for a flag vector ``[1, overflow, nan, bad_loss]`` (0/1 or bools, MAX keeps
+        it so) and ``amax``: one collective; returns ``(vector, amax)`` (a reduced vector is float32)."""
         group = _distributed.resolve_group(self.process_group)
         if group is None:
             return vector, amax
+        vector = vector.float()  # a MAX of 0/1 floats, which every backend reduces
         found_inf, found_nan, amax, bad = _distributed.all_reduce_flags(vector[1], vector[2], amax, group, vector[3])
         return torch.stack([vector[0], found_inf, found_nan, bad]), amax
 
@@ -250,9 +269,12 @@ class GradientCheck:
         return None if loss_check is None else torch.isnan(loss_check).float()
 
     # ------------------------------------------------------------------------------ the checks
-    def check_(self, gathered: Gathered, scale: torch.Tensor, *, unscale: bool, sync: bool,
+    def check_(self, gathered: Gathered, scale: torch.Tensor, inv_scale: Optional[torch.Tensor], *, sync: bool,
                needs_amax: bool, bad_loss: Optional[torch.Tensor] = None) -> Flags:
-        """Check (and optionally unscale in place) the gathered gradients; return the reduced flags.
+        """Check (and unscale in place, by ``inv_scale``) the gathered gradients; return the reduced flags.
+
+        ``inv_scale``: torch's ``1/scale`` (float32, rounded once from float64), or None: read-only
+        (the fused-optimizer path).
 
         ``bad_loss``: the loss check's float32 0-dim value, NaN where a loss (or a traced forward
         output) was non-finite before scaling, else 0 (None: not checked); reduced with the others and
@@ -260,9 +282,9 @@ class GradientCheck:
 
         ``sync``: decide on the host now (one sync) and, on overflow only, classify inf vs NaN with a
         second read pass. Without ``sync`` the flags stay on device (read-only amax pass first).
-        ``unscale=False``: read-only (the fused-optimizer path).
         """
         device = scale.device
+        unscale = inv_scale is not None
         groups = _kernels.group_grads(gathered.grads)
         params = gathered.params
         if len(groups) > 1 or any(len(per_dtype) > 1 for per_dtype in groups.values()):
@@ -277,7 +299,7 @@ class GradientCheck:
             # torch's fused check+unscale: one read+write pass. It cannot tell NaN from inf; that is
             # learned below, on the overflow path only.
             found = torch.zeros((), dtype=torch.float32, device=device)
-            per_device = _kernels.check_and_unscale_(groups, _device.reciprocal(scale), found)
+            per_device = _kernels.check_and_unscale_(groups, inv_scale, found)
             found_inf = any_flag(per_device.values(), device)
             if _distributed.resolve_group(self.process_group) is None:
                 # One process: the host reads the loss check with the decision (Flags.read); the device
@@ -294,7 +316,7 @@ class GradientCheck:
             # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.
             amax_vectors, amax = _kernels.amax_per_tensor(groups, device)
             if unscale:
-                _kernels.check_and_unscale_(groups, _device.reciprocal(scale), torch.zeros_like(amax))
+                _kernels.check_and_unscale_(groups, inv_scale, torch.zeros_like(amax))
             # Every rank must feed the policy the same flags and amax: they ride in one collective.
             vector, amax = self.reduce_vector(_kernels.flag_vector(amax, bad_loss), amax if needs_amax else None)
             flags = Flags.from_vector(vector, amax, params=params, amax_vectors=amax_vectors)
@@ -314,7 +336,8 @@ class GradientCheck:
         one = torch.ones((), device=gathered.all_params[0].grad.device if gathered.all_params else "cpu")
         return _clip.clip_scaled_(gathered.grads, one, max_norm, norm_type, counted, reduce_norm)[0]
 
-    def clip_(self, gathered: Gathered, scale: torch.Tensor, max_norm: float, norm_type: float, *, sync: bool,
+    def clip_(self, gathered: Gathered, scale: torch.Tensor, inv_scale: torch.Tensor, max_norm: float,
+              norm_type: float, *, sync: bool,
               needs_amax: bool, bad_loss: Optional[torch.Tensor] = None, norm_group: Any = None):
         """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``.
 
@@ -328,7 +351,8 @@ class GradientCheck:
             # max|g| of the *scaled* gradients, taken before anything below rewrites them.
             _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
         true_norm, vector, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
-                                                                  counted, reduce_norm, loss_check=bad_loss)
+                                                                  counted, reduce_norm, loss_check=bad_loss,
+                                                                  inv_scale=inv_scale)
         vector, amax = self.reduce_vector(vector, amax)
         # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
         # holding a NaN and inf for one holding an inf, so it serves as an amax vector.

@@ -107,7 +107,7 @@ def validate(max_norm, norm_type) -> float:
 def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float, norm_type: float,
                  counted: Optional[List[bool]] = None,
                  reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 loss_check: Optional[torch.Tensor] = None,
+                 loss_check: Optional[torch.Tensor] = None, inv_scale: Optional[torch.Tensor] = None,
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
     """Unscale and clip ``grads`` (the *scaled* gradients) in place by their true total norm.
 
@@ -121,18 +121,20 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
             None (default): this rank's gradients are the whole.
         loss_check: the loss check's value (NaN where a loss was non-finite before scaling, else 0),
             or None: folded into the flags.
+        inv_scale: ``1/scale`` as torch computes it (float32, rounded once from float64), or None to
+            compute it here.
 
     Returns:
         ``(true_norm, flags, per_tensor, order)``: the total norm of the unscaled gradients (a
         tensor: no sync; the same on every rank when reduced); ``flags``, the flag vector
-        ``[1, overflow, nan, bad_loss]`` (float32 0/1, :func:`lossscale._kernels.flag_vector`) of this
+        ``[1, overflow, nan, bad_loss]`` (bools, :func:`lossscale._kernels.flag_bools`) of this
         rank's gradients, copies included (not reduced); the per-tensor norms of the
         *scaled* gradients (a NaN or inf one names the tensor that held it, like an amax vector) and
         the index into ``grads`` of each, in that order.
     """
     device = scale.device
     # Inverse in float64, as unscale_ and torch: exact for a power of two either way.
-    inv_scale = _device.reciprocal(scale)
+    inv_scale = _device.reciprocal(scale) if inv_scale is None else inv_scale
     groups = _groups(grads)
     exact = norm_type in _SCALE_EXACT
     norms, order = [], []
@@ -184,4 +186,4 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
         if m is None:
             m = per_device[target] = _kernels.to_device(multiplier, target)
         torch._foreach_mul_(tensors, m)
-    return true_norm, _kernels.to_device(bools.float(), device), per_tensor, order
+    return true_norm, _kernels.to_device(bools, device), per_tensor, order

@@ -50,7 +50,7 @@ class Record:
             elif self.flags.host_found is not None:
                 self.skipped = self.flags.host_found
             else:
-                self.skipped = bool(self.flags.found_inf.item())
+                self.skipped = bool(self.flags.fold().found_inf.item())
         return self.skipped
 
     def host_knows(self) -> bool:
@@ -115,7 +115,7 @@ class Iteration:
             return None
         if all(r.host_knows() for r in stepped):
             return any(r.read_skipped() for r in stepped)
-        return any_flag([r.flags.found_inf for r in stepped if r.flags is not None], device) > 0
+        return any_flag([r.flags.fold().found_inf for r in stepped if r.flags is not None], device) > 0
 
     def check_loss(self, loss: torch.Tensor, device: torch.device) -> None:
         """Remember, on device, whether ``loss`` is non-finite *before* scaling (one subtraction, no

@@ -11,6 +11,7 @@ Nothing here loops over tensors in Python to compute: every pass is one foreach 
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -154,6 +155,20 @@ def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.
     nan, zero = _nan_and_zero(amax)
     bad = zero if loss_check is None else loss_check
     return torch.isnan(torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad]))
+
+
+def read_four_bools(bools: torch.Tensor) -> List[bool]:
+    """The values of a 4-element bool vector, read by the host in one ``.item()`` and no kernel: its
+    four bytes are one int32 (a view). Syncs host and device.
+
+    Why not ``tolist()``: the same one copy on a GPU, but on the CPU it reads memory without passing
+    torch's dispatcher, so a CPU run that stands for the device (``lossscale._sync``) would not
+    count the read; and a ``dot`` with bit weights (the float path) is one more kernel.
+    """
+    if bools.dtype != torch.bool or bools.shape != (4,):
+        raise ValueError(f"read_four_bools needs a bool vector of 4; got {bools.dtype} {tuple(bools.shape)}.")
+    word = bools.contiguous().view(torch.int32).item()  # a fresh vector is contiguous: no kernel
+    return [bool(b) for b in int(word).to_bytes(4, sys.byteorder, signed=True)]
 
 
 def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:

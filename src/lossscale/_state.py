@@ -8,7 +8,7 @@ typed vectors, in this order (each aligned for its type)::
          overflow_streak, streak_nan_steps, streak_bad_loss_steps  <- ``streaks``
          <the policy's F64 fields>
     i64: <the policy's int and bool fields>
-    f32: scale, streak_start_scale, scale_before, <the policy's float fields>
+    f32: scale, streak_start_scale, scale_before, inv_scale, <the policy's float fields>
     i32: <the policy's I32 fields (the dynamic policy's growth tracker, torch's int32)>
 
 Why one buffer: the whole state moves in one copy. A snapshot for the stuck check is one
@@ -22,7 +22,11 @@ inf), derived when the state is read.
 
 The scale is a float32, as torch's GradScaler keeps it, so ``loss * scale`` is bitwise torch's.
 ``scale_before`` is not a state field: each update writes the scale it ran with, which the stuck
-check needs. The views never change identity, so a CUDA graph captured over ``scale()`` or
+check needs. Nor is ``inv_scale``: ``1/scale`` rounded once to float32 from float64 (torch's
+``scale.double().reciprocal().float()``, bit for bit: IEEE division and the rounding to float32 are the
+same on the host), written with every state the host sends. While the device has not moved the scale
+since (:attr:`StateKeeper.inverse`), ``unscale_`` reads it there instead of computing it: three small
+kernels fewer per synced iteration. The views never change identity, so a CUDA graph captured over ``scale()`` or
 ``update()`` keeps reading the live values, also across :meth:`TensorState.load_`.
 """
 
@@ -43,13 +47,14 @@ _STRUCT = {"f64": "d", "i64": "q", "f32": "f", "i32": "i"}  # the same layout fo
 _SHARED = {
     "f64": ("steps", "skipped_steps", "nan_steps", "bad_loss_steps",
             "overflow_streak", "streak_nan_steps", "streak_bad_loss_steps"),
-    "f32": ("scale", "streak_start_scale", "scale_before"),
+    "f32": ("scale", "streak_start_scale", "scale_before", "inv_scale"),
 }
 _DERIVED = ("inf_steps",)  # computed from the others when the state is read
 
 
 def layout(state_type: type) -> Dict[str, Tuple[str, ...]]:
-    """Field names per typed vector, in buffer order (``scale_before`` included, ``inf_steps`` not)."""
+    """Field names per typed vector, in buffer order (``scale_before`` and ``inv_scale`` included,
+    ``inf_steps`` not)."""
     names: Dict[str, List[str]] = {kind: list(_SHARED.get(kind, ())) for kind in _DTYPES}
     shared = {n for group in _SHARED.values() for n in group}
     for f in dataclasses.fields(state_type):
@@ -142,7 +147,8 @@ class TensorState:
         if type(state) is not self.state_type:
             raise ValueError(f"a {self.state_type.__name__} tensor state cannot hold a {type(state).__name__}.")
         host = self._staging if staging_free else _device.host_buffer(self.buffer)
-        values = dict(state.__dict__, scale_before=state.scale)
+        # 1/scale in float64, rounded to float32 by the packing: torch's inverse, bit for bit.
+        values = dict(state.__dict__, scale_before=state.scale, inv_scale=1.0 / state.scale)
         # Packed straight into the host buffer's memory (pinned on CUDA): no tensor op on the host.
         ctypes.memmove(host.data_ptr(), self._packer.pack(*(values[n] for n in self._order)), self._packer.size)
         _device.copy_from_host_(self.buffer, host)
@@ -151,6 +157,7 @@ class TensorState:
         """``(state, scale_before)`` from a host copy of :attr:`buffer`."""
         values = dict(zip(self._order, self._packer.unpack(bytes(host.tolist()))))
         scale_before = float(values.pop("scale_before"))
+        values.pop("inv_scale")
         values["inf_steps"] = values["skipped_steps"] - values["nan_steps"]
         fields = {}
         for f in dataclasses.fields(self.state_type):
@@ -181,6 +188,7 @@ class StateKeeper:
         self.t: "TensorState | None" = None
         self.graphed = False
         self.device_type = device_type
+        self._host_wrote = True  # the buffer's inv_scale is 1/scale: the host wrote the state last
         self._pending_nan = None  # (host buffer, event): an overflow's NaN flag on its way to the host
 
     @property
@@ -195,7 +203,25 @@ class StateKeeper:
                 raise ValueError(f"GradScaler(device={self.device_type!r}) was given a tensor on {device}; pass "
                                  f"device={device.type!r} or device=None to infer it.")
             self.t = TensorState(self.mirror, device)
+            self._host_wrote = True
         return self.t
+
+    def inverse(self) -> torch.Tensor:
+        """``1/scale`` as float32, torch's: the host's, sent with the state, where the device has not
+        moved the scale since; else computed on device (three small kernels). No sync.
+
+        Computed also inside a CUDA-graph capture or ``torch.compile``: a graph replays later, after
+        device updates that do not write the host's inverse.
+        """
+        t = self.t
+        if self._host_wrote and not self.graphed and not _device.capturing(t.device):
+            return t.inv_scale
+        return _device.reciprocal(t.scale)
+
+    def moved_on_device(self) -> None:
+        """A tensor rule moved the device state: the host no longer knows it, nor its inverse."""
+        self.mirror = None
+        self._host_wrote = False
 
     def require(self, call: str) -> TensorState:
         """The device state; RuntimeError naming ``call`` before the first ``scale()``."""
@@ -237,6 +263,7 @@ class StateKeeper:
                 self.t.load_(state, staging_free=synced)
             else:
                 self.t = TensorState(state, self.t.device)
+            self._host_wrote = True
         self.mirror = None if self.graphed else state
         self._pending_nan = None
         if nan is not None and self.t is not None:

@@ -306,7 +306,8 @@ class GradScaler:
     def _run_check(self, optimizer, rec: Record, unscale: bool, sync: bool) -> Flags:
         gathered = self._check.gather(optimizer, allow_half=not unscale or self._passthrough())
         self._observe_grads(gathered)
-        rec.flags = self._check.check_(gathered, self._s.t.scale, unscale=unscale and not self._passthrough(),
+        unscale = unscale and not self._passthrough()
+        rec.flags = self._check.check_(gathered, self._s.t.scale, self._s.inverse() if unscale else None,
                                        sync=sync, needs_amax=self._policy.needs_amax,
                                        bad_loss=self._loss_check_value())
         self._it.keep(optimizer, rec)  # checked (and maybe unscaled): from here on the record holds
@@ -367,7 +368,7 @@ class GradScaler:
         with torch.no_grad():
             gathered = self._check.gather(optimizer, allow_half=self._passthrough(), coalesce=True)
             self._observe_grads(gathered)
-            true_norm, rec.flags = self._check.clip_(gathered, t.scale, max_norm, norm_type,
+            true_norm, rec.flags = self._check.clip_(gathered, t.scale, self._s.inverse(), max_norm, norm_type,
                                                      sync=not supports_amp_scaling(optimizer),
                                                      needs_amax=self._policy.needs_amax,
                                                      bad_loss=self._loss_check_value(), norm_group=norm_group)
@@ -405,7 +406,7 @@ class GradScaler:
             if host and rec.read_skipped():  # one sync, on the first step of such an optimizer only
                 retval = None
             else:
-                retval = step_with_flags(optimizer, t.scale, rec.flags.found_inf, rec.stage is OptState.UNSCALED,
+                retval = step_with_flags(optimizer, t.scale, rec.flags.fold().found_inf, rec.stage is OptState.UNSCALED,
                                          args, kwargs)
         rec.stage = OptState.STEPPED
         return retval
@@ -451,7 +452,7 @@ class GradScaler:
                         nan=pending_nan(flags))
         else:
             device_rule(self._policy, t, flags, new_scale)
-            self._s.mirror = None
+            self._s.moved_on_device()
         self._last, self._it = LastUpdate(skipped), Iteration()
         self._check.new_iteration()
         if self._telemetry is not None:
