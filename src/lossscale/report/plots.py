@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 __all__ = [
     "COLORS", "color_for", "plot_number_line", "plot_layer_flush", "plot_curves", "plot_scale_trajectory",
