@@ -150,11 +150,16 @@ def bit_weights(like: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """:func:`flag_vector` as bools (before the float conversion)."""
+def _flag_sources(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
+    """The four values whose NaN-ness is the flag vector (:func:`flag_vector` says why)."""
     nan, zero = _nan_and_zero(amax)
     bad = zero if loss_check is None else loss_check
-    return torch.isnan(torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad]))
+    return torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad])
+
+
+def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`flag_vector` as bools, for a host that reads them (:func:`read_four_bools`)."""
+    return torch.isnan(_flag_sources(amax, loss_check))
 
 
 def read_four_bools(bools: torch.Tensor) -> List[bool]:
@@ -175,12 +180,15 @@ def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch
     """``[1, overflow, nan, bad_loss]`` as float32 0/1 from a NaN-propagating max |g| and the loss
     check's value (NaN where a loss was non-finite before scaling, else 0; None: not checked).
 
-    One ``isnan`` over four values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
+    One NaN test over four values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
     an inf or a NaN (``inf * 0`` is NaN) or the loss was bad: the overflow, a bad loss included;
     ``amax`` itself when they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives
-    the leading 1 (the step itself, for the counters: :func:`lossscale.policy.count_tensor`).
+    the leading 1 (the step itself, for the counters: :func:`lossscale.policy.count_tensor`). The
+    test is ``v != v`` (true for NaN alone) written into a float32 output: the 0/1 floats in one
+    kernel, where ``isnan(v).float()`` is two.
     """
-    return flag_bools(amax, loss_check).float()
+    v = _flag_sources(amax, loss_check)
+    return torch.ne(v, v, out=torch.empty_like(v))
 
 
 def flags_from_amax(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
