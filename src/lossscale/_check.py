@@ -67,7 +67,7 @@ class Flags:
             (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
         loss_check: the loss check's value (NaN or 0) not yet folded into ``found_inf`` (one process,
             synced: the host reads it with the decision; :meth:`fold` makes the device flags on demand).
-        bools: the flag vector ``[1, overflow, nan, bad_loss]`` as bools, not yet converted: until
+        bools: the flag vector (``FLAG_LAYOUT``: entries 1-3 are overflow, nan, bad_loss) as bools, not yet converted: until
             :meth:`fold` converts it (on demand: where the host reads the decision, nothing may ask),
             ``found_inf``, ``found_nan``, ``bad_loss`` and ``flag_vector`` are None.
     """
@@ -89,7 +89,7 @@ class Flags:
 
     @classmethod
     def from_vector(cls, vector: torch.Tensor, amax: Optional[torch.Tensor], **kwargs) -> "Flags":
-        """Flags whose found_inf, found_nan and bad_loss are views of ``[1, overflow, nan, bad_loss]``
+        """Flags whose found_inf, found_nan and bad_loss are views of the flag vector (entries 1, 2, 3 of ``FLAG_LAYOUT``)
         (float32 0/1; bools are kept as they are until :meth:`fold`)."""
         if vector.dtype == torch.bool:
             return cls(found_inf=None, found_nan=None, amax=amax, bools=vector, **kwargs)
@@ -108,12 +108,12 @@ class Flags:
         return self
 
     def vector(self) -> torch.Tensor:
-        """``[1, overflow, nan, bad_loss]`` as float32 0/1 on the flags' device: what a tensor rule
+        """The flags laid out (:data:`lossscale.policy.FLAG_LAYOUT`) as float32 0/1 on the flags' device: what a tensor rule
         takes (:func:`lossscale.policy.count_tensor`). ``found_inf`` already includes a bad loss."""
         self.fold()
         if self.flag_vector is None:
             bad = torch.zeros_like(self.found_inf) if self.bad_loss is None else self.bad_loss.to(self.found_inf.dtype)
-            self.flag_vector = torch.stack([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
+            self.flag_vector = _kernels.laid_out([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
         return self.flag_vector
 
     def read(self, needs_amax: bool, nan_known: bool) -> bool:
@@ -127,13 +127,13 @@ class Flags:
         check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
         goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
         """
-        if self.bools is not None:  # [1, overflow, nan, bad]
+        if self.bools is not None:  # [1, overflow, nan, bad, ...]
             if not needs_amax:  # one read, no kernel
-                _, overflow, nan, bad = _kernels.read_four_bools(self.bools)
+                _, overflow, nan, bad = _kernels.read_four_bools(self.bools[:4])
                 return self._learn(overflow + 2 * nan + 4 * bad, needs_amax, nan_known)
             self.fold()  # the float vector, for the dot below
-        if self.flag_vector is not None:  # [1, overflow, nan, bad]: one dot gives the number
-            code = torch.dot(self.flag_vector[1:], _kernels.bit_weights(self.flag_vector))
+        if self.flag_vector is not None:  # [1, overflow, nan, bad, ...]: one dot gives the number
+            code = torch.dot(self.flag_vector[1:4], _kernels.bit_weights(self.flag_vector))
         else:
             code = self.found_inf if not nan_known else torch.add(self.found_inf, self.found_nan, alpha=2)
             if self.loss_check is not None:  # kept apart: its NaN-or-0 becomes the bad-loss bit here
@@ -245,14 +245,14 @@ class GradientCheck:
         return _distributed.all_reduce_flags(found_inf, found_nan, amax, group, bad_loss)
 
     def reduce_vector(self, vector: torch.Tensor, amax: Optional[torch.Tensor]):
-        """:meth:`reduce` for a flag vector ``[1, overflow, nan, bad_loss]`` (0/1 or bools, MAX keeps
+        """:meth:`reduce` for a flag vector (``FLAG_LAYOUT``; 0/1 or bools, MAX keeps
         it so) and ``amax``: one collective; returns ``(vector, amax)`` (a reduced vector is float32)."""
         group = _distributed.resolve_group(self.process_group)
         if group is None:
             return vector, amax
         vector = vector.float()  # a MAX of 0/1 floats, which every backend reduces
         found_inf, found_nan, amax, bad = _distributed.all_reduce_flags(vector[1], vector[2], amax, group, vector[3])
-        return torch.stack([vector[0], found_inf, found_nan, bad]), amax
+        return _kernels.laid_out([vector[0], found_inf, found_nan, bad]), amax
 
     @staticmethod
     def _with_bad_loss(flags: "Flags", bad_loss: Optional[torch.Tensor]) -> None:

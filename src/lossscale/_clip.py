@@ -127,7 +127,7 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
     Returns:
         ``(true_norm, flags, per_tensor, order)``: the total norm of the unscaled gradients (a
         tensor: no sync; the same on every rank when reduced); ``flags``, the flag vector
-        ``[1, overflow, nan, bad_loss]`` (bools, :func:`lossscale._kernels.flag_bools`) of this
+        (``FLAG_LAYOUT``: 1, overflow, nan, bad_loss at 0-3; bools, :func:`lossscale._kernels.flag_bools`) of this
         rank's gradients, copies included (not reduced); the per-tensor norms of the
         *scaled* gradients (a NaN or inf one names the tensor that held it, like an amax vector) and
         the index into ``grads`` of each, in that order.

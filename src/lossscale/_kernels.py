@@ -17,6 +17,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from .policy import FLAG_LAYOUT
+
 Groups = Dict[torch.device, Dict[torch.dtype, List[torch.Tensor]]]
 
 
@@ -150,15 +152,22 @@ def bit_weights(like: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def laid_out(parts) -> torch.Tensor:
+    """``(1, overflow, nan, bad_loss)`` (four 0-dim tensors, one dtype) stacked as the tensor rules take
+    them (:data:`lossscale.policy.FLAG_LAYOUT`): one kernel, however often an entry repeats."""
+    return torch.stack([parts[i] for i in FLAG_LAYOUT])
+
+
 def _flag_sources(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """The four values whose NaN-ness is the flag vector (:func:`flag_vector` says why)."""
+    """The values whose NaN-ness is the flag vector, laid out (:func:`flag_vector` says why)."""
     nan, zero = _nan_and_zero(amax)
     bad = zero if loss_check is None else loss_check
-    return torch.stack([nan, torch.addcmul(bad, amax, zero), amax, bad])
+    return laid_out([nan, torch.addcmul(bad, amax, zero), amax, bad])
 
 
 def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """:func:`flag_vector` as bools, for a host that reads them (:func:`read_four_bools`)."""
+    """:func:`flag_vector` as bools, for a host that reads them (:func:`read_four_bools` of the first
+    four)."""
     return torch.isnan(_flag_sources(amax, loss_check))
 
 
@@ -177,10 +186,11 @@ def read_four_bools(bools: torch.Tensor) -> List[bool]:
 
 
 def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[1, overflow, nan, bad_loss]`` as float32 0/1 from a NaN-propagating max |g| and the loss
+    """The flags as the tensor rules take them (``(1, overflow, nan, bad_loss)`` laid out as
+    :data:`lossscale.policy.FLAG_LAYOUT`), float32 0/1, from a NaN-propagating max |g| and the loss
     check's value (NaN where a loss was non-finite before scaling, else 0; None: not checked).
 
-    One NaN test over four values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
+    One NaN test over the laid-out values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
     an inf or a NaN (``inf * 0`` is NaN) or the loss was bad: the overflow, a bad loss included;
     ``amax`` itself when they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives
     the leading 1 (the step itself, for the counters: :func:`lossscale.policy.count_tensor`). The

@@ -15,9 +15,9 @@ Why one buffer: the whole state moves in one copy. A snapshot for the stuck chec
 device-to-host copy; a state the host computed (``update()`` on the synced path runs the pure rule)
 or loaded is one host-to-device copy.
 
-Why the shared counters are float64 on device: the iteration's flags arrive as one float vector
-``[1, overflow, nan, bad_loss]`` (0/1), and ``totals += flags`` is then a single add; float64 counts
-exactly to 2**53. ``inf_steps`` is not held: it is ``skipped_steps - nan_steps`` (a NaN dominates an
+Why the shared counters are float64 on device: the iteration's flags arrive as one float 0/1 vector
+(:data:`lossscale.policy.FLAG_LAYOUT`: what each counter adds and keeps), and ``counters = counters *
+keep + add`` is then a single ``addcmul``; float64 counts exactly to 2**53. ``inf_steps`` is not held: it is ``skipped_steps - nan_steps`` (a NaN dominates an
 inf), derived when the state is read.
 
 The scale is a float32, as torch's GradScaler keeps it, so ``loss * scale`` is bitwise torch's.
@@ -106,8 +106,8 @@ def _packer(names: Dict[str, Tuple[str, ...]]) -> struct.Struct:
 class TensorState:
     """A :class:`~lossscale.policy.ScaleState` (any subclass) held on ``device`` in one byte buffer.
 
-    Attributes: ``buffer`` (uint8), the typed vectors ``f64``/``i64``/``f32``/``i32``, ``totals`` and
-    ``streaks`` (views of ``f64``), and one 0-dim view per field (``t.scale``, ``t.growth_tracker``,
+    Attributes: ``buffer`` (uint8), the typed vectors ``f64``/``i64``/``f32``/``i32``, ``counters``
+    (``totals`` then ``streaks``, views of ``f64``), and one 0-dim view per field (``t.scale``, ``t.growth_tracker``,
     ...), which the tensor rules read and write in place.
     """
 
@@ -119,7 +119,12 @@ class TensorState:
             setattr(self, kind, vec)
             for i, name in enumerate(self.names[kind]):
                 setattr(self, name, vec[i])
-        self.totals, self.streaks = self.f64[:4], self.f64[4:7]
+        self.counters = self.f64[:7]
+        self.totals, self.streaks = self.counters[:4], self.counters[4:]
+        # What count_tensor compares [overflow_streak, streak_nan_steps] with: [no streak yet, always].
+        # Filled on device: a copy from a host list would wait for the device (and fail in a capture).
+        self.fresh_limits = torch.zeros(2, dtype=torch.float64, device=device)
+        self.fresh_limits[1].fill_(2.0**53)
         self._format = _packer(self.names).format  # the Struct itself lives in _PACKERS
         self._order = [n for kind in _DTYPES for n in self.names[kind]]
         self._staging = _device.host_buffer(self.buffer)  # where a host state is encoded before its copy

@@ -165,7 +165,7 @@ class DynamicPolicy(PolicyBase):
     def tensor_update(self, t, flags, amax=None) -> None:
         """:meth:`update` on device tensors, in place, with no host sync (the fused-optimizer path).
 
-        ``flags``: ``[1, overflow, nan, bad_loss]`` as float32 0/1 (:func:`lossscale.policy.count_tensor`).
+        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (entries 1 and 3: overflow, bad loss).
         Like every way of setting the scale (``init_scale``, ``update(new_scale)``,
         ``load_state_dict``), the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on
         such a scale the floor can only act on a backoff and the cap only on a growth, so both are

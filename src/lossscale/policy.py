@@ -60,6 +60,7 @@ __all__ = [
     "policy_types",
     "count",
     "count_tensor",
+    "FLAG_LAYOUT",
     "f32",
     "is_power_of_two",
     "SMALLEST_SCALE",
@@ -182,21 +183,32 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     )
 
 
+#: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 14, each entry one of
+#: ``(1, overflow, nan, bad_loss)`` by this index. The first 7 are what the counters add (``totals``:
+#: steps, skipped, nan, bad_loss; ``streaks``: skipped, nan, bad_loss), the last 7 what they keep (the
+#: totals always; a streak only through an overflow): :func:`count_tensor` is then one ``addcmul``.
+#: Entries 1, 2, 3 are the overflow, NaN and bad-loss flags themselves.
+FLAG_LAYOUT = (0, 1, 2, 3, 1, 2, 3,
+               0, 0, 0, 0, 1, 1, 1)
+
+
 def count_tensor(t, flags) -> None:
     """:func:`count` on device, in place; call it first in a tensor rule, while ``t.scale`` still holds
-    the scale this iteration ran with.
+    the scale this iteration ran with. Three kernels.
 
-    ``flags``: the iteration's ``[1, overflow, nan, bad_loss]`` as a float32 0/1 vector (the scaler's
-    check builds it; overflow includes a bad loss, nan and bad_loss imply overflow; the leading 1
-    is the step itself). The state keeps ``[steps, skipped, nan, bad_loss]`` as float64 ``totals``
-    (``inf_steps`` is ``skipped - nan``) and the streak's ``[skipped, nan, bad_loss]`` as ``streaks``.
+    ``flags``: the iteration's flags in :data:`FLAG_LAYOUT` (the scaler's check builds them; overflow
+    includes a bad loss, nan and bad_loss imply overflow). The state keeps ``[steps, skipped, nan,
+    bad_loss]`` as float64 ``totals`` (``inf_steps`` is ``skipped - nan``) and the streak's ``[skipped,
+    nan, bad_loss]`` as ``streaks``, side by side in ``counters``.
     """
     torch = _torch()
-    torch.where(t.overflow_streak == 0, t.scale, t.streak_start_scale, out=t.streak_start_scale)
-    t.scale_before.copy_(t.scale)  # read by the stuck check: did this overflow happen at the floor?
-    t.totals.add_(flags)
-    # streaks * overflow + [overflow, nan, bad]: +1 each during a streak; a clean step (all 0) zeroes them
-    torch.addcmul(flags[1:], t.streaks, flags[1], out=t.streaks)
+    # [streak_start_scale, scale_before] = scale where [no streak runs yet, always]: the streak's first
+    # scale, and the scale this iteration ran with (the stuck check: did it overflow at the floor?).
+    fresh = torch.le(t.streaks[:2], t.fresh_limits)
+    torch.where(fresh, t.scale, t.f32[1:3], out=t.f32[1:3])
+    # counters * keep + add: the totals grow by [1, overflow, nan, bad]; a streak grows the same way
+    # during an overflow and is zeroed by a clean step (keep and add both 0).
+    torch.addcmul(flags[:7], t.counters, flags[7:], out=t.counters)
 
 
 # ---------------------------------------------------------------------------------------- protocol
@@ -229,8 +241,8 @@ class Policy(Protocol):
 
     def tensor_update(self, t, flags, amax=None) -> None:
         """The same rule on device tensors, in place, without a host sync: ``t`` the state
-        (:class:`lossscale._state.TensorState`), ``flags`` the iteration's ``[1, overflow, nan,
-        bad_loss]`` as a float32 0/1 vector (see :func:`count_tensor`), ``amax`` a float32 0-dim
+        (:class:`lossscale._state.TensorState`), ``flags`` the iteration's flags, float32 0/1 in
+        :data:`FLAG_LAYOUT` (see :func:`count_tensor`), ``amax`` a float32 0-dim
         tensor or None."""
 
     def is_stuck(self, state, scale_before: float) -> bool:
