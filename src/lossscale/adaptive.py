@@ -302,23 +302,24 @@ class AdaptivePolicy(PolicyBase):
         lo, hi = self.bounds()
         top = self.limit_exp - self.margin_bits
         scale, hyst, window = t.scale, t.hysteresis_tracker, t.window_exp
-        # Before calibration: jump to the target on a measurement, search on overflow / all-zero gradients.
-        searched = _shift_tensor(scale, torch.where(overflow, -self.search_bits, self.search_bits), lo, hi)
-        calibrating_scale = torch.where(measured, _shift_tensor(scale, top - e, lo, hi),
-                                        torch.where(overflow | zero, searched, scale))
-        # After calibration: back off on overflow (as dynamic), grow at the end of a clean window.
-        down, tolerated = on_overflow_tensor(scale, hyst, self.backoff_factor, lo)
+        calibrating = t.calibrated == 0
         seen = torch.where(measured, torch.maximum(window, e), window)
         tracker = t.growth_tracker + 1
         window_end = ~overflow & (tracker >= self.growth_interval)
         k = top - seen
         grow = window_end & (seen != NO_AMAX) & (k > 0)
-        running_scale = torch.where(overflow, down, torch.where(grow, _shift_tensor(scale, k, lo, hi), scale))
+        # The binades the scale moves by, 0 where it stays. Before calibration: jump to the target on a
+        # measurement, search down on overflow and up on all-zero gradients. After: grow by k at the end
+        # of a clean window. One shift for all of them (a shift by 0 is the scale itself: it lies
+        # within the bounds); an overflow after calibration backs off instead, as dynamic.
+        search = torch.where(overflow, -self.search_bits, self.search_bits) * (overflow | zero)
+        move = torch.where(calibrating, torch.where(measured, top - e, search), k * grow)
+        moved = _shift_tensor(scale, move, lo, hi)
+        down, tolerated = on_overflow_tensor(scale, hyst, self.backoff_factor, lo)
         running_hyst = torch.where(overflow, tolerated, torch.where(
             window_end, self.hysteresis, on_clean(hyst, self.hysteresis, self.consecutive_hysteresis)))
-        calibrating = t.calibrated == 0
         new = {
-            "scale": torch.where(calibrating, calibrating_scale, running_scale),
+            "scale": torch.where(overflow & ~calibrating, down, moved),
             "growth_tracker": torch.where(calibrating | overflow | window_end, 0, tracker),
             "hysteresis_tracker": torch.where(calibrating, hyst, running_hyst),
             "window_exp": torch.where(calibrating, window, torch.where(overflow | window_end, NO_AMAX, seen)),
@@ -326,7 +327,7 @@ class AdaptivePolicy(PolicyBase):
         }
         for name, value in new.items():
             old = getattr(t, name)
-            old.copy_(torch.where(keep, old, value))
+            torch.where(keep, old, value, out=old)
 
     def is_stuck(self, state: AdaptiveState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

@@ -208,9 +208,9 @@ class DynamicPolicy(PolicyBase):
         growth = torch.where(overflow | grow, 0, tracker)
         refill = on_clean(t.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
         hyst = torch.where(overflow, tolerated, torch.where(grow, self.hysteresis, refill))
-        t.scale.copy_(torch.where(keep, t.scale, scale))
-        t.growth_tracker.copy_(torch.where(keep, t.growth_tracker, growth))
-        t.hysteresis_tracker.copy_(torch.where(keep, t.hysteresis_tracker, hyst))
+        torch.where(keep, t.scale, scale, out=t.scale)
+        torch.where(keep, t.growth_tracker, growth, out=t.growth_tracker)
+        torch.where(keep, t.hysteresis_tracker, hyst, out=t.hysteresis_tracker)
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

@@ -211,7 +211,7 @@ class LogMaxPolicy(PolicyBase):
         for name, new in (("x_hat", x_hat), ("slow_x_hat", slow), ("xsquared_hat", xsq),
                           ("b1_correction", b1c), ("b2_correction", b2c), ("scale", scale)):
             old = getattr(t, name)
-            old.copy_(torch.where(learn, new, old))
+            torch.where(learn, new, old, out=old)
 
     def is_stuck(self, state: LogMaxState, scale_before: float) -> bool:
         """An overflow at ``min_scale``, or a streak of ``max_consecutive_skips``."""

@@ -90,7 +90,7 @@ class StaticPolicy(PolicyBase):
         count_tensor(t, flags)
         overflow, bad = flags[1] > 0, flags[3] > 0
         tracker = torch.where(overflow, 0, t.growth_tracker + 1)
-        t.growth_tracker.copy_(torch.where(bad, t.growth_tracker, tracker))
+        torch.where(bad, t.growth_tracker, tracker, out=t.growth_tracker)
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
         """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``;
