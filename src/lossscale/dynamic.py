@@ -202,12 +202,12 @@ class DynamicPolicy(PolicyBase):
         down, tolerated = on_overflow_tensor(t.scale, t.hysteresis_tracker, self.backoff_factor, self.lowest())
         # Grown in float64 and rounded once to float32, as torch's kernel; a non-finite growth is refused.
         up = (t.scale.double() * self.growth_factor).float()
-        up = torch.where(torch.isfinite(up), up if self.max_scale is None else up.clamp_max(f32(self.max_scale)),
-                         t.scale)
+        up = torch.where(up < math.inf, up if self.max_scale is None else up.clamp_max(f32(self.max_scale)),
+                         t.scale)  # up >= 0: "< inf" is isfinite, in one kernel where isfinite takes three
         scale = torch.where(overflow, down, torch.where(grow, up, t.scale))
-        growth = torch.where(overflow | grow, 0, tracker)
+        growth = tracker.masked_fill(overflow | grow, 0)
         refill = on_clean(t.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
-        hyst = torch.where(overflow, tolerated, torch.where(grow, self.hysteresis, refill))
+        hyst = torch.where(overflow, tolerated, refill).masked_fill(grow, self.hysteresis)
         torch.where(keep, t.scale, scale, out=t.scale)
         torch.where(keep, t.growth_tracker, growth, out=t.growth_tracker)
         torch.where(keep, t.hysteresis_tracker, hyst, out=t.hysteresis_tracker)
