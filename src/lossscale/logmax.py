@@ -193,16 +193,16 @@ class LogMaxPolicy(PolicyBase):
         overflow (the scaler's check derives both from the same read)."""
         torch = _torch()
         count_tensor(t, flags)
-        overflow, bad = flags[1] > 0, flags[3] > 0
-        if amax is None:  # not measured: only an overflow carries information
+        overflow = flags[1] > 0
+        if amax is None:  # not measured: only an overflow carries information (not a bad loss's)
             amax = torch.full_like(flags[1], math.nan)
-            learn = overflow & ~bad
+            learn = flags[1] > flags[3]  # overflow and not bad_loss (0/1 flags)
         else:
-            learn = ~bad  # a non-finite loss: counted, nothing learned
+            learn = flags[3] == 0  # a non-finite loss: counted, nothing learned
         f64 = torch.float64
         log2_scale = (torch.frexp(t.scale)[1] - 1).to(f64)
         measured = torch.floor(torch.log2(amax.to(f64)) * GRID) / GRID
-        x = torch.where(overflow, float(self.limit_exp), torch.where(amax == 0, float(self.flush_exp), measured))
+        x = measured.masked_fill(amax == 0, float(self.flush_exp)).masked_fill(overflow, float(self.limit_exp))
         x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, x - log2_scale)
         sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
