@@ -122,7 +122,8 @@ class Flags:
         known already: ``nan_known``) in the same read. Returns the decision.
 
         One read, as torch's ``.item()``: the 0/1 flags ride in one number, ``overflow + 2 nan + 4
-        bad`` (a bool vector not yet converted is copied as it is), and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
+        bad`` (a bool vector not yet converted is copied as it is; where only the decision is read, a
+        loss check kept apart is added as it is: NaN, a bad loss, or 0), and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
         (an overflow's code is then negative). Where NaN is learned only after the decision (torch's
         check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
         goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
@@ -136,8 +137,10 @@ class Flags:
             code = torch.dot(self.flag_vector[1:4], _kernels.bit_weights(self.flag_vector))
         else:
             code = self.found_inf if not nan_known else torch.add(self.found_inf, self.found_nan, alpha=2)
-            if self.loss_check is not None:  # kept apart: its NaN-or-0 becomes the bad-loss bit here
+            if self.loss_check is not None and (needs_amax or nan_known):  # kept apart: its NaN-or-0 as bit 4
                 code = torch.add(code, torch.isnan(self.loss_check), alpha=4)
+            elif self.loss_check is not None:  # the decision alone: a bad loss makes the number NaN
+                code = torch.add(code, self.loss_check)
             elif self.bad_loss is not None:
                 code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
         if needs_amax:
@@ -146,6 +149,9 @@ class Flags:
 
     def _learn(self, value: float, needs_amax: bool, nan_known: bool) -> bool:
         """Take the number :meth:`read` read apart into the host's flags; returns the decision."""
+        if value != value:  # a bad loss (read() adds the loss check's NaN-or-0 where NaN is not known)
+            self.host_found, self.host_nan, self.host_bad, self.host_amax = True, None, True, None
+            return True
         bits = int(-value) if needs_amax and value < 0 else 0 if needs_amax else int(value)
         self.host_found = bool(bits & 5)  # an inf/NaN gradient, or a bad loss
         self.host_nan = bool(bits & 2) if nan_known else (None if self.host_found else False)

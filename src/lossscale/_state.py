@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import operator
 import struct
 from typing import Dict, List, Tuple
 
@@ -85,6 +86,14 @@ def _nbytes(names: Dict[str, Tuple[str, ...]]) -> int:
     return max(offset, 1)
 
 
+_FROM_SCALE = ("scale_before", "inv_scale")  # packed from the state's scale (see load_)
+
+
+def _writable(host: torch.Tensor):
+    """The bytes of a host tensor as a writable ctypes array (``struct.pack_into`` writes into it)."""
+    return (ctypes.c_char * (host.numel() * host.element_size())).from_address(host.data_ptr())
+
+
 _PACKERS: Dict[str, struct.Struct] = {}  # by format (a Struct neither pickles nor deep-copies)
 
 
@@ -127,7 +136,12 @@ class TensorState:
         self.fresh_limits[1].fill_(2.0**53)
         self._format = _packer(self.names).format  # the Struct itself lives in _PACKERS
         self._order = [n for kind in _DTYPES for n in self.names[kind]]
+        # The packed values in buffer order, read from a state in one call: the scale stands in for
+        # scale_before and inv_scale, and inv_scale is then inverted (load_ runs every synced step).
+        self._values = operator.attrgetter(*(("scale" if n in _FROM_SCALE else n) for n in self._order))
+        self._inv_at = self._order.index("inv_scale")
         self._staging = _device.host_buffer(self.buffer)  # where a host state is encoded before its copy
+        self._staging_bytes = _writable(self._staging)
         self.load_(state)
 
     @property
@@ -151,12 +165,26 @@ class TensorState:
         """
         if type(state) is not self.state_type:
             raise ValueError(f"a {self.state_type.__name__} tensor state cannot hold a {type(state).__name__}.")
-        host = self._staging if staging_free else _device.host_buffer(self.buffer)
+        if staging_free:
+            host, memory = self._staging, self._staging_bytes
+        else:
+            host = _device.host_buffer(self.buffer)
+            memory = _writable(host)
+        values = list(self._values(state))
         # 1/scale in float64, rounded to float32 by the packing: torch's inverse, bit for bit.
-        values = dict(state.__dict__, scale_before=state.scale, inv_scale=1.0 / state.scale)
+        values[self._inv_at] = 1.0 / values[self._inv_at]
         # Packed straight into the host buffer's memory (pinned on CUDA): no tensor op on the host.
-        ctypes.memmove(host.data_ptr(), self._packer.pack(*(values[n] for n in self._order)), self._packer.size)
+        self._packer.pack_into(memory, 0, *values)
         _device.copy_from_host_(self.buffer, host)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_staging_bytes"]  # a view of process memory: made again where it is unpickled
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._staging_bytes = _writable(self._staging)
 
     def decode(self, host: torch.Tensor) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from a host copy of :attr:`buffer`."""

@@ -265,6 +265,8 @@ class Health:
         k = state.steps - self._steps
         if k < 0:
             return  # a snapshot older than what was seen (the host path got ahead of the ring)
+        if k == 1 and self._one_clean_step(state):
+            return
         # k == 0: no step, but news of the last one (a NaN learned after the host counted the overflow
         # as inf), or update(new_scale=...) without a check, which moves only the scale.
         if self._calibrating and settle_steps(policy) == 0:
@@ -292,6 +294,18 @@ class Health:
         self._steps, self._skipped, self._nan, self._bad = (state.steps, state.skipped_steps, state.nan_steps,
                                                             state.bad_loss_steps)
         self._scale = state.scale
+
+    def _one_clean_step(self, state: ScaleState) -> bool:
+        """Account for the common step, clean after clean ones and past calibration, as the general
+        path of :meth:`record` would (every other count is 0 then) without its calls: record() runs
+        every step. False, and nothing done, for any other step."""
+        if (self._calibrating or self._open.skips or state.skipped_steps != self._skipped
+                or state.nan_steps != self._nan):
+            return False
+        if state.scale != self._scale:
+            self._moved(state)
+        self._steps = state.steps
+        return True
 
     def _moved(self, state: ScaleState) -> None:
         """The scale changed, by the update that produced ``state`` (in a gap: the latest it can have)."""
