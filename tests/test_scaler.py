@@ -1,6 +1,7 @@
 """GradScaler beyond torch parity: skips, fault injection, checkpoints, errors, diagnosis, extras."""
 
 import copy
+import math
 import pickle
 import random
 import warnings
@@ -388,3 +389,24 @@ def test_update_with_new_scale_like_torch():
         s.update(new_scale=torch.tensor(16.0))
     assert ours.get_scale() == ref.get_scale() == 16.0
     assert ours._get_growth_tracker() == ref._get_growth_tracker()
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 3.0])
+def test_a_single_float32_loss_is_checked_by_the_read_itself(value):
+    """The iteration's one float32 loss reaches the host's read as it is, which adds ``loss * 0`` to
+    the decision (no kernel at ``scale()``): +inf, -inf and NaN before scaling skip the step without
+    backing off, a finite loss does not. The gradients are finite either way, so only the loss check
+    can skip. Kills: the raw loss added without ``* 0`` (an inf loss read as a clean step)."""
+    p = torch.nn.Parameter(torch.ones(2))
+    ref = torch.nn.Parameter(torch.ones(2))
+    opt, ref_opt = torch.optim.SGD([p], lr=0.1), torch.optim.SGD([ref], lr=0.1)
+    scaler = lossscale.GradScaler("cpu", init_scale=2.0**4)
+    scaler.scale(p.sum() + torch.tensor(value)).backward()
+    scaler.step(opt)
+    scaler.update()
+    ref.grad = torch.ones(2)
+    ref_opt.step()
+    bad = not math.isfinite(value)
+    state = scaler.state()
+    assert (state.skipped_steps, state.bad_loss_steps, state.scale) == (int(bad), int(bad), 16.0)
+    assert torch.equal(p.detach(), torch.ones(2) if bad else ref.detach())

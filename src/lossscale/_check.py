@@ -65,7 +65,7 @@ class Flags:
             skipped), and the policy learns from it that the scale was not the cause.
         params, amax_vectors: the parameters in check order and per-parameter max|g| vectors
             (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
-        loss_check: the loss check's value (NaN or 0) not yet folded into ``found_inf`` (one process,
+        loss_check: the loss check (non-finite where a loss was) not yet folded into ``found_inf`` (one process,
             synced: the host reads it with the decision; :meth:`fold` makes the device flags on demand).
         bools: the flag vector (``FLAG_LAYOUT``: entries 1-3 are overflow, nan, bad_loss) as bools, not yet converted: until
             :meth:`fold` converts it (on demand: where the host reads the decision, nothing may ask),
@@ -103,7 +103,7 @@ class Flags:
             vector, self.bools = self.bools.float(), None
             self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
         if self.loss_check is not None:
-            bad = torch.isnan(self.loss_check).float()
+            bad = torch.isnan(self.loss_check * 0).float()  # the loss check is non-finite where a loss was
             self.found_inf, self.bad_loss, self.loss_check = torch.maximum(self.found_inf, bad), bad, None
         return self
 
@@ -123,7 +123,7 @@ class Flags:
 
         One read, as torch's ``.item()``: the 0/1 flags ride in one number, ``overflow + 2 nan + 4
         bad`` (a bool vector not yet converted is copied as it is; where only the decision is read, a
-        loss check kept apart is added as it is: NaN, a bad loss, or 0), and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
+        loss check kept apart is added times 0: NaN, a bad loss, or 0), and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
         (an overflow's code is then negative). Where NaN is learned only after the decision (torch's
         check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
         goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
@@ -137,10 +137,10 @@ class Flags:
             code = torch.dot(self.flag_vector[1:4], _kernels.bit_weights(self.flag_vector))
         else:
             code = self.found_inf if not nan_known else torch.add(self.found_inf, self.found_nan, alpha=2)
-            if self.loss_check is not None and (needs_amax or nan_known):  # kept apart: its NaN-or-0 as bit 4
-                code = torch.add(code, torch.isnan(self.loss_check), alpha=4)
-            elif self.loss_check is not None:  # the decision alone: a bad loss makes the number NaN
-                code = torch.add(code, self.loss_check)
+            if self.loss_check is not None and (needs_amax or nan_known):  # kept apart: as bit 4
+                code = torch.add(code, torch.isnan(self.loss_check * 0), alpha=4)
+            elif self.loss_check is not None:  # the decision alone: + loss * 0, NaN for a bad loss
+                code = torch.addcmul(code, self.loss_check, _kernels.zero(code))
             elif self.bad_loss is not None:
                 code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
         if needs_amax:
@@ -272,7 +272,7 @@ class GradientCheck:
     def bad_flag(loss_check: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The loss check's value (NaN where a loss was non-finite before scaling, else 0) as a
         float32 0/1 flag, which reduces across ranks exactly (a MAX over a NaN need not)."""
-        return None if loss_check is None else torch.isnan(loss_check).float()
+        return None if loss_check is None else torch.isnan(loss_check * 0).float()
 
     # ------------------------------------------------------------------------------ the checks
     def check_(self, gathered: Gathered, scale: torch.Tensor, inv_scale: Optional[torch.Tensor], *, sync: bool,

@@ -119,7 +119,7 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
             which of ``grads`` this rank counts in the norm (the others are copies another rank
             counts), and the collective that turns the norm of the counted ones into the total.
             None (default): this rank's gradients are the whole.
-        loss_check: the loss check's value (NaN where a loss was non-finite before scaling, else 0),
+        loss_check: the loss check (non-finite where a loss was non-finite before scaling),
             or None: folded into the flags.
         inv_scale: ``1/scale`` as torch computes it (float32, rounded once from float64), or None to
             compute it here.

@@ -2,8 +2,8 @@
 
 * the per-optimizer stage machine (READY, UNSCALED, STEPPED, as torch's) and what each optimizer's
   gradient check learned (:class:`lossscale._check.Flags`);
-* the loss check: for each loss handed to ``scale()``, ``x - x`` (NaN exactly where ``x`` is inf or
-  NaN, else 0), summed on device; the check turns the sum into the iteration's flags;
+* the loss check: the losses handed to ``scale()``, from which the gradient check learns whether one
+  was non-finite before scaling (:meth:`Iteration.loss_check_value`);
 * whether the iteration has begun (a ``load_state_dict`` in mid-iteration is refused);
 * the skip decision of the steps taken so far (read on the host once, where it is on device).
 
@@ -71,7 +71,7 @@ class Iteration:
 
     def __init__(self):
         self.records: Dict[int, Record] = {}
-        self.loss_check: Optional[torch.Tensor] = None  # sum of x - x over the losses (NaN: some bad)
+        self.loss_check: Optional[torch.Tensor] = None  # non-finite where a loss was (made when asked)
         self.losses: List[torch.Tensor] = []  # detached, for overflow_report()'s "loss"
         self.begun = False  # scale() was called since the last update()
 
@@ -117,25 +117,38 @@ class Iteration:
             return any(r.read_skipped() for r in stepped)
         return any_flag([r.flags.fold().found_inf for r in stepped if r.flags is not None], device) > 0
 
-    def check_loss(self, loss: torch.Tensor, device: torch.device) -> None:
-        """Remember, on device, whether ``loss`` is non-finite *before* scaling (one subtraction, no
-        sync): the scale did not cause it then, and the step is skipped without backing off. An FP16
-        loss that overflows only once scaled is finite here: that one is the scale's doing."""
-        x = loss.detach()
-        bad = x - x  # NaN exactly where x is inf or NaN, else 0
-        bad = _kernels.to_device((bad if bad.dim() == 0 else bad.sum()).float(), device)
-        self.loss_check = bad if self.loss_check is None else self.loss_check + bad
-        self.losses.append(x)
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Remember ``loss`` (detached) for the loss check, which the gradient check reads: whether it
+        was non-finite *before* scaling (the scale did not cause it then, and the step is skipped
+        without backing off). An FP16 loss that overflows only once scaled is finite here: that one is
+        the scale's doing. No kernel here."""
+        self.losses.append(loss.detach())
+        self.loss_check = None  # made again, with this loss, when next asked
 
     def loss_check_value(self, device: torch.device, tracer) -> torch.Tensor:
-        """The loss check with the traced forward folded in: a float32 0-dim tensor, NaN where something
-        was non-finite before scaling, else 0. A rank that never called ``scale()`` (a pipeline stage)
-        sends 0, so every rank joins the same collective."""
-        bad = torch.zeros((), dtype=torch.float32, device=device) if self.loss_check is None else self.loss_check
+        """The loss check, with the traced forward folded in: a float tensor on ``device`` that is
+        non-finite exactly where a loss (or a traced forward output) was non-finite before scaling; its
+        consumers test ``value * 0`` for NaN. Made once per iteration (one kernel at most).
+
+        One float32 0-dim loss on ``device`` is handed on as it is: the host, which reads the skip
+        decision, adds ``loss * 0`` to it in the one kernel it runs anyway. Otherwise ``x - x`` (NaN
+        exactly where ``x`` is inf or NaN, else 0), summed. A rank that never called ``scale()`` (a
+        pipeline stage) sends 0, so every rank joins the same collective."""
+        if self.loss_check is None:
+            losses = self.losses
+            if len(losses) == 1 and losses[0].dim() == 0 and losses[0].dtype == torch.float32 \
+                    and losses[0].device == device:
+                self.loss_check = losses[0]
+            elif not losses:
+                self.loss_check = torch.zeros((), dtype=torch.float32, device=device)
+            else:
+                bad = [x - x for x in losses]
+                bad = [_kernels.to_device((b if b.dim() == 0 else b.sum()).float(), device) for b in bad]
+                self.loss_check = bad[0] if len(bad) == 1 else torch.stack(bad).sum()
         forward = None if tracer is None else tracer.forward_flag()
-        if forward is not None:
-            bad = bad + torch.where(_kernels.to_device(forward, device), float("nan"), 0.0)
-        return bad
+        if forward is None:
+            return self.loss_check
+        return self.loss_check + torch.where(_kernels.to_device(forward, device), float("nan"), 0.0)
 
 
 class LastUpdate:

@@ -158,10 +158,16 @@ def laid_out(parts) -> torch.Tensor:
     return torch.stack([parts[i] for i in FLAG_LAYOUT])
 
 
+def zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero of ``like``'s dtype on its device, made once (no launch per call)."""
+    return _nan_and_zero(like)[1]
+
+
 def _flag_sources(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """The values whose NaN-ness is the flag vector, laid out (:func:`flag_vector` says why)."""
     nan, zero = _nan_and_zero(amax)
-    bad = zero if loss_check is None else loss_check
+    # The loss check is non-finite where a loss was: times 0, NaN exactly then, else 0.
+    bad = zero if loss_check is None else (loss_check * 0).to(amax.dtype)
     return laid_out([nan, torch.addcmul(bad, amax, zero), amax, bad])
 
 
@@ -188,7 +194,8 @@ def read_four_bools(bools: torch.Tensor) -> List[bool]:
 def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """The flags as the tensor rules take them (``(1, overflow, nan, bad_loss)`` laid out as
     :data:`lossscale.policy.FLAG_LAYOUT`), float32 0/1, from a NaN-propagating max |g| and the loss
-    check's value (NaN where a loss was non-finite before scaling, else 0; None: not checked).
+    check (non-finite where a loss was non-finite before scaling; None: not checked), whose ``* 0``
+    is ``loss_check`` below.
 
     One NaN test over the laid-out values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
     an inf or a NaN (``inf * 0`` is NaN) or the loss was bad: the overflow, a bad loss included;

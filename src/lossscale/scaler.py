@@ -275,7 +275,7 @@ class GradScaler(Readouts, TorchAPI):
         def scaled(x: torch.Tensor) -> torch.Tensor:
             t = self._s.ensure(x.device)
             if self._loss_check:
-                self._it.check_loss(x, t.device)
+                self._it.check_loss(x)
             return x * _kernels.to_device(t.scale, x.device)
 
         return map_tensors(scaled, outputs)
