@@ -24,12 +24,17 @@ __all__ = ["host_rule", "pending_nan", "device_rule", "validate_new_scale"]
 def host_rule(policy, before: ScaleState, flags: List[Flags], new_scale) -> ScaleState:
     """The state after this iteration by the policy's pure rule, from the flags the checks read. An
     overflow whose NaN is not known on the host yet counts as inf here (see :func:`pending_nan`)."""
-    found_inf = any(f.host_found for f in flags)
-    found_nan, bad_loss = any(f.host_nan for f in flags), any(f.host_bad for f in flags)
+    if len(flags) == 1:  # one optimizer: its flags as they are (this runs every synced step)
+        only = flags[0]
+        found_inf, found_nan, bad_loss, amax = only.host_found, bool(only.host_nan), only.host_bad, only.host_amax
+    else:
+        found_inf = any(f.host_found for f in flags)
+        found_nan, bad_loss = any(f.host_nan for f in flags), any(f.host_bad for f in flags)
+        amaxes = [f.host_amax for f in flags if f.host_amax is not None]
+        amax = max(amaxes) if amaxes else None
     if new_scale is not None:  # the iteration still happened: count it; torch leaves the trackers alone
         return (count(before, found_inf, found_nan, bad_loss) if flags else before).replace(scale=f32(new_scale))
-    amaxes = [f.host_amax for f in flags if f.host_amax is not None]
-    return policy.update(before, found_inf, found_nan, max(amaxes) if amaxes else None, bad_loss)
+    return policy.update(before, found_inf, found_nan, amax, bad_loss)
 
 
 def pending_nan(flags: List[Flags]):
