@@ -159,8 +159,16 @@ def laid_out(parts) -> torch.Tensor:
 
 
 def zero(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim zero of ``like``'s dtype on its device, made once (no launch per call)."""
+    """A 0-dim zero of ``like``'s dtype on its device, made once (no launch per call). Read it only."""
     return _nan_and_zero(like)[1]
+
+
+def zero_on(device: torch.device) -> torch.Tensor:
+    """A float32 0-dim zero on ``device``, made once (no launch per call). Read it only."""
+    pair = _CONSTANTS.get(device)
+    if pair is None or pair[0].dtype != torch.float32:
+        pair = _CONSTANTS[device] = (torch.full((), math.nan, device=device), torch.zeros((), device=device))
+    return pair[1]
 
 
 def _flag_sources(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
