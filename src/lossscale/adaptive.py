@@ -312,17 +312,17 @@ class AdaptivePolicy(PolicyBase):
         # measurement, search down on overflow and up on all-zero gradients. After: grow by k at the end
         # of a clean window. One shift for all of them (a shift by 0 is the scale itself: it lies
         # within the bounds); an overflow after calibration backs off instead, as dynamic.
-        search = torch.where(overflow, -self.search_bits, self.search_bits) * (overflow | zero)
+        search = (zero.long() - overflow.long()) * self.search_bits  # up on all-zero gradients, down on overflow
         move = torch.where(calibrating, torch.where(measured, top - e, search), k * grow)
         moved = _shift_tensor(scale, move, lo, hi)
         down, tolerated = on_overflow_tensor(scale, hyst, self.backoff_factor, lo)
-        running_hyst = torch.where(overflow, tolerated, torch.where(
-            window_end, self.hysteresis, on_clean(hyst, self.hysteresis, self.consecutive_hysteresis)))
+        running_hyst = torch.where(overflow, tolerated, on_clean(hyst, self.hysteresis, self.consecutive_hysteresis)
+                                   ).masked_fill(window_end, self.hysteresis)
         new = {
             "scale": torch.where(overflow & ~calibrating, down, moved),
-            "growth_tracker": torch.where(calibrating | overflow | window_end, 0, tracker),
+            "growth_tracker": tracker.masked_fill(calibrating | overflow | window_end, 0),
             "hysteresis_tracker": torch.where(calibrating, hyst, running_hyst),
-            "window_exp": torch.where(calibrating, window, torch.where(overflow | window_end, NO_AMAX, seen)),
+            "window_exp": torch.where(calibrating, window, seen.masked_fill(overflow | window_end, NO_AMAX)),
             "calibrated": t.calibrated | (calibrating & measured),
         }
         for name, value in new.items():
