@@ -410,3 +410,79 @@ def test_a_single_float32_loss_is_checked_by_the_read_itself(value):
     state = scaler.state()
     assert (state.skipped_steps, state.bad_loss_steps, state.scale) == (int(bad), int(bad), 16.0)
     assert torch.equal(p.detach(), torch.ones(2) if bad else ref.detach())
+
+
+def _two_optimizer_states(policy_kwargs, fused, script):
+    """Run ``script`` (per iteration: the two optimizers' gradient kinds and an optional new_scale) with
+    two SGD optimizers (lr 0: the gradients stay as set), foreach or ``fused=True``; return the scaler's
+    state and scale after every iteration."""
+    scaler = lossscale.GradScaler("cpu", **policy_kwargs)
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opts = [torch.optim.SGD([a], lr=0.0, fused=fused, foreach=None if fused else True),
+            torch.optim.SGD([b], lr=0.0, fused=fused, foreach=None if fused else True)]
+    values = {"clean": 3.0, "small": 1e-3, "zero": 0.0, "inf": math.inf, "nan": math.nan}
+    out = []
+    for kinds, new_scale in script:
+        scaler.scale(torch.ones(()))
+        for p, kind in zip((a, b), kinds):
+            p.grad = torch.full_like(p, values[kind]) * scaler.get_scale()
+        for o in opts:
+            scaler.step(o)
+        scaler.update(new_scale)
+        out.append((scaler.state(), scaler.get_scale()))
+    return out
+
+
+@pytest.mark.parametrize("policy_kwargs", [
+    dict(growth_interval=2), dict(growth_interval=2, hysteresis=2), dict(min_scale=None, max_scale=None),
+    dict(policy="adaptive", growth_interval=2), dict(policy="logmax"), dict(policy="static", scale=2.0**4)],
+    ids=["dynamic", "hysteresis", "unbounded", "adaptive", "logmax", "static"])
+@pytest.mark.filterwarnings("ignore:lossscale. .* consecutive skipped:RuntimeWarning")  # the script hits the floor
+def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
+    """Two optimizers per iteration: synced (SGD foreach: the host knows the flags and runs the pure
+    rule) and fused (SGD ``fused=True``: the flags stay on device, the tensor rule runs on the two flag
+    vectors combined and the larger of the two amaxes). Every state along the way agrees bitwise,
+    ``update(new_scale)`` (a float, a tensor, float32's smallest normal) included. Kills: the device
+    combining only one optimizer's flags or amax, or the two vectors into one number; a tensor
+    ``new_scale`` compared with ``>`` (2**-126 refused) or not cast to the scale's dtype."""
+    rng = random.Random(5)
+    kinds = ["clean", "clean", "small", "zero", "inf", "nan"]
+    script = [((rng.choice(kinds), rng.choice(kinds)), None) for _ in range(24)]
+    unbounded = policy_kwargs.get("min_scale", 1) is None
+    script[7] = (("clean", "clean"), 2.0**6)
+    script[13] = (("clean", "inf"), torch.tensor(2.0**-126 if unbounded else 2.0**3, dtype=torch.float64))
+    script[19] = (("inf", "clean"), torch.tensor(math.inf))  # refused on device: the scale stays
+    if policy_kwargs.get("policy") in ("logmax", "static"):  # their scales are their own: no new_scale
+        script = [(k, None) for k, _ in script]
+    host = _two_optimizer_states(policy_kwargs, False, script)
+    device = _two_optimizer_states(policy_kwargs, True, script)
+    assert host == device
+    assert any(s.skipped_steps for s, _ in host) and host[-1][0].steps == len(script)
+    if unbounded:  # a tensor new_scale goes to the device either way: the smallest normal is taken
+        assert host[13][1] == 2.0**-126
+
+
+def test_update_new_scale_takes_its_bounds_and_refuses_what_a_tensor_cannot_be():
+    """A float ``new_scale`` exactly at ``min_scale`` or ``max_scale`` is taken, and float32's smallest
+    normal where there is no floor; a tensor one must be one floating-point value without grad. Kills:
+    the bounds compared strictly, the range check's ``<=`` made ``<``, the tensor checks joined with
+    ``and``."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+
+    def iteration(scaler, new_scale):
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        scaler.update(new_scale)
+        return scaler.get_scale()
+
+    bounded = lossscale.GradScaler("cpu", init_scale=2.0**5, min_scale=2.0, max_scale=2.0**10)
+    assert [iteration(bounded, v) for v in (2.0, 2.0**10)] == [2.0, 2.0**10]
+    assert iteration(lossscale.GradScaler("cpu", min_scale=None, max_scale=None), 2.0**-126) == 2.0**-126
+    bounded.scale(p.sum()).backward()
+    bounded.step(opt)
+    for bad in (torch.tensor(4.0, requires_grad=True), torch.tensor(4), torch.ones(2), 2.0**-127):
+        with pytest.raises(ValueError, match="new_scale"):
+            bounded.update(new_scale=bad)
+    bounded.update(new_scale=4.0)
+    assert bounded.get_scale() == 4.0 and bounded.state().steps == 3
