@@ -449,7 +449,7 @@ def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
     kinds = ["clean", "clean", "small", "zero", "inf", "nan"]
     script = [((rng.choice(kinds), rng.choice(kinds)), None) for _ in range(24)]
     unbounded = policy_kwargs.get("min_scale", 1) is None
-    script[7] = (("clean", "clean"), 2.0**6)
+    script[7] = (("clean", "nan"), 2.0**6)  # an overflow that still sets the scale: counted as one
     script[13] = (("clean", "inf"), torch.tensor(2.0**-126 if unbounded else 2.0**3, dtype=torch.float64))
     script[19] = (("inf", "clean"), torch.tensor(math.inf))  # refused on device: the scale stays
     if policy_kwargs.get("policy") in ("logmax", "static"):  # their scales are their own: no new_scale
@@ -486,3 +486,22 @@ def test_update_new_scale_takes_its_bounds_and_refuses_what_a_tensor_cannot_be()
             bounded.update(new_scale=bad)
     bounded.update(new_scale=4.0)
     assert bounded.get_scale() == 4.0 and bounded.state().steps == 3
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host state", "device state"])
+def test_a_lowered_growth_interval_caps_the_tracker_so_the_next_clean_step_grows(fused):
+    """After 5 clean steps, ``set_growth_interval(3)`` keeps the tracker below 3 (on the host's copy and
+    on device), so the next clean step grows the scale. torch's setter leaves its tracker at 5, which
+    its kernel's ``== interval`` never meets again until an overflow. Kills: the cap dropped or off by one."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.0, fused=fused)
+    scaler = lossscale.GradScaler("cpu", init_scale=2.0**4, growth_interval=100)
+    for step in range(7):
+        if step == 5:
+            scaler.set_growth_interval(3)
+            assert scaler._get_growth_tracker() == 2
+        scaler.scale(torch.ones(()))
+        p.grad = torch.ones(2)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**5 and scaler._get_growth_tracker() == 1
