@@ -75,3 +75,28 @@ def test_jsonl_logger_round_trip(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2, 3]
     assert lines[0]["note"] == "inf" and "loss_scale" in lines[0] and "grad/flushed_frac" in lines[-1]
+
+
+def test_metrics_on_the_fused_path_learns_the_state_from_its_one_transfer():
+    """With a fused optimizer only the device knows the state; ``metrics()`` reads it inside the
+    telemetry's one transfer, and the host keeps it: the counters are the pure rule's, and ``state()``
+    afterwards needs no sync. Kills: the riding bytes decoded wrong, dropped, or not kept
+    (``StateKeeper.take``)."""
+    from lossscale._sync import count_host_syncs
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.Adam([p], lr=0.0, fused=True)
+    scaler = lossscale.GradScaler("cpu", telemetry=1, init_scale=2.0**4, growth_interval=2)
+    policy = lossscale.DynamicPolicy(init_scale=2.0**4, growth_interval=2)
+    expected = policy.init_state()
+    for value in (1.0, float("inf"), 1.0, 1.0, float("nan"), 1.0):
+        scaler.scale(torch.ones(()))
+        p.grad = torch.full((3,), value * 2.0**4)
+        scaler.step(opt)
+        scaler.update()
+        expected = policy.update(expected, found_inf=value != 1.0, found_nan=value != value)
+    metrics = scaler.metrics()
+    with count_host_syncs() as syncs:
+        state = scaler.state()
+    assert syncs.count == 0 and state == expected
+    assert (metrics["steps"], metrics["skipped_steps"], metrics["nan_steps"]) == (6, 2, 1)
