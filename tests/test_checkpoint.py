@@ -781,3 +781,30 @@ def test_every_base_checkpoint_round_trips_and_trains():
 def test_a_pre_release_version_1_dict_is_refused_by_name():
     sd = lossscale.GradScaler().state_dict()
     refuses(lossscale.GradScaler(), {**sd, "lossscale_version": 1}, "lossscale_version.*pre-release")
+
+
+def test_numpy_and_python_values_load_as_the_fields_kinds_and_wrong_kinds_are_refused():
+    """A state dict whose fields are numpy numbers (as some trainers save them) loads as plain Python
+    ones of each field's kind, a bool field keeping a numpy bool as a bool; a bool where an int or a
+    float is due is refused naming the key, as is a telemetry count that is negative, a bool or not
+    whole (0 is a count). Kills: the kind tests renamed or joined with ``or``, the count's bound moved."""
+    scaler = lossscale.GradScaler(policy="adaptive", telemetry=1)
+    drive(scaler, (False, True, False))
+    sd = copy.deepcopy(scaler.state_dict())
+    sd["state"].update(steps=np.int64(3), scale=np.float32(sd["state"]["scale"]), calibrated=np.bool_(True))
+    twin = lossscale.GradScaler(policy="adaptive", telemetry=1)
+    twin.load_state_dict(sd)
+    state = twin.state()
+    assert (type(state.steps), type(state.scale), type(state.calibrated)) == (int, float, bool)
+    assert state.steps == 3 and state.calibrated is True
+    for field, value in (("steps", True), ("scale", True), ("growth_tracker", False)):
+        bad = copy.deepcopy(sd)
+        bad["state"][field] = value
+        refuses(twin, bad, rf"state\.{field}")
+    fresh = lossscale.GradScaler(telemetry=1)
+    fresh_sd = fresh.state_dict()
+    assert fresh_sd["telemetry_iteration"] == 0
+    lossscale.GradScaler(telemetry=1).load_state_dict(fresh_sd)  # a count of 0 loads
+    for value in (-1, True, 2.5):
+        bad = dict(fresh_sd, telemetry_iteration=value)
+        refuses(lossscale.GradScaler(telemetry=1), bad, "telemetry_iteration")

@@ -31,7 +31,7 @@ import warnings
 from typing import Any, Dict, Tuple
 
 from .dynamic import DynamicPolicy
-from ._validate import plain_number
+from ._validate import plain_bool, plain_number
 from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
 
 __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "TELEMETRY_KEY", "to_dict", "load", "telemetry_iteration"]
@@ -149,7 +149,7 @@ def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
     """Each field as a Python number (numpy's converted, so the state saves as plain numbers again),
     type-checked before the dataclass is built (so the error names the key)."""
     kinds = {f.name: str(f.type) for f in dataclasses.fields(state_type)}
-    fields = {name: value if kinds[name] == "bool" else
+    fields = {name: plain_bool(f"state dict state.{name}", value) if kinds[name] == "bool" else
               plain_number(f"state dict state.{name}", value, integral=kinds[name] == "int")
               for name, value in fields.items()}
     for f in dataclasses.fields(state_type):
