@@ -412,18 +412,18 @@ def test_a_single_float32_loss_is_checked_by_the_read_itself(value):
     assert torch.equal(p.detach(), torch.ones(2) if bad else ref.detach())
 
 
-def _two_optimizer_states(policy_kwargs, fused, script):
+def _two_optimizer_states(policy_kwargs, fused, script, bad_loss_at=()):
     """Run ``script`` (per iteration: the two optimizers' gradient kinds and an optional new_scale) with
-    two SGD optimizers (lr 0: the gradients stay as set), foreach or ``fused=True``; return the scaler's
-    state and scale after every iteration."""
+    two SGD optimizers (lr 0: the gradients stay as set), foreach or ``fused=True``, the loss NaN at the
+    iterations in ``bad_loss_at``; return the scaler's state and scale after every iteration."""
     scaler = lossscale.GradScaler("cpu", **policy_kwargs)
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     opts = [torch.optim.SGD([a], lr=0.0, fused=fused, foreach=None if fused else True),
             torch.optim.SGD([b], lr=0.0, fused=fused, foreach=None if fused else True)]
     values = {"clean": 3.0, "small": 1e-3, "zero": 0.0, "inf": math.inf, "nan": math.nan}
     out = []
-    for kinds, new_scale in script:
-        scaler.scale(torch.ones(()))
+    for i, (kinds, new_scale) in enumerate(script):
+        scaler.scale(torch.tensor(math.nan) if i in bad_loss_at else torch.ones(()))
         for p, kind in zip((a, b), kinds):
             p.grad = torch.full_like(p, values[kind]) * scaler.get_scale()
         for o in opts:
@@ -454,10 +454,11 @@ def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
     script[19] = (("inf", "clean"), torch.tensor(math.inf))  # refused on device: the scale stays
     if policy_kwargs.get("policy") in ("logmax", "static"):  # their scales are their own: no new_scale
         script = [(k, None) for k, _ in script]
-    host = _two_optimizer_states(policy_kwargs, False, script)
-    device = _two_optimizer_states(policy_kwargs, True, script)
+    host = _two_optimizer_states(policy_kwargs, False, script, bad_loss_at={3, 7})
+    device = _two_optimizer_states(policy_kwargs, True, script, bad_loss_at={3, 7})
     assert host == device
     assert any(s.skipped_steps for s, _ in host) and host[-1][0].steps == len(script)
+    assert host[-1][0].bad_loss_steps == 2  # the one at 7 with a new_scale too
     if unbounded:  # a tensor new_scale goes to the device either way: the smallest normal is taken
         assert host[13][1] == 2.0**-126
 
