@@ -103,7 +103,7 @@ class Flags:
             vector, self.bools = self.bools.float(), None
             self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
         if self.loss_check is not None:
-            bad = torch.isnan(self.loss_check * 0).float()  # the loss check is non-finite where a loss was
+            bad = bad_flag(self.loss_check)
             self.found_inf, self.bad_loss, self.loss_check = torch.maximum(self.found_inf, bad), bad, None
         return self
 
@@ -135,12 +135,10 @@ class Flags:
             self.fold()  # the float vector, for the dot below
         if self.flag_vector is not None:  # [1, overflow, nan, bad, ...]: one dot gives the number
             code = torch.dot(self.flag_vector[1:4], _kernels.bit_weights(self.flag_vector))
-        else:
-            code = self.found_inf if not nan_known else torch.add(self.found_inf, self.found_nan, alpha=2)
-            if self.loss_check is not None and (needs_amax or nan_known):  # kept apart: as bit 4
-                code = torch.add(code, torch.isnan(self.loss_check * 0), alpha=4)
-            elif self.loss_check is not None:  # the decision alone: + loss * 0, NaN for a bad loss
-                code = torch.addcmul(code, self.loss_check, _kernels.zero(code))
+        else:  # torch's check+unscale kernel: the decision alone (its NaN is learned after, on device)
+            code = self.found_inf
+            if self.loss_check is not None:  # + loss * 0: NaN for a bad loss
+                code = torch.addcmul(code, self.loss_check, _kernels.zero_on(code.device))
             elif self.bad_loss is not None:
                 code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
         if needs_amax:
@@ -158,6 +156,12 @@ class Flags:
         self.host_bad = bool(bits & 4)
         self.host_amax = value if needs_amax and not self.host_found else None
         return self.host_found
+
+
+def bad_flag(loss_check: torch.Tensor) -> torch.Tensor:
+    """The loss check (non-finite where a loss was non-finite before scaling) as a float32 0/1 flag,
+    which reduces across ranks exactly (a MAX over a NaN need not)."""
+    return torch.isnan(_kernels.loss_nan(loss_check)).float()
 
 
 class GradientCheck:
@@ -268,12 +272,6 @@ class GradientCheck:
             flags.found_inf = torch.maximum(flags.found_inf, bad_loss.to(flags.found_inf.dtype))
             flags.bad_loss = bad_loss > 0
 
-    @staticmethod
-    def bad_flag(loss_check: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The loss check's value (NaN where a loss was non-finite before scaling, else 0) as a
-        float32 0/1 flag, which reduces across ranks exactly (a MAX over a NaN need not)."""
-        return None if loss_check is None else torch.isnan(loss_check * 0).float()
-
     # ------------------------------------------------------------------------------ the checks
     def check_(self, gathered: Gathered, scale: torch.Tensor, inv_scale: Optional[torch.Tensor], *, sync: bool,
                needs_amax: bool, bad_loss: Optional[torch.Tensor] = None) -> Flags:
@@ -315,7 +313,7 @@ class GradientCheck:
                 flags = Flags(found_inf=None, found_nan=None, params=params)
                 # Every rank must feed the policy the same flags: they ride in one collective.
                 flags.found_inf, flags.found_nan, _, bad = self.reduce(found_inf, found_inf, None,
-                                                                       self.bad_flag(bad_loss))
+                                                                       None if bad_loss is None else bad_flag(bad_loss))
                 self._with_bad_loss(flags, bad)
             nan_pending = True  # found_nan is a placeholder until an overflow is classified below
         else:

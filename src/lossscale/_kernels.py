@@ -158,11 +158,6 @@ def laid_out(parts) -> torch.Tensor:
     return torch.stack([parts[i] for i in FLAG_LAYOUT])
 
 
-def zero(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim zero of ``like``'s dtype on its device, made once (no launch per call). Read it only."""
-    return _nan_and_zero(like)[1]
-
-
 def zero_on(device: torch.device) -> torch.Tensor:
     """A float32 0-dim zero on ``device``, made once (no launch per call). Read it only."""
     pair = _CONSTANTS.get(device)
@@ -171,11 +166,16 @@ def zero_on(device: torch.device) -> torch.Tensor:
     return pair[1]
 
 
+def loss_nan(loss_check: torch.Tensor) -> torch.Tensor:
+    """The loss check (non-finite where a loss was non-finite before scaling: the loss itself, or
+    ``x - x`` summed) times 0: NaN exactly where a loss was non-finite, else 0. One kernel."""
+    return loss_check * 0
+
+
 def _flag_sources(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """The values whose NaN-ness is the flag vector, laid out (:func:`flag_vector` says why)."""
     nan, zero = _nan_and_zero(amax)
-    # The loss check is non-finite where a loss was: times 0, NaN exactly then, else 0.
-    bad = zero if loss_check is None else (loss_check * 0).to(amax.dtype)
+    bad = zero if loss_check is None else loss_nan(loss_check).to(amax.dtype)
     return laid_out([nan, torch.addcmul(bad, amax, zero), amax, bad])
 
 
