@@ -94,9 +94,6 @@ def _writable(host: torch.Tensor):
     return (ctypes.c_char * (host.numel() * host.element_size())).from_address(host.data_ptr())
 
 
-_PACKERS: Dict[str, struct.Struct] = {}  # by format (a Struct neither pickles nor deep-copies)
-
-
 def _packer(names: Dict[str, Tuple[str, ...]]) -> struct.Struct:
     """The buffer's layout as a ``struct`` format (padding included): the host packs a whole state in
     one call (a tensor per vector cost ~10 us each, on every synced update)."""
@@ -107,9 +104,7 @@ def _packer(names: Dict[str, Tuple[str, ...]]) -> struct.Struct:
         fmt += "x" * pad + _STRUCT[kind] * len(names[kind])
         offset += pad + len(names[kind]) * size
     fmt += "x" * (_nbytes(names) - offset)
-    if fmt not in _PACKERS:
-        _PACKERS[fmt] = struct.Struct(fmt)
-    return _PACKERS[fmt]
+    return struct.Struct(fmt)
 
 
 class TensorState:
@@ -134,7 +129,7 @@ class TensorState:
         # Filled on device: a copy from a host list would wait for the device (and fail in a capture).
         self.fresh_limits = torch.zeros(2, dtype=torch.float64, device=device)
         self.fresh_limits[1].fill_(2.0**53)
-        self._format = _packer(self.names).format  # the Struct itself lives in _PACKERS
+        self._packer = _packer(self.names)
         self._order = [n for kind in _DTYPES for n in self.names[kind]]
         # The packed values in buffer order, read from a state in one call: the scale stands in for
         # scale_before and inv_scale, and inv_scale is then inverted (load_ runs every synced step).
@@ -148,13 +143,6 @@ class TensorState:
     def device(self) -> torch.device:
         """Where the state lives."""
         return self.buffer.device
-
-    @property
-    def _packer(self) -> struct.Struct:
-        packer = _PACKERS.get(self._format)
-        if packer is None:  # a copy made in another process
-            packer = _PACKERS[self._format] = struct.Struct(self._format)
-        return packer
 
     def load_(self, state: ScaleState, staging_free: bool = False) -> None:
         """Overwrite the values in place with one host-to-device copy (the views keep their identity).
@@ -179,12 +167,15 @@ class TensorState:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        del state["_staging_bytes"]  # a view of process memory: made again where it is unpickled
+        # Made again where it is unpickled or copied: a view of process memory, and a Struct (which
+        # neither pickles nor deep-copies).
+        del state["_staging_bytes"], state["_packer"]
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._staging_bytes = _writable(self._staging)
+        self._packer = _packer(self.names)
 
     def decode(self, host: torch.Tensor) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from a host copy of :attr:`buffer`."""
