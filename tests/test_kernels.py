@@ -71,23 +71,14 @@ def test_overflow_report_names_the_right_parameter_when_dtypes_interleave(kind):
 
 
 def _ops(kernel, n_tensors):
-    """The aten ops one read-only pass dispatches over ``n_tensors`` gradients (a dispatch mode sees
-    each operator call once, as a device would see each launch)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
+    """The launches one read-only pass makes over ``n_tensors`` gradients, as a device would see them
+    (``lossscale._sync``'s counter, with the CPU standing for the device: views launch nothing)."""
+    from lossscale._sync import count_device_work
 
     grads = [torch.randn(5) for _ in range(n_tensors)]
-    with Count() as c:
+    with count_device_work() as work:
         kernel(grads)
-    return c.n
+    return work.launches
 
 
 def test_the_accelerator_kernel_launches_a_constant_number_of_ops():
@@ -161,3 +152,35 @@ def test_four_bools_are_read_in_one_item_and_no_kernel():
         assert got == list(bits) and work.launches == 0 and work.syncs == 1
     with pytest.raises(ValueError, match="bool vector of 4"):
         read_four_bools(torch.zeros(4))
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("grad_value", [0.5, math.inf, -math.inf, math.nan, None])
+@pytest.mark.parametrize("loss", [2.0, math.inf, -math.inf, math.nan, None])
+def test_the_read_only_check_lays_out_every_flag(kernel, grad_value, loss, monkeypatch):
+    """``read_only_check`` against the flags written out by hand (``FLAG_LAYOUT`` of ``(1, overflow,
+    nan, bad_loss, scale_overflow)``), for each kind of gradient value and loss, with fp32 and fp16
+    groups side by side: bitwise, as the tensor rules and torch's fused optimizers read them."""
+    from lossscale.policy import FLAG_LAYOUT
+
+    monkeypatch.setitem(_kernels.AMAX_KERNELS, "cpu", kernel)
+    grads = [torch.randn(9), torch.randn(4).half(), torch.randn(3)]
+    if grad_value is not None:  # None: no gradients at all
+        grads[1][2] = grads[2][0] = grad_value  # two tensors: a flag is a count of tests, clamped to 1
+    else:
+        grads = []
+    loss_check = None if loss is None else torch.tensor(loss)
+    flags, amax, vectors = _kernels.read_only_check(_kernels.group_grads(grads), torch.device("cpu"),
+                                                    loss_check, needs_amax=True)
+    grad_bad = grad_value is not None and not math.isfinite(grad_value)
+    bad = loss is not None and not math.isfinite(loss)
+    nan = grad_value is not None and math.isnan(grad_value)
+    sources = [1.0, float(grad_bad or bad), float(nan), float(bad), float(grad_bad and not bad)]
+    assert torch.equal(flags, torch.tensor([sources[i] for i in FLAG_LAYOUT]))
+    expected = max((g.float().abs().max() for g in grads), default=torch.tensor(0.0),
+                   key=lambda a: math.inf if math.isnan(a) else float(a))
+    assert torch.equal(amax, expected) or (math.isnan(amax) and math.isnan(expected))
+    assert [len(v) for v in vectors] == ([2, 1] if grads else [])  # per group: fp32 (two), fp16 (one)
+    _, no_amax, _ = _kernels.read_only_check(_kernels.group_grads(grads), torch.device("cpu"), loss_check,
+                                             needs_amax=False)
+    assert no_amax is None

@@ -47,7 +47,7 @@ def test_a_counter_at_its_device_limit_reaches_the_device_exactly():
 def test_a_copied_state_does_not_write_through_the_originals_views():
     policy = DynamicPolicy(init_scale=2.0**4, growth_interval=2, hysteresis=1, min_scale=None, max_scale=None)
     st = TensorState(policy.init_state(), torch.device("cpu"))
-    clean = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0])  # FLAG_LAYOUT of a clean step
+    clean = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0])  # FLAG_LAYOUT of a clean step
     policy.tensor_update(st, clean)
     twin = copy.deepcopy(st)
     policy.tensor_update(twin, clean)

@@ -29,6 +29,7 @@ from typing import Any, Callable, List, Optional, Set
 import torch
 
 from . import _clip, _kernels
+from .policy import FLAG_LAYOUT, SCALE_OVERFLOW
 from . import distributed as _distributed
 
 __all__ = ["Flags", "Gathered", "GradientCheck"]
@@ -100,7 +101,12 @@ class Flags:
         """Make the device flags from what is still kept apart: the bool vector (one conversion), or a
         loss check (folded into ``found_inf`` and ``bad_loss``). Device ops, no sync; returns self."""
         if self.bools is not None:
-            vector, self.bools = self.bools.float(), None
+            # The counters' entries as floats, then the overflow the scale answers (overflow - bad
+            # loss), which the bools' NaN test cannot give.
+            vector = torch.empty(len(FLAG_LAYOUT), dtype=torch.float32, device=self.bools.device)
+            vector[:SCALE_OVERFLOW].copy_(self.bools)
+            torch.sub(vector[1], vector[3], out=vector[SCALE_OVERFLOW])
+            self.bools = None
             self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
         if self.loss_check is not None:
             bad = bad_flag(self.loss_check)
@@ -262,6 +268,7 @@ class GradientCheck:
             return vector, amax
         vector = vector.float()  # a MAX of 0/1 floats, which every backend reduces
         found_inf, found_nan, amax, bad = _distributed.all_reduce_flags(vector[1], vector[2], amax, group, vector[3])
+        # Laid out again from the reduced flags: "overflow and not a bad loss" is not a MAX of the ranks'.
         return _kernels.laid_out([vector[0], found_inf, found_nan, bad]), amax
 
     @staticmethod
@@ -317,12 +324,12 @@ class GradientCheck:
                 self._with_bad_loss(flags, bad)
             nan_pending = True  # found_nan is a placeholder until an overflow is classified below
         else:
-            # Read-only amax pass first (inf vs NaN, the amax, the names), then torch's kernel.
-            amax_vectors, amax = _kernels.amax_per_tensor(groups, device)
+            # Read-only pass first (the flags, inf vs NaN, the amax, the names), then torch's kernel.
+            vector, amax, amax_vectors = _kernels.read_only_check(groups, device, bad_loss, needs_amax)
             if unscale:
-                _kernels.check_and_unscale_(groups, inv_scale, torch.zeros_like(amax))
+                _kernels.check_and_unscale_(groups, inv_scale, torch.zeros((), dtype=torch.float32, device=device))
             # Every rank must feed the policy the same flags and amax: they ride in one collective.
-            vector, amax = self.reduce_vector(_kernels.flag_vector(amax, bad_loss), amax if needs_amax else None)
+            vector, amax = self.reduce_vector(vector, amax)
             flags = Flags.from_vector(vector, amax, params=params, amax_vectors=amax_vectors)
         # Decided on reduced values only, so every rank takes the same path to the collective below.
         if sync and flags.read(needs_amax, nan_known=not nan_pending) and nan_pending:

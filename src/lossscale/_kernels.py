@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .policy import FLAG_LAYOUT
+from .policy import FLAG_LAYOUT, SCALE_OVERFLOW
 
 Groups = Dict[torch.device, Dict[torch.dtype, List[torch.Tensor]]]
 
@@ -79,24 +79,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=device.type != "cpu")
 
 
-def _amax_aminmax(grads: List[torch.Tensor]) -> torch.Tensor:
-    """max |x| per tensor from ``aminmax``: one vectorised read each; NaN propagates, -inf shows in the min."""
+def _amax_aminmax(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """max |x| per tensor from ``aminmax``: one vectorised read each; NaN propagates, -inf shows in the min.
+    One vector of them."""
     lo, hi = zip(*[torch.aminmax(g) for g in grads])
     # max(hi, -lo) = max|x|; maximum propagates NaN, and -(-inf) = inf.
-    return torch.maximum(torch.stack(hi), torch.stack(lo).neg_())
+    return [torch.maximum(torch.stack(hi), torch.stack(lo).neg_())]
 
 
-def _amax_foreach_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+def _amax_foreach_norm(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     """max |x| per tensor as ``_foreach_norm(ord=inf)``: one multi-tensor launch per group, whatever
     the number of tensors. CUDA's kernel takes ``max_propagate_nan(acc, |x|)``
-    (aten/src/ATen/native/cuda/ForeachReduceOp.cu), so a NaN anywhere makes that tensor's value NaN."""
-    return torch.stack(torch._foreach_norm(grads, math.inf))
+    (aten/src/ATen/native/cuda/ForeachReduceOp.cu), so a NaN anywhere makes that tensor's value NaN.
+    One length-1 view per tensor (no kernel): the caller's ``cat`` stacks them."""
+    return [norm.reshape(1) for norm in torch._foreach_norm(grads, math.inf)]
 
 
-#: The read-only max|x| kernel per device type. Measured on CPU (docs/performance.md): ``aminmax`` per
-#: tensor is the fastest exact formulation there, ``_foreach_norm(inf)`` 7-8x slower. On CUDA a
-#: launch per tensor costs more than the read itself for small tensors, so the multi-tensor kernel is
-#: used; ``benchmarks/gpu_check.sh`` measures it on the first GPU.
+#: The read-only max|x| kernel per device type, returning the values as 1-dim pieces to ``cat``.
+#: Measured on CPU (docs/performance.md): ``aminmax`` per tensor is the fastest exact formulation
+#: there, ``_foreach_norm(inf)`` 7-8x slower. On CUDA a launch per tensor costs more than the read
+#: itself for small tensors, so the multi-tensor kernel is used; ``benchmarks/gpu_check.sh`` measures
+#: it on the first GPU.
 AMAX_KERNELS = {"cpu": _amax_aminmax}
 DEFAULT_AMAX_KERNEL = _amax_foreach_norm
 
@@ -104,6 +107,21 @@ DEFAULT_AMAX_KERNEL = _amax_foreach_norm
 def amax_kernel(device: torch.device):
     """The read-only max|x| kernel for ``device``'s type (see :data:`AMAX_KERNELS`)."""
     return AMAX_KERNELS.get(device.type, DEFAULT_AMAX_KERNEL)
+
+
+def _amax_pieces(groups: Groups, device: torch.device) -> Tuple[List[torch.Tensor], List[int]]:
+    """Every group's per-tensor max|x| as 1-dim pieces on ``device`` (one ``cat`` makes the vector),
+    and the number of tensors per group, in group order."""
+    pieces, sizes = [], []
+    for grad_device, per_dtype in groups.items():
+        kernel = amax_kernel(grad_device)
+        for grads in per_dtype.values():
+            part = kernel(grads)
+            if grad_device != device:
+                part = [to_device(torch.cat(part), device)]
+            pieces.extend(part)
+            sizes.append(len(grads))
+    return pieces, sizes
 
 
 def amax_per_tensor(groups: Groups, device: torch.device) -> Tuple[List[torch.Tensor], torch.Tensor]:
@@ -116,15 +134,78 @@ def amax_per_tensor(groups: Groups, device: torch.device) -> Tuple[List[torch.Te
     and rejected: a 2-norm overflows float32 for finite scaled gradients past ~1.8e19 (a false
     overflow torch would not see) and is 4-8x slower on fp16; ``_foreach_max`` is blind to -inf.
     """
-    vectors = []
-    for grad_device, per_dtype in groups.items():
-        kernel = amax_kernel(grad_device)
-        for grads in per_dtype.values():
-            vectors.append(to_device(kernel(grads).float(), device))
-    if not vectors:
+    pieces, sizes = _amax_pieces(groups, device)
+    if not pieces:
         return [], torch.zeros((), dtype=torch.float32, device=device)
-    overall = torch.cat(vectors).max() if len(vectors) > 1 else vectors[0].max()
-    return vectors, overall
+    values = torch.cat(pieces, out=torch.empty(sum(sizes), dtype=torch.float32, device=device))
+    return list(values.split(sizes)), values.max()
+
+
+def read_only_check(groups: Groups, device: torch.device, loss_check: Optional[torch.Tensor],
+                    needs_amax: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], List[torch.Tensor]]:
+    """The fused-optimizer path's check: nothing written, the flags and the amax from one read.
+
+    Returns ``(flags, amax, amax_vectors)``: the flag vector as the tensor rules take it (float32 0/1,
+    :data:`lossscale.policy.FLAG_LAYOUT`), the NaN-propagating max|g| when ``needs_amax`` (else None),
+    and the per-tensor max|g| vectors (views, one per group, for ``overflow_report``). ``loss_check``:
+    non-finite where a loss was non-finite before scaling, or None (not checked). No sync.
+
+    How, in four kernels after the amax pass (one ``cat``, one ``mul``, one ``ne``, one ``mv``, and
+    the ``clamp``): the per-tensor values, the loss check and a NaN are one vector ``u``; ``[u, u * 0]
+    != itself`` tests, per value, "NaN" and "inf or NaN" (``inf * 0`` is NaN) as 0/1 floats, which are
+    finite, so a constant matrix turns them into every flag at once: a flag is a count of the tests
+    it covers, clamped to 1; the NaN column is the constant 1; and "overflow and not a bad loss" (what
+    the tests alone cannot say) subtracts the bad-loss test more often than any count can reach.
+    """
+    pieces, sizes = _amax_pieces(groups, device)
+    n = sum(sizes)
+    nan, zero = _f32_constants(device)
+    loss = zero if loss_check is None else to_device(loss_check, device)
+    values = torch.cat(pieces + [loss.reshape(1), nan.reshape(1)],
+                       out=torch.empty(n + 2, dtype=torch.float32, device=device))
+    both = values * _nan_rows(device)  # [u, u * 0]: NaN where u is NaN / where u is not finite
+    tests = torch.ne(both, both, out=torch.empty_like(both))
+    flags = torch.mv(_flag_matrix(n, device), tests.view(-1)).clamp_(0.0, 1.0)
+    amax = None
+    if needs_amax:
+        amax = values[:n].max() if n else torch.zeros((), dtype=torch.float32, device=device)
+    return flags, amax, list(values[:n].split(sizes))
+
+
+_NAN_ROWS: Dict[torch.device, torch.Tensor] = {}
+_FLAG_MATRICES: Dict[Tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _nan_rows(device: torch.device) -> torch.Tensor:
+    """``[[1], [0]]`` (float32) on ``device``, made once: ``u * it`` is ``[u, u * 0]`` in one kernel."""
+    rows = _NAN_ROWS.get(device)
+    if rows is None:
+        rows = _NAN_ROWS[device] = torch.zeros((2, 1), dtype=torch.float32, device=device)
+        rows[0].fill_(1.0)  # filled on the device: a copy from host memory would wait for it
+    return rows
+
+
+def _flag_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """The constant matrix of :func:`read_only_check` for ``n`` values, made once per ``n`` and device.
+
+    Its columns are the tests ``[nan(u_0..u_n-1), nan(loss), nan(NaN), bad(u_0..u_n-1), bad(loss),
+    bad(NaN)]`` ("bad": inf or NaN); its rows the flags laid out as ``FLAG_LAYOUT``, each from the
+    sources ``(1, overflow, nan, bad_loss, scale_overflow)``.
+    """
+    key = (device, n)
+    matrix = _FLAG_MATRICES.get(key)
+    if matrix is None:
+        width = n + 2
+        loss_bad = width + n  # column of the loss's "inf or NaN" test
+        sources = torch.zeros((5, 2 * width), dtype=torch.float32, device=device)
+        sources[0, n + 1].fill_(1.0)                  # 1: the NaN constant's test, always set
+        sources[1, width:loss_bad + 1].fill_(1.0)     # overflow: any value inf or NaN, the loss included
+        sources[2, :n].fill_(1.0)                     # nan: any gradient value NaN
+        sources[3, loss_bad].fill_(1.0)               # bad_loss
+        sources[4, width:loss_bad].fill_(1.0)         # scale_overflow: any gradient value inf or NaN ...
+        sources[4, loss_bad].fill_(-(n + 1.0))        # ... unless the loss was bad (the clamp takes it to 0)
+        matrix = _FLAG_MATRICES[key] = torch.stack([sources[i] for i in FLAG_LAYOUT])
+    return matrix
 
 
 #: Per device: a NaN and a zero, made once (each would be a launch per call, and a tensor made inside
@@ -153,17 +234,25 @@ def bit_weights(like: torch.Tensor) -> torch.Tensor:
 
 
 def laid_out(parts) -> torch.Tensor:
-    """``(1, overflow, nan, bad_loss)`` (four 0-dim tensors, one dtype) stacked as the tensor rules take
-    them (:data:`lossscale.policy.FLAG_LAYOUT`): one kernel, however often an entry repeats."""
-    return torch.stack([parts[i] for i in FLAG_LAYOUT])
+    """``(1, overflow, nan, bad_loss)`` (four float 0-dim tensors, one dtype) stacked as the tensor rules
+    take them (:data:`lossscale.policy.FLAG_LAYOUT`), with ``overflow - bad_loss`` (a bad loss is
+    always an overflow too) as the overflow the scale answers: two kernels."""
+    one, overflow, nan, bad = parts
+    sources = (one, overflow, nan, bad, overflow - bad)
+    return torch.stack([sources[i] for i in FLAG_LAYOUT])
+
+
+def _f32_constants(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A float32 0-dim NaN and zero on ``device``, made once (no launch per call). Read them only."""
+    pair = _CONSTANTS.get(device)
+    if pair is None or pair[0].dtype != torch.float32:
+        pair = _CONSTANTS[device] = (torch.full((), math.nan, device=device), torch.zeros((), device=device))
+    return pair
 
 
 def zero_on(device: torch.device) -> torch.Tensor:
     """A float32 0-dim zero on ``device``, made once (no launch per call). Read it only."""
-    pair = _CONSTANTS.get(device)
-    if pair is None or pair[0].dtype != torch.float32:
-        pair = _CONSTANTS[device] = (torch.full((), math.nan, device=device), torch.zeros((), device=device))
-    return pair[1]
+    return _f32_constants(device)[1]
 
 
 def loss_nan(loss_check: torch.Tensor) -> torch.Tensor:
@@ -172,17 +261,22 @@ def loss_nan(loss_check: torch.Tensor) -> torch.Tensor:
     return loss_check * 0
 
 
-def _flag_sources(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """The values whose NaN-ness is the flag vector, laid out (:func:`flag_vector` says why)."""
+def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
+    """The counters' flags (the first :data:`~lossscale.policy.SCALE_OVERFLOW` entries of
+    :data:`~lossscale.policy.FLAG_LAYOUT`) as bools, from one NaN test, for a host that reads them
+    (:func:`read_four_bools` of the first four); ``Flags.fold`` adds the last entry when a tensor
+    rule needs the float vector (NaN tests cannot say "and not a bad loss").
+
+    ``amax``: a NaN-propagating max |g| (or a norm: never -inf); ``loss_check``: non-finite where a
+    loss was non-finite before scaling, or None. The values tested: ``loss_check * 0 + amax * 0`` is
+    NaN exactly when the gradients held an inf or a NaN (``inf * 0`` is NaN) or the loss was bad (the
+    overflow, a bad loss included); ``amax`` itself when they held a NaN; ``loss_check * 0`` when the
+    loss was bad; a NaN constant gives the leading 1 (the step itself, for the counters).
+    """
     nan, zero = _nan_and_zero(amax)
     bad = zero if loss_check is None else loss_nan(loss_check).to(amax.dtype)
-    return laid_out([nan, torch.addcmul(bad, amax, zero), amax, bad])
-
-
-def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """:func:`flag_vector` as bools, for a host that reads them (:func:`read_four_bools` of the first
-    four)."""
-    return torch.isnan(_flag_sources(amax, loss_check))
+    sources = (nan, torch.addcmul(bad, amax, zero), amax, bad)
+    return torch.isnan(torch.stack([sources[i] for i in FLAG_LAYOUT[:SCALE_OVERFLOW]]))
 
 
 def read_four_bools(bools: torch.Tensor) -> List[bool]:
@@ -197,23 +291,6 @@ def read_four_bools(bools: torch.Tensor) -> List[bool]:
         raise ValueError(f"read_four_bools needs a bool vector of 4; got {bools.dtype} {tuple(bools.shape)}.")
     word = bools.contiguous().view(torch.int32).item()  # a fresh vector is contiguous: no kernel
     return [bool(b) for b in int(word).to_bytes(4, sys.byteorder, signed=True)]
-
-
-def flag_vector(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
-    """The flags as the tensor rules take them (``(1, overflow, nan, bad_loss)`` laid out as
-    :data:`lossscale.policy.FLAG_LAYOUT`), float32 0/1, from a NaN-propagating max |g| and the loss
-    check (non-finite where a loss was non-finite before scaling; None: not checked), whose ``* 0``
-    is ``loss_check`` below.
-
-    One NaN test over the laid-out values: ``loss_check + amax * 0`` is NaN exactly when the gradients held
-    an inf or a NaN (``inf * 0`` is NaN) or the loss was bad: the overflow, a bad loss included;
-    ``amax`` itself when they held a NaN; ``loss_check`` when the loss was bad; a NaN constant gives
-    the leading 1 (the step itself, for the counters: :func:`lossscale.policy.count_tensor`). The
-    test is ``v != v`` (true for NaN alone) written into a float32 output: the 0/1 floats in one
-    kernel, where ``isnan(v).float()`` is two.
-    """
-    v = _flag_sources(amax, loss_check)
-    return torch.ne(v, v, out=torch.empty_like(v))
 
 
 def flags_from_amax(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

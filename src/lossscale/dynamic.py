@@ -54,7 +54,7 @@ from ._validate import (
 )
 from .diagnosis import stuck_at_bound_or_streak
 from .hysteresis import on_clean, on_overflow, on_overflow_tensor
-from .policy import I32, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
+from .policy import I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["DynamicPolicy", "DynamicState"]
 
@@ -165,31 +165,31 @@ class DynamicPolicy(PolicyBase):
     def tensor_update(self, t, flags, amax=None) -> None:
         """:meth:`update` on device tensors, in place, with no host sync (the fused-optimizer path).
 
-        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (entries 1 and 3: overflow, bad loss).
+        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (entries 1 and 3: overflow, bad
+        loss; ``SCALE_OVERFLOW``: an overflow not from a bad loss).
         Like every way of setting the scale (``init_scale``, ``update(new_scale)``,
         ``load_state_dict``), the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on
         such a scale the floor can only act on a backoff and the cap only on a growth, so both are
         one clamp.
         """
         count_tensor(t, flags)
-        overflow, bad = flags[1], flags[3]
         if self.hysteresis == 1:
-            self._torch_rule(t, overflow, bad)
+            self._torch_rule(t, flags[SCALE_OVERFLOW], flags[3])
         else:
-            self._hysteresis_rule(t, overflow, bad)
+            self._hysteresis_rule(t, flags[1], flags[3])
 
-    def _torch_rule(self, t, overflow, bad) -> None:
+    def _torch_rule(self, t, scale_overflow, bad) -> None:
         """Hysteresis 1 is torch's rule, so torch's own kernel moves the scale and the growth tracker
         (bitwise torch by construction). It grows when ``tracker + 1 == growth_interval``; the state
         never holds a tracker at or past the interval, so that is the pure rule's ``>=``.
 
-        A non-finite loss must leave both alone: the kernel then sees no overflow (``overflow - bad``
-        is 0: a bad loss always counts as an overflow), and the tracker is stepped back first, so the
-        kernel's ``+ 1`` lands where it was and cannot reach the interval.
+        A non-finite loss must leave both alone: the kernel then sees no overflow (``scale_overflow``
+        leaves a bad loss out), and the tracker is stepped back first, so the kernel's ``+ 1`` lands
+        where it was and cannot reach the interval.
         """
         torch = _torch()
         t.growth_tracker.sub_(bad.int())
-        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow - bad, self.growth_factor,
+        torch._amp_update_scale_(t.scale, t.growth_tracker, scale_overflow, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
         t.scale.clamp_(self.lowest(), None if self.max_scale is None else f32(self.max_scale))
 

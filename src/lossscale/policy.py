@@ -61,6 +61,7 @@ __all__ = [
     "count",
     "count_tensor",
     "FLAG_LAYOUT",
+    "SCALE_OVERFLOW",
     "f32",
     "is_power_of_two",
     "SMALLEST_SCALE",
@@ -182,13 +183,17 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     )
 
 
-#: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 14, each entry one of
-#: ``(1, overflow, nan, bad_loss)`` by this index. The first 7 are what the counters add (``totals``:
-#: steps, skipped, nan, bad_loss; ``streaks``: skipped, nan, bad_loss), the last 7 what they keep (the
-#: totals always; a streak only through an overflow): :func:`count_tensor` is then one ``addcmul``.
-#: Entries 1, 2, 3 are the overflow, NaN and bad-loss flags themselves.
+#: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 15, each entry one of
+#: ``(1, overflow, nan, bad_loss, scale_overflow)`` by this index. The first 7 are what the counters add
+#: (``totals``: steps, skipped, nan, bad_loss; ``streaks``: skipped, nan, bad_loss), the next 7 what they
+#: keep (the totals always; a streak only through an overflow): :func:`count_tensor` is then one
+#: ``addcmul``. Entries 1, 2, 3 are the overflow, NaN and bad-loss flags themselves; the last,
+#: ``scale_overflow``, is "overflow and not a bad loss": the overflow a policy answers by moving its scale.
 FLAG_LAYOUT = (0, 1, 2, 3, 1, 2, 3,
-               0, 0, 0, 0, 1, 1, 1)
+               0, 0, 0, 0, 1, 1, 1,
+               4)
+#: Where :data:`FLAG_LAYOUT` puts the overflow a policy answers (an overflow not from a bad loss).
+SCALE_OVERFLOW = 14
 
 
 def count_tensor(t, flags) -> None:
@@ -207,7 +212,7 @@ def count_tensor(t, flags) -> None:
     torch.where(fresh, t.scale, t.f32[1:3], out=t.f32[1:3])
     # counters * keep + add: the totals grow by [1, overflow, nan, bad]; a streak grows the same way
     # during an overflow and is zeroed by a clean step (keep and add both 0).
-    torch.addcmul(flags[:7], t.counters, flags[7:], out=t.counters)
+    torch.addcmul(flags[:7], t.counters, flags[7:14], out=t.counters)
 
 
 # ---------------------------------------------------------------------------------------- protocol
