@@ -159,7 +159,7 @@ def test_four_bools_are_read_in_one_item_and_no_kernel():
 @pytest.mark.parametrize("loss", [2.0, math.inf, -math.inf, math.nan, None])
 def test_the_read_only_check_lays_out_every_flag(kernel, grad_value, loss, monkeypatch):
     """``read_only_check`` against the flags written out by hand (``FLAG_LAYOUT`` of ``(1, overflow,
-    nan, bad_loss, scale_overflow)``), for each kind of gradient value and loss, with fp32 and fp16
+    nan, bad_loss, scale_overflow, clean)``), for each kind of gradient value and loss, with fp32 and fp16
     groups side by side: bitwise, as the tensor rules and torch's fused optimizers read them."""
     from lossscale.policy import FLAG_LAYOUT
 
@@ -175,7 +175,8 @@ def test_the_read_only_check_lays_out_every_flag(kernel, grad_value, loss, monke
     grad_bad = grad_value is not None and not math.isfinite(grad_value)
     bad = loss is not None and not math.isfinite(loss)
     nan = grad_value is not None and math.isnan(grad_value)
-    sources = [1.0, float(grad_bad or bad), float(nan), float(bad), float(grad_bad and not bad)]
+    sources = [1.0, float(grad_bad or bad), float(nan), float(bad), float(grad_bad and not bad),
+               float(not (grad_bad or bad))]
     assert torch.equal(flags, torch.tensor([sources[i] for i in FLAG_LAYOUT]))
     expected = max((g.float().abs().max() for g in grads), default=torch.tensor(0.0),
                    key=lambda a: math.inf if math.isnan(a) else float(a))
@@ -184,3 +185,26 @@ def test_the_read_only_check_lays_out_every_flag(kernel, grad_value, loss, monke
     _, no_amax, _ = _kernels.read_only_check(_kernels.group_grads(grads), torch.device("cpu"), loss_check,
                                              needs_amax=False)
     assert no_amax is None
+
+
+@pytest.mark.parametrize("grad_value", [0.5, math.inf, math.nan])
+@pytest.mark.parametrize("loss", [2.0, math.inf, None])
+def test_every_way_of_making_the_flags_gives_the_same_vector(grad_value, loss):
+    """The tensor rules read one layout however the flags were made: the read-only check's matrix,
+    the clip's bools converted by ``Flags.fold``, ``laid_out`` from the four flags (the synced path's
+    device flags, and the flags reduced across ranks), and two optimizers' vectors combined. Kills:
+    "scale_overflow" or "clean" made from the wrong entries in any of them (a MAX of two optimizers'
+    "clean" says clean where one overflowed)."""
+    from lossscale._check import Flags
+
+    loss_check = None if loss is None else torch.tensor(loss)
+    grads = [torch.ones(3), torch.full((2,), grad_value)]
+    matrix, _, _ = _kernels.read_only_check(_kernels.group_grads(grads), torch.device("cpu"), loss_check, False)
+    amax = torch.stack([g.abs().max() for g in grads]).max()
+    folded = Flags.from_vector(_kernels.flag_bools(amax, loss_check), None).fold().flag_vector
+    one, overflow, nan, bad = (matrix[i] for i in range(4))
+    assert torch.equal(folded, matrix) and torch.equal(_kernels.laid_out([one, overflow, nan, bad]), matrix)
+    clean, _, _ = _kernels.read_only_check(_kernels.group_grads([torch.ones(3)]), torch.device("cpu"), loss_check,
+                                           False)
+    assert torch.equal(_kernels.combined([clean, matrix]), matrix)
+    assert torch.equal(_kernels.combined([matrix, clean]), matrix)

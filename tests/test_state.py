@@ -47,7 +47,7 @@ def test_a_counter_at_its_device_limit_reaches_the_device_exactly():
 def test_a_copied_state_does_not_write_through_the_originals_views():
     policy = DynamicPolicy(init_scale=2.0**4, growth_interval=2, hysteresis=1, min_scale=None, max_scale=None)
     st = TensorState(policy.init_state(), torch.device("cpu"))
-    clean = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0])  # FLAG_LAYOUT of a clean step
+    clean = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1])  # FLAG_LAYOUT of a clean step
     policy.tensor_update(st, clean)
     twin = copy.deepcopy(st)
     policy.tensor_update(twin, clean)
@@ -66,3 +66,45 @@ def test_the_host_inverse_is_torchs_bit_for_bit(bits):
     expected = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
     assert torch.equal(t.inv_scale, expected), (scale, t.inv_scale.item(), expected.item())
     assert t.to_state().scale == scale  # the inverse is not part of the state
+
+
+def _inverse_launches(keeper):
+    from lossscale._sync import count_device_work
+
+    with count_device_work() as work:
+        inv = keeper.inverse()
+    return inv, work.launches
+
+
+@pytest.mark.parametrize("k", [-126, -1, 0, 24, 127])
+def test_a_device_moved_power_of_two_scale_is_inverted_in_one_exact_kernel(k):
+    """After a tensor rule moved the scale, ``unscale_`` needs ``1/scale`` made on device. For a scale
+    known to be a power of two (the host set one, and the rule keeps powers of two) it is one float32
+    ``reciprocal``, exact, so the same bits as torch's float64 route (2**127: a subnormal inverse);
+    otherwise torch's route. Kills: the shortcut taken for a scale the host set off the powers of two
+    or after a rule that leaves them, or not taken where it may be."""
+    from lossscale._state import StateKeeper
+
+    torch_route = lambda t: t.scale.double().reciprocal().float()  # noqa: E731
+    keeper = StateKeeper(DynamicPolicy().init_state().replace(scale=2.0**k))
+    t = keeper.ensure(torch.device("cpu"))
+    inv, launches = _inverse_launches(keeper)
+    assert launches == 0 and torch.equal(inv, torch_route(t))  # the host's, sent with the state
+    keeper.moved_on_device(keeps_powers_of_two=True)
+    inv, launches = _inverse_launches(keeper)
+    assert launches == 1 and torch.equal(inv, torch_route(t))
+    keeper.moved_on_device(keeps_powers_of_two=False)  # e.g. backoff_factor=0.7
+    assert _inverse_launches(keeper)[1] == 3
+    keeper.set(keeper.t.to_state().replace(scale=3.0 * 2.0**(k // 2)))  # the host sets one off them
+    keeper.moved_on_device(keeps_powers_of_two=True)
+    inv, launches = _inverse_launches(keeper)
+    assert launches == 3 and torch.equal(inv, torch_route(t))
+
+
+def test_which_policies_keep_powers_of_two():
+    assert DynamicPolicy().keeps_powers_of_two() and AdaptivePolicy().keeps_powers_of_two()
+    with pytest.warns(UserWarning, match="not a power of two"):
+        assert not DynamicPolicy(backoff_factor=0.7).keeps_powers_of_two()
+    with pytest.warns(UserWarning, match="not a power of two"):
+        assert not DynamicPolicy(max_scale=3.0e6).keeps_powers_of_two()
+    assert DynamicPolicy(min_scale=None, max_scale=None).keeps_powers_of_two()

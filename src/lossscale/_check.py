@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional, Set
 import torch
 
 from . import _clip, _kernels
-from .policy import FLAG_LAYOUT, SCALE_OVERFLOW
+from .policy import CLEAN, FLAG_LAYOUT, SCALE_OVERFLOW
 from . import distributed as _distributed
 
 __all__ = ["Flags", "Gathered", "GradientCheck"]
@@ -102,10 +102,11 @@ class Flags:
         loss check (folded into ``found_inf`` and ``bad_loss``). Device ops, no sync; returns self."""
         if self.bools is not None:
             # The counters' entries as floats, then the overflow the scale answers (overflow - bad
-            # loss), which the bools' NaN test cannot give.
+            # loss) and clean (1 - overflow), which the bools' NaN test cannot give.
             vector = torch.empty(len(FLAG_LAYOUT), dtype=torch.float32, device=self.bools.device)
             vector[:SCALE_OVERFLOW].copy_(self.bools)
             torch.sub(vector[1], vector[3], out=vector[SCALE_OVERFLOW])
+            torch.sub(vector[0], vector[1], out=vector[CLEAN])
             self.bools = None
             self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
         if self.loss_check is not None:
@@ -363,7 +364,7 @@ class GradientCheck:
             _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
         true_norm, vector, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
                                                                   counted, reduce_norm, loss_check=bad_loss,
-                                                                  inv_scale=inv_scale)
+                                                                  inv_scale=inv_scale, host_reads=sync)
         vector, amax = self.reduce_vector(vector, amax)
         # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
         # holding a NaN and inf for one holding an inf, so it serves as an amax vector.

@@ -108,7 +108,7 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
                  counted: Optional[List[bool]] = None,
                  reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  loss_check: Optional[torch.Tensor] = None, inv_scale: Optional[torch.Tensor] = None,
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+                 host_reads: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
     """Unscale and clip ``grads`` (the *scaled* gradients) in place by their true total norm.
 
     Args:
@@ -123,11 +123,13 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
             or None: folded into the flags.
         inv_scale: ``1/scale`` as torch computes it (float32, rounded once from float64), or None to
             compute it here.
+        host_reads: the host reads the flags (bools, read in one copy with no kernel); otherwise they
+            are made as the tensor rules take them (floats, :func:`lossscale._kernels.flags_of`).
 
     Returns:
         ``(true_norm, flags, per_tensor, order)``: the total norm of the unscaled gradients (a
         tensor: no sync; the same on every rank when reduced); ``flags``, the flag vector
-        (``FLAG_LAYOUT``: 1, overflow, nan, bad_loss at 0-3; bools, :func:`lossscale._kernels.flag_bools`) of this
+        (``FLAG_LAYOUT``: 1, overflow, nan, bad_loss at 0-3; bools or floats, see ``host_reads``) of this
         rank's gradients, copies included (not reduced); the per-tensor norms of the
         *scaled* gradients (a NaN or inf one names the tensor that held it, like an amax vector) and
         the index into ``grads`` of each, in that order.
@@ -152,9 +154,14 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
         stacked = torch.stack(moved)
         total = torch.linalg.vector_norm(stacked, norm_type)
         per_tensor = _kernels.to_device(stacked.float(), device)
-    # A norm is never -inf: the flag vector's isnan tells inf from NaN, the bad loss folded in.
-    bools = _kernels.flag_bools(total, None if loss_check is None else _kernels.to_device(loss_check, total.device))
-    overflow = bools[1]
+    # A norm is never -inf: the flags' NaN tests tell inf from NaN, the bad loss folded in.
+    loss_check = None if loss_check is None else _kernels.to_device(loss_check, total.device)
+    if host_reads:
+        flags = _kernels.flag_bools(total, loss_check)
+        overflow = flags[1]
+    else:
+        flags, _ = _kernels.flags_of([total.reshape(1)], 1, loss_check, total.device)
+        overflow = flags[1] > 0
     if reduce_norm is not None:
         # Sharded: the norm of the parts this rank counts, then one all-reduce to the total. Every
         # rank gets the same total, so every rank clips by the same coefficient.
@@ -186,4 +193,4 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
         if m is None:
             m = per_device[target] = _kernels.to_device(multiplier, target)
         torch._foreach_mul_(tensors, m)
-    return true_norm, _kernels.to_device(bools, device), per_tensor, order
+    return true_norm, _kernels.to_device(flags, device), per_tensor, order

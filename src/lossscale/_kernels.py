@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .policy import FLAG_LAYOUT, SCALE_OVERFLOW
+from .policy import CLEAN, FLAG_LAYOUT, SCALE_OVERFLOW
 
 Groups = Dict[torch.device, Dict[torch.dtype, List[torch.Tensor]]]
 
@@ -145,31 +145,40 @@ def read_only_check(groups: Groups, device: torch.device, loss_check: Optional[t
                     needs_amax: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], List[torch.Tensor]]:
     """The fused-optimizer path's check: nothing written, the flags and the amax from one read.
 
-    Returns ``(flags, amax, amax_vectors)``: the flag vector as the tensor rules take it (float32 0/1,
-    :data:`lossscale.policy.FLAG_LAYOUT`), the NaN-propagating max|g| when ``needs_amax`` (else None),
-    and the per-tensor max|g| vectors (views, one per group, for ``overflow_report``). ``loss_check``:
-    non-finite where a loss was non-finite before scaling, or None (not checked). No sync.
-
-    How, in four kernels after the amax pass (one ``cat``, one ``mul``, one ``ne``, one ``mv``, and
-    the ``clamp``): the per-tensor values, the loss check and a NaN are one vector ``u``; ``[u, u * 0]
-    != itself`` tests, per value, "NaN" and "inf or NaN" (``inf * 0`` is NaN) as 0/1 floats, which are
-    finite, so a constant matrix turns them into every flag at once: a flag is a count of the tests
-    it covers, clamped to 1; the NaN column is the constant 1; and "overflow and not a bad loss" (what
-    the tests alone cannot say) subtracts the bad-loss test more often than any count can reach.
+    Returns ``(flags, amax, amax_vectors)``: the flag vector (:func:`flags_of`), the NaN-propagating
+    max|g| when ``needs_amax`` (else None), and the per-tensor max|g| vectors (views, one per group,
+    for ``overflow_report``). ``loss_check``: non-finite where a loss was non-finite before scaling, or
+    None (not checked). No sync.
     """
     pieces, sizes = _amax_pieces(groups, device)
     n = sum(sizes)
+    flags, values = flags_of(pieces, n, loss_check, device)
+    amax = None
+    if needs_amax:
+        amax = values[:n].max() if n else torch.zeros((), dtype=torch.float32, device=device)
+    return flags, amax, list(values[:n].split(sizes))
+
+
+def flags_of(pieces: List[torch.Tensor], n: int, loss_check: Optional[torch.Tensor],
+             device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The flag vector as the tensor rules take it (float32 0/1, :data:`lossscale.policy.FLAG_LAYOUT`)
+    from ``n`` values that are inf or NaN where the gradients held one (per-tensor max|g| or norms, in
+    1-dim ``pieces`` on ``device``) and the loss check (None: not checked). Returns ``(flags, values)``,
+    ``values[:n]`` the values as one float32 vector. Five kernels, however many values. No sync.
+
+    How: the values, the loss check and a NaN are one vector ``u``; ``[u, u * 0] != itself`` tests,
+    per value, "NaN" and "inf or NaN" (``inf * 0`` is NaN) as 0/1 floats, which are finite, so a
+    constant matrix turns them into every flag at once: a flag is a count of the tests it covers,
+    clamped to 1; the NaN column is the constant 1; and "overflow and not a bad loss" or "clean" (what
+    the tests alone cannot say) subtract a test more often than any count can reach.
+    """
     nan, zero = _f32_constants(device)
     loss = zero if loss_check is None else to_device(loss_check, device)
     values = torch.cat(pieces + [loss.reshape(1), nan.reshape(1)],
                        out=torch.empty(n + 2, dtype=torch.float32, device=device))
     both = values * _nan_rows(device)  # [u, u * 0]: NaN where u is NaN / where u is not finite
     tests = torch.ne(both, both, out=torch.empty_like(both))
-    flags = torch.mv(_flag_matrix(n, device), tests.view(-1)).clamp_(0.0, 1.0)
-    amax = None
-    if needs_amax:
-        amax = values[:n].max() if n else torch.zeros((), dtype=torch.float32, device=device)
-    return flags, amax, list(values[:n].split(sizes))
+    return torch.mv(_flag_matrix(n, device), tests.view(-1)).clamp_(0.0, 1.0), values
 
 
 _NAN_ROWS: Dict[torch.device, torch.Tensor] = {}
@@ -186,24 +195,26 @@ def _nan_rows(device: torch.device) -> torch.Tensor:
 
 
 def _flag_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """The constant matrix of :func:`read_only_check` for ``n`` values, made once per ``n`` and device.
+    """The constant matrix of :func:`flags_of` for ``n`` values, made once per ``n`` and device.
 
     Its columns are the tests ``[nan(u_0..u_n-1), nan(loss), nan(NaN), bad(u_0..u_n-1), bad(loss),
     bad(NaN)]`` ("bad": inf or NaN); its rows the flags laid out as ``FLAG_LAYOUT``, each from the
-    sources ``(1, overflow, nan, bad_loss, scale_overflow)``.
+    sources ``(1, overflow, nan, bad_loss, scale_overflow, clean)``.
     """
     key = (device, n)
     matrix = _FLAG_MATRICES.get(key)
     if matrix is None:
         width = n + 2
         loss_bad = width + n  # column of the loss's "inf or NaN" test
-        sources = torch.zeros((5, 2 * width), dtype=torch.float32, device=device)
+        sources = torch.zeros((6, 2 * width), dtype=torch.float32, device=device)
         sources[0, n + 1].fill_(1.0)                  # 1: the NaN constant's test, always set
         sources[1, width:loss_bad + 1].fill_(1.0)     # overflow: any value inf or NaN, the loss included
         sources[2, :n].fill_(1.0)                     # nan: any gradient value NaN
         sources[3, loss_bad].fill_(1.0)               # bad_loss
         sources[4, width:loss_bad].fill_(1.0)         # scale_overflow: any gradient value inf or NaN ...
         sources[4, loss_bad].fill_(-(n + 1.0))        # ... unless the loss was bad (the clamp takes it to 0)
+        sources[5, n + 1].fill_(1.0)                  # clean: 1 ...
+        sources[5, width:loss_bad + 1].fill_(-(n + 2.0))  # ... unless any value was inf or NaN
         matrix = _FLAG_MATRICES[key] = torch.stack([sources[i] for i in FLAG_LAYOUT])
     return matrix
 
@@ -236,10 +247,21 @@ def bit_weights(like: torch.Tensor) -> torch.Tensor:
 def laid_out(parts) -> torch.Tensor:
     """``(1, overflow, nan, bad_loss)`` (four float 0-dim tensors, one dtype) stacked as the tensor rules
     take them (:data:`lossscale.policy.FLAG_LAYOUT`), with ``overflow - bad_loss`` (a bad loss is
-    always an overflow too) as the overflow the scale answers: two kernels."""
+    always an overflow too) as the overflow the scale answers and ``1 - overflow`` as clean: three
+    kernels."""
     one, overflow, nan, bad = parts
-    sources = (one, overflow, nan, bad, overflow - bad)
+    sources = (one, overflow, nan, bad, overflow - bad, one - overflow)
     return torch.stack([sources[i] for i in FLAG_LAYOUT])
+
+
+def combined(vectors: List[torch.Tensor]) -> torch.Tensor:
+    """The flag vectors of several checks (one per optimizer) as one: the MAX of each entry (any
+    overflow, any NaN, ...), then the two a MAX cannot give, made again from it (overflow and not a bad
+    loss; clean: no check overflowed). Four kernels."""
+    vector = torch.stack(vectors).amax(0)
+    torch.sub(vector[1], vector[3], out=vector[SCALE_OVERFLOW])
+    torch.sub(vector[0], vector[1], out=vector[CLEAN])
+    return vector
 
 
 def _f32_constants(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from . import _device
-from .policy import ScaleState, field_kind
+from .policy import ScaleState, field_kind, is_power_of_two
 
 _DTYPES = {"f64": torch.float64, "i64": torch.int64, "f32": torch.float32, "i32": torch.int32}
 _STRUCT = {"f64": "d", "i64": "q", "f32": "f", "i32": "i"}  # the same layout for struct, in native byte order
@@ -135,6 +135,7 @@ class TensorState:
         # scale_before and inv_scale, and inv_scale is then inverted (load_ runs every synced step).
         self._values = operator.attrgetter(*(("scale" if n in _FROM_SCALE else n) for n in self._order))
         self._inv_at = self._order.index("inv_scale")
+        self._constants: Dict[float, torch.Tensor] = {}
         self._staging = _device.host_buffer(self.buffer)  # where a host state is encoded before its copy
         self._staging_bytes = _writable(self._staging)
         self.load_(state)
@@ -143,6 +144,16 @@ class TensorState:
     def device(self) -> torch.device:
         """Where the state lives."""
         return self.buffer.device
+
+    def constant(self, value: float) -> torch.Tensor:
+        """``value`` as a float64 0-dim tensor on the state's device, made once: a Python number in a
+        tensor op is a tensor made on the device, a launch every time. Float64, so a float32 scale times
+        it is taken in double and rounded once where it is stored (torch's kernel:
+        ``static_cast<float>(scale * factor)``). Read it only."""
+        c = self._constants.get(value)
+        if c is None:
+            c = self._constants[value] = torch.full((), value, dtype=torch.float64, device=self.device)
+        return c
 
     def load_(self, state: ScaleState, staging_free: bool = False) -> None:
         """Overwrite the values in place with one host-to-device copy (the views keep their identity).
@@ -213,6 +224,7 @@ class StateKeeper:
         self.graphed = False
         self.device_type = device_type
         self._host_wrote = True  # the buffer's inv_scale is 1/scale: the host wrote the state last
+        self._power_of_two = is_power_of_two(state.scale)  # known for the device scale
         self._pending_nan = None  # (host buffer, event): an overflow's NaN flag on its way to the host
 
     @property
@@ -228,24 +240,34 @@ class StateKeeper:
                                  f"device={device.type!r} or device=None to infer it.")
             self.t = TensorState(self.mirror, device)
             self._host_wrote = True
+            self._power_of_two = is_power_of_two(self.mirror.scale)
         return self.t
 
     def inverse(self) -> torch.Tensor:
         """``1/scale`` as float32, torch's: the host's, sent with the state, where the device has not
-        moved the scale since; else computed on device (three small kernels). No sync.
+        moved the scale since; else computed on device: one float32 ``reciprocal`` where the scale is
+        known to be a power of two (exact, so the same bits as torch's float64 route), else torch's
+        three kernels. No sync.
 
-        Computed also inside a CUDA-graph capture or ``torch.compile``: a graph replays later, after
-        device updates that do not write the host's inverse.
+        Computed also inside a CUDA-graph capture or ``torch.compile``, and there always by torch's
+        route: a graph replays later, after device updates that do not write the host's inverse, and
+        perhaps after the host set a scale that is no power of two.
         """
         t = self.t
-        if self._host_wrote and not self.graphed and not _device.capturing(t.device):
-            return t.inv_scale
+        if not self.graphed and not _device.capturing(t.device):
+            if self._host_wrote:
+                return t.inv_scale
+            if self._power_of_two:
+                return t.scale.reciprocal()
         return _device.reciprocal(t.scale)
 
-    def moved_on_device(self) -> None:
-        """A tensor rule moved the device state: the host no longer knows it, nor its inverse."""
+    def moved_on_device(self, keeps_powers_of_two: bool) -> None:
+        """A tensor rule moved the device state: the host no longer knows it, nor its inverse.
+        ``keeps_powers_of_two``: the rule takes a power-of-two scale to another (its policy's
+        :meth:`~lossscale.policy.PolicyBase.keeps_powers_of_two`)."""
         self.mirror = None
         self._host_wrote = False
+        self._power_of_two = self._power_of_two and keeps_powers_of_two
 
     def require(self, call: str) -> TensorState:
         """The device state; RuntimeError naming ``call`` before the first ``scale()``."""
@@ -288,6 +310,7 @@ class StateKeeper:
             else:
                 self.t = TensorState(state, self.t.device)
             self._host_wrote = True
+        self._power_of_two = is_power_of_two(state.scale)
         self.mirror = None if self.graphed else state
         self._pending_nan = None
         if nan is not None and self.t is not None:

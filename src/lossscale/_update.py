@@ -14,6 +14,7 @@ from typing import List
 
 import torch
 
+from . import _kernels
 from ._check import Flags
 from ._validate import plain_number
 from .policy import SMALLEST_SCALE, ScaleState, count, count_tensor, f32
@@ -49,7 +50,7 @@ def pending_nan(flags: List[Flags]):
 def device_rule(policy, t, flags: List[Flags], new_scale) -> None:
     """The policy's tensor rule on the device state ``t``, in place, no sync."""
     vectors = [f.vector() for f in flags]
-    vector = vectors[0] if len(vectors) == 1 else torch.stack(vectors).amax(0) if vectors else None
+    vector = vectors[0] if len(vectors) == 1 else _kernels.combined(vectors) if vectors else None
     if new_scale is None:
         amaxes = [f.amax for f in flags if f.amax is not None]
         amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()

@@ -90,8 +90,8 @@ from typing import Optional, Tuple
 from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
 from .diagnosis import stuck_at_bound_or_streak
-from .hysteresis import on_clean, on_overflow, on_overflow_tensor
-from .policy import SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
+from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
+from .policy import CLEAN, SCALE_OVERFLOW, SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 
@@ -112,15 +112,6 @@ def _shift(scale: float, k: int, lo: float, hi: float) -> float:
     """``scale * 2**k`` clamped to [lo, hi], as float32 (exact: only the exponent moves)."""
     k = max(-MAX_SHIFT, min(MAX_SHIFT, k))
     return f32(min(max(math.ldexp(scale, k), lo), hi))
-
-
-def _shift_tensor(scale, k, lo: float, hi: float):
-    """:func:`_shift` on device: ``2**k`` is built from its float64 bit pattern (exact for any
-    |k| <= 1022), and the product is taken in float64, where it cannot overflow or round, so the
-    result is bitwise the host's ``math.ldexp``."""
-    k = k.clamp(-MAX_SHIFT, MAX_SHIFT)
-    pow2 = ((k + 1023) << 52).view(_torch().float64)
-    return (scale.double() * pow2).clamp(lo, hi).float()
 
 
 def _binade(amax: float) -> int:
@@ -288,46 +279,46 @@ class AdaptivePolicy(PolicyBase):
 
         ``flags`` as for :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite
         ``amax`` as an overflow (the scaler's check derives both from the same read). ``amax``: float32
-        0-dim tensor, the max |g| of the scaled gradients, or None when not measured.
+        0-dim tensor, the max |g| of the scaled gradients, or None when not measured. A bad loss is
+        neither an overflow the scale answers nor a clean step, so no line below moves anything on one.
         """
         torch = _torch()
         count_tensor(t, flags)
-        overflow, keep = flags[1] > 0, flags[3] > 0  # keep: a non-finite loss moves nothing
-        if amax is None:
-            amax = torch.zeros_like(flags[1])
-            measured = zero = torch.zeros_like(overflow)
+        yes = flags > 0  # every flag as a bool (views below)
+        overflow, clean = yes[SCALE_OVERFLOW], yes[CLEAN]
+        calibrated = t.calibrated > 0
+        if amax is None:  # nothing measured: only the overflows teach anything
+            amax = torch.zeros_like(flags[0])
+            measured = zero = torch.zeros_like(clean)
         else:
-            measured, zero = ~overflow & (amax > 0), ~overflow & (amax == 0)
-        e = torch.frexp(amax.float())[1].to(torch.int64)  # amax < 2**e; meaningless unless measured
-        lo, hi = self.bounds()
+            measured, zero = clean & (amax > 0), clean & (amax == 0)
+        e = torch.frexp(amax)[1]  # amax < 2**e; read only where measured
         top = self.limit_exp - self.margin_bits
-        scale, hyst, window = t.scale, t.hysteresis_tracker, t.window_exp
-        calibrating = t.calibrated == 0
-        seen = torch.where(measured, torch.maximum(window, e), window)
-        tracker = t.growth_tracker + 1
-        window_end = ~overflow & (tracker >= self.growth_interval)
-        k = top - seen
-        grow = window_end & (seen != NO_AMAX) & (k > 0)
-        # The binades the scale moves by, 0 where it stays. Before calibration: jump to the target on a
-        # measurement, search down on overflow and up on all-zero gradients. After: grow by k at the end
-        # of a clean window. One shift for all of them (a shift by 0 is the scale itself: it lies
-        # within the bounds); an overflow after calibration backs off instead, as dynamic.
-        search = (zero.long() - overflow.long()) * self.search_bits  # up on all-zero gradients, down on overflow
-        move = torch.where(calibrating, torch.where(measured, top - e, search), k * grow)
-        moved = _shift_tensor(scale, move, lo, hi)
-        down, tolerated = on_overflow_tensor(scale, hyst, self.backoff_factor, lo)
-        running_hyst = torch.where(overflow, tolerated, on_clean(hyst, self.hysteresis, self.consecutive_hysteresis)
-                                   ).masked_fill(window_end, self.hysteresis)
-        new = {
-            "scale": torch.where(overflow & ~calibrating, down, moved),
-            "growth_tracker": tracker.masked_fill(calibrating | overflow | window_end, 0),
-            "hysteresis_tracker": torch.where(calibrating, hyst, running_hyst),
-            "window_exp": torch.where(calibrating, window, seen.masked_fill(overflow | window_end, NO_AMAX)),
-            "calibrated": t.calibrated | (calibrating & measured),
-        }
-        for name, value in new.items():
-            old = getattr(t, name)
-            torch.where(keep, old, value, out=old)
+        # After calibration: the window's largest binade, and its end after growth_interval clean steps.
+        step = clean & calibrated
+        window = torch.maximum(t.window_exp, e)
+        torch.where(measured & calibrated, window, t.window_exp, out=t.window_exp)
+        t.growth_tracker.add_(step)  # stays 0 before calibration (check_state holds states to it)
+        window_end = t.growth_tracker >= self.growth_interval
+        k = top - t.window_exp
+        grow = window_end & (k > 0) & (t.window_exp != NO_AMAX)
+        # The binades the scale moves by. Before calibration: to the target on a measurement, down on
+        # an overflow, up on all-zero gradients. After: by the headroom at a window's end, else 0.
+        search = torch.add(zero.int(), overflow, alpha=-1) * self.search_bits  # +1, -1 or 0 (torch: no bool "-")
+        move = torch.where(calibrated, k * grow, torch.where(measured, top - e, search))
+        # After calibration an overflow backs off instead, as the dynamic policy's (hysteresis.py).
+        answered = overflow & calibrated
+        back_off = backs_off_tensor(t.hysteresis_tracker, answered)
+        pow2 = ((move + 1023) << 52).view(torch.float64)  # 2**move from its bit pattern: exact
+        factor = torch.where(back_off, t.constant(self.backoff_factor), pow2)
+        torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32
+        t.scale.clamp_(*self.bounds())
+        track_tensor_(t.hysteresis_tracker, answered, step if self.consecutive_hysteresis else window_end,
+                      self.hysteresis)
+        reset = overflow | window_end
+        t.growth_tracker.masked_fill_(reset, 0)
+        t.window_exp.masked_fill_(reset, NO_AMAX)
+        t.calibrated.bitwise_or_(measured)
 
     def is_stuck(self, state: AdaptiveState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.
@@ -353,3 +344,6 @@ class AdaptivePolicy(PolicyBase):
         if state.window_exp != NO_AMAX and not (state.calibrated and -160 <= state.window_exp <= 140):
             raise ValueError(f"state.window_exp={state.window_exp} must be NO_AMAX ({NO_AMAX}) or a float32 binade "
                              "of a calibrated policy.")
+        if not state.calibrated and state.growth_tracker != 0:
+            raise ValueError(f"state.growth_tracker={state.growth_tracker} must be 0 before calibration (every "
+                             "uncalibrated step resets it).")

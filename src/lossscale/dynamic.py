@@ -41,6 +41,7 @@ Example (a training loop drives the state; here by hand)::
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -53,10 +54,23 @@ from ._validate import (
     warn_not_powers_of_two,
 )
 from .diagnosis import stuck_at_bound_or_streak
-from .hysteresis import on_clean, on_overflow, on_overflow_tensor
-from .policy import I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
+from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
+from .policy import CLEAN, I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["DynamicPolicy", "DynamicState"]
+
+
+def _largest_growable(growth_factor: float) -> float:
+    """The largest float32 scale whose growth is finite in float32 (``f32(scale * growth_factor)``)."""
+    def step(x: float, k: int) -> float:  # the k-th float32 after x (x > 0)
+        return struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", x))[0] + k))[0]
+
+    s = f32(3.4028234663852886e38 / growth_factor)  # float32's largest finite value, divided
+    while math.isinf(f32(s * growth_factor)):
+        s = step(s, -1)
+    while not math.isinf(f32(step(s, 1) * growth_factor)):
+        s = step(s, 1)
+    return s
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,7 @@ class DynamicPolicy(PolicyBase):
         if self.hysteresis == 1:
             self._torch_rule(t, flags[SCALE_OVERFLOW], flags[3])
         else:
-            self._hysteresis_rule(t, flags[1], flags[3])
+            self._hysteresis_rule(t, flags)
 
     def _torch_rule(self, t, scale_overflow, bad) -> None:
         """Hysteresis 1 is torch's rule, so torch's own kernel moves the scale and the growth tracker
@@ -193,24 +207,28 @@ class DynamicPolicy(PolicyBase):
                                  self.backoff_factor, self.growth_interval)
         t.scale.clamp_(self.lowest(), None if self.max_scale is None else f32(self.max_scale))
 
-    def _hysteresis_rule(self, t, overflow, bad) -> None:
-        """The rule for any hysteresis, as the pure one: new values from the old, then written."""
+    def _hysteresis_rule(self, t, flags) -> None:
+        """The rule for any hysteresis. A bad loss is neither an overflow the scale answers nor a clean
+        step, so no line below moves anything on one."""
         torch = _torch()
-        overflow, keep = overflow > 0, bad > 0  # keep: a non-finite loss moves nothing
-        tracker = t.growth_tracker + 1
-        grow = ~overflow & (tracker >= self.growth_interval)
-        down, tolerated = on_overflow_tensor(t.scale, t.hysteresis_tracker, self.backoff_factor, self.lowest())
-        # Grown in float64 and rounded once to float32, as torch's kernel; a non-finite growth is refused.
-        up = (t.scale.double() * self.growth_factor).float()
-        up = torch.where(up < math.inf, up if self.max_scale is None else up.clamp_max(f32(self.max_scale)),
-                         t.scale)  # up >= 0: "< inf" is isfinite, in one kernel where isfinite takes three
-        scale = torch.where(overflow, down, torch.where(grow, up, t.scale))
-        growth = tracker.masked_fill(overflow | grow, 0)
-        refill = on_clean(t.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
-        hyst = torch.where(overflow, tolerated, refill).masked_fill(grow, self.hysteresis)
-        torch.where(keep, t.scale, scale, out=t.scale)
-        torch.where(keep, t.growth_tracker, growth, out=t.growth_tracker)
-        torch.where(keep, t.hysteresis_tracker, hyst, out=t.hysteresis_tracker)
+        yes = flags > 0  # every flag as a bool (views below)
+        overflow, clean = yes[SCALE_OVERFLOW], yes[CLEAN]
+        back_off = backs_off_tensor(t.hysteresis_tracker, overflow)
+        t.growth_tracker.add_(clean)
+        grow = t.growth_tracker >= self.growth_interval  # only a clean step reaches it
+        track_tensor_(t.hysteresis_tracker, overflow, clean if self.consecutive_hysteresis else grow, self.hysteresis)
+        t.growth_tracker.masked_fill_(overflow | grow, 0)
+        if self._growth_may_overflow():  # torch: a non-finite growth is refused
+            grow = grow & (t.scale <= _largest_growable(self.growth_factor))
+        factor = torch.where(back_off, t.constant(self.backoff_factor),
+                             torch.where(grow, t.constant(self.growth_factor), t.constant(1.0)))
+        torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32, as torch's kernel
+        t.scale.clamp_(self.lowest(), None if self.max_scale is None else f32(self.max_scale))
+
+    def _growth_may_overflow(self) -> bool:
+        """Whether a growth within the bounds can leave float32 (no ``max_scale``, or one so high that
+        ``max_scale * growth_factor`` overflows): then the rule must test for it."""
+        return self.max_scale is None or math.isinf(f32(f32(self.max_scale) * self.growth_factor))
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

@@ -12,7 +12,8 @@ and for one clean step: ``hysteresis_tracker = hysteresis`` when ``consecutive_h
 *consecutive* overflows count, DeepSpeed), else it is refilled only by a growth (Megatron-core).
 
 The tracker never goes below 1 (DeepSpeed's ``cur_hysteresis``), so with ``hysteresis=1`` it never
-moves. Pure Python at import; the tensor form imports torch when it runs.
+moves. Pure Python; the tensor form (:func:`backs_off_tensor`, :func:`track_tensor_`) works on the
+tensors it is given.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Tuple
 
 from .formats import f32
 
-__all__ = ["on_overflow", "on_overflow_tensor", "on_clean"]
+__all__ = ["on_overflow", "on_clean", "backs_off_tensor", "track_tensor_"]
 
 
 def on_overflow(scale: float, hysteresis_tracker: int, backoff_factor: float, lowest: float) -> Tuple[float, int]:
@@ -31,17 +32,17 @@ def on_overflow(scale: float, hysteresis_tracker: int, backoff_factor: float, lo
     return max(f32(scale * backoff_factor), lowest), 1
 
 
-def on_overflow_tensor(scale, hysteresis_tracker, backoff_factor: float, lowest: float):
-    """:func:`on_overflow` on 0-dim tensors (float32 scale, int tracker): returns the new two, no writes.
+def backs_off_tensor(hysteresis_tracker, overflow):
+    """The tensor form's "an overflow, and the tolerance spent" (bool 0-dim; ``overflow`` bool 0-dim):
+    ``tracker <= overflow``, since the tracker is at least 1: only an overflow (1) at 1 passes."""
+    return hysteresis_tracker <= overflow
 
-    The product is taken in float64 and rounded once to float32, as torch's kernel does
-    (``static_cast<float>(scale * factor)``), so it is bitwise :func:`on_overflow`'s ``f32``.
-    """
-    import torch
 
-    spent = hysteresis_tracker <= 1
-    down = (scale.double() * backoff_factor).float().clamp_min(lowest)
-    return torch.where(spent, down, scale), (hysteresis_tracker - 1).clamp_min(1)
+def track_tensor_(hysteresis_tracker, overflow, refill, hysteresis: int) -> None:
+    """The tracker after the iteration, in place: one spent per ``overflow`` (never below 1; at 1 the
+    scale backs off instead), set back to ``hysteresis`` where ``refill`` (bool 0-dim tensors)."""
+    # add_(alpha=-1): torch refuses to subtract a bool tensor, not to add one with a negative weight.
+    hysteresis_tracker.add_(overflow, alpha=-1).clamp_min_(1).masked_fill_(refill, hysteresis)
 
 
 def on_clean(hysteresis_tracker, hysteresis: int, consecutive: bool):

@@ -62,6 +62,7 @@ __all__ = [
     "count_tensor",
     "FLAG_LAYOUT",
     "SCALE_OVERFLOW",
+    "CLEAN",
     "f32",
     "is_power_of_two",
     "SMALLEST_SCALE",
@@ -183,17 +184,20 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     )
 
 
-#: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 15, each entry one of
-#: ``(1, overflow, nan, bad_loss, scale_overflow)`` by this index. The first 7 are what the counters add
-#: (``totals``: steps, skipped, nan, bad_loss; ``streaks``: skipped, nan, bad_loss), the next 7 what they
-#: keep (the totals always; a streak only through an overflow): :func:`count_tensor` is then one
-#: ``addcmul``. Entries 1, 2, 3 are the overflow, NaN and bad-loss flags themselves; the last,
-#: ``scale_overflow``, is "overflow and not a bad loss": the overflow a policy answers by moving its scale.
+#: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 16, each entry one of
+#: ``(1, overflow, nan, bad_loss, scale_overflow, clean)`` by this index. The first 7 are what the
+#: counters add (``totals``: steps, skipped, nan, bad_loss; ``streaks``: skipped, nan, bad_loss), the
+#: next 7 what they keep (the totals always; a streak only through an overflow): :func:`count_tensor` is
+#: then one ``addcmul``. Entries 1, 2, 3 are the overflow, NaN and bad-loss flags themselves; then
+#: ``scale_overflow`` ("overflow and not a bad loss": the overflow a policy answers by moving its scale)
+#: and ``clean`` (no overflow: the optimizer stepped).
 FLAG_LAYOUT = (0, 1, 2, 3, 1, 2, 3,
                0, 0, 0, 0, 1, 1, 1,
-               4)
+               4, 5)
 #: Where :data:`FLAG_LAYOUT` puts the overflow a policy answers (an overflow not from a bad loss).
 SCALE_OVERFLOW = 14
+#: Where :data:`FLAG_LAYOUT` puts "no overflow" (entry 1's complement).
+CLEAN = 15
 
 
 def count_tensor(t, flags) -> None:
@@ -287,6 +291,13 @@ class PolicyBase:
     def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:
         """(min_scale, max_scale) as configured; None where unbounded."""
         return getattr(self, "min_scale", None), getattr(self, "max_scale", None)
+
+    def keeps_powers_of_two(self) -> bool:
+        """Whether the rule takes a power-of-two scale to another: every factor and bound it has is a
+        power of two (or None). Then ``1/scale`` is exact in float32 (one kernel where torch's float64
+        route is three). Optional in :class:`Policy`: without it the scaler takes torch's route."""
+        return all(v is None or is_power_of_two(v) for v in (
+            getattr(self, name, None) for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")))
 
     def config(self) -> Dict[str, Any]:
         """The configuration as a dict of the dataclass fields (what a checkpoint stores)."""

@@ -444,7 +444,8 @@ class GradScaler(Readouts, TorchAPI):
                         nan=pending_nan(flags))
         else:
             device_rule(self._policy, t, flags, new_scale)
-            self._s.moved_on_device()
+            keeps = getattr(self._policy, "keeps_powers_of_two", None)  # optional (PolicyBase has it)
+            self._s.moved_on_device(keeps is not None and keeps())
         self._last, self._it = LastUpdate(skipped), Iteration()
         self._check.new_iteration()
         if self._telemetry is not None:
