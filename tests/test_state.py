@@ -108,3 +108,16 @@ def test_which_policies_keep_powers_of_two():
     with pytest.warns(UserWarning, match="not a power of two"):
         assert not DynamicPolicy(max_scale=3.0e6).keeps_powers_of_two()
     assert DynamicPolicy(min_scale=None, max_scale=None).keeps_powers_of_two()
+
+
+def test_a_span_of_fields_is_one_view_of_neighbours_only():
+    from lossscale import LogMaxPolicy
+
+    t = TensorState(LogMaxPolicy().init_state(), torch.device("cpu"))
+    span = t.span("x_hat", "b2_correction")
+    span.fill_(0.5)  # one write reaches all five fields
+    assert t.to_state().x_hat == t.to_state().b2_correction == 0.5 and span.numel() == 5
+    with pytest.raises(ValueError, match="not neighbouring fields of one kind"):
+        t.span("b2_correction", "x_hat")  # out of order
+    with pytest.raises(ValueError, match="not neighbouring fields of one kind"):
+        t.span("scale", "x_hat")  # float32 and float64

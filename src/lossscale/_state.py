@@ -145,6 +145,14 @@ class TensorState:
         """Where the state lives."""
         return self.buffer.device
 
+    def span(self, first: str, last: str) -> torch.Tensor:
+        """The fields ``first`` to ``last`` as one view (they must be neighbours in one typed vector,
+        as a state type's fields of one kind are, in field order): a rule writes them in one kernel."""
+        for kind, names in self.names.items():
+            if first in names and last in names and names.index(first) <= names.index(last):
+                return getattr(self, kind)[names.index(first):names.index(last) + 1]
+        raise ValueError(f"{first!r} to {last!r} are not neighbouring fields of one kind in {self.state_type.__name__}.")
+
     def constant(self, value: float) -> torch.Tensor:
         """``value`` as a float64 0-dim tensor on the state's device, made once: a Python number in a
         tensor op is a tensor made on the device, a launch every time. Float64, so a float32 scale times

@@ -208,10 +208,9 @@ class LogMaxPolicy(PolicyBase):
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)
         scale = ((k + 1023) << 52).view(f64).float()  # 2**k from its bit pattern: exact
-        for name, new in (("x_hat", x_hat), ("slow_x_hat", slow), ("xsquared_hat", xsq),
-                          ("b1_correction", b1c), ("b2_correction", b2c), ("scale", scale)):
-            old = getattr(t, name)
-            torch.where(learn, new, old, out=old)
+        averages = t.span("x_hat", "b2_correction")  # the five float64 fields, side by side
+        torch.where(learn, torch.stack([x_hat, slow, xsq, b1c, b2c]), averages, out=averages)
+        torch.where(learn, scale, t.scale, out=t.scale)
 
     def is_stuck(self, state: LogMaxState, scale_before: float) -> bool:
         """An overflow at ``min_scale``, or a streak of ``max_consecutive_skips``."""
