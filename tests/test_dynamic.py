@@ -10,6 +10,7 @@ of backoffs or growths lands.
 """
 
 import math
+import struct
 
 import pytest
 import torch
@@ -349,3 +350,22 @@ def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():
     assert DynamicPolicy(growth_interval=2**31 - 1).growth_interval == 2**31 - 1
     with pytest.raises(ValueError, match="^growth_interval="):
         DynamicPolicy(growth_interval=2**31)
+
+
+@pytest.mark.parametrize("growth_factor", [2.0, 3.0, 1.1, 1.0000001, 1e30])
+def test_a_growth_at_the_edge_of_float32_is_refused_alike_in_both_forms(growth_factor):
+    """With no ``max_scale`` a growth may leave float32; the tensor rule (hysteresis > 1: lossscale's
+    own) refuses it where ``f32(scale * growth_factor)`` is inf, as the pure rule does. Tried on the
+    largest float32 scale that still grows and the next one. Kills: the edge off by one float32."""
+    from lossscale.dynamic import _largest_growable
+
+    edge = _largest_growable(growth_factor)
+    above = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", edge))[0] + 1))[0]
+    assert math.isfinite(f32(edge * growth_factor)) and math.isinf(f32(above * growth_factor))
+    for scale in (edge, above):
+        p = quiet(lambda: DynamicPolicy(init_scale=scale, growth_factor=growth_factor, growth_interval=1,
+                                        hysteresis=2, min_scale=None, max_scale=None))
+        s, dev = p.init_state(), TensorForm(p)
+        s = p.update(s, found_inf=False)
+        dev.step(False)
+        assert dev.to_state() == s and s.scale == (f32(edge * growth_factor) if scale == edge else above)

@@ -206,15 +206,18 @@ def _flag_matrix(n: int, device: torch.device) -> torch.Tensor:
     if matrix is None:
         width = n + 2
         loss_bad = width + n  # column of the loss's "inf or NaN" test
+        # The weight that outweighs any count: above n + 1, and a power of two, so it is exact in any
+        # reduced-precision mode a product may run in (TF32 keeps 10 mantissa bits).
+        big = 2.0 ** math.ceil(math.log2(n + 2))
         sources = torch.zeros((6, 2 * width), dtype=torch.float32, device=device)
         sources[0, n + 1].fill_(1.0)                  # 1: the NaN constant's test, always set
         sources[1, width:loss_bad + 1].fill_(1.0)     # overflow: any value inf or NaN, the loss included
         sources[2, :n].fill_(1.0)                     # nan: any gradient value NaN
         sources[3, loss_bad].fill_(1.0)               # bad_loss
         sources[4, width:loss_bad].fill_(1.0)         # scale_overflow: any gradient value inf or NaN ...
-        sources[4, loss_bad].fill_(-(n + 1.0))        # ... unless the loss was bad (the clamp takes it to 0)
+        sources[4, loss_bad].fill_(-big)              # ... unless the loss was bad (the clamp takes it to 0)
         sources[5, n + 1].fill_(1.0)                  # clean: 1 ...
-        sources[5, width:loss_bad + 1].fill_(-(n + 2.0))  # ... unless any value was inf or NaN
+        sources[5, width:loss_bad + 1].fill_(-big)    # ... unless any value was inf or NaN
         matrix = _FLAG_MATRICES[key] = torch.stack([sources[i] for i in FLAG_LAYOUT])
     return matrix
 
@@ -286,8 +289,8 @@ def loss_nan(loss_check: torch.Tensor) -> torch.Tensor:
 def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """The counters' flags (the first :data:`~lossscale.policy.SCALE_OVERFLOW` entries of
     :data:`~lossscale.policy.FLAG_LAYOUT`) as bools, from one NaN test, for a host that reads them
-    (:func:`read_four_bools` of the first four); ``Flags.fold`` adds the last entry when a tensor
-    rule needs the float vector (NaN tests cannot say "and not a bad loss").
+    (:func:`read_four_bools` of the first four); ``Flags.fold`` adds the last two entries when a
+    tensor rule needs the float vector (NaN tests cannot say "and not").
 
     ``amax``: a NaN-propagating max |g| (or a norm: never -inf); ``loss_check``: non-finite where a
     loss was non-finite before scaling, or None. The values tested: ``loss_check * 0 + amax * 0`` is

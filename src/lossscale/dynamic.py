@@ -40,6 +40,7 @@ Example (a training loop drives the state; here by hand)::
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from .policy import CLEAN, I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, Scal
 __all__ = ["DynamicPolicy", "DynamicState"]
 
 
+@functools.lru_cache(maxsize=None)
 def _largest_growable(growth_factor: float) -> float:
     """The largest float32 scale whose growth is finite in float32 (``f32(scale * growth_factor)``)."""
     def step(x: float, k: int) -> float:  # the k-th float32 after x (x > 0)
