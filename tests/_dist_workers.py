@@ -601,5 +601,29 @@ def fsdp_empty_rank(rank, world, per):
     return dict(local_numel=local_numel, figures=figures)
 
 
+def bad_loss_elsewhere(rank, world, optimizer: str):
+    """No DDP: each rank its own model; at step 1 rank 0's loss is NaN (a bad batch) while rank 1's
+    gradients overflow. Reduced, that is an overflow with a bad loss: every rank skips and the scale
+    holds (the bad loss is not the scale's doing), on the host's path and on the device's alike."""
+    model = tiny_mlp(0)
+    opt = make_optimizer(optimizer, model.parameters())
+    scaler = lossscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000, process_group="default")
+    record = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(step * world + rank)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == 1 and rank == 0:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        if step == 1 and rank == 1:
+            model[2].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        record.append(dict(skipped=scaler.last_step_skipped, scale=scaler.get_scale()))
+    return dict(record=record, counters=scaler.counters())
+
+
 SCENARIOS = {f.__name__: f for f in (ddp, fsdp, pipeline, adaptive, no_grads, groups, diverged, stats, example,
-                                     fsdp_empty_rank)}
+                                     fsdp_empty_rank, bad_loss_elsewhere)}

@@ -68,6 +68,18 @@ def test_ddp_inf_on_one_rank_every_rank_skips(run, kind):
 
 
 @needs_gloo
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_a_bad_loss_on_one_rank_and_an_overflow_on_another_hold_the_scale(run, optimizer):
+    """The reduced flags say "overflow, and a bad loss": the scale holds on every rank, on the host's
+    path (SGD) and on the device's (fused Adam, whose "overflow and not a bad loss" is made again after
+    the MAX: a MAX of the ranks' own would back off). Kills: that entry reduced instead of re-made."""
+    r0, r1 = run("bad_loss_elsewhere", optimizer=optimizer)
+    assert [a["skipped"] for a in r0["record"]] == [b["skipped"] for b in r1["record"]] == [False, True, False]
+    assert [a["scale"] for a in r0["record"]] == [b["scale"] for b in r1["record"]] == [2.0**10] * 3
+    assert r0["counters"] == r1["counters"] and r0["counters"]["bad_loss_steps"] == 1
+
+
+@needs_gloo
 @pytest.mark.parametrize("kind", ["sgd_clip", "fused_adam"])
 def test_ddp_without_reduction_ranks_diverge(run, kind):
     # The same run with process_group=None: rank 1 skips step 2 alone. This is what the reduction
