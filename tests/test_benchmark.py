@@ -27,3 +27,17 @@ def test_bench_scaler_smoke(tmp_path):
     assert size["syncs"]["fused_adam clip"] == {"torch": 0, "lossscale": 0}
     assert size["syncs"]["sgd clip"]["lossscale"] <= size["syncs"]["sgd clip"]["torch"]
     assert "| clip |" in (tmp_path / "bench_scaler_quick.md").read_text()
+
+
+def test_bench_host_smoke(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "bench_host", os.path.join(HERE, "..", "benchmarks", "bench_host.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--sweep-mb", "1", "--repeats", "3"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| warm") or "sweep" in line]
+    assert len(rows) == 2 and all(float(r.split("|")[4]) > 0 for r in rows)  # the ratio column
