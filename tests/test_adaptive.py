@@ -362,6 +362,18 @@ def test_adaptive_rules_agree_from_any_loadable_state(policy_state, seq):
         assert dev.to_state() == s
 
 
+@pytest.mark.parametrize("amax", [0.0, 2.0**-7, None])
+def test_a_bad_loss_before_calibration_moves_nothing_in_either_form(amax):
+    """All-zero gradients search up, but not with a bad loss (a NaN loss may leave zero gradients):
+    the step is skipped and the scale, the calibration and the trackers stay. Kills: "all zero" taken
+    without "clean" in the tensor rule."""
+    p = AdaptivePolicy()
+    s, dev = p.init_state(), TensorForm(p)
+    s = p.update(s, found_inf=True, amax=amax, bad_loss=True)
+    dev.step(True, False, amax, True)
+    assert dev.to_state() == s and s.scale == p.init_state().scale and not s.calibrated
+
+
 def test_an_uncalibrated_state_with_a_growth_tracker_is_refused():
     """Every uncalibrated step resets the tracker, so no update makes one; a checkpoint that holds one
     is refused naming the field (the tensor rule relies on it: it counts clean steps only after

@@ -369,3 +369,15 @@ def test_a_growth_at_the_edge_of_float32_is_refused_alike_in_both_forms(growth_f
         s = p.update(s, found_inf=False)
         dev.step(False)
         assert dev.to_state() == s and s.scale == (f32(edge * growth_factor) if scale == edge else above)
+
+
+def test_a_growth_past_float32_is_refused_under_a_max_scale_it_could_reach():
+    """A ``max_scale`` so high that ``max_scale * growth_factor`` leaves float32 (here 1.5 * 2**127):
+    a growth from 2**127 is refused (inf), not clamped to ``max_scale``, in both forms. Kills: the
+    rule's test for such a growth skipped for a bounded policy."""
+    p = quiet(lambda: DynamicPolicy(init_scale=2.0**127, growth_interval=1, hysteresis=2, min_scale=None,
+                                    max_scale=1.5 * 2.0**127))
+    s, dev = p.init_state(), TensorForm(p)
+    s = p.update(s, found_inf=False)
+    dev.step(False)
+    assert dev.to_state() == s and s.scale == 2.0**127

@@ -96,7 +96,15 @@ def test_a_device_moved_power_of_two_scale_is_inverted_in_one_exact_kernel(k):
     keeper.moved_on_device(keeps_powers_of_two=False)  # e.g. backoff_factor=0.7
     assert _inverse_launches(keeper)[1] == 3
     keeper.set(keeper.t.to_state().replace(scale=3.0 * 2.0**(k // 2)))  # the host sets one off them
+    inv, launches = _inverse_launches(keeper)
+    assert launches == 0 and torch.equal(inv, torch_route(t))  # the host's again
     keeper.moved_on_device(keeps_powers_of_two=True)
+    inv, launches = _inverse_launches(keeper)
+    assert launches == 3 and torch.equal(inv, torch_route(t))
+    keeper.set(keeper.t.to_state().replace(scale=2.0**k))  # and one on them again
+    keeper.moved_on_device(keeps_powers_of_two=True)
+    assert _inverse_launches(keeper)[1] == 1
+    keeper.graphed = True  # a graph replays later, perhaps after the host set any scale: torch's route
     inv, launches = _inverse_launches(keeper)
     assert launches == 3 and torch.equal(inv, torch_route(t))
 
@@ -108,6 +116,10 @@ def test_which_policies_keep_powers_of_two():
     with pytest.warns(UserWarning, match="not a power of two"):
         assert not DynamicPolicy(max_scale=3.0e6).keeps_powers_of_two()
     assert DynamicPolicy(min_scale=None, max_scale=None).keeps_powers_of_two()
+    with pytest.warns(UserWarning, match="not a power of two"):
+        assert not DynamicPolicy(growth_factor=3.0).keeps_powers_of_two()
+    with pytest.warns(UserWarning, match="not a power of two"):
+        assert not DynamicPolicy(min_scale=0.75).keeps_powers_of_two()
 
 
 def test_a_span_of_fields_is_one_view_of_neighbours_only():
@@ -117,7 +129,19 @@ def test_a_span_of_fields_is_one_view_of_neighbours_only():
     span = t.span("x_hat", "b2_correction")
     span.fill_(0.5)  # one write reaches all five fields
     assert t.to_state().x_hat == t.to_state().b2_correction == 0.5 and span.numel() == 5
+    t.span("slow_x_hat", "xsquared_hat").fill_(0.25)  # two in the middle, and one alone
+    t.span("b1_correction", "b1_correction").fill_(0.125)
+    state = t.to_state()
+    assert (state.x_hat, state.slow_x_hat, state.xsquared_hat, state.b1_correction, state.b2_correction) == (
+        0.5, 0.25, 0.25, 0.125, 0.5)
     with pytest.raises(ValueError, match="not neighbouring fields of one kind"):
         t.span("b2_correction", "x_hat")  # out of order
     with pytest.raises(ValueError, match="not neighbouring fields of one kind"):
         t.span("scale", "x_hat")  # float32 and float64
+
+
+def test_a_device_constant_is_made_once_in_float64_on_the_states_device():
+    t = TensorState(DynamicPolicy().init_state(), torch.device("cpu"))
+    c = t.constant(0.7)
+    assert c is t.constant(0.7) and c.dtype == torch.float64 and c.device == t.device and c.item() == 0.7
+    assert t.constant(0.5) is not c and t.constant(0.5).item() == 0.5

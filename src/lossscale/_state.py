@@ -232,7 +232,7 @@ class StateKeeper:
         self.graphed = False
         self.device_type = device_type
         self._host_wrote = True  # the buffer's inv_scale is 1/scale: the host wrote the state last
-        self._power_of_two = is_power_of_two(state.scale)  # known for the device scale
+        self._power_of_two = False  # whether the device scale is known to be one: set with the device state
         self._pending_nan = None  # (host buffer, event): an overflow's NaN flag on its way to the host
 
     @property
