@@ -156,8 +156,9 @@ class LogMaxPolicy(PolicyBase):
         slow = b2 * s.slow_x_hat + (1 - b2) * x
         xsq = b2 * s.xsquared_hat + (1 - b2) * (x * x)
         b2c = s.b2_correction * b2
-        e_xsq = xsq / (1 - b2c)
-        slow_mu = slow / (1 - b2c)
+        unbias = 1 - b2c  # once: on device each "1 - b2c" is a kernel
+        e_xsq = xsq / unbias
+        slow_mu = slow / unbias
         return x_hat, slow, xsq, b1c, b2c, mu, e_xsq - slow_mu * slow_mu
 
     def update(self, state: LogMaxState, found_inf: bool, found_nan: bool = False,
