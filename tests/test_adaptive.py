@@ -382,6 +382,9 @@ def test_an_uncalibrated_state_with_a_growth_tracker_is_refused():
     with pytest.raises(ValueError, match="growth_tracker=3 must be 0 before calibration"):
         p.check_state(p.init_state().replace(growth_tracker=3))
     p.check_state(p.init_state().replace(growth_tracker=3, calibrated=True))
+    with pytest.raises(ValueError, match="growth_tracker=100 must be below growth_interval=100"):
+        p.check_state(p.init_state().replace(growth_tracker=100, calibrated=True))  # a window already over
+    p.check_state(p.init_state().replace(growth_tracker=99, calibrated=True))
 
 
 # ------------------------------------------------------------------ through the scaler
