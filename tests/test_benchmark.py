@@ -9,16 +9,21 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_bench_scaler_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "bench_scaler", os.path.join(HERE, "..", "benchmarks", "bench_scaler.py"))
+def _run(name: str, argv):
+    """Load ``benchmarks/<name>.py`` and run its ``main(argv)``; torch's thread count is put back."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "..", "benchmarks", f"{name}.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
     try:
-        bench.main(["--quick", "--sizes", "4000x4", "--out", str(tmp_path)])
+        bench.main(argv)
     finally:
         torch.set_num_threads(threads)
+    return bench
+
+
+def test_bench_scaler_smoke(tmp_path):
+    bench = _run("bench_scaler", ["--quick", "--sizes", "4000x4", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "bench_scaler_quick.json").read_text())
     size = results["sizes"][0]
     assert set(bench.GOALS) <= set(size["rows"])
@@ -30,14 +35,6 @@ def test_bench_scaler_smoke(tmp_path):
 
 
 def test_bench_host_smoke(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "bench_host", os.path.join(HERE, "..", "benchmarks", "bench_host.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    threads = torch.get_num_threads()
-    try:
-        bench.main(["--sweep-mb", "1", "--repeats", "3"])
-    finally:
-        torch.set_num_threads(threads)
+    _run("bench_host", ["--sweep-mb", "1", "--repeats", "3"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| warm") or "sweep" in line]
     assert len(rows) == 2 and all(float(r.split("|")[4]) > 0 for r in rows)  # the ratio column
