@@ -207,7 +207,7 @@ class DynamicPolicy(PolicyBase):
         t.growth_tracker.sub_(bad.int())
         torch._amp_update_scale_(t.scale, t.growth_tracker, scale_overflow, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
-        t.scale.clamp_(self.lowest(), None if self.max_scale is None else f32(self.max_scale))
+        t.scale.clamp_(*self._scale_range())
 
     def _hysteresis_rule(self, t, flags) -> None:
         """The rule for any hysteresis. A bad loss is neither an overflow the scale answers nor a clean
@@ -225,7 +225,11 @@ class DynamicPolicy(PolicyBase):
         factor = torch.where(back_off, t.constant(self.backoff_factor),
                              torch.where(grow, t.constant(self.growth_factor), t.constant(1.0)))
         torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32, as torch's kernel
-        t.scale.clamp_(self.lowest(), None if self.max_scale is None else f32(self.max_scale))
+        t.scale.clamp_(*self._scale_range())
+
+    def _scale_range(self):
+        """(lowest, highest) as float32 values for the device's clamp; highest None without ``max_scale``."""
+        return self.lowest(), None if self.max_scale is None else f32(self.max_scale)
 
     def _growth_may_overflow(self) -> bool:
         """Whether a growth within the bounds can leave float32 (no ``max_scale``, or one so high that
