@@ -1,5 +1,6 @@
 """GradScaler beyond torch parity: skips, fault injection, checkpoints, errors, diagnosis, extras."""
 
+import contextlib
 import copy
 import math
 import pickle
@@ -412,18 +413,19 @@ def test_a_single_float32_loss_is_checked_by_the_read_itself(value):
     assert torch.equal(p.detach(), torch.ones(2) if bad else ref.detach())
 
 
-def _two_optimizer_states(policy_kwargs, fused, script, bad_loss_at=()):
+def _two_optimizer_states(policy_kwargs, fused, script, bad_loss_at=(), device="cpu"):
     """Run ``script`` (per iteration: the two optimizers' gradient kinds and an optional new_scale) with
     two SGD optimizers (lr 0: the gradients stay as set), foreach or ``fused=True``, the loss NaN at the
     iterations in ``bad_loss_at``; return the scaler's state and scale after every iteration."""
-    scaler = lossscale.GradScaler("cpu", **policy_kwargs)
-    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    scaler = lossscale.GradScaler(device, **policy_kwargs)
+    a = torch.nn.Parameter(torch.zeros(3, device=device))
+    b = torch.nn.Parameter(torch.zeros(2, device=device))
     opts = [torch.optim.SGD([a], lr=0.0, fused=fused, foreach=None if fused else True),
             torch.optim.SGD([b], lr=0.0, fused=fused, foreach=None if fused else True)]
     values = {"clean": 3.0, "small": 1e-3, "zero": 0.0, "inf": math.inf, "nan": math.nan}
     out = []
     for i, (kinds, new_scale) in enumerate(script):
-        scaler.scale(torch.tensor(math.nan) if i in bad_loss_at else torch.ones(()))
+        scaler.scale(torch.full((), math.nan if i in bad_loss_at else 1.0, device=device))
         for p, kind in zip((a, b), kinds):
             p.grad = torch.full_like(p, values[kind]) * scaler.get_scale()
         for o in opts:
@@ -461,6 +463,31 @@ def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
     assert host[-1][0].bad_loss_steps == 2  # the one at 7 with a new_scale too
     if unbounded:  # a tensor new_scale goes to the device either way: the smallest normal is taken
         assert host[13][1] == 2.0**-126
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")]), "stand-in"])
+@pytest.mark.parametrize("policy_kwargs", [
+    dict(growth_interval=2), dict(growth_interval=2, hysteresis=2), dict(growth_interval=2, backoff_factor=0.7),
+    dict(min_scale=None, max_scale=None, hysteresis=3, consecutive_hysteresis=True),
+    dict(policy="adaptive", growth_interval=2), dict(policy="logmax")],
+    ids=["dynamic", "hysteresis", "backoff-0.7", "unbounded-deepspeed", "adaptive", "logmax"])
+@pytest.mark.filterwarnings("ignore:lossscale. .* consecutive skipped:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:lossscale. backoff_factor=0.7 is not a power of two:UserWarning")
+def test_the_device_rules_agree_with_the_host_rule_on_a_cuda_device(policy_kwargs, device):
+    """The agreement above on a CUDA device (a GPU when there is one; the stand-in always), where the
+    flags are one matrix product and the rules run on the device's kernels: the read-only check's
+    ``mv``, float64 constants, a float32 inverse of a power-of-two scale, bool flags. Kills on a GPU:
+    a kernel that rounds or flushes where the CPU does not."""
+    from _fake_cuda import fake_cuda
+
+    rng = random.Random(11)
+    kinds = ["clean", "clean", "clean", "small", "zero", "inf", "nan"]
+    script = [((rng.choice(kinds), rng.choice(kinds)), None) for _ in range(30)]
+    with (fake_cuda() if device == "stand-in" else contextlib.nullcontext()):
+        host = _two_optimizer_states(policy_kwargs, False, script, bad_loss_at={4, 9}, device="cuda")
+        fused = _two_optimizer_states(policy_kwargs, True, script, bad_loss_at={4, 9}, device="cuda")
+    assert host == fused and any(s.skipped_steps for s, _ in host)
 
 
 def test_update_new_scale_takes_its_bounds_and_refuses_what_a_tensor_cannot_be():
