@@ -9,7 +9,7 @@ Nothing is installed: lossscale is imported from this checkout (``src/``), the i
 1. ``tests``: the CUDA tests (``pytest -m cuda tests/test_cuda.py``, in a subprocess; skipped when
    pytest is missing, and on the stand-in).
 2. ``paths``: one clean iteration of every path at lossscale's default settings beside torch's
-   ``torch.amp.GradScaler`` doing the same (SGD, Adam foreach and fused, clip, adaptive, LogMax,
+   ``torch.amp.GradScaler`` doing the same (SGD, Adam foreach and fused, clip, hysteresis=2, adaptive, LogMax,
    telemetry, trace, skip-aware scheduler): launches, syncs and copies from ``lossscale._sync``,
    the syncs torch's own detector reports (``torch.cuda.set_sync_debug_mode("warn")``), the
    kernels and copies the profiler saw (a GPU only); and the iteration again under
@@ -70,6 +70,7 @@ PATHS = [
     ("adam fused", "fused_adam", {}, {}),
     ("clip", "fused_adam", {}, dict(clip=1.0)),
     ("clip, sgd", "sgd", {}, dict(clip=1.0)),
+    ("hysteresis=2", "fused_adam", dict(hysteresis=2), {}),
     ("adaptive", "fused_adam", dict(policy="adaptive"), {}),
     ("logmax", "fused_adam", dict(policy="logmax"), {}),
     ("telemetry", "fused_adam", dict(telemetry=1), {}),
