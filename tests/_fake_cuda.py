@@ -73,7 +73,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from lossscale import _sync
 
-__all__ = ["FakeCudaTensor", "FakeCuda", "fake_cuda", "stand_in_cuda", "pinned"]
+__all__ = ["FakeCudaTensor", "FakeCuda", "fake_cuda", "stand_in_cuda", "pinned", "needs_cuda", "STAND_IN",
+           "CUDA_LIKE", "on"]
 
 CUDA0 = torch.device("cuda", 0)
 _HOST = torch.device("cpu")
@@ -601,3 +602,20 @@ def stand_in_cuda():
     """Fixture: the stand-in CUDA device, active for the test (yields :class:`FakeCuda`)."""
     with fake_cuda() as gpu:
         yield gpu
+
+
+#: Marks for a test that needs a real CUDA device (``-m cuda`` selects them; they skip without one).
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+STAND_IN = pytest.param("stand-in", id="stand-in")
+#: The CUDA devices a test runs on: a GPU when there is one, the stand-in always.
+CUDA_LIKE = [pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
+
+
+@contextmanager
+def on(device):
+    """The device to ask for: ``device`` itself, or "cuda" inside the stand-in for "stand-in"."""
+    if device != "stand-in":
+        yield device
+        return
+    with fake_cuda():
+        yield "cuda"

@@ -11,20 +11,16 @@ graphs and has one device).
 """
 
 import copy
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 import lossscale
 from lossscale._sync import count_device_work, count_host_syncs
-from _fake_cuda import fake_cuda
+from _fake_cuda import CUDA_LIKE, on
 from _models import TORCH_LIKE, tiny_mlp
 
-needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-STAND_IN = pytest.param("stand-in", id="stand-in")
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
-CUDA_LIKE = [pytest.param("cuda", id="cuda", marks=needs_cuda), STAND_IN]
+DEVICES = [pytest.param("cpu", id="cpu"), *CUDA_LIKE]
 
 CUDA = torch.device("cuda")
 
@@ -41,16 +37,6 @@ def _backward(model, scaler, step, bad=None, device=CUDA):
     scaler.scale(loss).backward()
     if bad is not None:
         next(model.parameters()).grad.view(-1)[step % 7] = float(bad)
-
-
-@contextmanager
-def on(device):
-    """The device to ask for: ``device`` itself, or "cuda" inside the stand-in for "stand-in"."""
-    if device != "stand-in":
-        yield device
-        return
-    with fake_cuda():
-        yield "cuda"
 
 
 def _blocking(syncs):

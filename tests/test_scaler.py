@@ -1,6 +1,5 @@
 """GradScaler beyond torch parity: skips, fault injection, checkpoints, errors, diagnosis, extras."""
 
-import contextlib
 import copy
 import math
 import pickle
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 import lossscale
+from _fake_cuda import CUDA_LIKE, on
 from _models import (TORCH_LIKE, backward, batch, drive, inject, make_optimizer, params_equal, states_equal, tiny_mlp,
                      twins, two_optimizer_run)
 
@@ -465,8 +465,7 @@ def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
         assert host[13][1] == 2.0**-126
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")]), "stand-in"])
+@pytest.mark.parametrize("device", CUDA_LIKE)
 @pytest.mark.parametrize("policy_kwargs", [
     dict(growth_interval=2), dict(growth_interval=2, hysteresis=2), dict(growth_interval=2, backoff_factor=0.7),
     dict(min_scale=None, max_scale=None, hysteresis=3, consecutive_hysteresis=True),
@@ -479,14 +478,12 @@ def test_the_device_rules_agree_with_the_host_rule_on_a_cuda_device(policy_kwarg
     flags are one matrix product and the rules run on the device's kernels: the read-only check's
     ``mv``, float64 constants, a float32 inverse of a power-of-two scale, bool flags. Kills on a GPU:
     a kernel that rounds or flushes where the CPU does not."""
-    from _fake_cuda import fake_cuda
-
     rng = random.Random(11)
     kinds = ["clean", "clean", "clean", "small", "zero", "inf", "nan"]
     script = [((rng.choice(kinds), rng.choice(kinds)), None) for _ in range(30)]
-    with (fake_cuda() if device == "stand-in" else contextlib.nullcontext()):
-        host = _two_optimizer_states(policy_kwargs, False, script, bad_loss_at={4, 9}, device="cuda")
-        fused = _two_optimizer_states(policy_kwargs, True, script, bad_loss_at={4, 9}, device="cuda")
+    with on(device) as device:
+        host = _two_optimizer_states(policy_kwargs, False, script, bad_loss_at={4, 9}, device=device)
+        fused = _two_optimizer_states(policy_kwargs, True, script, bad_loss_at={4, 9}, device=device)
     assert host == fused and any(s.skipped_steps for s, _ in host)
 
 

@@ -29,7 +29,6 @@ from typing import Any, Callable, List, Optional, Set
 import torch
 
 from . import _clip, _kernels
-from .policy import CLEAN, FLAG_LAYOUT, SCALE_OVERFLOW
 from . import distributed as _distributed
 
 __all__ = ["Flags", "Gathered", "GradientCheck"]
@@ -101,16 +100,10 @@ class Flags:
         """Make the device flags from what is still kept apart: the bool vector (one conversion), or a
         loss check (folded into ``found_inf`` and ``bad_loss``). Device ops, no sync; returns self."""
         if self.bools is not None:
-            # The counters' entries as floats, then the overflow the scale answers (overflow - bad
-            # loss) and clean (1 - overflow), which the bools' NaN test cannot give.
-            vector = torch.empty(len(FLAG_LAYOUT), dtype=torch.float32, device=self.bools.device)
-            vector[:SCALE_OVERFLOW].copy_(self.bools)
-            torch.sub(vector[1], vector[3], out=vector[SCALE_OVERFLOW])
-            torch.sub(vector[0], vector[1], out=vector[CLEAN])
-            self.bools = None
+            vector, self.bools = _kernels.from_bools(self.bools), None
             self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
         if self.loss_check is not None:
-            bad = bad_flag(self.loss_check)
+            bad = _kernels.bad_loss_flag(self.loss_check)
             self.found_inf, self.bad_loss, self.loss_check = torch.maximum(self.found_inf, bad), bad, None
         return self
 
@@ -163,12 +156,6 @@ class Flags:
         self.host_bad = bool(bits & 4)
         self.host_amax = value if needs_amax and not self.host_found else None
         return self.host_found
-
-
-def bad_flag(loss_check: torch.Tensor) -> torch.Tensor:
-    """The loss check (non-finite where a loss was non-finite before scaling) as a float32 0/1 flag,
-    which reduces across ranks exactly (a MAX over a NaN need not)."""
-    return torch.isnan(_kernels.loss_nan(loss_check)).float()
 
 
 class GradientCheck:
@@ -321,7 +308,7 @@ class GradientCheck:
                 flags = Flags(found_inf=None, found_nan=None, params=params)
                 # Every rank must feed the policy the same flags: they ride in one collective.
                 flags.found_inf, flags.found_nan, _, bad = self.reduce(found_inf, found_inf, None,
-                                                                       None if bad_loss is None else bad_flag(bad_loss))
+                                                                       None if bad_loss is None else _kernels.bad_loss_flag(bad_loss))
                 self._with_bad_loss(flags, bad)
             nan_pending = True  # found_nan is a placeholder until an overflow is classified below
         else:

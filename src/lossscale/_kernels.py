@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -172,7 +172,7 @@ def flags_of(pieces: List[torch.Tensor], n: int, loss_check: Optional[torch.Tens
     clamped to 1; the NaN column is the constant 1; and "overflow and not a bad loss" or "clean" (what
     the tests alone cannot say) subtract a test more often than any count can reach.
     """
-    nan, zero = _f32_constants(device)
+    nan, zero = _nan_and_zero(device, torch.float32)
     loss = zero if loss_check is None else to_device(loss_check, device)
     values = torch.cat(pieces + [loss.reshape(1), nan.reshape(1)],
                        out=torch.empty(n + 2, dtype=torch.float32, device=device))
@@ -181,17 +181,32 @@ def flags_of(pieces: List[torch.Tensor], n: int, loss_check: Optional[torch.Tens
     return torch.mv(_flag_matrix(n, device), tests.view(-1)).clamp_(0.0, 1.0), values
 
 
-_NAN_ROWS: Dict[torch.device, torch.Tensor] = {}
-_FLAG_MATRICES: Dict[Tuple[torch.device, int], torch.Tensor] = {}
+#: Device constants, made once per key (each would be a launch per call, and one made inside a CUDA-graph
+#: capture must outlive it); filled on the device, as a copy from host memory would wait for it.
+_MADE: Dict[tuple, Any] = {}
+
+
+def _made_once(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` the first time ``key`` is asked for, the same object after. Read what it gives only."""
+    value = _MADE.get(key)
+    if value is None:
+        value = _MADE[key] = make()
+    return value
+
+
+def _nan_and_zero(device: torch.device, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A 0-dim NaN and zero of ``dtype`` on ``device``."""
+    return _made_once(("nan, zero", device, dtype), lambda: (torch.full((), math.nan, dtype=dtype, device=device),
+                                                            torch.zeros((), dtype=dtype, device=device)))
 
 
 def _nan_rows(device: torch.device) -> torch.Tensor:
-    """``[[1], [0]]`` (float32) on ``device``, made once: ``u * it`` is ``[u, u * 0]`` in one kernel."""
-    rows = _NAN_ROWS.get(device)
-    if rows is None:
-        rows = _NAN_ROWS[device] = torch.zeros((2, 1), dtype=torch.float32, device=device)
-        rows[0].fill_(1.0)  # filled on the device: a copy from host memory would wait for it
-    return rows
+    """``[[1], [0]]`` (float32) on ``device``: ``u * it`` is ``[u, u * 0]`` in one kernel."""
+    def make():
+        rows = torch.zeros((2, 1), dtype=torch.float32, device=device)
+        rows[0].fill_(1.0)
+        return rows
+    return _made_once(("nan rows", device), make)
 
 
 def _flag_matrix(n: int, device: torch.device) -> torch.Tensor:
@@ -201,9 +216,7 @@ def _flag_matrix(n: int, device: torch.device) -> torch.Tensor:
     bad(NaN)]`` ("bad": inf or NaN); its rows the flags laid out as ``FLAG_LAYOUT``, each from the
     sources ``(1, overflow, nan, bad_loss, scale_overflow, clean)``.
     """
-    key = (device, n)
-    matrix = _FLAG_MATRICES.get(key)
-    if matrix is None:
+    def make():
         width = n + 2
         loss_bad = width + n  # column of the loss's "inf or NaN" test
         # The weight that outweighs any count: above n + 1, and a power of two, so it is exact in any
@@ -218,66 +231,53 @@ def _flag_matrix(n: int, device: torch.device) -> torch.Tensor:
         sources[4, loss_bad].fill_(-big)              # ... unless the loss was bad (the clamp takes it to 0)
         sources[5, n + 1].fill_(1.0)                  # clean: 1 ...
         sources[5, width:loss_bad + 1].fill_(-big)    # ... unless any value was inf or NaN
-        matrix = _FLAG_MATRICES[key] = torch.stack([sources[i] for i in FLAG_LAYOUT])
-    return matrix
-
-
-#: Per device: a NaN and a zero, made once (each would be a launch per call, and a tensor made inside
-#: a CUDA-graph capture must outlive it).
-_CONSTANTS: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _nan_and_zero(like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    pair = _CONSTANTS.get(like.device)
-    if pair is None or pair[0].dtype != like.dtype:
-        pair = _CONSTANTS[like.device] = (torch.full_like(like, math.nan), torch.zeros_like(like))
-    return pair
-
-
-_WEIGHTS: Dict[torch.device, torch.Tensor] = {}
+        return torch.stack([sources[i] for i in FLAG_LAYOUT])
+    return _made_once(("flag matrix", device, n), make)
 
 
 def bit_weights(like: torch.Tensor) -> torch.Tensor:
     """``[1, 2, 4]`` on ``like``'s device and dtype, made once: a flag vector's ``[overflow, nan, bad]``
     dotted with it is one number that carries all three (``Flags.read``'s one ``.item()``)."""
-    w = _WEIGHTS.get(like.device)
-    if w is None or w.dtype != like.dtype:
-        # Made on the device (a copy from host memory would wait for it, and fail in a graph capture).
-        w = _WEIGHTS[like.device] = torch.exp2(torch.arange(3, dtype=like.dtype, device=like.device))
-    return w
+    return _made_once(("bit weights", like.device, like.dtype),
+                      lambda: torch.exp2(torch.arange(3, dtype=like.dtype, device=like.device)))
 
 
-def laid_out(parts) -> torch.Tensor:
-    """``(1, overflow, nan, bad_loss)`` (four float 0-dim tensors, one dtype) stacked as the tensor rules
-    take them (:data:`lossscale.policy.FLAG_LAYOUT`), with ``overflow - bad_loss`` (a bad loss is
-    always an overflow too) as the overflow the scale answers and ``1 - overflow`` as clean: three
-    kernels."""
-    one, overflow, nan, bad = parts
-    sources = (one, overflow, nan, bad, overflow - bad, one - overflow)
-    return torch.stack([sources[i] for i in FLAG_LAYOUT])
-
-
-def combined(vectors: List[torch.Tensor]) -> torch.Tensor:
-    """The flag vectors of several checks (one per optimizer) as one: the MAX of each entry (any
-    overflow, any NaN, ...), then the two a MAX cannot give, made again from it (overflow and not a bad
-    loss; clean: no check overflowed). Four kernels."""
-    vector = torch.stack(vectors).amax(0)
+def derive_(vector: torch.Tensor) -> torch.Tensor:
+    """Fill a flag vector's last two entries from its first four, in place, and return it: the overflow
+    the scale answers (``overflow - bad_loss``: a bad loss is always an overflow too) and clean
+    (``1 - overflow``). Two kernels. For flags made from the four (a MAX, a NaN test), which cannot
+    say "and not"."""
     torch.sub(vector[1], vector[3], out=vector[SCALE_OVERFLOW])
     torch.sub(vector[0], vector[1], out=vector[CLEAN])
     return vector
 
 
-def _f32_constants(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A float32 0-dim NaN and zero on ``device``, made once (no launch per call). Read them only."""
-    pair = _CONSTANTS.get(device)
-    if pair is None or pair[0].dtype != torch.float32:
-        pair = _CONSTANTS[device] = (torch.full((), math.nan, device=device), torch.zeros((), device=device))
-    return pair
+def laid_out(parts) -> torch.Tensor:
+    """``(1, overflow, nan, bad_loss)`` (four float 0-dim tensors, one dtype) stacked as the tensor rules
+    take them (:data:`lossscale.policy.FLAG_LAYOUT`), then :func:`derive_`: three kernels."""
+    vector = torch.empty(len(FLAG_LAYOUT), dtype=parts[0].dtype, device=parts[0].device)
+    torch.stack([parts[i] for i in FLAG_LAYOUT[:SCALE_OVERFLOW]], out=vector[:SCALE_OVERFLOW])
+    return derive_(vector)
+
+
+def from_bools(bools: torch.Tensor) -> torch.Tensor:
+    """:func:`flag_bools`' vector as the float32 flags the tensor rules take (:func:`derive_` adds the
+    last two). Three kernels."""
+    vector = torch.empty(len(FLAG_LAYOUT), dtype=torch.float32, device=bools.device)
+    vector[:SCALE_OVERFLOW].copy_(bools)
+    return derive_(vector)
+
+
+def combined(vectors: List[torch.Tensor]) -> torch.Tensor:
+    """The flag vectors of several checks (one per optimizer) as one: the MAX of each entry (any
+    overflow, any NaN, ...), then :func:`derive_` (a MAX of "clean" would say clean where one check
+    overflowed). Four kernels."""
+    return derive_(torch.stack(vectors).amax(0))
 
 
 def zero_on(device: torch.device) -> torch.Tensor:
     """A float32 0-dim zero on ``device``, made once (no launch per call). Read it only."""
-    return _f32_constants(device)[1]
+    return _nan_and_zero(device, torch.float32)[1]
 
 
 def loss_nan(loss_check: torch.Tensor) -> torch.Tensor:
@@ -286,11 +286,17 @@ def loss_nan(loss_check: torch.Tensor) -> torch.Tensor:
     return loss_check * 0
 
 
+def bad_loss_flag(loss_check: torch.Tensor) -> torch.Tensor:
+    """The loss check as a float32 0/1 flag (1: a loss was non-finite before scaling), which reduces
+    across ranks exactly (a MAX over a NaN need not). Three kernels."""
+    return torch.isnan(loss_nan(loss_check)).float()
+
+
 def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.Tensor:
     """The counters' flags (the first :data:`~lossscale.policy.SCALE_OVERFLOW` entries of
     :data:`~lossscale.policy.FLAG_LAYOUT`) as bools, from one NaN test, for a host that reads them
-    (:func:`read_four_bools` of the first four); ``Flags.fold`` adds the last two entries when a
-    tensor rule needs the float vector (NaN tests cannot say "and not").
+    (:func:`read_four_bools` of the first four); :func:`from_bools` makes the float vector a tensor
+    rule needs (NaN tests cannot say "and not").
 
     ``amax``: a NaN-propagating max |g| (or a norm: never -inf); ``loss_check``: non-finite where a
     loss was non-finite before scaling, or None. The values tested: ``loss_check * 0 + amax * 0`` is
@@ -298,7 +304,7 @@ def flag_bools(amax: torch.Tensor, loss_check: Optional[torch.Tensor]) -> torch.
     overflow, a bad loss included); ``amax`` itself when they held a NaN; ``loss_check * 0`` when the
     loss was bad; a NaN constant gives the leading 1 (the step itself, for the counters).
     """
-    nan, zero = _nan_and_zero(amax)
+    nan, zero = _nan_and_zero(amax.device, amax.dtype)
     bad = zero if loss_check is None else loss_nan(loss_check).to(amax.dtype)
     sources = (nan, torch.addcmul(bad, amax, zero), amax, bad)
     return torch.isnan(torch.stack([sources[i] for i in FLAG_LAYOUT[:SCALE_OVERFLOW]]))
@@ -316,13 +322,3 @@ def read_four_bools(bools: torch.Tensor) -> List[bool]:
         raise ValueError(f"read_four_bools needs a bool vector of 4; got {bools.dtype} {tuple(bools.shape)}.")
     word = bools.contiguous().view(torch.int32).item()  # a fresh vector is contiguous: no kernel
     return [bool(b) for b in int(word).to_bytes(4, sys.byteorder, signed=True)]
-
-
-def flags_from_amax(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(found_inf, found_nan) as float32 0/1 tensors from a NaN-propagating max |x|.
-
-    ``amax - amax`` is NaN exactly when amax is inf or NaN (amax >= 0 is never -inf), so one isnan
-    over a 2-vector gives both flags: 4 small kernels, where isfinite alone is 4 on CPU.
-    """
-    flags = torch.isnan(torch.stack([amax - amax, amax])).float()
-    return flags[0], flags[1]

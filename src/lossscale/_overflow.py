@@ -52,7 +52,7 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
         for key, names in names_of(values, params, name_of).items():
             out[key].extend(names)
     loss_check = evidence.get("loss_bad")
-    if loss_check is not None and bool(torch.isnan(_kernels.loss_nan(loss_check)).item()):
+    if loss_check is not None and bool(_kernels.bad_loss_flag(loss_check).item()):
         out["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in evidence["losses"]) else "inf"
     if evidence.get("trace") is not None and tracer is not None:
         out.update(tracer.names_of(evidence["trace"]))

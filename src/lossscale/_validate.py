@@ -107,10 +107,15 @@ def validate_bounds(policy) -> None:
         raise ValueError(f"init_scale={init!r} is above max_scale={hi!r}; raise max_scale or pass max_scale=None.")
 
 
+def off_powers_of_two(policy, names) -> list:
+    """The ``names`` of ``policy`` set to something other than a power of two (a field it lacks, or
+    None, is not)."""
+    return [n for n in names if getattr(policy, n, None) is not None and not is_power_of_two(getattr(policy, n))]
+
+
 def warn_not_powers_of_two(policy, names) -> None:
     """Warn (once per config) about the ``names`` of ``policy`` that are not powers of two, and why."""
-    bad = [f"{n}={getattr(policy, n)!r}" for n in names
-           if getattr(policy, n) is not None and not is_power_of_two(getattr(policy, n))]
+    bad = [f"{n}={getattr(policy, n)!r}" for n in off_powers_of_two(policy, names)]
     if bad:
         warnings.warn(
             "lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "

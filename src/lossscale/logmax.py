@@ -53,7 +53,8 @@ from typing import Optional
 from . import formats
 from ._validate import validate_stuck
 from .diagnosis import stuck_at_bound_or_streak
-from .policy import F64, PolicyBase, ScaleState, _torch, count, count_tensor, f32, is_power_of_two, register
+from .policy import (F64, SCALE_OVERFLOW, PolicyBase, ScaleState, _torch, count, count_tensor, f32, is_power_of_two,
+                     register)
 
 __all__ = ["LogMaxPolicy", "LogMaxState"]
 
@@ -197,7 +198,7 @@ class LogMaxPolicy(PolicyBase):
         overflow = flags[1] > 0
         if amax is None:  # not measured: only an overflow carries information (not a bad loss's)
             amax = torch.full_like(flags[1], math.nan)
-            learn = flags[1] > flags[3]  # overflow and not bad_loss (0/1 flags)
+            learn = flags[SCALE_OVERFLOW] > 0  # an overflow, not a bad loss's
         else:
             learn = flags[3] == 0  # a non-finite loss: counted, nothing learned
         f64 = torch.float64

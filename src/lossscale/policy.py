@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
-from ._validate import SMALLEST_SCALE, plain_number
+from ._validate import SMALLEST_SCALE, off_powers_of_two, plain_number
 from .formats import f32, is_power_of_two
 
 __all__ = [
@@ -296,8 +296,7 @@ class PolicyBase:
         """Whether the rule takes a power-of-two scale to another: every factor and bound it has is a
         power of two (or None). Then ``1/scale`` is exact in float32 (one kernel where torch's float64
         route is three). Optional in :class:`Policy`: without it the scaler takes torch's route."""
-        return all(v is None or is_power_of_two(v) for v in (
-            getattr(self, name, None) for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")))
+        return not off_powers_of_two(self, ("growth_factor", "backoff_factor", "min_scale", "max_scale"))
 
     def config(self) -> Dict[str, Any]:
         """The configuration as a dict of the dataclass fields (what a checkpoint stores)."""

@@ -18,7 +18,7 @@ from typing import Optional
 
 from ._validate import positive_finite, validate_stuck, warn_not_powers_of_two
 from .diagnosis import stuck_at_bound_or_streak
-from .policy import PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
+from .policy import CLEAN, SCALE_OVERFLOW, PolicyBase, ScaleState, count, count_tensor, f32, register
 
 __all__ = ["StaticPolicy", "StaticState"]
 
@@ -86,11 +86,9 @@ class StaticPolicy(PolicyBase):
         """:meth:`update` on device tensors, in place: the counters, and the clean-step tracker (reset
         by an overflow, left alone by a non-finite loss). ``flags`` as for
         :meth:`lossscale.DynamicPolicy.tensor_update`."""
-        torch = _torch()
         count_tensor(t, flags)
-        overflow, bad = flags[1] > 0, flags[3] > 0
-        tracker = torch.where(overflow, 0, t.growth_tracker + 1)
-        torch.where(bad, t.growth_tracker, tracker, out=t.growth_tracker)
+        yes = flags > 0  # every flag as a bool; a bad loss is neither an overflow the scale answers nor clean
+        t.growth_tracker.add_(yes[CLEAN]).masked_fill_(yes[SCALE_OVERFLOW], 0)
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
         """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``;
