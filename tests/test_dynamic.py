@@ -234,8 +234,8 @@ def test_pure_dynamic_rule_rounds_a_non_power_of_two_backoff_to_float32():
 
 def test_tensor_dynamic_rule_multiplies_in_float64_then_rounds_with_hysteresis():
     """Kills: the device rule's backoff multiplied in float32 (``t.scale * self.backoff_factor``
-    without ``.double()``): 759979.75 instead of 759979.8125 once hysteresis is spent. torch's own
-    kernel covers only hysteresis 1, so this path is ours alone."""
+    without ``.double()``): 759979.75 instead of 759979.8125 once hysteresis is spent, and a spared
+    overflow that does not hold the scale where it was."""
     p = quiet(lambda: DynamicPolicy(init_scale=844422.0, backoff_factor=0.9, hysteresis=2, min_scale=None))
     dev = TensorForm(p)
     scales = []
@@ -283,6 +283,29 @@ def test_dynamic_pure_and_device_rules_agree_for_any_factor_and_bound(policy, se
             assert s.scale == before.scale
         assert s.scale >= lo and (hi is None or s.scale <= hi)
 
+
+
+#: One iteration: (overflow, nan, bad loss); a bad loss comes with or without NaN gradients.
+_WITH_BAD_LOSSES = st.lists(st.sampled_from([(False, False, False), (True, False, False), (True, True, False),
+                                             (False, False, True), (True, True, True)]), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dynamic_configs(), _WITH_BAD_LOSSES)
+def test_a_bad_loss_moves_nothing_in_either_form_whatever_the_hysteresis(policy, seq):
+    """The device rule hands torch's kernel "no overflow" on a bad loss and steps the growth tracker
+    back first; the hysteresis tracker and the scale must not move either, at any point of a growth
+    interval or a spent tolerance. Kills: the step back dropped (a growth one step early), a bad
+    loss spending the tolerance, the clamp's floor taken from the wrong scale."""
+    s, dev = policy.init_state(), TensorForm(policy)
+    for overflow, nan, bad in seq:
+        before = s
+        s = policy.update(s, found_inf=overflow or bad, found_nan=nan, bad_loss=bad)
+        dev.step(overflow, nan, bad_loss=bad)
+        assert dev.to_state() == s
+        if bad:
+            assert (s.scale, s.growth_tracker, s.hysteresis_tracker) == (
+                before.scale, before.growth_tracker, before.hysteresis_tracker)
 
 
 @settings(max_examples=100, deadline=None)
@@ -354,13 +377,19 @@ def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():
 
 @pytest.mark.parametrize("growth_factor", [2.0, 3.0, 1.1, 1.0000001, 1e30])
 def test_a_growth_at_the_edge_of_float32_is_refused_alike_in_both_forms(growth_factor):
-    """With no ``max_scale`` a growth may leave float32; the tensor rule (hysteresis > 1: lossscale's
-    own) refuses it where ``f32(scale * growth_factor)`` is inf, as the pure rule does. Tried on the
-    largest float32 scale that still grows and the next one. Kills: the edge off by one float32."""
-    from lossscale.dynamic import _largest_growable
+    """With no ``max_scale`` a growth may leave float32; the tensor rule (torch's kernel, here with
+    hysteresis > 1 and its clamp to the scale before) refuses it where ``f32(scale * growth_factor)`` is
+    inf, as the pure rule does. Tried on the largest float32 scale that still grows and the next one.
+    Kills: the edge off by one float32 in either form."""
+    def step(x, k):  # the k-th float32 after x (x > 0)
+        return struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", x))[0] + k))[0]
 
-    edge = _largest_growable(growth_factor)
-    above = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", edge))[0] + 1))[0]
+    edge = f32(3.4028234663852886e38 / growth_factor)  # float32's largest finite value, divided
+    while math.isinf(f32(edge * growth_factor)):
+        edge = step(edge, -1)
+    while not math.isinf(f32(step(edge, 1) * growth_factor)):
+        edge = step(edge, 1)
+    above = step(edge, 1)
     assert math.isfinite(f32(edge * growth_factor)) and math.isinf(f32(above * growth_factor))
     for scale in (edge, above):
         p = quiet(lambda: DynamicPolicy(init_scale=scale, growth_factor=growth_factor, growth_interval=1,

@@ -40,9 +40,7 @@ Example (a training loop drives the state; here by hand)::
 
 from __future__ import annotations
 
-import functools
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -59,20 +57,6 @@ from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
 from .policy import CLEAN, I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
 
 __all__ = ["DynamicPolicy", "DynamicState"]
-
-
-@functools.lru_cache(maxsize=None)
-def _largest_growable(growth_factor: float) -> float:
-    """The largest float32 scale whose growth is finite in float32 (``f32(scale * growth_factor)``)."""
-    def step(x: float, k: int) -> float:  # the k-th float32 after x (x > 0)
-        return struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", x))[0] + k))[0]
-
-    s = f32(3.4028234663852886e38 / growth_factor)  # float32's largest finite value, divided
-    while math.isinf(f32(s * growth_factor)):
-        s = step(s, -1)
-    while not math.isinf(f32(step(s, 1) * growth_factor)):
-        s = step(s, 1)
-    return s
 
 
 @dataclass(frozen=True)
@@ -181,60 +165,40 @@ class DynamicPolicy(PolicyBase):
     def tensor_update(self, t, flags, amax=None) -> None:
         """:meth:`update` on device tensors, in place, with no host sync (the fused-optimizer path).
 
-        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (entries 1 and 3: overflow, bad
-        loss; ``SCALE_OVERFLOW``: an overflow not from a bad loss).
-        Like every way of setting the scale (``init_scale``, ``update(new_scale)``,
-        ``load_state_dict``), the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on
-        such a scale the floor can only act on a backoff and the cap only on a growth, so both are
-        one clamp.
-        """
-        count_tensor(t, flags)
-        if self.hysteresis == 1:
-            self._torch_rule(t, flags[SCALE_OVERFLOW], flags[3])
-        else:
-            self._hysteresis_rule(t, flags)
+        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (entry 3: a bad loss;
+        ``SCALE_OVERFLOW``: an overflow not from a bad loss; ``CLEAN``: no overflow).
 
-    def _torch_rule(self, t, scale_overflow, bad) -> None:
-        """Hysteresis 1 is torch's rule, so torch's own kernel moves the scale and the growth tracker
-        (bitwise torch by construction). It grows when ``tracker + 1 == growth_interval``; the state
-        never holds a tracker at or past the interval, so that is the pure rule's ``>=``.
-
-        A non-finite loss must leave both alone: the kernel then sees no overflow (``scale_overflow``
-        leaves a bad loss out), and the tracker is stepped back first, so the kernel's ``+ 1`` lands
-        where it was and cannot reach the interval.
+        torch's own update kernel moves the scale and the growth tracker, so every hysteresis is
+        bitwise torch's arithmetic by construction. It grows when ``tracker + 1 == growth_interval``; the
+        state never holds a tracker at or past the interval, so that is the pure rule's ``>=``. Like
+        every way of setting the scale (``init_scale``, ``update(new_scale)``, ``load_state_dict``),
+        the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on such a scale the floor
+        can only act on a backoff and the cap only on a growth, so both are one clamp. Four kernels
+        with ``hysteresis=1``, ten with more (nine with ``consecutive_hysteresis``), the counters'
+        three apart.
         """
         torch = _torch()
-        t.growth_tracker.sub_(bad.int())
-        torch._amp_update_scale_(t.scale, t.growth_tracker, scale_overflow, self.growth_factor,
-                                 self.backoff_factor, self.growth_interval)
-        t.scale.clamp_(*self._scale_range())
-
-    def _hysteresis_rule(self, t, flags) -> None:
-        """The rule for any hysteresis. A bad loss is neither an overflow the scale answers nor a clean
-        step, so no line below moves anything on one."""
-        torch = _torch()
+        count_tensor(t, flags)  # also writes t.scale_before: the scale this iteration ran with
         yes = flags > 0  # every flag as a bool (views below)
-        overflow, clean = yes[SCALE_OVERFLOW], yes[CLEAN]
-        back_off = backs_off_tensor(t.hysteresis_tracker, overflow)
-        t.growth_tracker.add_(clean)
-        grow = t.growth_tracker >= self.growth_interval  # only a clean step reaches it
-        track_tensor_(t.hysteresis_tracker, overflow, clean if self.consecutive_hysteresis else grow, self.hysteresis)
-        t.growth_tracker.masked_fill_(overflow | grow, 0)
-        if self._growth_may_overflow():  # torch: a non-finite growth is refused
-            grow = grow & (t.scale <= _largest_growable(self.growth_factor))
-        factor = torch.where(back_off, t.constant(self.backoff_factor),
-                             torch.where(grow, t.constant(self.growth_factor), t.constant(1.0)))
-        torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32, as torch's kernel
-        t.scale.clamp_(*self._scale_range())
-
-    def _scale_range(self):
-        """(lowest, highest) as float32 values for the device's clamp; highest None without ``max_scale``."""
-        return self.lowest(), None if self.max_scale is None else f32(self.max_scale)
-
-    def _growth_may_overflow(self) -> bool:
-        """Whether a growth within the bounds can leave float32 (no ``max_scale``, or one so high that
-        ``max_scale * growth_factor`` overflows): then the rule must test for it."""
-        return self.max_scale is None or math.isinf(f32(f32(self.max_scale) * self.growth_factor))
+        overflow = flags[SCALE_OVERFLOW]
+        floor, cap = self.lowest(), None if self.max_scale is None else f32(self.max_scale)
+        if self.hysteresis > 1:
+            # An overflow with tolerance left keeps the scale: the kernel below backs off on every
+            # overflow, and the clamp then lifts the scale back to the one this iteration ran with.
+            floor = torch.where(backs_off_tensor(t.hysteresis_tracker, yes[SCALE_OVERFLOW]),
+                                t.constant(floor), t.scale_before)
+            cap = None if cap is None else t.constant(cap)  # a tensor bound with a number would read it
+        # A bad loss must leave the scale and the tracker alone: the kernel sees no overflow, and the
+        # tracker steps back first, so the kernel's + 1 lands where it was (and cannot reach the interval).
+        # add_(alpha=-1): torch refuses to subtract a bool tensor, not to add one with a negative weight.
+        t.growth_tracker.add_(yes[3], alpha=-1)
+        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow, self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)  # refuses a non-finite growth, as the pure rule
+        t.scale.clamp_(floor, cap)
+        if self.hysteresis > 1:
+            # A growth is a clean step that left the tracker at 0.
+            refill = yes[CLEAN] if self.consecutive_hysteresis else t.growth_tracker < yes[CLEAN]
+            track_tensor_(t.hysteresis_tracker, yes[SCALE_OVERFLOW], refill, self.hysteresis)
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.
