@@ -158,10 +158,9 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
     loss_check = None if loss_check is None else _kernels.to_device(loss_check, total.device)
     if host_reads:
         flags = _kernels.flag_bools(total, loss_check)
-        overflow = flags[1]
     else:
         flags, _ = _kernels.flags_of([total.reshape(1)], 1, loss_check, total.device)
-        overflow = flags[1] > 0
+    overflow = flags[1]  # a bool, or a float 0/1
     if reduce_norm is not None:
         # Sharded: the norm of the parts this rank counts, then one all-reduce to the total. Every
         # rank gets the same total, so every rank clips by the same coefficient.
@@ -178,14 +177,17 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, max_norm: float
         total = reduce_norm(_kernels.to_device(local, device))
         # Unscale only where this rank saw a non-finite value (a copy it does not count included) or
         # the total is non-finite; the step is skipped then, by the reduced flags.
-        overflow = overflow.to(device) | torch.isnan(total - total)
+        overflow = torch.logical_or(overflow.to(device), torch.isnan(total - total))
     # What is left to divide by: 1/S, or nothing when the gradients were unscaled first.
     inv = _kernels.to_device(inv_scale, total.device) if exact else torch.ones_like(inv_scale, device=total.device)
     true_norm = total * inv  # exact: ||g|| / S == ||g / S|| for S = 2**k
     # torch's clip_grad_norm_, verbatim, on the true norm.
     clip_coef = max_norm / (true_norm + 1e-6)
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-    multiplier = torch.where(overflow, inv, clip_coef_clamped * inv)
+    # On overflow the multiplier is 1/S alone: fmax takes the larger and passes over a NaN, so with
+    # overflow = 1 it is 1 whatever the coefficient (0 for an inf norm, NaN for a NaN one, or a finite
+    # one when only the loss was bad), and with overflow = 0 it is the coefficient (never negative).
+    multiplier = torch.fmax(clip_coef_clamped, overflow) * inv
     per_device: Dict[torch.device, torch.Tensor] = {}
     for tensors, _ in groups:
         target = tensors[0].device
