@@ -145,3 +145,18 @@ def test_a_device_constant_is_made_once_in_float64_on_the_states_device():
     c = t.constant(0.7)
     assert c is t.constant(0.7) and c.dtype == torch.float64 and c.device == t.device and c.item() == 0.7
     assert t.constant(0.5) is not c and t.constant(0.5).item() == 0.5
+
+
+def test_decode_reads_a_host_copy_as_the_state_and_refuses_anything_else():
+    """``decode`` reads the buffer's bytes straight from host memory, so it takes only a contiguous
+    uint8 host tensor; a strided view or another dtype would be read as garbage. Kills: the check
+    dropped, the state built with a field's type lost (an int counter read back as a float)."""
+    state = AdaptivePolicy().init_state().replace(steps=7, calibrated=True, window_exp=-3, scale=2.0**5)
+    t = TensorState(state, torch.device("cpu"))
+    got, scale_before = t.decode(t.buffer.clone())
+    assert got == state and scale_before == 2.0**5
+    assert type(got.steps) is int and type(got.calibrated) is bool and type(got.scale) is float
+    doubled = torch.stack([t.buffer, t.buffer], 1).reshape(-1)[::2]  # the same bytes, strided
+    for bad in (doubled, t.buffer.float()):
+        with pytest.raises(ValueError, match="^decode needs a contiguous uint8 host buffer"):
+            t.decode(bad)
