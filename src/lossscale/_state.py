@@ -202,7 +202,7 @@ class TensorState:
     def decode(self, host: torch.Tensor) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from a host copy of :attr:`buffer` (host memory: read directly,
         no tensor op; this runs after every device update, on the snapshot the stuck check reads)."""
-        if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != torch.uint8:
+        if not host.is_cpu or not host.is_contiguous() or host.dtype != torch.uint8:
             raise ValueError(f"decode needs a contiguous uint8 host buffer; got {host.dtype} on {host.device}.")
         values = dict(zip(self._order, self._packer.unpack(ctypes.string_at(host.data_ptr(), host.numel()))))
         scale_before = float(values.pop("scale_before"))
