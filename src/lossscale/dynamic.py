@@ -173,7 +173,8 @@ class DynamicPolicy(PolicyBase):
         state never holds a tracker at or past the interval, so that is the pure rule's ``>=``. Like
         every way of setting the scale (``init_scale``, ``update(new_scale)``, ``load_state_dict``),
         the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on such a scale the floor
-        can only act on a backoff and the cap only on a growth, so both are one clamp. Four kernels
+        can only act on an overflow (``lowest()`` on a backoff, the scale before where tolerance is left)
+        and the cap only on a growth, so both are one clamp. Four kernels
         with ``hysteresis=1``, ten with more (nine with ``consecutive_hysteresis``), the counters'
         three apart.
         """
