@@ -190,12 +190,13 @@ class FusedSGD:
             p.data.copy_(torch.where(skip, p.data, p.data - p.grad / self.grad_scale * self.lr))
 
 
-def test_a_fused_step_and_update_trace_without_graph_breaks():
+@pytest.mark.parametrize("settings", [{}, {"hysteresis": 2}], ids=["default", "hysteresis=2"])
+def test_a_fused_step_and_update_trace_without_graph_breaks(settings):
     import torch._dynamo
 
     p = torch.nn.Parameter(torch.ones(4))
     opt = FusedSGD([p])
-    scaler = lossscale.GradScaler("cpu")
+    scaler = lossscale.GradScaler("cpu", **settings)
     scaler.scale((p * p).sum()).backward()
     scaler.step(opt)
     scaler.update()
