@@ -91,7 +91,8 @@ from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
 from .diagnosis import stuck_at_bound_or_streak
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import CLEAN, SCALE_OVERFLOW, SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
+from .policy import (CLEAN, SCALE_OVERFLOW, SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count,
+                     count_tensor, exact_pow2, f32, register)
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 
@@ -309,8 +310,7 @@ class AdaptivePolicy(PolicyBase):
         # After calibration an overflow backs off instead, as the dynamic policy's (hysteresis.py).
         answered = overflow & calibrated
         back_off = backs_off_tensor(t.hysteresis_tracker, answered)
-        pow2 = ((move + 1023) << 52).view(torch.float64)  # 2**move from its bit pattern: exact
-        factor = torch.where(back_off, t.constant(self.backoff_factor), pow2)
+        factor = torch.where(back_off, t.constant(self.backoff_factor), exact_pow2(move))
         torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32
         t.scale.clamp_(*self.bounds())
         track_tensor_(t.hysteresis_tracker, answered, step if self.consecutive_hysteresis else window_end,

@@ -53,8 +53,8 @@ from typing import Optional
 from . import formats
 from ._validate import validate_stuck
 from .diagnosis import stuck_at_bound_or_streak
-from .policy import (F64, SCALE_OVERFLOW, PolicyBase, ScaleState, _torch, count, count_tensor, f32, is_power_of_two,
-                     register)
+from .policy import (F64, SCALE_OVERFLOW, PolicyBase, ScaleState, _torch, count, count_tensor, exact_pow2, f32,
+                     is_power_of_two, register)
 
 __all__ = ["LogMaxPolicy", "LogMaxState"]
 
@@ -209,7 +209,7 @@ class LogMaxPolicy(PolicyBase):
         sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)
-        scale = ((k + 1023) << 52).view(f64).float()  # 2**k from its bit pattern: exact
+        scale = exact_pow2(k).float()
         averages = t.span("x_hat", "b2_correction")  # the five float64 fields, side by side
         torch.where(learn, torch.stack([x_hat, slow, xsq, b1c, b2c]), averages, out=averages)
         torch.where(learn, scale, t.scale, out=t.scale)

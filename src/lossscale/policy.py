@@ -51,22 +51,9 @@ from ._validate import SMALLEST_SCALE, off_powers_of_two, plain_number
 from .formats import f32, is_power_of_two
 
 __all__ = [
-    "ScaleState",
-    "Policy",
-    "PolicyBase",
-    "register",
-    "policy_class",
-    "policy_names",
-    "policy_types",
-    "count",
-    "count_tensor",
-    "FLAG_LAYOUT",
-    "SCALE_OVERFLOW",
-    "CLEAN",
-    "f32",
-    "is_power_of_two",
-    "SMALLEST_SCALE",
-    "BAD_LOSS_STREAK",
+    "ScaleState", "Policy", "PolicyBase", "register", "policy_class", "policy_names", "policy_types",
+    "count", "count_tensor", "exact_pow2", "FLAG_LAYOUT", "SCALE_OVERFLOW", "CLEAN",
+    "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK",
 ]
 
 #: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
@@ -78,6 +65,12 @@ def _torch():
     import torch
 
     return torch
+
+
+def exact_pow2(k):
+    """``2.0 ** k`` for an int64 tensor ``k`` with |k| <= 1022, as float64: built from its bit pattern, so
+    exact (a tensor rule's scale moves by whole binades and must land where ``math.ldexp`` does)."""
+    return ((k + 1023) << 52).view(_torch().float64)
 
 
 # ----------------------------------------------------------------------------------------- state
