@@ -21,9 +21,13 @@ Nothing is installed: lossscale is imported from this checkout (``src/``), the i
 4. ``counter``: the counter against torch's detector on known operations (``.item()``, ``.cpu()``,
    ``nonzero``, copies to and from pinned and pageable memory, ``torch.tensor(list, device=...)``).
    Differences are reported, not failed: they are what the counter's model should learn.
-5. ``grad_stats``: each histogram method: bitwise the same histogram as ``index_add``, no sync
+5. ``graph_rule``: each policy's tensor rule captured once in a CUDA graph and replayed
+   (``benchmarks/graph_rule.py``): bitwise agreement with the eager rule over random iterations,
+   launches and host time per update, and a fused-Adam iteration with the replayed rule: the
+   measurement issue 22's launch budgets for adaptive, LogMax and ``hysteresis=2`` wait for.
+6. ``grad_stats``: each histogram method: bitwise the same histogram as ``index_add``, no sync
    (under "error"), and timed (``benchmarks/bench_stats.bench_one``).
-6. ``bench_scaler``: ``benchmarks/bench_scaler.py`` at ``--settings default`` and ``torch-like``.
+7. ``bench_scaler``: ``benchmarks/bench_scaler.py`` at ``--settings default`` and ``torch-like``.
 
 Every result goes to ``gpu_check.json`` under ``--out`` (rewritten after each step, so a run cut
 short keeps what it measured) with the benchmarks' own files beside it; stdout gets a one-screen
@@ -288,6 +292,16 @@ def step_bench_scaler(args, remaining: float) -> Dict[str, Any]:
     return out
 
 
+def step_graph_rule(args, remaining: float) -> Dict[str, Any]:
+    """Each policy's tensor rule replayed from one CUDA graph (``benchmarks/graph_rule.py``): bitwise
+    agreement with the eager rule, launches and host time per update, a fused-Adam iteration. On the
+    stand-in its twin runs (no graphs there): the plumbing only."""
+    graph_rule = load_script("graph_rule")
+    results = graph_rule.run(torch.device("cuda"), twin=args.stand_in, quick=args.quick, out_dir=args.out)
+    return {"status": "passed" if results["ok"] else "failed", "twin": args.stand_in,
+            "summary": graph_rule.summary(results), "results": results}
+
+
 def step_grad_stats(args, remaining: float) -> Dict[str, Any]:
     """Each histogram method: bitwise index_add's histogram, no sync, and its time."""
     bench = load_script("bench_stats")
@@ -324,7 +338,8 @@ def step_grad_stats(args, remaining: float) -> Dict[str, Any]:
 # (name, function, seconds it needs on a GPU). The benchmarks run in this process (no time limit of
 # their own), so they come last: a run stopped at the limit keeps everything before them.
 STEPS = [("tests", step_tests, 200), ("paths", step_paths, 30), ("nan_batch", step_nan_batch, 5),
-         ("counter", step_counter, 5), ("grad_stats", step_grad_stats, 60), ("bench_scaler", step_bench_scaler, 150)]
+         ("counter", step_counter, 5), ("graph_rule", step_graph_rule, 45), ("grad_stats", step_grad_stats, 60),
+         ("bench_scaler", step_bench_scaler, 150)]
 
 
 # ------------------------------------------------------------------ the summary
@@ -353,6 +368,11 @@ def summary(results: Dict[str, Any]) -> str:
         extra = (f"weights unchanged {s.get('weights_unchanged')}, skipped {s.get('skipped')}, sync {s.get('sync_raised')}"
                  if key == "nan_batch" else f"differences from the detector: {s.get('differences')}")
         lines.append(f"{key}: {s.get('status')}; {extra}")
+    g = steps.get("graph_rule", {})
+    if "summary" in g:
+        lines.append(g["summary"])
+    elif g:
+        lines.append(f"graph_rule: {g.get('status')} {g.get('why', '')}".rstrip())
     b = steps.get("bench_scaler", {})
     if "why" in b:
         lines.append(f"bench_scaler: {b.get('status')} {b['why']}")

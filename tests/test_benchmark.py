@@ -1,10 +1,13 @@
 """The benchmark script runs end to end (a smoke test: tiny sizes, nothing timed is asserted)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
 
 import torch
+
+import lossscale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,3 +41,23 @@ def test_bench_host_smoke(capsys):
     _run("bench_host", ["--sweep-mb", "1", "--repeats", "3"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| warm") or "sweep" in line]
     assert len(rows) == 2 and all(float(r.split("|")[4]) > 0 for r in rows)  # the ratio column
+
+
+def test_graph_rule_twin_runs_and_its_agreement_check_can_fail(tmp_path):
+    # benchmarks/graph_rule.py waits for a GPU (CUDA graphs); here its twin runs the plumbing, and the
+    # agreement loop must catch a replay that is not the eager rule.
+    bench = _run("graph_rule", ["--twin", "--quick", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "graph_rule.json").read_text())
+    assert results["ok"] and set(results["policies"]) == {name for name, _, _ in bench.CONFIGS}
+    moved = {name: r["agree"]["events"]["scale moves"] for name, r in results["policies"].items()}
+    assert all(moved[name] > 0 for name in moved if name != "static")  # the runs moved the scale
+    assert all(r["same_state"] and r["same_weights"] and r["skipped"] == 2 for r in results["iterations"].values())
+
+    class Slower(bench.TwinRule):  # replays another backoff: the states part at the first backoff
+        def __init__(self, policy, t, flags, amax):
+            super().__init__(dataclasses.replace(policy, backoff_factor=0.25), t, flags, amax)
+
+    policy = lossscale.DynamicPolicy(growth_interval=7)
+    broken = bench.agreement(policy, Slower, torch.device("cpu"), 60)
+    assert broken["agree"] is False and broken["first_difference"] < 60
+    assert bench.agreement(policy, bench.TwinRule, torch.device("cpu"), 60)["agree"] is True

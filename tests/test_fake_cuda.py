@@ -268,6 +268,7 @@ def test_gpu_check_runs_on_the_stand_in(tmp_path):
     assert rows["adam fused"]["error_mode"] == "ok" and rows["adam fused"]["lossscale"]["syncs"] == 0
     assert steps["nan_batch"]["weights_unchanged"] and steps["nan_batch"]["skipped"]
     assert steps["counter"]["differences"] == [] and steps["counter"]["rows"]["torch.tensor(list, device=cuda)"]["h2d"] == 1
+    assert steps["graph_rule"]["twin"] and steps["graph_rule"]["results"]["ok"]  # the plumbing: no graphs here
     assert steps["bench_scaler"]["default"]["result"]["meta"]["settings"] == "default"
     assert (tmp_path / "bench_scaler_quick_cuda_default.json").exists() and (tmp_path / "bench_scaler_quick_cuda.json").exists()
     checks = steps["grad_stats"]["checks"]
