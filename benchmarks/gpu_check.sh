@@ -5,8 +5,9 @@
 # pytest is there), one clean iteration of every path at the default settings beside torch under torch's
 # sync detector (and "error" mode where torch's path makes no sync), the fused NaN-batch check, the sync
 # counter beside torch's detector, each policy's tensor rule replayed from a CUDA graph (graph_rule.py),
-# grad_stats timed per histogram method, and bench_scaler at the default and torch-like settings. Every result goes to $OUT/gpu_check.json (rewritten after each step, so a
-# run cut short keeps what it measured), a one-screen summary to stdout.
+# grad_stats timed per histogram method, and bench_scaler at the default and torch-like settings. Every
+# result goes to $OUT/gpu_check.json (rewritten after each step, so a run cut short keeps what it
+# measured), a one-screen summary to stdout.
 # Its CPU twin runs in CI: python benchmarks/gpu_check.py --stand-in --quick (tests/test_fake_cuda.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
