@@ -62,6 +62,13 @@ KNOWN = [
     ("copy into pageable, non_blocking", lambda d: torch.empty(6).copy_(d, non_blocking=True), (0, 1, 0, 1)),
     ("foreach, one dtype", lambda d: torch._foreach_mul_([d, d.clone()], 2.0), (2, 0, 0, 0)),
     ("foreach, two dtypes: per tensor", lambda d: torch._foreach_mul_([d, d.half()], 2.0), (3, 0, 0, 0)),
+    # Operators whose device code launches more than one kernel (torch's source, _sync's table):
+    # out-of-place masked_fill is a clone then masked_fill_; _foreach_norm's multi-tensor route fills
+    # two workspaces, runs its kernel and a cleanup; the per-tensor route is one norm per tensor.
+    ("masked_fill: a clone and the fill", lambda d: d.masked_fill(d > 2, 0.0), (3, 0, 0, 0)),
+    ("masked_fill_ in place", lambda d: d.masked_fill_(d > 2, 0.0), (2, 0, 0, 0)),
+    ("foreach norm, one dtype", lambda d: torch._foreach_norm([d, d], float("inf")), (4, 0, 0, 0)),
+    ("foreach norm, two dtypes: per tensor", lambda d: torch._foreach_norm([d, d.double()], 2.0), (3, 0, 0, 0)),
     # Host work beside device work costs the device nothing (a block of host work alone is a CPU
     # run, where the CPU stands for the device: test_a_cpu_only_run_stands_for_the_device).
     ("host work", lambda d: (d * 2, torch.ones(3).mul(2).sum().item()), (1, 0, 0, 0)),

@@ -31,9 +31,12 @@ What is counted (:func:`classify` is the rule, one operator call at a time):
   metadata (``view``, ``select``, ``detach``, ``as_strided``, ``t``, ``expand``, ...), allocations
   (``empty``, ``empty_like``, ...) and host-only operators launch nothing. A ``_foreach_*`` operator
   is one launch when its lists share one device and dtype (torch's multi-tensor fast path) and one per
-  tensor otherwise. Not modelled: a few CUDA operators launch more than one kernel, and a
-  multi-tensor launch splits past 110/64/48/36/30 tensors (by the number of lists) or 320 chunks of
-  65536 elements; torch and lossscale are counted alike.
+  tensor otherwise. Operators known to launch more than one kernel count them all: out-of-place
+  ``masked_fill`` (a clone, then ``masked_fill_``: 2), and on their multi-tensor route
+  ``_foreach_norm`` (two workspace fills, the kernel, a cleanup: 4) and ``_foreach_max`` (3), as
+  torch's CUDA source reads. Not modelled: other operators that launch more than one kernel in
+  their device code, and a multi-tensor launch that splits past 110/64/48/36/30 tensors (by the
+  number of lists) or 320 chunks of 65536 elements; torch and lossscale are counted alike.
 
 **A CPU-only run stands for the device.** When the counted block touched no accelerator tensor at
 all, every tensor is taken to be where a GPU run would put it: value reads and value-dependent
@@ -87,6 +90,14 @@ _NO_KERNEL = _packets("empty", "empty_strided", "empty_like", "new_empty", "new_
                       "resize_", "resize_as_", "_unsafe_view", "is_pinned", "record_stream", "set_", "sym_size",
                       "sym_numel", "sym_stride", "sym_storage_offset", "is_same_size", "_has_same_storage_numel")
 _INDEXING = _packets("index", "index_put_", "index_put", "_index_put_impl_")
+# Operators that launch more kernels than one, as torch's implementations read. Out-of-place
+# masked_fill is a clone and a masked_fill_ on every device (CompositeExplicitAutograd).
+_MORE = {p: 1 for p in _packets("masked_fill")}
+# A reduction's multi-tensor route on CUDA (aten/src/ATen/native/cuda/ForeachReduceOp.cu): the
+# multi-tensor kernel, and besides it _foreach_norm zero-fills two workspaces (the per-chunk partial
+# results and the global ones) and runs a cleanup kernel that reduces the chunks; _foreach_max
+# zero-fills one workspace and runs its cleanup.
+_MORE_ON_FAST_ROUTE = {**{p: 3 for p in _packets("_foreach_norm")}, **{p: 2 for p in _packets("_foreach_max")}}
 
 
 @dataclass
@@ -154,13 +165,13 @@ def _copy(src: torch.Tensor, dst_device: torch.device, dst_pinned: Callable[[], 
     return _NOTHING
 
 
-def _foreach_launches(args, on_device) -> int:
+def _foreach_launches(packet, args) -> int:
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
     tensors = [t for lst in lists for t in lst]
     scalars = [a for a in args if isinstance(a, torch.Tensor)]  # a Tensor scalar operand
     fast = (len({(t.device, t.dtype) for t in tensors}) <= 1
             and all(s.device == tensors[0].device for s in scalars if tensors))
-    return 1 if fast else max(len(lst) for lst in lists)
+    return 1 + _MORE_ON_FAST_ROUTE.get(packet, 0) if fast else max(len(lst) for lst in lists)
 
 
 def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device], bool]) -> Work:
@@ -203,8 +214,8 @@ def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device]
     if func.is_view or packet in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
         return _NOTHING
     if packet.__name__.startswith("_foreach_"):
-        return (_foreach_launches(args, on_device), 0, 0, 0)
-    return (1, 0, 0, 0)
+        return (_foreach_launches(packet, args), 0, 0, 0)
+    return (1 + _MORE.get(packet, 0), 0, 0, 0)
 
 
 def _accelerator(device: torch.device) -> bool:
