@@ -10,31 +10,33 @@ rounding to disagree about between host and device.
 
 The rule, as pseudocode (``e`` is the binade of the scaled amax: ``amax < 2**e``, i.e.
 ``math.frexp(amax)[1]``; ``LIMIT`` is the binade of the target format's max, 16 for FP16 because
-65504 is just under 2**16 (``AdaptivePolicy.limit_exp``, from :mod:`lossscale.formats`); ``shift(s, k)``
-is ``s * 2**k`` clamped to [min_scale, max_scale])::
+65504 is just under 2**16 (``AdaptivePolicy.limit_exp``, from :mod:`lossscale.formats`); ``TOP`` is
+``LIMIT - margin_bits``, the binade a measured amax is moved to; ``shift(s, k)`` is ``s * 2**k``
+clamped to [min_scale, max_scale])::
 
     if amax is not finite: found_inf = True             # a non-finite amax is an overflow
     count the step (steps, skipped, inf/NaN, streak)      # shared with every policy
+    if bad_loss: stop                                     # a loss non-finite before scaling: counted only
     if not calibrated:                                    # before the first measurable amax
         if found_inf:      scale = shift(scale, -search_bits)     # skipped; search down fast
-        elif amax == 0:    scale = shift(scale, +search_bits)     # everything flushed; search up
-        elif amax > 0:     scale = shift(scale, LIMIT - margin_bits - e)    # calibrate: jump there
+        elif amax > 0:     scale = shift(scale, TOP - e)          # calibrate: jump there
                            calibrated = True
+        elif amax == 0:    scale = shift(scale, +search_bits)     # everything flushed; search up
     elif found_inf:                                       # overflow: skip and back off, as dynamic
-        window = EMPTY; growth_tracker = 0
+        window = NO_AMAX; growth_tracker = 0
         if hysteresis_tracker > 1: hysteresis_tracker -= 1     # tolerated
-        else: scale = max(scale * backoff_factor, min_scale)  # spent (the tracker stays at 1)
+        else: scale = max(f32(scale * backoff_factor), min_scale)   # spent (the tracker stays at 1)
     else:                                                 # clean step
         if amax > 0: window = max(window, e)              # the window's largest binade
         growth_tracker += 1
         if consecutive_hysteresis: hysteresis_tracker = hysteresis
         if growth_tracker >= growth_interval:             # a full window of clean steps: check
-            if window != EMPTY and LIMIT - margin_bits - window > 0:
-                scale = shift(scale, LIMIT - margin_bits - window)    # grow by the measured headroom
-            window = EMPTY; growth_tracker = 0; hysteresis_tracker = hysteresis
+            if window != NO_AMAX and TOP - window > 0:
+                scale = shift(scale, TOP - window)        # grow by the measured headroom
+            window = NO_AMAX; growth_tracker = 0; hysteresis_tracker = hysteresis
 
-After a move by ``k = LIMIT - margin_bits - e`` binades the amax that was measured sits below
-``2**(16 - margin_bits)``: at least ``margin_bits`` binades under the FP16 overflow line. After
+After a move by ``k = TOP - e`` binades the amax that was measured sits below ``2**TOP``: at least
+``margin_bits`` binades under the format's overflow line. After
 calibration the scale only goes up when a whole window of clean steps proved the room, by as many
 binades as the window's largest gradient allows, and only goes down on an overflow.
 
@@ -64,7 +66,7 @@ Why it is safe, and what it measures:
 
 State (:class:`AdaptiveState`): the shared counters, ``growth_tracker`` (the clean steps of the
 window), ``hysteresis_tracker``, ``calibrated``, and ``window_exp``, the window's largest binade
-(``NO_AMAX`` while the window has measured nothing: ``EMPTY`` above).
+(``NO_AMAX`` while the window has measured nothing).
 
 Example (a training loop drives the state; here by hand)::
 
@@ -104,8 +106,9 @@ NO_AMAX = -(2**30)
 #: :data:`~lossscale.policy.SMALLEST_SCALE`, float32's smallest normal).
 HIGHEST_SCALE = 2.0**127
 
-#: Any single move is clamped to this many binades: far beyond any real one (float32 spans 277), and it
-#: keeps ``scale * 2**k`` finite and normal in float64, where both forms compute it.
+#: The pure rule clamps a move to this many binades. No move from a float32 amax comes near it (float32
+#: spans 277 binades); it guards ``math.ldexp``, which raises where a caller's float64 amax (down to
+#: 2**-1074) would move the scale out of float64's range. The tensor rule's amax is a float32: no clamp.
 MAX_SHIFT = 400
 
 
@@ -250,15 +253,15 @@ class AdaptivePolicy(PolicyBase):
             return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
         lo, hi = self.bounds()
-        limit = self.limit_exp
+        top = self.limit_exp - self.margin_bits  # the binade a measured amax is moved to
         scale = state.scale
         measured = amax is not None and not found_inf and amax > 0
         if not state.calibrated:
             if found_inf:
                 scale = _shift(scale, -self.search_bits, lo, hi)
             elif measured:
-                return counted.replace(scale=_shift(scale, limit - self.margin_bits - _binade(amax), lo, hi),
-                                       growth_tracker=0, calibrated=True)
+                return counted.replace(scale=_shift(scale, top - _binade(amax), lo, hi), growth_tracker=0,
+                                       calibrated=True)
             elif amax == 0:  # every gradient flushed (or truly zero)
                 scale = _shift(scale, self.search_bits, lo, hi)
             return counted.replace(scale=scale, growth_tracker=0)
@@ -269,7 +272,7 @@ class AdaptivePolicy(PolicyBase):
         growth = state.growth_tracker + 1
         hyst = on_clean(state.hysteresis_tracker, self.hysteresis, self.consecutive_hysteresis)
         if growth >= self.growth_interval:
-            k = limit - self.margin_bits - window
+            k = top - window
             if window != NO_AMAX and k > 0:
                 scale = _shift(scale, k, lo, hi)
             growth, window, hyst = 0, NO_AMAX, self.hysteresis
@@ -294,18 +297,21 @@ class AdaptivePolicy(PolicyBase):
         else:
             measured, zero = clean & (amax > 0), clean & (amax == 0)
         e = torch.frexp(amax)[1]  # amax < 2**e; read only where measured
-        top = self.limit_exp - self.margin_bits
+        top = self.limit_exp - self.margin_bits  # the binade a measured amax is moved to
+        # update()'s branches end in one multiply: scale *= backoff_factor (a calibrated overflow with
+        # the tolerance spent), else 2**move, then the clamp to the bounds; the trackers move in place.
         # After calibration: the window's largest binade, and its end after growth_interval clean steps.
-        step = clean & calibrated
+        window_step = clean & calibrated
         window = torch.maximum(t.window_exp, e)
         torch.where(measured & calibrated, window, t.window_exp, out=t.window_exp)
-        t.growth_tracker.add_(step)  # stays 0 before calibration (check_state holds states to it)
+        t.growth_tracker.add_(window_step)  # stays 0 before calibration (check_state holds states to it)
         window_end = t.growth_tracker >= self.growth_interval
         k = top - t.window_exp
         grow = window_end & (k > 0) & (t.window_exp != NO_AMAX)
-        # The binades the scale moves by. Before calibration: to the target on a measurement, down on
-        # an overflow, up on all-zero gradients. After: by the headroom at a window's end, else 0.
-        search = torch.add(zero.int(), overflow, alpha=-1) * self.search_bits  # +1, -1 or 0 (torch: no bool "-")
+        # The binades the scale moves by. Before calibration: down on an overflow, to the target on a
+        # measurement, up on all-zero gradients. After: by the headroom at a window's end, else 0.
+        # +search_bits, -search_bits or 0 (torch has no bool "-", but adds a bool with a negative weight)
+        search = torch.add(zero * self.search_bits, overflow, alpha=-self.search_bits)
         move = torch.where(calibrated, k * grow, torch.where(measured, top - e, search))
         # After calibration an overflow backs off instead, as the dynamic policy's (hysteresis.py).
         answered = overflow & calibrated
@@ -313,7 +319,7 @@ class AdaptivePolicy(PolicyBase):
         factor = torch.where(back_off, t.constant(self.backoff_factor), exact_pow2(move))
         torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32
         t.scale.clamp_(*self.bounds())
-        track_tensor_(t.hysteresis_tracker, answered, step if self.consecutive_hysteresis else window_end,
+        track_tensor_(t.hysteresis_tracker, answered, window_step if self.consecutive_hysteresis else window_end,
                       self.hysteresis)
         reset = overflow | window_end
         t.growth_tracker.masked_fill_(reset, 0)

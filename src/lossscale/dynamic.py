@@ -3,6 +3,8 @@
 The rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", torch's naming)::
 
     count the step (steps, skipped, inf/NaN, streak)        # policy.count, shared by every policy
+    if bad_loss: stop                               # a loss non-finite before scaling: counted, skipped,
+                                                    # and the scale and trackers left as they are
     if found_inf:                                   # overflow: the optimizer step is skipped
         growth_tracker = 0
         if hysteresis_tracker > 1:                  # tolerance left: spend one, keep the scale
@@ -54,7 +56,8 @@ from ._validate import (
 )
 from .diagnosis import stuck_at_bound_or_streak
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import CLEAN, I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count, count_tensor, f32, register
+from .policy import (BAD_LOSS, CLEAN, I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count,
+                     count_tensor, f32, register)
 
 __all__ = ["DynamicPolicy", "DynamicState"]
 
@@ -165,12 +168,14 @@ class DynamicPolicy(PolicyBase):
     def tensor_update(self, t, flags, amax=None) -> None:
         """:meth:`update` on device tensors, in place, with no host sync (the fused-optimizer path).
 
-        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (entry 3: a bad loss;
-        ``SCALE_OVERFLOW``: an overflow not from a bad loss; ``CLEAN``: no overflow).
+        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (``BAD_LOSS``: a non-finite
+        loss; ``SCALE_OVERFLOW``: an overflow not from a bad loss; ``CLEAN``: no overflow).
 
-        torch's own update kernel moves the scale and the growth tracker, so every hysteresis is
-        bitwise torch's arithmetic by construction. It grows when ``tracker + 1 == growth_interval``; the
-        state never holds a tracker at or past the interval, so that is the pure rule's ``>=``. Like
+        The plan: torch's own update kernel applies the rule as if ``hysteresis=1`` (so the scale's
+        arithmetic is bitwise torch's whatever the hysteresis), then one clamp floors a backoff, undoes
+        one that the tolerance absorbed, and caps a growth. The kernel grows when ``tracker + 1 ==
+        growth_interval``; the state never holds a tracker at or past the interval, so that is the pure
+        rule's ``>=``. Like
         every way of setting the scale (``init_scale``, ``update(new_scale)``, ``load_state_dict``),
         the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on such a scale the floor
         can only act on an overflow (``lowest()`` on a backoff, the scale before where tolerance is left)
@@ -181,23 +186,24 @@ class DynamicPolicy(PolicyBase):
         torch = _torch()
         count_tensor(t, flags)  # also writes t.scale_before: the scale this iteration ran with
         yes = flags > 0  # every flag as a bool (views below)
-        overflow = flags[SCALE_OVERFLOW]
+        found_inf = flags[SCALE_OVERFLOW]  # float 0/1, as torch's kernel takes it
         floor, cap = self.lowest(), None if self.max_scale is None else f32(self.max_scale)
         if self.hysteresis > 1:
             # An overflow with tolerance left keeps the scale: the kernel below backs off on every
             # overflow, and the clamp then lifts the scale back to the one this iteration ran with.
             floor = torch.where(backs_off_tensor(t.hysteresis_tracker, yes[SCALE_OVERFLOW]),
                                 t.constant(floor), t.scale_before)
-            cap = None if cap is None else t.constant(cap)  # a tensor bound with a number would read it
+            # Both bounds tensors: clamp_(tensor, number) would read the tensor on the host (a sync).
+            cap = None if cap is None else t.constant(cap)
         # A bad loss must leave the scale and the tracker alone: the kernel sees no overflow, and the
         # tracker steps back first, so the kernel's + 1 lands where it was (and cannot reach the interval).
         # add_(alpha=-1): torch refuses to subtract a bool tensor, not to add one with a negative weight.
-        t.growth_tracker.add_(yes[3], alpha=-1)
-        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow, self.growth_factor, self.backoff_factor,
+        t.growth_tracker.add_(yes[BAD_LOSS], alpha=-1)
+        torch._amp_update_scale_(t.scale, t.growth_tracker, found_inf, self.growth_factor, self.backoff_factor,
                                  self.growth_interval)  # refuses a non-finite growth, as the pure rule
         t.scale.clamp_(floor, cap)
         if self.hysteresis > 1:
-            # A growth is a clean step that left the tracker at 0.
+            # A clean step whose growth check ran (the tracker back at 0: a growth, or a refused one).
             refill = yes[CLEAN] if self.consecutive_hysteresis else t.growth_tracker < yes[CLEAN]
             track_tensor_(t.hysteresis_tracker, yes[SCALE_OVERFLOW], refill, self.hysteresis)
 

@@ -9,11 +9,13 @@ The rule, for one overflow (Megatron-core's and DeepSpeed's hysteresis; ``hyster
         scale = max(f32(scale * backoff_factor), lowest)
 
 and for one clean step: ``hysteresis_tracker = hysteresis`` when ``consecutive_hysteresis`` (only
-*consecutive* overflows count, DeepSpeed), else it is refilled only by a growth (Megatron-core).
+*consecutive* overflows count, DeepSpeed), else it is refilled only at the caller's growth check
+(Megatron-core; dynamic: a growth, a refused one included; adaptive: a window's end).
 
 The tracker never goes below 1 (DeepSpeed's ``cur_hysteresis``), so with ``hysteresis=1`` it never
-moves. Pure Python; the tensor form (:func:`backs_off_tensor`, :func:`track_tensor_`) works on the
-tensors it is given.
+moves. Pure Python; the tensor form works on the tensors it is given: :func:`backs_off_tensor` is
+:func:`on_overflow`'s decision (the caller moves the scale with it), :func:`track_tensor_` the
+tracker after an overflow (:func:`on_overflow`) or a refill (:func:`on_clean`, or the growth check).
 """
 
 from __future__ import annotations
@@ -46,5 +48,5 @@ def track_tensor_(hysteresis_tracker, overflow, refill, hysteresis: int) -> None
 
 
 def on_clean(hysteresis_tracker, hysteresis: int, consecutive: bool):
-    """The tracker after a clean step that did not grow the scale (a growth refills it anyway)."""
+    """The tracker after a clean step, before the caller's growth check (which refills it anyway)."""
     return hysteresis if consecutive else hysteresis_tracker

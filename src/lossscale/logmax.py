@@ -6,11 +6,12 @@ Source: NVIDIA/OpenSeq2Seq, ``open_seq2seq/optimizers/automatic_loss_scaler.py``
 away. The rule (``x`` from the scaled amax the scaler measures: ``log2(amax) - log2(scale)``)::
 
     count the step (steps, skipped, inf/NaN, streak)           # policy.count, shared by every policy
+    if bad_loss or (amax is None and not found_inf): stop     # counted; nothing to learn from
     if found_inf:     x = LIMIT - log2(scale)        # deviation 1: the overflow says amax >~ 2**LIMIT / S
     elif amax == 0:   x = FLUSH - log2(scale)        # deviation 2: everything flushed, amax <~ 2**FLUSH / S
     else:             x = q(log2(amax)) - log2(scale)
     x_hat   = beta1 * x_hat + (1 - beta1) * x;      b1 = b1 * beta1;    mu = x_hat / (1 - b1)
-    slow    = beta2 * slow + (1 - beta2) * x;       xsq = beta2 * xsq + (1 - beta2) * x * x
+    slow    = beta2 * slow + (1 - beta2) * x;       xsq = beta2 * xsq + (1 - beta2) * (x * x)
     b2      = b2 * beta2;  e_xsq = xsq / (1 - b2);  slow_mu = slow / (1 - b2)
     sigma   = sqrt(max(e_xsq - slow_mu * slow_mu, 0))
     scale   = 2 ** clamp(floor(LIMIT - (mu + overflow_std_dev * sigma)), log2(min_scale), log2(max_scale))
@@ -33,7 +34,7 @@ Where this differs from the published scaler, and why:
   host and device forms agree unless ``log2(amax)`` lies within an ulp (2**-46 binade) of a grid
   point. Everything else is float64 arithmetic in the same order on both sides (IEEE: bitwise).
 
-The scale moves every step, so the state has no growth tracker: ``torch_state`` writes torch's
+The scale may move on every step, so the state has no growth tracker: ``torch_state`` writes torch's
 defaults, which a torch scaler loading this checkpoint then follows.
 
 Example::
@@ -53,8 +54,8 @@ from typing import Optional
 from . import formats
 from ._validate import validate_stuck
 from .diagnosis import stuck_at_bound_or_streak
-from .policy import (F64, SCALE_OVERFLOW, PolicyBase, ScaleState, _torch, count, count_tensor, exact_pow2, f32,
-                     is_power_of_two, register)
+from .policy import (BAD_LOSS, F64, SCALE_OVERFLOW, PolicyBase, ScaleState, _torch, count, count_tensor, exact_pow2,
+                     f32, is_power_of_two, register)
 
 __all__ = ["LogMaxPolicy", "LogMaxState"]
 
@@ -176,12 +177,12 @@ class LogMaxPolicy(PolicyBase):
             return counted
         log2_scale = math.frexp(state.scale)[1] - 1  # exact: the scale is a power of two
         if found_inf:
-            x = float(self.limit_exp - log2_scale)
+            log2_amax = float(self.limit_exp)
         elif amax == 0:
-            x = float(self.flush_exp - log2_scale)
+            log2_amax = float(self.flush_exp)
         else:
-            x = math.floor(math.log2(amax) * GRID) / GRID - log2_scale
-        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(state, x)
+            log2_amax = math.floor(math.log2(amax) * GRID) / GRID
+        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(state, log2_amax - log2_scale)
         sigma = math.sqrt(max(var, 0.0))
         lo, hi = self._exponent_range()
         k = min(max(math.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)), lo), hi)
@@ -195,17 +196,18 @@ class LogMaxPolicy(PolicyBase):
         overflow (the scaler's check derives both from the same read)."""
         torch = _torch()
         count_tensor(t, flags)
-        overflow = flags[1] > 0
-        if amax is None:  # not measured: only an overflow carries information (not a bad loss's)
-            amax = torch.full_like(flags[1], math.nan)
-            learn = flags[SCALE_OVERFLOW] > 0  # an overflow, not a bad loss's
+        found_inf = flags[SCALE_OVERFLOW] > 0  # a bad loss's overflow learns nothing (see learn)
+        if amax is None:  # not measured: only an overflow carries information
+            amax = torch.full_like(flags[0], math.nan)
+            learn = found_inf
         else:
-            learn = flags[3] == 0  # a non-finite loss: counted, nothing learned
-        f64 = torch.float64
-        log2_scale = (torch.frexp(t.scale)[1] - 1).to(f64)
-        measured = torch.floor(torch.log2(amax.to(f64)) * GRID) / GRID
-        x = measured.masked_fill(amax == 0, float(self.flush_exp)).masked_fill(overflow, float(self.limit_exp))
-        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, x - log2_scale)
+            learn = flags[BAD_LOSS] == 0  # a non-finite loss: counted, nothing learned
+        log2_scale = torch.frexp(t.scale)[1] - 1  # int32; exact in the float64 subtraction below
+        log2_amax = torch.floor(torch.log2(amax.to(torch.float64)) * GRID) / GRID
+        # In place on that fresh tensor (out of place, each fill would be a copy too); the overflow
+        # last, as found_inf is tested first.
+        log2_amax.masked_fill_(amax == 0, float(self.flush_exp)).masked_fill_(found_inf, float(self.limit_exp))
+        x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, log2_amax - log2_scale)
         sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)

@@ -1,7 +1,7 @@
 """What every loss-scale policy shares: the protocol, the common state, the bookkeeping, the registry.
 
 This module imports no torch, and neither does any policy module (``dynamic``, ``static``,
-``adaptive``, ``logmax``): a tensor rule imports torch inside the function, when the scaler calls
+``adaptive``, ``logmax``) nor ``hysteresis``: a tensor rule imports torch inside the function, when the scaler calls
 it. So the rules can be read, run and tested with plain Python values::
 
     state = policy.init_state()
@@ -52,8 +52,8 @@ from .formats import f32, is_power_of_two
 
 __all__ = [
     "ScaleState", "Policy", "PolicyBase", "register", "policy_class", "policy_names", "policy_types",
-    "count", "count_tensor", "exact_pow2", "FLAG_LAYOUT", "SCALE_OVERFLOW", "CLEAN",
-    "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK",
+    "count", "count_tensor", "exact_pow2", "FLAG_LAYOUT", "OVERFLOW", "NAN", "BAD_LOSS", "SCALE_OVERFLOW",
+    "CLEAN", "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK",
 ]
 
 #: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
@@ -178,19 +178,19 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
 
 
 #: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 16, each entry one of
-#: ``(1, overflow, nan, bad_loss, scale_overflow, clean)`` by this index. The first 7 are what the
-#: counters add (``totals``: steps, skipped, nan, bad_loss; ``streaks``: skipped, nan, bad_loss), the
-#: next 7 what they keep (the totals always; a streak only through an overflow): :func:`count_tensor` is
-#: then one ``addcmul``. Entries 1, 2, 3 are the overflow, NaN and bad-loss flags themselves; then
-#: ``scale_overflow`` ("overflow and not a bad loss": the overflow a policy answers by moving its scale)
-#: and ``clean`` (no overflow: the optimizer stepped).
+#: the sources ``(1, overflow, nan, bad_loss, scale_overflow, clean)`` by this index::
+#:
+#:     0..6    what the counters add:  1, overflow, nan, bad_loss | overflow, nan, bad_loss (totals | streaks)
+#:     7..13   what they keep:         1, 1, 1, 1                 | 1, 1, 1 only through an overflow
+#:     14, 15  scale_overflow (an overflow not from a bad loss: the one a policy answers), clean
+#:
+#: so :func:`count_tensor` is one ``addcmul``, and entries 1, 2, 3 are the flags themselves.
 FLAG_LAYOUT = (0, 1, 2, 3, 1, 2, 3,
                0, 0, 0, 0, 1, 1, 1,
                4, 5)
-#: Where :data:`FLAG_LAYOUT` puts the overflow a policy answers (an overflow not from a bad loss).
-SCALE_OVERFLOW = 14
-#: Where :data:`FLAG_LAYOUT` puts "no overflow" (entry 1's complement).
-CLEAN = 15
+#: Where :data:`FLAG_LAYOUT` puts each flag: any overflow (a bad loss's included), NaN, a non-finite
+#: loss, the overflow a policy answers, and "no overflow" (the optimizer stepped).
+OVERFLOW, NAN, BAD_LOSS, SCALE_OVERFLOW, CLEAN = 1, 2, 3, 14, 15
 
 
 def count_tensor(t, flags) -> None:
@@ -203,8 +203,10 @@ def count_tensor(t, flags) -> None:
     nan, bad_loss]`` as ``streaks``, side by side in ``counters``.
     """
     torch = _torch()
-    # [streak_start_scale, scale_before] = scale where [no streak runs yet, always]: the streak's first
-    # scale, and the scale this iteration ran with (the stuck check: did it overflow at the floor?).
+    # One where for two fields, f32[1:3] = [streak_start_scale, scale_before]: each takes the scale
+    # where [overflow_streak <= 0: no streak runs yet, streak_nan_steps <= 2**53: always] (the streaks'
+    # first two, against t.fresh_limits): the streak's first scale, and the scale this iteration ran
+    # with (the stuck check: did it overflow at the floor?).
     fresh = torch.le(t.streaks[:2], t.fresh_limits)
     torch.where(fresh, t.scale, t.f32[1:3], out=t.f32[1:3])
     # counters * keep + add: the totals grow by [1, overflow, nan, bad]; a streak grows the same way

@@ -3,6 +3,7 @@
 The rule::
 
     count the step (steps, skipped, inf/NaN, streak)    # policy.count, shared by every policy
+    if bad_loss: stop                           # a loss non-finite before scaling: counted, skipped
     growth_tracker = 0 if found_inf else growth_tracker + 1   # clean steps in a row (torch's field)
     scale unchanged
 
