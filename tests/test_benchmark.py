@@ -61,3 +61,15 @@ def test_graph_rule_twin_runs_and_its_agreement_check_can_fail(tmp_path):
     broken = bench.agreement(policy, Slower, torch.device("cpu"), 60)
     assert broken["agree"] is False and broken["first_difference"] < 60
     assert bench.agreement(policy, bench.TwinRule, torch.device("cpu"), 60)["agree"] is True
+
+
+def test_update_bound_smoke(capsys):
+    bench = _run("update_bound", ["--sizes", "4000x4", "--runs", "1", "--repeats", "3"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.004M")]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 and float(r.split("|")[4]) > 0 for r in rows)
+    # The parts are put back: update() runs the pure rule again.
+    s = lossscale.GradScaler("cpu", growth_interval=1)
+    s.scale(torch.ones(()))
+    s.step(bench.B.NoopOptimizer([torch.nn.Parameter(torch.zeros(1))]))
+    s.update()
+    assert s.get_scale() == 2.0**17
