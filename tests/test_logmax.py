@@ -47,6 +47,21 @@ def test_tensor_rule_agrees_with_pure_rule_bitwise(policy, seq):
         assert is_power_of_two(s.scale) and lo <= s.scale <= hi
 
 
+@pytest.mark.parametrize("k", [-30, -10, 4, 10, 15])
+def test_log2_is_taken_in_float64_on_device_too(k):
+    # The largest float32 below 2**k: its float64 log2 is k - 9e-8, one grid step (2**-16) below k;
+    # a float32 log2 rounds it to k itself. A device rule taking log2 in float32 lands a grid step off
+    # (the mutant `amax.to(None)` that docs/testing.md once listed as equivalent).
+    amax = torch.nextafter(torch.tensor(2.0**k), torch.tensor(0.0)).item()
+    assert math.floor(math.log2(amax) * 2**16) != math.floor(torch.tensor(amax).log2().item() * 2**16)
+    policy = LogMaxPolicy()
+    s, dev = policy.init_state(), TensorForm(policy)
+    for _ in range(3):
+        s = policy.update(s, found_inf=False, amax=amax)
+        dev.step(False, False, amax)
+        assert dev.to_state() == s.replace(streak_start_scale=dev.to_state().streak_start_scale)
+
+
 def test_the_rule_by_hand():
     p = LogMaxPolicy()
     s = p.update(p.init_state(), found_inf=False, amax=2.0**-10)

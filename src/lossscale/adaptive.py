@@ -312,6 +312,7 @@ class AdaptivePolicy(PolicyBase):
         # measurement, up on all-zero gradients. After: by the headroom at a window's end, else 0.
         # +search_bits, -search_bits or 0 (torch has no bool "-", but adds a bool with a negative weight)
         search = torch.add(zero * self.search_bits, overflow, alpha=-self.search_bits)
+        # int64 (k's dtype), as exact_pow2 needs.
         move = torch.where(calibrated, k * grow, torch.where(measured, top - e, search))
         # After calibration an overflow backs off instead, as the dynamic policy's (hysteresis.py).
         answered = overflow & calibrated
