@@ -224,6 +224,7 @@ def per_update(policy, replay_type, device: torch.device, real_gpu: bool, repeat
     eager = lambda: policy.tensor_update(eager_t, flags, amax)  # noqa: E731
     replayed = lambda: replay(flags, amax)  # noqa: E731
     out: Dict[str, Any] = {}
+    eager()  # the first call makes the state's constants (TensorState.constant): not counted
     with count_device_work() as work:
         eager()
     out["eager_counted"] = work.launches
