@@ -34,6 +34,11 @@ def on_overflow(scale: float, hysteresis_tracker: int, backoff_factor: float, lo
     return max(f32(scale * backoff_factor), lowest), 1
 
 
+def on_clean(hysteresis_tracker, hysteresis: int, consecutive: bool):
+    """The tracker after a clean step, before the caller's growth check (which refills it anyway)."""
+    return hysteresis if consecutive else hysteresis_tracker
+
+
 def backs_off_tensor(hysteresis_tracker, overflow):
     """The tensor form's "an overflow, and the tolerance spent" (bool 0-dim; ``overflow`` bool 0-dim):
     ``tracker <= overflow``, since the tracker is at least 1: only an overflow (1) at 1 passes."""
@@ -45,8 +50,3 @@ def track_tensor_(hysteresis_tracker, overflow, refill, hysteresis: int) -> None
     scale backs off instead), set back to ``hysteresis`` where ``refill`` (bool 0-dim tensors)."""
     # add_(alpha=-1): torch refuses to subtract a bool tensor, not to add one with a negative weight.
     hysteresis_tracker.add_(overflow, alpha=-1).clamp_min_(1).masked_fill_(refill, hysteresis)
-
-
-def on_clean(hysteresis_tracker, hysteresis: int, consecutive: bool):
-    """The tracker after a clean step, before the caller's growth check (which refills it anyway)."""
-    return hysteresis if consecutive else hysteresis_tracker
