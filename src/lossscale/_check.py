@@ -2,7 +2,8 @@
 
 For one optimizer it gathers the gradients (with torch's FP16-gradient error made actionable),
 groups them by device and dtype, checks them for inf/NaN (and unscales them, or clips them), measures
-the amax a policy may need, and reduces the flags across ranks in ONE collective. What it learns is
+the amax a policy may need, and reduces the flags across ranks in ONE collective (a second one
+only to classify an overflow on the synced path). What it learns is
 a small :class:`Flags` record; the scaler keeps the records of an iteration and hands them to the
 policy in ``update()``.
 

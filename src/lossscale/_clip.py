@@ -1,9 +1,9 @@
-"""``GradScaler.clip_grad_norm_``'s arithmetic: unscale, check and clip in two passes over the gradients, not five.
+"""``GradScaler.clip_grad_norm_``'s arithmetic: unscale, check and clip in two passes over the gradients, not three.
 
 This module computes on tensors only; the scaler does the bookkeeping (stages, the skip decision,
 the reduction across ranks) through its gradient check, as for ``unscale_``.
 
-torch's recipe reads and writes every gradient three times::
+torch's recipe reads every gradient three times and writes it twice::
 
     scaler.unscale_(optimizer)                    # read+write: g <- g * (1/S), and look for inf/NaN
     torch.nn.utils.clip_grad_norm_(params, c)     # read: the norm; read+write: g <- g * coef
@@ -27,7 +27,7 @@ below 2**-126 (a subnormal loses bits that the other path keeps), no square in t
 2**-126 or above 2**128, and ``coef/S`` normal. ``tests/test_clip.py`` plants values on both sides of
 these limits. For a scale that is not a power of two the results agree to rounding, not bitwise.
 
-A policy that learns from the gradients' amax (``needs_amax``, the adaptive policy) gets it from one
+A policy that learns from the gradients' amax (``needs_amax``: adaptive, LogMax) gets it from one
 more read pass before anything is rewritten, as in ``unscale_``.
 
 Norm types other than 1, 2 and inf raise ``|x|`` to a power with libm's ``pow``, which does not

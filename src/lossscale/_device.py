@@ -1,4 +1,5 @@
-"""Everything that differs between devices, behind one tiny interface. Nothing else branches on them.
+"""The primitives that differ between devices, behind one tiny interface (the few other device-type
+decisions, such as the CPU's amax kernel, are listed in ``docs/architecture.md``).
 
 The scaler runs the same sequence of operations on every device; only these primitives differ:
 

@@ -20,7 +20,7 @@ import torch
 from . import _kernels
 from ._check import Flags, any_flag
 
-__all__ = ["OptState", "Record", "Iteration"]
+__all__ = ["OptState", "Record", "Iteration", "LastUpdate"]
 
 
 class OptState(enum.Enum):
@@ -103,7 +103,7 @@ class Iteration:
         return stepped
 
     def skipped(self, optimizer=None) -> Optional[bool]:
-        """Whether the steps taken so far were skipped (None: none taken). May sync once (fused)."""
+        """Whether the steps taken so far were skipped (None: none taken). May sync once per stepped fused optimizer (each is read once)."""
         stepped = self.stepped(optimizer)
         return any(r.read_skipped() for r in stepped) if stepped else None
 
@@ -128,12 +128,14 @@ class Iteration:
     def loss_check_value(self, device: torch.device, tracer) -> torch.Tensor:
         """The loss check, with the traced forward folded in: a float tensor on ``device`` that is
         non-finite exactly where a loss (or a traced forward output) was non-finite before scaling; its
-        consumers test ``value * 0`` for NaN. Made once per iteration (one kernel at most).
+        consumers test ``value * 0`` for NaN. Made once per iteration (the traced forward's part, two
+        kernels, at every call).
 
-        One float32 0-dim loss on ``device`` is handed on as it is: the host, which reads the skip
-        decision, adds ``loss * 0`` to it in the one kernel it runs anyway. Otherwise ``x - x`` (NaN
-        exactly where ``x`` is inf or NaN, else 0), summed. A rank that never called ``scale()`` (a
-        pipeline stage) sends 0, so every rank joins the same collective."""
+        One float32 0-dim loss on ``device`` is handed on as it is, no kernel: the host, which reads the
+        skip decision, adds ``loss * 0`` to the decision in one ``addcmul`` just before its read.
+        Otherwise ``x - x`` (NaN exactly where ``x`` is inf or NaN, else 0) per loss, cast and summed
+        (about two kernels per loss). A rank that never called ``scale()`` (a pipeline stage) sends 0,
+        so every rank joins the same collective."""
         if self.loss_check is None:
             losses = self.losses
             if len(losses) == 1 and losses[0].dim() == 0 and losses[0].dtype == torch.float32 \

@@ -3,9 +3,10 @@
 Kernel choice per device type lives here (:data:`AMAX_KERNELS`), as data, not as control flow in
 the scaler: the sequence of operations is the same on every device.
 
-Nothing here loops over tensors in Python to compute: every pass is one foreach kernel per
-(device, dtype) group, as in ``torch.amp.GradScaler`` (a per-tensor ``isfinite().all()`` loop is
-7-8x slower on CPU).
+Nothing here loops over tensors in Python to compute, with one exception: every pass is one foreach
+kernel per (device, dtype) group, as in ``torch.amp.GradScaler`` (a per-tensor ``isfinite().all()``
+loop is 7-8x slower on CPU), except the CPU's read-only amax pass, one ``aminmax`` per tensor, which
+measured fastest there (:data:`AMAX_KERNELS`).
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def _amax_aminmax(grads: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def _amax_foreach_norm(grads: List[torch.Tensor]) -> List[torch.Tensor]:
-    """max |x| per tensor as ``_foreach_norm(ord=inf)``: one multi-tensor launch per group, whatever
-    the number of tensors. CUDA's kernel takes ``max_propagate_nan(acc, |x|)``
+    """max |x| per tensor as ``_foreach_norm(ord=inf)``: one multi-tensor kernel per group, whatever
+    the number of tensors (on CUDA four launches with its two workspace fills and its cleanup). CUDA's kernel takes ``max_propagate_nan(acc, |x|)``
     (aten/src/ATen/native/cuda/ForeachReduceOp.cu), so a NaN anywhere makes that tensor's value NaN.
     One length-1 view per tensor (no kernel): the caller's ``cat`` stacks them."""
     return [norm.reshape(1) for norm in torch._foreach_norm(grads, math.inf)]
@@ -97,7 +98,7 @@ def _amax_foreach_norm(grads: List[torch.Tensor]) -> List[torch.Tensor]:
 
 #: The read-only max|x| kernel per device type, returning the values as 1-dim pieces to ``cat``.
 #: Measured on CPU (docs/performance.md): ``aminmax`` per tensor is the fastest exact formulation
-#: there, ``_foreach_norm(inf)`` 7-8x slower. On CUDA a launch per tensor costs more than the read
+#: there (0.9-2.4x torch's check kernel), ``_foreach_norm(inf)`` 14-19x torch's kernel. On CUDA a launch per tensor costs more than the read
 #: itself for small tensors, so the multi-tensor kernel is used; ``benchmarks/gpu_check.sh`` measures
 #: it on the first GPU.
 AMAX_KERNELS = {"cpu": _amax_aminmax}

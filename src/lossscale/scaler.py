@@ -19,10 +19,12 @@ Host-device syncs, per iteration (torch pays the same):
 
 * optimizers without amp-scaling support (SGD, Adam(foreach)): one, to decide whether to call
   ``optimizer.step()``, in :meth:`GradScaler.unscale_` (or :meth:`GradScaler.step`) so an overflow is
-  classified before user code (clipping) touches the gradients; on an overflow one more, to classify
-  it (inf or NaN, a bad loss) on the host. The host then knows the iteration's flags and runs the
-  policy's pure rule itself: the update is one host-to-device copy.
-* optimizers with ``_step_supports_amp_scaling`` (``Adam(fused=True)``): none. The optimizer gets
+  classified before user code (clipping) touches the gradients, an overflow included: the decision and
+  the bad-loss flag ride in one read. Whether an overflow was inf or NaN is learned on device and
+  reaches the host's copy by the next sync (``StateKeeper.resolve``). The host then knows the
+  iteration's flags and runs the policy's pure rule itself: the update is one host-to-device copy.
+* optimizers with ``_step_supports_amp_scaling`` (``Adam(fused=True)``): none (except
+  ``SGD(fused=True)`` with momentum, once, on its first step). The optimizer gets
   ``grad_scale``/``found_inf`` tensors and skips on device; the policy's tensor rule runs on device,
   and the stuck check reads a snapshot of the state copied without blocking, at a later update.
 """
@@ -333,8 +335,9 @@ class GradScaler(Readouts, TorchAPI):
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
-        passes over the gradients instead of five: the norm of the scaled gradients (also the inf/NaN
-        check), then one multiply by ``clip_coef / scale``; bitwise torch's two steps for a power-of-two
+        passes over the gradients instead of three (three reads and writes of every gradient instead of
+        five): the norm of the scaled gradients (also the inf/NaN check), then one multiply by
+        ``clip_coef / scale``; bitwise torch's two steps for a power-of-two
         scale while values stay in float32's normal range (``lossscale._clip``). A non-finite norm is
         an overflow: the step is skipped and the gradients are only unscaled.
 
