@@ -4,8 +4,9 @@ In eager mode every decision of a tensor rule is a kernel launch, so three of is
 are out of reach on the fused-optimizer path (fused Adam, launches per clean iteration, torch's 12):
 adaptive 53 and LogMax 61 (budget 28), ``hysteresis=2`` 23 (budget 20). Capturing the rule once in a
 CUDA graph and replaying it would make it one graph launch, plus one copy per input into the graph's
-static buffers. The library does not do that: it cannot be built and verified without a GPU. This
-script is the measurement that decides whether it should, run on the first GPU a session is lent
+static buffers. The library can (``lossscale._device.GraphedCall``, used by ``TensorState.run_rule``),
+but only where the environment sets ``LOSSSCALE_GRAPHED_RULES=1``: no GPU has verified it. This
+script is the measurement that decides whether it should be on, run on the first GPU a session is lent
 (``benchmarks/gpu_check.py`` runs it as its ``graph_rule`` step)::
 
     PYTHONPATH=src python benchmarks/graph_rule.py --out DIR     # a CUDA device: the measurement
@@ -29,12 +30,12 @@ calls need no such help: they are the figures to judge by.
 
 Then ``iteration``: one clean fused-Adam iteration of ``lossscale.GradScaler`` (``tests/_iterations.py``,
 as the budget tests run it), with the scaler's device rule as it is and with the rule replayed from a
-graph, beside torch's ``GradScaler``, counted by the profiler's runtime calls; and the same ten
+graph (the library's switch on), beside torch's ``GradScaler``, counted by the profiler's runtime calls; and the same ten
 iterations (two with a NaN batch) through both scalers must leave the same state and bitwise the same
 weights.
 
-The twin (``--twin``, any device): no CUDA graph; its "replay" copies the inputs into the static buffers
-and calls the rule on them. It checks this script's plumbing (static buffers, states, the agreement
+The twin (``--twin``, any device; ``tests/_fake_cuda.TwinGraphedCall``): no CUDA graph; its "replay"
+copies the inputs into the static buffers and calls the rule on them. It checks this script's plumbing (static buffers, states, the agreement
 loop), not graph replay: its verdicts are not a result. Results: ``graph_rule.json`` under ``--out``.
 """
 
@@ -62,10 +63,11 @@ for _path in (os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")):
 
 import lossscale  # noqa: E402
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy  # noqa: E402
-from lossscale import scaler as _scaler_module  # noqa: E402
+from lossscale import _device  # noqa: E402
 from lossscale._state import TensorState  # noqa: E402
 from lossscale._sync import count_device_work  # noqa: E402
 from lossscale.policy import FLAG_LAYOUT  # noqa: E402
+from _fake_cuda import TwinGraphedCall, twin_graphed_rules  # noqa: E402
 
 def _quietly(make, **kwargs):
     """``make(**kwargs)`` without its warning (a backoff off the powers of two rounds every backoff: wanted here)."""
@@ -94,50 +96,15 @@ RUNTIME_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
 
 
 # ------------------------------------------------------------------------------------ the replays
-class GraphedRule:
-    """``policy.tensor_update(t, flags, amax)`` captured once in a CUDA graph over static input buffers.
-
-    Warmed up on a side stream (torch's recipe: constants and workspaces are made outside the
-    capture), on the live state, which is then restored: capture records and runs nothing, so the
-    state after construction is the state before. A call copies the inputs in and replays the graph.
-    """
-
-    def __init__(self, policy, t: TensorState, flags: torch.Tensor, amax: Optional[torch.Tensor]):
-        self.flags = flags.clone()
-        self.amax = None if amax is None else amax.clone()
-        saved = t.buffer.clone()
-        side = torch.cuda.Stream(t.device)
-        side.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                policy.tensor_update(t, self.flags, self.amax)
-        torch.cuda.current_stream(t.device).wait_stream(side)
-        t.buffer.copy_(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            policy.tensor_update(t, self.flags, self.amax)
-
-    def __call__(self, flags: torch.Tensor, amax: Optional[torch.Tensor]) -> None:
-        self.flags.copy_(flags)
-        if self.amax is not None:
-            self.amax.copy_(amax)
-        self.graph.replay()
+def graphed(policy, t: TensorState, flags: torch.Tensor, amax: Optional[torch.Tensor]):
+    """The library's replay of ``policy``'s rule on ``t`` (``lossscale._device.GraphedCall``, what
+    ``TensorState.run_rule`` builds): a CUDA graph captured over static copies of the inputs."""
+    return _device.GraphedCall(lambda f, a: policy.tensor_update(t, f, a), (flags, amax), t.buffer)
 
 
-class TwinRule:
-    """The CPU twin of :class:`GraphedRule`: the same static buffers, and a "replay" that calls the rule
-    on them. Checks the plumbing around a graph, never a graph."""
-
-    def __init__(self, policy, t: TensorState, flags: torch.Tensor, amax: Optional[torch.Tensor]):
-        self.policy, self.t = policy, t
-        self.flags = flags.clone()
-        self.amax = None if amax is None else amax.clone()
-
-    def __call__(self, flags: torch.Tensor, amax: Optional[torch.Tensor]) -> None:
-        self.flags.copy_(flags)
-        if self.amax is not None:
-            self.amax.copy_(amax)
-        self.policy.tensor_update(self.t, self.flags, self.amax)
+def twin_replay(policy, t: TensorState, flags: torch.Tensor, amax: Optional[torch.Tensor]):
+    """The same through ``tests/_fake_cuda.TwinGraphedCall``: the plumbing, on any device."""
+    return TwinGraphedCall(lambda f, a: policy.tensor_update(t, f, a), (flags, amax), t.buffer)
 
 
 # ------------------------------------------------------------------------------------ the inputs
@@ -181,12 +148,12 @@ def _on(device, flags, amax):
 
 
 # ------------------------------------------------------------------------------------ the measures
-def agreement(policy, replay_type, device: torch.device, n: int, seed: int = 0) -> Dict[str, Any]:
+def agreement(policy, make_replay, device: torch.device, n: int, seed: int = 0) -> Dict[str, Any]:
     """Eager rule on one state, the replay on another, the same ``n`` iterations: equal after each?"""
     start = policy.init_state()
     eager, replayed = TensorState(start, device), TensorState(start, device)
     inputs = [_on(device, f, a) for f, a in random_iterations(policy, n, seed)]
-    replay = replay_type(policy, replayed, *inputs[0])
+    replay = make_replay(policy, replayed, *inputs[0])
     if not torch.equal(eager.buffer, replayed.buffer):
         return {"agree": False, "iterations": 0, "why": "building the replay changed the state"}
     scale, moves = start.scale, 0
@@ -215,12 +182,12 @@ def runtime_calls(tally: Counter):
     tally.update(e.name for e in prof.events() if e.name in RUNTIME_LAUNCHES)
 
 
-def per_update(policy, replay_type, device: torch.device, real_gpu: bool, repeats: int) -> Dict[str, Any]:
+def per_update(policy, make_replay, device: torch.device, real_gpu: bool, repeats: int) -> Dict[str, Any]:
     """Launches and host time of one update, eager and replayed (a clean iteration's inputs)."""
     flags = flag_vector(overflow=False, nan=False, bad_loss=False).to(device)
     amax = torch.tensor(2.0**-3, dtype=torch.float32, device=device) if policy.needs_amax else None
     eager_t, replay_t = TensorState(policy.init_state(), device), TensorState(policy.init_state(), device)
-    replay = replay_type(policy, replay_t, flags, amax)
+    replay = make_replay(policy, replay_t, flags, amax)
     eager = lambda: policy.tensor_update(eager_t, flags, amax)  # noqa: E731
     replayed = lambda: replay(flags, amax)  # noqa: E731
     out: Dict[str, Any] = {}
@@ -254,29 +221,26 @@ def host_time(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 # ------------------------------------------------------------------------------------ the iteration
 @contextlib.contextmanager
-def replayed_device_rule(replay_type):
-    """Within the block, ``GradScaler.update()``'s device rule is replayed from one capture per
-    (policy, state, input shapes); anything else (several optimizers, ``update(new_scale)``) runs as usual."""
-    eager_rule = _scaler_module.device_rule
-    replays: Dict[tuple, Any] = {}
-
-    def device_rule(policy, t, flags, new_scale):
-        if new_scale is not None or len(flags) != 1:
-            return eager_rule(policy, t, flags, new_scale)
-        vector, amax = flags[0].vector(), flags[0].amax
-        key = (id(policy), id(t), tuple(vector.shape), amax is None)
-        if key not in replays:
-            replays[key] = replay_type(policy, t, vector, amax)
-        replays[key](vector, amax)
-
-    _scaler_module.device_rule = device_rule
+def replayed_rules(make_replay):
+    """Within the block, ``GradScaler.update()``'s tensor rule is replayed (``TensorState.run_rule``):
+    on a GPU through the library's switch (``LOSSSCALE_GRAPHED_RULES=1``), in the twin through
+    ``tests/_fake_cuda.twin_graphed_rules``."""
+    if make_replay is twin_replay:
+        with twin_graphed_rules():
+            yield
+        return
+    before = os.environ.get("LOSSSCALE_GRAPHED_RULES")
+    os.environ["LOSSSCALE_GRAPHED_RULES"] = "1"
     try:
-        yield replays
+        yield
     finally:
-        _scaler_module.device_rule = eager_rule
+        if before is None:
+            del os.environ["LOSSSCALE_GRAPHED_RULES"]
+        else:
+            os.environ["LOSSSCALE_GRAPHED_RULES"] = before
 
 
-def iteration_row(kwargs: dict, replay_type, device: torch.device, real_gpu: bool) -> Dict[str, Any]:
+def iteration_row(kwargs: dict, make_replay, device: torch.device, real_gpu: bool) -> Dict[str, Any]:
     """One clean fused-Adam iteration, eager and replayed, beside torch's; and ten iterations (two
     with a NaN batch) through both scalers: the same state, bitwise the same weights."""
     from _iterations import make_iteration
@@ -286,12 +250,12 @@ def iteration_row(kwargs: dict, replay_type, device: torch.device, real_gpu: boo
            "eager": make_iteration("lossscale", "fused_adam", device=str(device), **kwargs),
            "replay": make_iteration("lossscale", "fused_adam", device=str(device), **kwargs)}
     for side, it in its.items():
-        with replayed_device_rule(replay_type) if side == "replay" else contextlib.nullcontext():
+        with replayed_rules(make_replay) if side == "replay" else contextlib.nullcontext():
             for step in range(10):
                 it.run(bad="nan" if step in (3, 7) else None)
             work = it.counted()
             # graph.replay() is no torch operator, so the dispatch counter cannot see it: one launch more.
-            out[f"{side}_counted"] = work.launches + (side == "replay" and replay_type is GraphedRule)
+            out[f"{side}_counted"] = work.launches + (side == "replay" and make_replay is graphed)
             if real_gpu:
                 tally: Counter = Counter()
                 it.counted(watch=lambda: runtime_calls(tally))
@@ -308,7 +272,7 @@ def iteration_row(kwargs: dict, replay_type, device: torch.device, real_gpu: boo
 def run(device: torch.device, twin: bool, quick: bool, out_dir: Optional[str]) -> Dict[str, Any]:
     """Every measurement; returns (and writes, where ``out_dir``) the results."""
     real_gpu = device.type == "cuda" and not twin and torch.cuda.is_available()
-    replay_type = TwinRule if twin else GraphedRule
+    make_replay = twin_replay if twin else graphed
     n, repeats = (60, 40) if quick else (600, 400)
     results: Dict[str, Any] = {
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "device": str(device),
@@ -317,8 +281,8 @@ def run(device: torch.device, twin: bool, quick: bool, out_dir: Optional[str]) -
     start = time.time()
     for name, policy, kwargs in CONFIGS:
         row: Dict[str, Any] = {}
-        for key, fn in (("agree", lambda: agreement(policy, replay_type, device, n)),
-                        ("update", lambda: per_update(policy, replay_type, device, real_gpu, repeats))):
+        for key, fn in (("agree", lambda: agreement(policy, make_replay, device, n)),
+                        ("update", lambda: per_update(policy, make_replay, device, real_gpu, repeats))):
             try:
                 row[key] = fn()
             except Exception as e:  # a failure is a result: the next configuration still runs
@@ -326,7 +290,7 @@ def run(device: torch.device, twin: bool, quick: bool, out_dir: Optional[str]) -
         results["policies"][name] = row
         if kwargs is not None:
             try:
-                results["iterations"][name] = iteration_row(kwargs, replay_type, device, real_gpu)
+                results["iterations"][name] = iteration_row(kwargs, make_replay, device, real_gpu)
             except Exception as e:
                 results["iterations"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     results["meta"]["wall_s"] = round(time.time() - start, 1)

@@ -597,6 +597,48 @@ def fake_cuda() -> Iterator[FakeCuda]:
             setattr(owner, name, value)
 
 
+class TwinGraphedCall:
+    """``lossscale._device.GraphedCall``'s stand-in, for CUDA graphs, which neither the CPU nor this
+    module's device has: the same static input buffers, the same warm-up and restore of the state, and
+    a "replay" that calls ``fn`` on the static buffers, which is what a replay computes. It checks the
+    plumbing around a graph, not capture. Counts its constructions and replays (class attributes)."""
+
+    built = 0
+    replays = 0
+
+    def __init__(self, fn, inputs, keep):
+        type(self).built += 1
+        self.fn = fn
+        self.inputs = [None if x is None else x.clone() for x in inputs]
+        saved = keep.clone()
+        for _ in range(3):
+            fn(*self.inputs)
+        keep.copy_(saved)
+
+    def __call__(self, *inputs):
+        type(self).replays += 1
+        for static, x in zip(self.inputs, inputs):
+            if static is not None:
+                static.copy_(x)
+        self.fn(*self.inputs)
+
+
+@contextmanager
+def twin_graphed_rules():
+    """Tensor rules replayed through :class:`TwinGraphedCall` on any device (``lossscale._device``'s
+    switch turned on, its graph swapped for the twin); the counts start at 0. Yields the class."""
+    from lossscale import _device
+
+    saved = _device.replays_rules, _device.GraphedCall
+    _device.replays_rules = lambda device: not _device.capturing(device)
+    _device.GraphedCall = TwinGraphedCall
+    TwinGraphedCall.built = TwinGraphedCall.replays = 0
+    try:
+        yield TwinGraphedCall
+    finally:
+        _device.replays_rules, _device.GraphedCall = saved
+
+
 @pytest.fixture
 def stand_in_cuda():
     """Fixture: the stand-in CUDA device, active for the test (yields :class:`FakeCuda`)."""

@@ -53,14 +53,13 @@ def test_graph_rule_twin_runs_and_its_agreement_check_can_fail(tmp_path):
     assert all(moved[name] > 0 for name in moved if name != "static")  # the runs moved the scale
     assert all(r["same_state"] and r["same_weights"] and r["skipped"] == 2 for r in results["iterations"].values())
 
-    class Slower(bench.TwinRule):  # replays another backoff: the states part at the first backoff
-        def __init__(self, policy, t, flags, amax):
-            super().__init__(dataclasses.replace(policy, backoff_factor=0.25), t, flags, amax)
+    def slower(policy, t, flags, amax):  # replays another backoff: the states part at the first backoff
+        return bench.twin_replay(dataclasses.replace(policy, backoff_factor=0.25), t, flags, amax)
 
     policy = lossscale.DynamicPolicy(growth_interval=7)
-    broken = bench.agreement(policy, Slower, torch.device("cpu"), 60)
+    broken = bench.agreement(policy, slower, torch.device("cpu"), 60)
     assert broken["agree"] is False and broken["first_difference"] < 60
-    assert bench.agreement(policy, bench.TwinRule, torch.device("cpu"), 60)["agree"] is True
+    assert bench.agreement(policy, bench.twin_replay, torch.device("cpu"), 60)["agree"] is True
 
 
 def test_update_bound_smoke(capsys):

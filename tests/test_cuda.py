@@ -202,3 +202,30 @@ def test_the_first_update_and_a_load_make_no_copy_the_host_waits_for(device):
             with count_device_work() as work:
                 scaler.load_state_dict(sd)
             assert work.syncs == 0, (policy, work.ops)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kwargs", [{"growth_interval": 3}, {"hysteresis": 2, "growth_interval": 3},
+                                    {"policy": "adaptive", "growth_interval": 4}, {"policy": "logmax"}])
+def test_graphed_rules_leave_what_the_eager_rule_leaves(kwargs, monkeypatch):
+    # LOSSSCALE_GRAPHED_RULES=1 (off by default until this passes on a GPU): the tensor rule replayed
+    # from a CUDA graph, against the eager rule, through NaN, inf and clean steps: the same state, bitwise
+    # the same weights, and one capture (tests/test_graphed_rules.py runs the plumbing on CPU).
+    results = []
+    for graphed in (False, True):
+        monkeypatch.setenv("LOSSSCALE_GRAPHED_RULES", "1" if graphed else "0")
+        model = tiny_mlp(0).to(CUDA)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        scaler = lossscale.GradScaler("cuda", **kwargs)
+        for step in range(16):
+            opt.zero_grad(set_to_none=True)
+            _backward(model, scaler, step, bad="nan" if step in (4, 5) else "inf" if step == 9 else None)
+            scaler.step(opt)
+            scaler.update()
+        replay = scaler._s.t._replay
+        assert (replay is not None) == graphed
+        results.append((scaler.state(), [p.detach().clone() for p in model.parameters()]))
+    (eager_state, eager_w), (graph_state, graph_w) = results
+    assert graph_state == eager_state and eager_state.skipped_steps >= 3
+    assert all(torch.equal(a, b) for a, b in zip(eager_w, graph_w))

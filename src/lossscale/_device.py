@@ -14,6 +14,10 @@ The scaler runs the same sequence of operations on every device; only these prim
   tracing (no host reads then, on any device).
 * :func:`reciprocal`: ``1/scale`` as a float32, through float64 as torch does, or directly where a
   device has no float64 (MPS; exact for the power-of-two scales lossscale keeps).
+* :func:`replays_rules` and :class:`GraphedCall`: a policy's tensor rule captured once in a CUDA graph
+  and replayed, one launch where the rule is one per elementwise op. **Off** unless the environment
+  sets ``LOSSSCALE_GRAPHED_RULES=1``, and never on other devices: no GPU has verified it yet
+  (``benchmarks/graph_rule.py`` and ``benchmarks/gpu_check.py`` measure it on the first one).
 
 Supported: CPU (the test bench) and CUDA (the product) run the same code; other accelerators are
 expected to work with the blocking fallback, untested.
@@ -21,9 +25,12 @@ expected to work with the blocking fallback, untested.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["host_buffer", "record_event", "wait", "capturing", "reciprocal", "copy_to_host_", "copy_from_host_"]
+__all__ = ["host_buffer", "record_event", "wait", "capturing", "reciprocal", "copy_to_host_", "copy_from_host_",
+           "replays_rules", "GraphedCall"]
 
 _NO_FLOAT64 = ("mps",)
 
@@ -101,3 +108,44 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     if scale.device.type in _NO_FLOAT64:
         return scale.reciprocal()
     return scale.double().reciprocal().float()
+
+
+def replays_rules(device: torch.device) -> bool:
+    """Whether a tensor rule on ``device`` runs as a :class:`GraphedCall`: CUDA, with
+    ``LOSSSCALE_GRAPHED_RULES=1`` in the environment (read at every call), and no capture or trace in
+    progress (a capture inside a capture is an error; a trace records the rule's operators itself)."""
+    return (device.type == "cuda" and os.environ.get("LOSSSCALE_GRAPHED_RULES") == "1"
+            and not capturing(device))
+
+
+class GraphedCall:
+    """``fn(*inputs)`` captured once in a CUDA graph over copies of ``inputs`` (static buffers); a
+    call copies new inputs in (one launch each) and replays the graph (one launch).
+
+    ``fn`` must depend on its inputs' values only through tensor operations (a policy's tensor rule
+    does: its Python branches read the policy's configuration). Warm-up runs on a side stream, as
+    torch's capture recipe asks (constants and workspaces are made outside the capture); it writes
+    ``keep`` (the state ``fn`` updates), which is restored after it, so building the call leaves
+    ``keep`` as it found it: capture records without running. No host sync after construction.
+    """
+
+    def __init__(self, fn, inputs, keep: torch.Tensor):
+        self.inputs = [None if x is None else x.clone() for x in inputs]
+        saved = keep.clone()
+        here = torch.cuda.current_stream(keep.device)
+        side = torch.cuda.Stream(keep.device)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn(*self.inputs)
+        here.wait_stream(side)
+        keep.copy_(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn(*self.inputs)
+
+    def __call__(self, *inputs) -> None:
+        for static, x in zip(self.inputs, inputs):
+            if static is not None:
+                static.copy_(x)
+        self.graph.replay()

@@ -139,6 +139,7 @@ class TensorState:
         self._decoders = [(f.name, {"bool": bool, "int": int}.get(str(f.type), float))
                           for f in dataclasses.fields(self.state_type)]
         self._constants: Dict[float, torch.Tensor] = {}
+        self._replay = None  # (key, _device.GraphedCall) of the rule last replayed (see run_rule)
         self._staging = _device.host_buffer(self.buffer)  # where a host state is encoded before its copy
         self._staging_bytes = _writable(self._staging)
         self.load_(state)
@@ -155,6 +156,20 @@ class TensorState:
             if first in names and last in names and names.index(first) <= names.index(last):
                 return getattr(self, kind)[names.index(first):names.index(last) + 1]
         raise ValueError(f"{first!r} to {last!r} are not neighbouring fields of one kind in {self.state_type.__name__}.")
+
+    def run_rule(self, policy, flags: torch.Tensor, amax) -> None:
+        """``policy.tensor_update(self, flags, amax)``, replayed from a CUDA graph where
+        :func:`lossscale._device.replays_rules` says so (captured at the first call for this policy
+        configuration and these inputs' shapes and dtypes; one graph kept), else called."""
+        if not _device.replays_rules(self.device):
+            policy.tensor_update(self, flags, amax)
+            return
+        key = (policy, flags.shape, flags.dtype, None if amax is None else (amax.shape, amax.dtype))
+        if self._replay is None or self._replay[0] != key:
+            self._replay = None  # the old graph's memory goes before the new one is captured
+            call = _device.GraphedCall(lambda f, a: policy.tensor_update(self, f, a), (flags, amax), self.buffer)
+            self._replay = (key, call)
+        self._replay[1](flags, amax)
 
     def constant(self, value: float) -> torch.Tensor:
         """``value`` as a float64 0-dim tensor on the state's device, made once: a Python number in a
@@ -192,6 +207,7 @@ class TensorState:
         # Made again where it is unpickled or copied: a view of process memory, and a Struct (which
         # neither pickles nor deep-copies).
         del state["_staging_bytes"], state["_packer"]
+        state["_replay"] = None  # a CUDA graph neither pickles nor copies: captured again at next use
         return state
 
     def __setstate__(self, state):

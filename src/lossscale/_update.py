@@ -54,7 +54,7 @@ def device_rule(policy, t, flags: List[Flags], new_scale) -> None:
     if new_scale is None:
         amaxes = [f.amax for f in flags if f.amax is not None]
         amax = None if not amaxes else amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).max()
-        policy.tensor_update(t, vector, amax)
+        t.run_rule(policy, vector, amax)
         return
     if vector is not None:  # the iteration still happened: count it; torch leaves the trackers alone
         count_tensor(t, vector)
