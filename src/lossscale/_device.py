@@ -141,7 +141,7 @@ class GraphedCall:
         here.wait_stream(side)
         keep.copy_(saved)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=side):  # the warm-up's stream: what it set up is there
             fn(*self.inputs)
 
     def __call__(self, *inputs) -> None:
