@@ -2,7 +2,7 @@
 
 Off unless ``LOSSSCALE_GRAPHED_RULES=1``, and only on CUDA: no GPU has verified it yet
 (``benchmarks/graph_rule.py``, a ``benchmarks/gpu_check.py`` step, measures it on the first one).
-Here a twin stands for the graph: it keeps the same static buffers and runs the same warm-up and
+Here a twin stands for the graph (``tests/_fake_cuda.TwinGraphedCall``): it keeps the same static buffers and runs the same warm-up and
 restore, and its "replay" calls the rule on the static buffers, which is what a replay computes. It
 checks everything around the graph (the cache and its key, the static inputs, the state left as it
 was by the warm-up), not capture itself.
