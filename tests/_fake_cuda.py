@@ -601,7 +601,9 @@ class TwinGraphedCall:
     """``lossscale._device.GraphedCall``'s stand-in, for CUDA graphs, which neither the CPU nor this
     module's device has: the same static input buffers, the same warm-up and restore of the state, and
     a "replay" that calls ``fn`` on the static buffers, which is what a replay computes. It checks the
-    plumbing around a graph, not capture. Counts its constructions and replays (class attributes)."""
+    plumbing around a graph, not capture. Launch counters see a replay as a GPU does: the input copies,
+    then one launch (``fn``'s operators run out of their sight). Counts its constructions and replays
+    (class attributes)."""
 
     built = 0
     replays = 0
@@ -620,7 +622,22 @@ class TwinGraphedCall:
         for static, x in zip(self.inputs, inputs):
             if static is not None:
                 static.copy_(x)
-        self.fn(*self.inputs)
+        with _uncounted():
+            self.fn(*self.inputs)
+        _sync.count_launch("cudaGraphLaunch (twin)")
+
+
+@contextmanager
+def _uncounted():
+    """The launch counters (``lossscale._sync``'s modes on top of the mode stack) set aside for the block;
+    the stand-in device's own modes stay."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    with ExitStack() as stack:
+        while _get_current_dispatch_mode_stack() and isinstance(_get_current_dispatch_mode_stack()[-1],
+                                                                 _sync._CountingMode):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 @contextmanager

@@ -225,6 +225,12 @@ def test_graphed_rules_leave_what_the_eager_rule_leaves(kwargs, monkeypatch):
             scaler.update()
         replay = scaler._s.t._replay
         assert (replay is not None) == graphed
+        opt.zero_grad(set_to_none=True)
+        _backward(model, scaler, 16)
+        with count_device_work() as work:  # the replay reports its launch (no operator shows it)
+            scaler.step(opt)
+            scaler.update()
+        assert ("cudaGraphLaunch" in work.launch_ops) == graphed and work.syncs == 0
         results.append((scaler.state(), [p.detach().clone() for p in model.parameters()]))
     (eager_state, eager_w), (graph_state, graph_w) = results
     assert graph_state == eager_state and eager_state.skipped_steps >= 3

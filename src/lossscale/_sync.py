@@ -51,7 +51,9 @@ telling torch to lift the tensor on the CPU first (what ``FakeTensorMode`` does)
 copy from pageable memory: a sync and an h2d.
 
 What it cannot see: work done inside a single operator's device code beyond the rules above, and
-device calls that are not operators (``torch.cuda.synchronize()``, events).
+device calls that are not operators (``torch.cuda.synchronize()``, events), unless their caller
+reports them: a CUDA graph's replay is one launch (:func:`count_launch`, which
+``lossscale._device.GraphedCall`` calls).
 """
 
 from __future__ import annotations
@@ -61,10 +63,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DeviceWork", "SyncCounter", "classify", "count_device_work", "count_host_syncs"]
+__all__ = ["DeviceWork", "SyncCounter", "classify", "count_device_work", "count_host_syncs", "count_launch"]
 
 _aten = torch.ops.aten
 
@@ -216,6 +218,14 @@ def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device]
     if packet.__name__.startswith("_foreach_"):
         return (_foreach_launches(packet, args), 0, 0, 0)
     return (1 + _MORE.get(packet, 0), 0, 0, 0)
+
+
+def count_launch(what: str) -> None:
+    """Count one launch that no operator shows, such as a CUDA graph's replay, in every counter active
+    now (none: nothing happens)."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, _CountingMode):
+            mode.work._calls.append((what, (1, 0, 0, 0), (1, 0, 0, 0)))
 
 
 def _accelerator(device: torch.device) -> bool:
