@@ -31,13 +31,15 @@ figures to judge by.
 
 Then ``iteration``: one clean fused-Adam iteration of ``lossscale.GradScaler`` (``tests/_iterations.py``,
 as the budget tests run it), with the scaler's device rule as it is and with the rule replayed from a
-graph (the library's switch on), beside torch's ``GradScaler``, counted by the profiler's runtime calls; and the same ten
-iterations (two with a NaN batch) through both scalers must leave the same state and bitwise the same
-weights.
+graph (the library's switch on), beside torch's ``GradScaler``, counted by the profiler's runtime
+calls; and the same ten iterations (two with a NaN batch) through both scalers must leave the same
+state and bitwise the same weights. Every replay here is the library's own: ``TensorState.run_rule``
+with the switch on (:func:`replayed_rules`), as ``GradScaler.update()`` runs it.
 
 The twin (``--twin``, any device; ``tests/_fake_cuda.TwinGraphedCall``): no CUDA graph; its "replay"
-copies the inputs into the static buffers and calls the rule on them. It checks this script's plumbing (static buffers, states, the agreement
-loop), not graph replay: its verdicts are not a result. Results: ``graph_rule.json`` under ``--out``.
+copies the inputs into the static buffers and calls the rule on them. It checks this script's plumbing
+(static buffers, states, the agreement loop), not graph replay: its verdicts are not a result.
+Results: ``graph_rule.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -64,11 +66,10 @@ for _path in (os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")):
 
 import lossscale  # noqa: E402
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy  # noqa: E402
-from lossscale import _device  # noqa: E402
 from lossscale._state import TensorState  # noqa: E402
 from lossscale._sync import count_device_work  # noqa: E402
 from lossscale.policy import FLAG_LAYOUT  # noqa: E402
-from _fake_cuda import TwinGraphedCall, twin_graphed_rules  # noqa: E402
+from _fake_cuda import twin_graphed_rules  # noqa: E402
 
 def _quietly(make, **kwargs):
     """``make(**kwargs)`` without its warning (a backoff off the powers of two rounds every backoff: wanted here)."""
@@ -94,18 +95,6 @@ CONFIGS: List[Tuple[str, Any, Optional[dict]]] = [
 #: The CUDA runtime calls that put work on a stream (the profiler's names for them).
 RUNTIME_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                     "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
-
-
-# ------------------------------------------------------------------------------------ the replays
-def graphed(policy, t: TensorState, flags: torch.Tensor, amax: Optional[torch.Tensor]):
-    """The library's replay of ``policy``'s rule on ``t`` (``lossscale._device.GraphedCall``, what
-    ``TensorState.run_rule`` builds): a CUDA graph captured over static copies of the inputs."""
-    return _device.GraphedCall(lambda f, a: policy.tensor_update(t, f, a), (flags, amax), t.buffer)
-
-
-def twin_replay(policy, t: TensorState, flags: torch.Tensor, amax: Optional[torch.Tensor]):
-    """The same through ``tests/_fake_cuda.TwinGraphedCall``: the plumbing, on any device."""
-    return TwinGraphedCall(lambda f, a: policy.tensor_update(t, f, a), (flags, amax), t.buffer)
 
 
 # ------------------------------------------------------------------------------------ the inputs
@@ -149,18 +138,23 @@ def _on(device, flags, amax):
 
 
 # ------------------------------------------------------------------------------------ the measures
-def agreement(policy, make_replay, device: torch.device, n: int, seed: int = 0) -> Dict[str, Any]:
-    """Eager rule on one state, the replay on another, the same ``n`` iterations: equal after each?"""
+def agreement(policy, twin: bool, device: torch.device, n: int, seed: int = 0,
+              replay_policy=None) -> Dict[str, Any]:
+    """The eager rule on one state, the library's replay (``TensorState.run_rule`` with the switch on,
+    :func:`replayed_rules`) on another, the same ``n`` iterations: equal after each? ``replay_policy``:
+    what the replay runs, when it is not ``policy`` (a check that this loop can fail)."""
+    with replayed_rules(twin):  # the eager side calls the rule itself: the switch does not reach it
+        return _agreement(policy, replay_policy or policy, device, n, seed)
+
+
+def _agreement(policy, replay_policy, device: torch.device, n: int, seed: int) -> Dict[str, Any]:
     start = policy.init_state()
     eager, replayed = TensorState(start, device), TensorState(start, device)
     inputs = [_on(device, f, a) for f, a in random_iterations(policy, n, seed)]
-    replay = make_replay(policy, replayed, *inputs[0])
-    if not torch.equal(eager.buffer, replayed.buffer):
-        return {"agree": False, "iterations": 0, "why": "building the replay changed the state"}
     scale, moves = start.scale, 0
     for i, (flags, amax) in enumerate(inputs):
         policy.tensor_update(eager, flags, amax)
-        replay(flags, amax)
+        replayed.run_rule(replay_policy, flags, amax)  # the first call captures: its warm-up must not show
         if not torch.equal(eager.buffer, replayed.buffer):
             return {"agree": False, "iterations": i + 1, "first_difference": i,
                     "eager": repr(eager.to_state()), "replayed": repr(replayed.to_state())}
@@ -183,14 +177,19 @@ def runtime_calls(tally: Counter):
     tally.update(e.name for e in prof.events() if e.name in RUNTIME_LAUNCHES)
 
 
-def per_update(policy, make_replay, device: torch.device, real_gpu: bool, repeats: int) -> Dict[str, Any]:
+def per_update(policy, twin: bool, device: torch.device, real_gpu: bool, repeats: int) -> Dict[str, Any]:
     """Launches and host time of one update, eager and replayed (a clean iteration's inputs)."""
+    with replayed_rules(twin):
+        return _per_update(policy, device, real_gpu, repeats)
+
+
+def _per_update(policy, device: torch.device, real_gpu: bool, repeats: int) -> Dict[str, Any]:
     flags = flag_vector(overflow=False, nan=False, bad_loss=False).to(device)
     amax = torch.tensor(2.0**-3, dtype=torch.float32, device=device) if policy.needs_amax else None
     eager_t, replay_t = TensorState(policy.init_state(), device), TensorState(policy.init_state(), device)
-    replay = make_replay(policy, replay_t, flags, amax)
     eager = lambda: policy.tensor_update(eager_t, flags, amax)  # noqa: E731
-    replayed = lambda: replay(flags, amax)  # noqa: E731
+    replayed = lambda: replay_t.run_rule(policy, flags, amax)  # noqa: E731
+    replayed()  # the first call captures
     out: Dict[str, Any] = {}
     eager()  # the first call makes the state's constants (TensorState.constant): not counted
     with count_device_work() as work:
@@ -222,11 +221,11 @@ def host_time(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 # ------------------------------------------------------------------------------------ the iteration
 @contextlib.contextmanager
-def replayed_rules(make_replay):
-    """Within the block, ``GradScaler.update()``'s tensor rule is replayed (``TensorState.run_rule``):
-    on a GPU through the library's switch (``LOSSSCALE_GRAPHED_RULES=1``), in the twin through
-    ``tests/_fake_cuda.twin_graphed_rules``."""
-    if make_replay is twin_replay:
+def replayed_rules(twin: bool):
+    """Within the block, tensor rules are replayed (``TensorState.run_rule``, as in
+    ``GradScaler.update()``): on a GPU through the library's switch (``LOSSSCALE_GRAPHED_RULES=1``), in
+    the twin through ``tests/_fake_cuda.twin_graphed_rules``."""
+    if twin:
         with twin_graphed_rules():
             yield
         return
@@ -241,7 +240,7 @@ def replayed_rules(make_replay):
             os.environ["LOSSSCALE_GRAPHED_RULES"] = before
 
 
-def iteration_row(kwargs: dict, make_replay, device: torch.device, real_gpu: bool) -> Dict[str, Any]:
+def iteration_row(kwargs: dict, twin: bool, device: torch.device, real_gpu: bool) -> Dict[str, Any]:
     """One clean fused-Adam iteration, eager and replayed, beside torch's; and ten iterations (two
     with a NaN batch) through both scalers: the same state, bitwise the same weights."""
     from _iterations import make_iteration
@@ -251,7 +250,7 @@ def iteration_row(kwargs: dict, make_replay, device: torch.device, real_gpu: boo
            "eager": make_iteration("lossscale", "fused_adam", device=str(device), **kwargs),
            "replay": make_iteration("lossscale", "fused_adam", device=str(device), **kwargs)}
     for side, it in its.items():
-        with replayed_rules(make_replay) if side == "replay" else contextlib.nullcontext():
+        with replayed_rules(twin) if side == "replay" else contextlib.nullcontext():
             for step in range(10):
                 it.run(bad="nan" if step in (3, 7) else None)
             work = it.counted()  # a replay counts as one launch (GraphedCall reports it to the counter)
@@ -272,7 +271,6 @@ def iteration_row(kwargs: dict, make_replay, device: torch.device, real_gpu: boo
 def run(device: torch.device, twin: bool, quick: bool, out_dir: Optional[str]) -> Dict[str, Any]:
     """Every measurement; returns (and writes, where ``out_dir``) the results."""
     real_gpu = device.type == "cuda" and not twin and torch.cuda.is_available()
-    make_replay = twin_replay if twin else graphed
     n, repeats = (60, 40) if quick else (600, 400)
     results: Dict[str, Any] = {
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "device": str(device),
@@ -281,8 +279,8 @@ def run(device: torch.device, twin: bool, quick: bool, out_dir: Optional[str]) -
     start = time.time()
     for name, policy, kwargs in CONFIGS:
         row: Dict[str, Any] = {}
-        for key, fn in (("agree", lambda: agreement(policy, make_replay, device, n)),
-                        ("update", lambda: per_update(policy, make_replay, device, real_gpu, repeats))):
+        for key, fn in (("agree", lambda: agreement(policy, twin, device, n)),
+                        ("update", lambda: per_update(policy, twin, device, real_gpu, repeats))):
             try:
                 row[key] = fn()
             except Exception as e:  # a failure is a result: the next configuration still runs
@@ -290,7 +288,7 @@ def run(device: torch.device, twin: bool, quick: bool, out_dir: Optional[str]) -
         results["policies"][name] = row
         if kwargs is not None:
             try:
-                results["iterations"][name] = iteration_row(kwargs, make_replay, device, real_gpu)
+                results["iterations"][name] = iteration_row(kwargs, twin, device, real_gpu)
             except Exception as e:
                 results["iterations"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     results["meta"]["wall_s"] = round(time.time() - start, 1)

@@ -53,13 +53,11 @@ def test_graph_rule_twin_runs_and_its_agreement_check_can_fail(tmp_path):
     assert all(moved[name] > 0 for name in moved if name != "static")  # the runs moved the scale
     assert all(r["same_state"] and r["same_weights"] and r["skipped"] == 2 for r in results["iterations"].values())
 
-    def slower(policy, t, flags, amax):  # replays another backoff: the states part at the first backoff
-        return bench.twin_replay(dataclasses.replace(policy, backoff_factor=0.25), t, flags, amax)
-
     policy = lossscale.DynamicPolicy(growth_interval=7)
-    broken = bench.agreement(policy, slower, torch.device("cpu"), 60)
+    slower = dataclasses.replace(policy, backoff_factor=0.25)  # the states part at the first backoff
+    broken = bench.agreement(policy, True, torch.device("cpu"), 60, replay_policy=slower)
     assert broken["agree"] is False and broken["first_difference"] < 60
-    assert bench.agreement(policy, bench.twin_replay, torch.device("cpu"), 60)["agree"] is True
+    assert bench.agreement(policy, True, torch.device("cpu"), 60)["agree"] is True
 
 
 def test_update_bound_smoke(capsys):

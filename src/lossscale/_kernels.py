@@ -90,17 +90,18 @@ def _amax_aminmax(grads: List[torch.Tensor]) -> List[torch.Tensor]:
 
 def _amax_foreach_norm(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     """max |x| per tensor as ``_foreach_norm(ord=inf)``: one multi-tensor kernel per group, whatever
-    the number of tensors (on CUDA four launches with its two workspace fills and its cleanup). CUDA's kernel takes ``max_propagate_nan(acc, |x|)``
-    (aten/src/ATen/native/cuda/ForeachReduceOp.cu), so a NaN anywhere makes that tensor's value NaN.
+    the number of tensors (on CUDA four launches with its two workspace fills and its cleanup). CUDA's
+    kernel takes ``max_propagate_nan(acc, |x|)`` (aten/src/ATen/native/cuda/ForeachReduceOp.cu), so a
+    NaN anywhere makes that tensor's value NaN.
     One length-1 view per tensor (no kernel): the caller's ``cat`` stacks them."""
     return [norm.reshape(1) for norm in torch._foreach_norm(grads, math.inf)]
 
 
 #: The read-only max|x| kernel per device type, returning the values as 1-dim pieces to ``cat``.
 #: Measured on CPU (docs/performance.md): ``aminmax`` per tensor is the fastest exact formulation
-#: there (0.9-2.4x torch's check kernel), ``_foreach_norm(inf)`` 14-19x torch's kernel. On CUDA a launch per tensor costs more than the read
-#: itself for small tensors, so the multi-tensor kernel is used; ``benchmarks/gpu_check.sh`` measures
-#: it on the first GPU.
+#: there (0.9-2.4x torch's check kernel), ``_foreach_norm(inf)`` 14-19x torch's kernel. On CUDA a
+#: launch per tensor costs more than the read itself for small tensors, so the multi-tensor kernel is
+#: used; ``benchmarks/gpu_check.sh`` measures it on the first GPU.
 AMAX_KERNELS = {"cpu": _amax_aminmax}
 DEFAULT_AMAX_KERNEL = _amax_foreach_norm
 
