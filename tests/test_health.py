@@ -8,6 +8,7 @@ calibration-only run, bad batches, persistent NaN and a run stuck at min_scale (
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import pickle
 import random
@@ -512,7 +513,6 @@ def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_t
 @pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
 def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypatch):
     L = pytest.importorskip("lightning")
-    import lightning.pytorch.utilities.rank_zero as rank_zero
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from _integration_models import INIT_SCALE, InfAt, dataset, mlp, read_tensorboard
@@ -533,22 +533,42 @@ def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypat
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
+    # What a user sees: records in Lightning's console log ("lightning.pytorch", which holds Lightning's
+    # own handler), and warnings. Caught there, not by patching the function Lightning prints with.
     said = []
-    monkeypatch.setattr(rank_zero, "rank_zero_info", lambda text: said.append(("info", text)))
-    monkeypatch.setattr(rank_zero, "rank_zero_warn", lambda text: said.append(("warn", text)))
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("lossscale health:"):
+                said.append((record.levelname.lower(), record.getMessage()))
+
+    handler = Said(level=logging.INFO)
+    console = logging.getLogger("lightning.pytorch")
+    console.addHandler(handler)
+    monkeypatch.setattr(console, "level", logging.INFO)
     module, plugin = Module(), MixedPrecision(init_scale=INIT_SCALE)
     InfAt(module.net[2].weight, [INTEGRATION_K])
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=INTEGRATION_STEPS, plugins=[plugin], logger=logger,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         log_every_n_steps=INTEGRATION_STEPS)
-    trainer.fit(module, torch.utils.data.DataLoader(dataset(INTEGRATION_STEPS), batch_size=8))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module, torch.utils.data.DataLoader(dataset(INTEGRATION_STEPS), batch_size=8))
+        finally:
+            console.removeHandler(handler)
     report = plugin.scaler.health()
     assert said == [("info", report.text)] and kinds(report) == {"calibration": 1}
+    assert not [w for w in warned if "lossscale health" in str(w.message)]  # healthy: info, not a warning
     tb = read_tensorboard(logger.log_dir)
     assert tb["scaler/health/calibration"] == [(INTEGRATION_STEPS, 1.0)]
     assert tb["scaler/health/verdict"] == [(INTEGRATION_STEPS, 0.0)]
-    trainer.test(module, torch.utils.data.DataLoader(dataset(2), batch_size=8), verbose=False)
+    console.addHandler(handler)
+    try:
+        trainer.test(module, torch.utils.data.DataLoader(dataset(2), batch_size=8), verbose=False)
+    finally:
+        console.removeHandler(handler)
     assert len(said) == 1  # only the end of a fit
 
 

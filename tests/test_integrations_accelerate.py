@@ -36,7 +36,7 @@ def _scheduler(kind):
 
 
 def _run(scaler_kind, fused, schedule="warmup", steps=range(STEPS), inject=(K,), save=None, load=None,
-         count_syncs=False):
+         count_syncs=False, register=None, load_as_fsdp2=False):
     """One accelerate training script; ``scaler_kind`` "lossscale" (attach) or "torch" (torch's
     GradScaler installed by hand, as accelerate would on CUDA: the reference where it works)."""
     AcceleratorState._reset_state(True)
@@ -52,12 +52,19 @@ def _run(scaler_kind, fused, schedule="warmup", steps=range(STEPS), inject=(K,),
     make_scheduler = _scheduler(schedule)
     sched = make_scheduler(opt)
     model, opt, sched = accelerator.prepare(model, opt, sched)
+    if register is not None:
+        accelerator.register_for_checkpointing(register(accelerator))
+    loaded_state = None
     if load is not None:
-        accelerator.load_state(load)
+        with pytest.MonkeyPatch.context() as patch:
+            if load_as_fsdp2:  # accelerate 1.15 took a separate scaler branch in load_state for FSDP2
+                patch.setattr(Accelerator, "is_fsdp2", property(lambda self: True))
+            accelerator.load_state(load)
+        loaded_state = scaler.state_dict()
     probe = DtypeProbe(model[0])
     InfAt(model[2].weight, inject, start=steps[0])
     out = dict(scales=[], skipped=[], lrs=[], norms=[], syncs=[], scaler=scaler, accelerator=accelerator,
-               opt=opt, make_scheduler=make_scheduler)
+               opt=opt, make_scheduler=make_scheduler, loaded_state=loaded_state)
     for step in steps:
         x, y = batch(step)
         logits = model(x)
@@ -148,22 +155,64 @@ def test_checkpoint_round_trip(tmp_path, fused):
     assert torch_scaler.get_scale() == whole["scales"][12]
 
 
-def test_fsdp2_load_path(tmp_path, monkeypatch):
-    # accelerate's FSDP2 load_state restores the scaler first, then calls torch's private
-    # scaler._lazy_init_scale_growth_tracker(scaler._device) (accelerator.py:3867-3873). Run that
-    # branch for real on CPU by making this accelerator report FSDP2 (nothing else in load_state
-    # reads is_fsdp2; the models and optimizers load as usual).
-    whole = _run("lossscale", fused=False, steps=range(13), save=(12, tmp_path / "ckpt"))
+class DummyStepOnLoad:
+    """A registered checkpoint object whose loading runs torch's distributed-checkpoint dummy step
+    through a prepared optimizer, after accelerate loaded the scaler: what torch's
+    ``set_optimizer_state_dict`` does when accelerate <= 1.15 hands it the prepared optimizer
+    (accelerate #4289), on any accelerate version."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        fresh = self.accelerator.prepare_optimizer(torch.optim.AdamW(mlp().parameters(), lr=LR))
+        _init_optim_state(fresh)  # zero grads, lr 0, fresh.step(): through the scaler, if it lets it
+
+
+@pytest.mark.parametrize("fake_fsdp2", [False, True], ids=["plain", "fsdp2-faked"])
+def test_load_state_restores_the_saved_scaler_bitwise_and_training_continues(tmp_path, fake_fsdp2):
+    # Save at step 12, after the skip at 9 (scale halved, tracker restarted), resume in a fresh
+    # accelerator. fsdp2-faked: the accelerator reports FSDP2 while load_state runs (accelerate 1.15
+    # took its own scaler branch there; nothing else in load_state reads is_fsdp2).
+    whole = _run("lossscale", fused=False, save=(12, tmp_path / "ckpt"))
+    resumed = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "ckpt",
+                   load_as_fsdp2=fake_fsdp2)
+    assert resumed["loaded_state"] == whole["saved_state"]  # every key and value: scale, trackers, counters
+    assert resumed["scales"] == whole["scales"][13:]
+    assert all_equal(resumed["params"], whole["params"])
+
+
+def test_a_checkpoint_loaders_dummy_step_leaves_the_loaded_scaler_alone(tmp_path):
+    # accelerate #4289: torch's loader steps the optimizer once to make its state; through the prepared
+    # optimizer that step ran scaler.step + update, and the restored scale moved (1024 -> 2048 there).
+    # With lossscale it runs the plain optimizer: the scaler holds what was saved, and the run goes on
+    # as if it had never stopped.
+    whole = _run("lossscale", fused=False, save=(12, tmp_path / "ckpt"), register=DummyStepOnLoad)
+    resumed = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "ckpt",
+                   register=DummyStepOnLoad)
+    assert whole["saved_state"]["state"]["growth_tracker"] > 0  # so a dummy update would show
+    assert resumed["loaded_state"] == whole["saved_state"]
+    assert resumed["scales"] == whole["scales"][13:]
+    assert all_equal(resumed["params"], whole["params"])
+
+
+def test_outside_load_state_a_prepared_step_is_a_training_step():
+    # The load-time bypass is scoped to load_state: an ordinary step still goes through the scaler.
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     accelerator = Accelerator(mixed_precision="fp16")
     scaler = ls_accelerate.attach(accelerator, init_scale=INIT_SCALE, **TORCH_LIKE)
     model = mlp()
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
-    monkeypatch.setattr(Accelerator, "is_fsdp2", property(lambda self: True))
-    accelerator.load_state(tmp_path / "ckpt")
-    assert scaler.device == torch.device("cpu")  # started on the accelerator's device
-    assert scaler.state_dict() == whole["saved_state"]
+    x, y = batch(0)
+    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    assert scaler.state().steps == 1
 
 
 def test_unscaling_through_the_wrapper_after_clip_raises():
@@ -253,8 +302,10 @@ def _transformers_attach():
 def test_a_missing_framework_names_the_extra_to_install(monkeypatch, framework, use):
     from lossscale.integrations import lightning
 
-    for name in [m for m in sys.modules if m == framework or m.startswith(framework + ".")]:
-        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    # As if not installed: the framework itself (imported yet or not, so the test does not depend on
+    # which tests ran before it) and any of its submodules already imported.
+    for name in {framework} | {m for m in sys.modules if m.startswith(framework + ".")}:
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(vars(lightning), "MixedPrecision", raising=False)  # built on first use
     with pytest.raises(ModuleNotFoundError, match=rf'needs {framework}.*pip install "lossscale\[integrations\]"'):
         use()

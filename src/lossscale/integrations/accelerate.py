@@ -17,6 +17,12 @@ What it changes in accelerate (1.x; line numbers are accelerate 1.15.0's):
   accelerate infers a skip from whether the inner ``optimizer.step()`` ran (optimizer.py:176-179), and
   a fused optimizer always runs and skips inside its kernel (accelerate issue #4242). Reading the
   flag costs one host sync per step for fused optimizers (none otherwise), paid once.
+* ``accelerator.load_state`` leaves the scaler exactly as saved. Torch's distributed-checkpoint
+  loader makes an optimizer's state with a dummy ``optimizer.step()`` on zero gradients
+  (torch/distributed/checkpoint/state_dict.py, ``_init_optim_state``); accelerate up to 1.15 handed it
+  the prepared optimizer, whose step runs ``scaler.step`` + ``scaler.update`` and so moved the scale
+  it had just restored (accelerate issue #4289: 1024 became 2048). While ``load_state`` runs, a step
+  of a prepared optimizer is the plain optimizer's, as accelerate 1.16 does itself (PR #4290/#4291).
 
 At the end of training, ``log_health(accelerator)`` prints the scaler's run-health account
 (``scaler.health()``: which skips were the scale calibrating, which were bad batches, whether
@@ -97,6 +103,7 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     accelerator.scaler = scaler
     accelerator.native_amp = True
     accelerator.prepare_optimizer = _reporting_prepare_optimizer(accelerator.prepare_optimizer)
+    accelerator.load_state = _scaler_keeping_load_state(accelerator.load_state, scaler)
     return scaler
 
 
@@ -158,6 +165,26 @@ def _reporting_prepare_optimizer(prepare_optimizer):
     return wrapped
 
 
+# Scalers whose accelerator is inside load_state(): a prepared optimizer's step() then is a checkpoint
+# loader's dummy step, not training (see the module docstring). Keyed by id: a scaler need not hash.
+_LOADING: set = set()
+
+
+def _scaler_keeping_load_state(load_state, scaler):
+    """Wrap ``Accelerator.load_state`` so that no step of a prepared optimizer reaches ``scaler`` while
+    it runs (the module docstring says why)."""
+
+    def wrapped(*args: Any, **kwargs: Any):
+        _LOADING.add(id(scaler))
+        try:
+            return load_state(*args, **kwargs)
+        finally:
+            _LOADING.discard(id(scaler))
+
+    wrapped.__doc__ = load_state.__doc__
+    return wrapped
+
+
 def _skip_aware_class():
     """``AcceleratedOptimizer`` whose ``step_was_skipped`` comes from the scaler (built once, lazily)."""
     cls = globals().get(_SKIP_AWARE_NAME)
@@ -173,6 +200,10 @@ def _skip_aware_class():
 
         def step(self, *args: Any, **kwargs: Any):
             """accelerate's step, then ``step_was_skipped`` from the scaler (see the module docstring)."""
+            if id(self.scaler) in _LOADING:
+                # A checkpoint loader's dummy step (zero gradients, lr 0): the plain optimizer's, as
+                # accelerate >= 1.16 hands torch's loader (utils/fsdp_utils.py, _unwrap_optimizer).
+                return self.optimizer.step(*args, **kwargs)
             out = super().step(*args, **kwargs)
             # optimizer.py:176-179 infers a skip from whether the inner step() ran; a fused optimizer
             # always runs and skips in its kernel. The scaler knows (one host sync for fused, cached).
