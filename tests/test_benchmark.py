@@ -70,3 +70,24 @@ def test_update_bound_smoke(capsys):
     s.step(bench.B.NoopOptimizer([torch.nn.Parameter(torch.zeros(1))]))
     s.update()
     assert s.get_scale() == 2.0**17
+
+
+def test_compat_picks_the_ends_of_each_range_and_writes_its_table(tmp_path, monkeypatch):
+    # No venv is made and nothing is downloaded: the release list is given, the doc is a copy.
+    spec = importlib.util.spec_from_file_location("compat", os.path.join(HERE, "..", "benchmarks", "compat.py"))
+    compat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compat)
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    monkeypatch.setattr(compat, "released", lambda name: [Version(v) for v in ("0.9", "1.0.0", "1.4.2", "2.0")])
+    assert compat.ends(Requirement("x>=1.0,<2")) == [Version("1.0.0"), Version("1.4.2")]
+    assert set(compat.frameworks()) >= {"accelerate", "transformers", "lightning"}
+    assert all(name in compat.TESTS for name in compat.frameworks())  # every framework has its tests named
+    doc = tmp_path / "integrations.md"
+    doc.write_text(f"before\n{compat.BEGIN}\nold\n{compat.END}\nafter\n")
+    monkeypatch.setattr(compat, "DOC", str(doc))
+    compat.write_doc(compat.table([("x", Version("1.0.0"), ">=1.0,<2", False, "1 failed, 3 passed")]))
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "| x | 1.0.0 | `>=1.0,<2` | **failed** | 1 failed, 3 passed |" in text
