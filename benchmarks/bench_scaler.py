@@ -28,7 +28,7 @@ Rows (each "lossscale vs torch"):
   scaled gradients) over a memcpy of the gradients (``torch._foreach_copy_``); torch has no
   counterpart. ``(per iteration, every=100)``: the same amortised over the default sampling period.
 
-Host syncs per iteration are counted with ``lossscale._sync.count_host_syncs`` (a dispatch mode).
+Host syncs per iteration are counted with ``_sync.count_host_syncs`` (a dispatch mode).
 Nothing here is asserted: CI runs ``--quick`` only as a smoke test.
 """
 
@@ -49,7 +49,7 @@ import torch
 # Measure the checkout this file lives in, whatever else is installed.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import lossscale  # noqa: E402
-from lossscale._sync import count_host_syncs  # noqa: E402
+from _sync import count_host_syncs  # noqa: E402
 
 SCALE = 2.0**16
 DEVICE = torch.device("cpu")  # --device; the scalers, parameters and gradients live there

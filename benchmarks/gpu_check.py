@@ -10,7 +10,7 @@ Nothing is installed: lossscale is imported from this checkout (``src/``), the i
    pytest is missing, and on the stand-in).
 2. ``paths``: one clean iteration of every path at lossscale's default settings beside torch's
    ``torch.amp.GradScaler`` doing the same (SGD, Adam foreach and fused, clip, hysteresis=2, adaptive, LogMax,
-   telemetry, trace, skip-aware scheduler): launches, syncs and copies from ``lossscale._sync``,
+   telemetry, trace, skip-aware scheduler): launches, syncs and copies from ``_sync``,
    the syncs torch's own detector reports (``torch.cuda.set_sync_debug_mode("warn")``), the
    kernels and copies the profiler saw (a GPU only); and the iteration again under
    ``set_sync_debug_mode("error")`` wherever torch's counterpart makes no sync. Passes when
@@ -61,7 +61,7 @@ for _path in (os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")):
         sys.path.insert(0, _path)
 
 from lossscale import stats  # noqa: E402
-from lossscale._sync import count_host_syncs  # noqa: E402
+from _sync import count_host_syncs  # noqa: E402
 from _iterations import make_iteration  # noqa: E402
 
 BUDGET_S = 450  # the whole run, under gpu_check.sh's 8-minute limit

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 from lossscale._state import TensorState
-from lossscale.policy import FLAG_LAYOUT
 
 #: Every policy the library ships.
 ALL_POLICIES = [DynamicPolicy, StaticPolicy, AdaptivePolicy, LogMaxPolicy]
@@ -42,10 +41,9 @@ backoffs = st.one_of(st.sampled_from([0.5, 0.25, 0.9, 0.7, 0.1]), st.floats(0.01
 
 class TensorForm:
     """A policy's ``tensor_update`` run on CPU tensors, one iteration per :meth:`step`, with the flags
-    as the scaler's check builds them on the fused-optimizer path: ``[1, overflow, nan, bad_loss,
-    scale_overflow, clean]`` laid out as ``FLAG_LAYOUT``, float32 0/1, where overflow includes a non-finite loss and a non-finite amax, and nan a NaN amax
-    (the check derives the flags and the amax from the same read). Where the host knows the flags, the
-    scaler runs the pure rule itself, so the pure rule is the other form.
+    as the scaler's check builds them: bool 0-dim tensors, ``found_inf`` including a non-finite loss and a
+    non-finite amax, ``found_nan`` a NaN amax (the check derives the flags and the amax from the same
+    read). The scaler runs this form on every path; the pure rule is the specification beside it.
     """
 
     def __init__(self, policy, state=None):
@@ -58,11 +56,10 @@ class TensorForm:
         overflow, nan = bool(found_inf) or bool(bad_loss), bool(found_nan)
         if amax is not None and not math.isfinite(amax):
             overflow, nan = True, nan or math.isnan(amax)
-        sources = [1.0, overflow, nan and overflow, bool(bad_loss), overflow and not bad_loss, not overflow]
-        flags = torch.tensor([sources[i] for i in FLAG_LAYOUT], dtype=torch.float32)
+        flag = lambda b: torch.tensor(bool(b))  # noqa: E731
         amax_t = None if amax is None else torch.tensor(amax, dtype=torch.float32)
-        self.policy.tensor_update(self.t, flags, amax_t)
+        self.policy.tensor_update(self.t, flag(overflow), flag(nan and overflow), flag(bad_loss), amax_t)
 
     def to_state(self):
         """The pure state the tensors hold."""
-        return self.t.to_state()
+        return self.t.read()[0]

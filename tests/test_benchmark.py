@@ -43,35 +43,6 @@ def test_bench_host_smoke(capsys):
     assert len(rows) == 2 and all(float(r.split("|")[4]) > 0 for r in rows)  # the ratio column
 
 
-def test_graph_rule_twin_runs_and_its_agreement_check_can_fail(tmp_path):
-    # benchmarks/graph_rule.py waits for a GPU (CUDA graphs); here its twin runs the plumbing, and the
-    # agreement loop must catch a replay that is not the eager rule.
-    bench = _run("graph_rule", ["--twin", "--quick", "--out", str(tmp_path)])
-    results = json.loads((tmp_path / "graph_rule.json").read_text())
-    assert results["ok"] and set(results["policies"]) == {name for name, _, _ in bench.CONFIGS}
-    moved = {name: r["agree"]["events"]["scale moves"] for name, r in results["policies"].items()}
-    assert all(moved[name] > 0 for name in moved if name != "static")  # the runs moved the scale
-    assert all(r["same_state"] and r["same_weights"] and r["skipped"] == 2 for r in results["iterations"].values())
-
-    policy = lossscale.DynamicPolicy(growth_interval=7)
-    slower = dataclasses.replace(policy, backoff_factor=0.25)  # the states part at the first backoff
-    broken = bench.agreement(policy, True, torch.device("cpu"), 60, replay_policy=slower)
-    assert broken["agree"] is False and broken["first_difference"] < 60
-    assert bench.agreement(policy, True, torch.device("cpu"), 60)["agree"] is True
-
-
-def test_update_bound_smoke(capsys):
-    bench = _run("update_bound", ["--sizes", "4000x4", "--runs", "1", "--repeats", "3"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.004M")]
-    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 and float(r.split("|")[4]) > 0 for r in rows)
-    # The parts are put back: update() runs the pure rule again.
-    s = lossscale.GradScaler("cpu", growth_interval=1)
-    s.scale(torch.ones(()))
-    s.step(bench.B.NoopOptimizer([torch.nn.Parameter(torch.zeros(1))]))
-    s.update()
-    assert s.get_scale() == 2.0**17
-
-
 def test_compat_picks_the_ends_of_each_range_and_writes_its_table(tmp_path, monkeypatch):
     # No venv is made and nothing is downloaded: the release list is given, the doc is a copy.
     spec = importlib.util.spec_from_file_location("compat", os.path.join(HERE, "..", "benchmarks", "compat.py"))

@@ -271,28 +271,28 @@ def test_float_new_scale_beyond_float32_is_refused(bad):
     assert scaler.state_dict() == before
 
 
-def test_stuck_check_catches_a_bad_scale_written_from_outside():
+@pytest.mark.parametrize("fused", [False, True], ids=["synced", "fused"])
+def test_stuck_check_catches_a_bad_scale_written_from_outside(fused):
     # update() no longer lets one in, but the scale tensor is reachable (torch's _get_scale_async,
-    # which frameworks use). With flags on device every step is then skipped: the stuck check must
-    # say why, at once. (An inf written there is clamped back to max_scale by the next update.)
+    # which frameworks use). Every step is then skipped: the stuck check must say why, at once.
     scaler = lossscale.GradScaler(init_scale=2.0**8, on_stuck="raise")
-    model = train(scaler, 1, fused=True)
+    model = train(scaler, 1, fused=fused)
     scaler._get_scale_async().fill_(NAN)
     with pytest.raises(RuntimeError, match="scale itself is nan"):
-        train(scaler, 3, model, first=1, fused=True)
+        train(scaler, 3, model, first=1, fused=fused)
     assert finite(model)
 
 
-@pytest.mark.parametrize("bad", [NAN, INF])
-def test_a_bad_scale_written_from_outside_is_overwritten_where_the_host_runs_the_rule(bad):
-    # Where the checks sync, the host holds the state and the next update copies it to the device:
-    # one skipped step (and a backoff), then training goes on.
-    scaler = lossscale.GradScaler(init_scale=2.0**8, on_stuck="raise")
-    model = train(scaler, 1)
-    scaler._get_scale_async().fill_(bad)
-    train(scaler, 1, model, first=1)
-    assert scaler.last_step_skipped and scaler.get_scale() == 2.0**7
-    train(scaler, 2, model, first=2)
+@pytest.mark.parametrize("fused", [False, True], ids=["synced", "fused"])
+def test_an_inf_scale_written_from_outside_skips_one_step_and_is_clamped_to_max_scale(fused):
+    # The rule runs on the device state on every path: an inf backs off to inf, which the bound
+    # clamps to max_scale; the step that ran at inf is skipped, training goes on from there.
+    scaler = lossscale.GradScaler(init_scale=2.0**8, max_scale=2.0**10, on_stuck="raise")
+    model = train(scaler, 1, fused=fused)
+    scaler._get_scale_async().fill_(INF)
+    train(scaler, 1, model, first=1, fused=fused)
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0**10
+    train(scaler, 2, model, first=2, fused=fused)
     assert not scaler.last_step_skipped and finite(model)
 
 

@@ -1,6 +1,6 @@
 """GradScaler.clip_grad_norm_: bitwise torch's unscale_ + clip_grad_norm_, and where that ends.
 
-The contract (lossscale._clip): with a power-of-two scale S, the gradients after clipping, the returned
+The contract (lossscale._check.clip_scaled_): with a power-of-two scale S, the gradients after clipping, the returned
 norm, the parameters and the optimizer state equal torch's two-step recipe bit for bit, as long as no
 value on either path leaves float32's normal range. The planted cases below show both sides of each
 limit, so the condition in the docs is a measured one.
@@ -62,7 +62,7 @@ def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
     scaler = lossscale.GradScaler()
     backward(model, scaler, 0)
     scaler.clip_grad_norm_(opt, 1.0)
-    assert scaler._it.records[id(opt)].stage is lossscale.OptState.UNSCALED
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is lossscale.OptState.UNSCALED
     with pytest.raises(RuntimeError, match="already"):
         scaler.clip_grad_norm_(opt, 1.0)
     with pytest.raises(RuntimeError, match="already been called"):
@@ -282,21 +282,23 @@ def _grads(seed=5):
 def test_a_copy_another_rank_counts_is_left_out_of_the_norm_and_clipped_alike(norm_type):
     # [a, b, copy of a] with the copy not counted, "reduced" by the identity: the norm of [a, b],
     # bit for bit, and all three clipped by its coefficient (one all-reduce would add other ranks).
-    from lossscale import _clip
+    from lossscale._check import clip_scaled_, inverse
 
     a, b = _grads()
     grads = [a.clone(), b.clone(), a.clone()]
     pair = [a.clone(), b.clone()]
     scale = torch.tensor(S)
     seen = []
-    norm, flags, _, _ = _clip.clip_scaled_(grads, scale, 1.0, norm_type, [True, True, False],
-                                           lambda local: seen.append(local) or local)
-    ref_norm, ref_flags, _, _ = _clip.clip_scaled_(pair, scale, 1.0, norm_type)
-    assert len(seen) == 1 and torch.equal(norm, ref_norm) and flags[:4].tolist() == ref_flags[:4].tolist() == [1.0, 0.0, 0.0, 0.0]
+    norm, total, _, _ = clip_scaled_(grads, scale, inverse(scale), 1.0, norm_type, [True, True, False],
+                                     lambda local: seen.append(local) or local)
+    ref_norm, ref_total, _, _ = clip_scaled_(pair, scale, inverse(scale), 1.0, norm_type)
+    assert len(seen) == 1 and torch.equal(norm, ref_norm) and torch.equal(total, ref_total)
+    assert torch.isfinite(total)  # the check: no overflow
     assert torch.equal(grads[0], pair[0]) and torch.equal(grads[1], pair[1]) and torch.equal(grads[2], pair[0])
     # Every tensor counted: the reduction sees this rank's whole norm, the unsharded path's bits.
     again = [a.clone(), b.clone()]
-    assert torch.equal(_clip.clip_scaled_(again, scale, 1.0, norm_type, [True, True], lambda t: t)[0], ref_norm)
+    assert torch.equal(clip_scaled_(again, scale, inverse(scale), 1.0, norm_type, [True, True], lambda t: t)[0],
+                       ref_norm)
     assert all(torch.equal(x, y) for x, y in zip(again, pair))
 
 
@@ -304,13 +306,14 @@ def test_a_copy_another_rank_counts_is_left_out_of_the_norm_and_clipped_alike(no
 def test_a_non_finite_value_in_an_uncounted_copy_still_reaches_the_norm(bad):
     # Copies should agree; one that does not is a fault, and the total says so on every rank (as
     # torch's DTensor norm does), while this rank's flags skip the step.
-    from lossscale import _clip
+    from lossscale._check import clip_scaled_, inverse
 
     a, b = _grads()
     copy = a.clone()
     copy[1, 2] = float(bad)
     grads = [a.clone(), b.clone(), copy]
-    norm, flags, _, _ = _clip.clip_scaled_(grads, torch.tensor(S), 1.0, 2.0, [True, True, False], lambda t: t)
+    scale = torch.tensor(S)
+    norm, total, _, _ = clip_scaled_(grads, scale, inverse(scale), 1.0, 2.0, [True, True, False], lambda t: t)
     assert (math.isnan(norm.item()) if bad == "nan" else math.isinf(norm.item()))
-    assert flags[:4].tolist() == [1.0, 1.0, 1.0 if bad == "nan" else 0.0, 0.0]  # [1, overflow, nan, bad loss]
+    assert math.isnan(total.item()) == (bad == "nan") and not math.isfinite(total.item())  # the check's flags
     assert torch.equal(grads[0], a / S) and torch.equal(grads[1], b / S)  # unscaled, not clipped

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import lossscale
-from lossscale._sync import count_device_work, count_host_syncs
-from _fake_cuda import CUDA_LIKE, on
+from _sync import count_device_work, count_host_syncs
+from _devices import CUDA_LIKE, on
 from _models import TORCH_LIKE, tiny_mlp
 
 DEVICES = [pytest.param("cpu", id="cpu"), *CUDA_LIKE]

@@ -18,7 +18,7 @@ from torch.optim.swa_utils import (SWALR, AveragedModel, get_ema_avg_fn, get_ema
                                    get_swa_multi_avg_fn)
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread

@@ -14,7 +14,7 @@ import lossscale
 from _rules import TensorForm
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 from _models import TORCH_RULE, five_layer_mlp
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.policy import BAD_LOSS_STREAK
 
 

@@ -440,7 +440,7 @@ def test_telemetry_gives_the_flushed_share_and_a_load_restarts_the_account():
 
 
 def test_health_adds_no_sync_to_an_iteration_and_syncs_once_itself():
-    from lossscale._sync import count_host_syncs
+    from _sync import count_host_syncs
 
     model = _model()
     scaler = lossscale.GradScaler(model=model)
@@ -596,15 +596,14 @@ def test_accelerate_log_health_prints_and_logs(capsys, one_thread, fresh_acceler
     assert capsys.readouterr().out.strip() == report.text
 
 
-def test_a_lagging_device_drops_snapshots_and_the_account_still_adds_up():
-    # Events that complete only after 6 queries: the ring of 4 drops snapshots, and those it reads
-    # come late. The counters' deltas still count every skip; health() reads the state now.
-    from lossscale import _observe
-    from test_architecture import LateEvents
+def test_a_lagging_device_drops_snapshots_and_the_account_still_adds_up(monkeypatch):
+    # Snapshots that land 6 updates late: at most 4 are kept in flight, so some are dropped, and
+    # those read come late. The counters' deltas still count every skip; health() reads the state now.
+    from test_architecture import _lagging
 
+    _lagging(monkeypatch, lag=6)
     model = _model()
     scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, on_stuck="ignore")
-    scaler._stuck.observer = _observe.Observer(record_event=LateEvents(lag=6))
     opt = _train(scaler, model, True, 30, inf=(0, 1), bad=(12,))
     r = scaler.health()
     assert (r.verdict, kinds(r), r.steps) == ("healthy", {"calibration": 2, "bad_batch": 1}, 30)

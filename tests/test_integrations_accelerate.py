@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradScalerKwargs
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
 from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, all_equal, batch, lr_reference, mlp,

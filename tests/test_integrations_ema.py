@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
 from lossscale.integrations.lightning import MixedPrecision
 from lossscale.schedulers import is_skip_aware, skip_aware

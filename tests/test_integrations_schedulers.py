@@ -12,7 +12,7 @@ import torch
 from torch.optim import lr_scheduler as lrs
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
 from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, all_equal, batch, lr_reference, mlp, snapshot
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lossscale
-from _fake_cuda import CUDA_LIKE, on
+from _devices import CUDA_LIKE, on
 from _models import (TORCH_LIKE, backward, batch, drive, inject, make_optimizer, params_equal, states_equal, tiny_mlp,
                      twins, two_optimizer_run)
 

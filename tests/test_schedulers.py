@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.schedulers import skip_aware
 
 SKIP_AT = 2

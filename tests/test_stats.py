@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from _rules import f32
 from lossscale import formats, stats
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2
 from lossscale.stats import NUM_BINS, GradStats, grad_stats, recommend_scale
 

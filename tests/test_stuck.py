@@ -71,7 +71,9 @@ def test_the_stuck_message_gives_the_scale_and_parameters_of_an_overflow_at_min_
     assert "The step that tripped this check: inf in the gradients (3.weight) at scale 2^4" in message
 
 
-def test_under_compile_the_stuck_check_warns_once_that_it_is_off_and_check_stuck_runs_it():
+def test_under_compile_the_stuck_check_is_off_silently_and_check_stuck_runs_it():
+    # Nothing reaches the host inside a compiled update, and a warning there would break the graph:
+    # the stuck check is off for compiled updates (their docstrings say so); check_stuck() is the eager point.
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler = lossscale.GradScaler(init_scale=1.0, min_scale=1.0)
@@ -82,13 +84,12 @@ def test_under_compile_the_stuck_check_warns_once_that_it_is_off_and_check_stuck
     def update():
         scaler.update()
 
-    with pytest.warns(RuntimeWarning, match="stuck check .* is off"):
-        update()
-    for _ in range(3):  # an overflow at min_scale, every update compiled: silent, and said once above
-        opt.zero_grad()
-        scaler.scale((p * p).sum()).backward()
-        p.grad[0] = math.inf
-        scaler.step(opt)
+    for step in range(4):  # from the second on, an overflow at min_scale, every update compiled: silent
+        if step:
+            opt.zero_grad()
+            scaler.scale((p * p).sum()).backward()
+            p.grad[0] = math.inf
+            scaler.step(opt)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             update()

@@ -1,6 +1,6 @@
 """Host syncs per iteration, counted with a dispatch mode: lossscale never pays more than torch.
 
-``lossscale._sync.count_host_syncs`` counts ``aten._local_scalar_dense`` (``.item()``, ``bool()``,
+``_sync.count_host_syncs`` counts ``aten._local_scalar_dense`` (``.item()``, ``bool()``,
 ``float()`` on a tensor), device-to-host copies and value-dependent shapes. On CPU these are the
 operations that *would* sync on an accelerator, so the promise is checkable without one.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from _models import TORCH_LIKE, backward, make_optimizer, tiny_mlp
 
 MODES = ["plain", "unscale_", "unscale_+clip", "clip"]

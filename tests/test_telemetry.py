@@ -77,12 +77,10 @@ def test_jsonl_logger_round_trip(tmp_path):
     assert lines[0]["note"] == "inf" and "loss_scale" in lines[0] and "grad/flushed_frac" in lines[-1]
 
 
-def test_metrics_on_the_fused_path_learns_the_state_from_its_one_transfer():
-    """With a fused optimizer only the device knows the state; ``metrics()`` reads it inside the
-    telemetry's one transfer, and the host keeps it: the counters are the pure rule's, and ``state()``
-    afterwards needs no sync. Kills: the riding bytes decoded wrong, dropped, or not kept
-    (``StateKeeper.take``)."""
-    from lossscale._sync import count_host_syncs
+def test_metrics_on_the_fused_path_reads_the_state_in_the_telemetrys_one_transfer():
+    """Only the device knows the state; ``metrics()`` reads it inside the telemetry's one transfer (one
+    sync), and its counters are the pure rule's. Kills: the riding values decoded wrong or dropped."""
+    from _sync import count_host_syncs
 
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.Adam([p], lr=0.0, fused=True)
@@ -95,8 +93,7 @@ def test_metrics_on_the_fused_path_learns_the_state_from_its_one_transfer():
         scaler.step(opt)
         scaler.update()
         expected = policy.update(expected, found_inf=value != 1.0, found_nan=value != value)
-    metrics = scaler.metrics()
     with count_host_syncs() as syncs:
-        state = scaler.state()
-    assert syncs.count == 0 and state == expected
+        metrics = scaler.metrics()
+    assert syncs.count == 1 and scaler.state() == expected
     assert (metrics["steps"], metrics["skipped_steps"], metrics["nan_steps"]) == (6, 2, 1)

@@ -13,7 +13,7 @@ import torch
 
 import lossscale
 from _models import five_layer_mlp
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.trace import Tracer
 
 

@@ -1,43 +1,104 @@
-"""The gradient check: the per-iteration work that ``unscale_``, ``step`` and ``clip_grad_norm_`` share.
+"""The gradient check: one optimizer's gradients gathered, checked for inf/NaN, unscaled or clipped.
 
-For one optimizer it gathers the gradients (with torch's FP16-gradient error made actionable),
-groups them by device and dtype, checks them for inf/NaN (and unscales them, or clips them), measures
-the amax a policy may need, and reduces the flags across ranks in ONE collective (a second one
-only to classify an overflow on the synced path). What it learns is
-a small :class:`Flags` record; the scaler keeps the records of an iteration and hands them to the
-policy in ``update()``.
+What ``unscale_``, ``step`` and ``clip_grad_norm_`` share. Three ways to look at the gradients, each
+one pass over them:
 
-**The flag contract.** Every ``found_inf`` (and ``found_nan``) that leaves this module is a float32
-0-dim tensor holding exactly 0.0 or 1.0, whatever was combined into it: the per-device flags of a
-check, the bad-loss flag (the loss check and the trace's forward flag), and the flags of other ranks.
-Flags are combined with :func:`any_flag` (an elementwise ``maximum``) or a MAX all-reduce, never
-added. Why it matters: torch's fused optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``, CPU and CUDA
-kernels alike) skip only when ``found_inf == 1.0`` and otherwise *step*, subtracting ``found_inf``
-from their step counters; a sum of two flags (2.0) made a "skipped" step write NaN into the weights.
-``tests/test_skip_matrix.py`` holds every torch.optim optimizer to this.
+* **check and unscale** (optimizers without amp-scaling support): torch's fused kernel
+  ``_amp_foreach_non_finite_check_and_unscale_``, one read and write, the same work as torch's scaler.
+  It cannot tell NaN from inf, so on an overflow (which the host knows: it read the decision) one more
+  read pass, :func:`largest_magnitudes`, does. Overflows are rare: a clean iteration pays torch's pass.
+* **read only** (fused optimizers, which unscale themselves, and measuring policies): the largest
+  magnitude of every gradient, NaN where it holds a NaN. One read, nothing written; the overall
+  maximum tells clean, inf and NaN apart and is a measuring policy's ``amax``.
+* **clip** (:func:`clip_scaled_`): the norm of the scaled gradients is the check, then one multiply
+  unscales and clips.
 
-It also refuses to unscale the same gradients twice in one iteration, which an optimizer wrapper
-(Fabric's, accelerate's) over the same parameters would otherwise do silently: torch's scaler keys
-its bookkeeping by optimizer object, so ``unscale_(wrapper)`` after ``unscale_(inner)`` divides by
-the scale twice.
+**The flag contract.** Every ``found_inf`` handed on is a float32 0-dim tensor holding exactly 0.0 or
+1.0: torch's fused optimizers skip only when ``found_inf == 1.0`` and otherwise *step*, subtracting
+``found_inf`` from their step counters, so a sum of two flags (2.0) would write NaN into the weights.
+Flags are combined with ``maximum`` or a MAX all-reduce, never added (``tests/test_skip_matrix.py``).
+
+Across ranks the flags (and a measuring policy's amax) ride in one MAX all-reduce, so every rank
+skips or steps together; the NaN pass after an overflow adds one more, on overflow steps only.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
-from . import _clip, _kernels
-from . import distributed as _distributed
+__all__ = ["Gathered", "Flags", "GradientCheck", "largest_magnitudes", "inverse", "clip_scaled_", "validate_clip"]
 
-__all__ = ["Flags", "Gathered", "GradientCheck"]
+Groups = Dict[torch.device, Dict[torch.dtype, List[torch.Tensor]]]
+
+#: Device types without float64, where the inverse scale takes the float32 route (:func:`inverse`).
+NO_FLOAT64 = {"mps"}
+
+
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``1/scale`` as float32, as torch computes it: in float64, rounded once (bitwise torch's). Where the
+    device has no float64 (:data:`NO_FLOAT64`) in float32, which is the same value for a power of two
+    (its reciprocal is exact in either)."""
+    if scale.device.type in NO_FLOAT64:
+        return scale.reciprocal()
+    return scale.double().reciprocal().float()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of ``t``: a DTensor's local shard (in-place ops on it update the DTensor)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def group_grads(tensors: List[torch.Tensor]) -> Groups:
+    """Split tensors by device and dtype, the unit a foreach kernel accepts."""
+    groups: Groups = {}
+    for t in tensors:
+        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _amax_aminmax(grads: List[torch.Tensor]) -> torch.Tensor:
+    """max|g| per tensor from ``aminmax``, one vectorised read each: ``max(hi, -lo)`` (maximum keeps
+    NaN, and -(-inf) = inf)."""
+    lo, hi = zip(*map(torch.aminmax, grads))
+    return torch.maximum(torch.stack(hi), torch.stack(lo).neg_())
+
+
+def _amax_foreach_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """max|g| per tensor as ``_foreach_norm(ord=inf)``: one multi-tensor kernel whatever the number of
+    tensors (CUDA's takes ``max_propagate_nan``: a NaN anywhere makes that tensor's value NaN)."""
+    return torch.stack(torch._foreach_norm(grads, math.inf))
+
+
+#: The read-only max|g| kernel per device type, chosen by measurement. On CPU ``aminmax`` per tensor is
+#: as fast as torch's check kernel, where ``_foreach_norm(inf)`` takes a slow path at 8x the time (60 ms
+#: against 7 ms for 7.9M values, one thread); elsewhere the multi-tensor kernel, since a launch per
+#: tensor costs more than the read for small tensors. A 2-norm would be one read too, but it overflows
+#: float32 for finite scaled gradients past ~1.8e19: a false overflow torch would not see.
+AMAX_KERNELS = {"cpu": _amax_aminmax}
+
+
+def largest_magnitudes(groups: Groups, device: torch.device):
+    """max|g| of every gradient (NaN where it holds a NaN, inf where it holds an inf and no NaN): one
+    read, nothing written. Returns the per-tensor float32 vectors (one per group, in group order) and
+    their maximum on ``device`` (``max`` keeps NaN: NaN if any gradient held one)."""
+    vectors = []
+    for grad_device, per_dtype in groups.items():
+        kernel = AMAX_KERNELS.get(grad_device.type, _amax_foreach_norm)
+        for grads in per_dtype.values():
+            vectors.append(kernel(grads).float().to(device))
+    if not vectors:
+        return [], torch.zeros((), dtype=torch.float32, device=device)
+    return vectors, torch.cat(vectors).max()
 
 
 @dataclass
 class Gathered:
-    """One optimizer's gradients, as checked: ``grads[i]`` is the tensor checked for ``params[i]``.
+    """One optimizer's gradients as checked: ``grads[i]`` is the tensor checked for ``params[i]``.
 
     ``all_params``: every parameter with a gradient, in the optimizer's order, empty local shards
     included; ``sharded``: whether the parameters are DTensors (FSDP2). Both are the same on every
@@ -52,111 +113,26 @@ class Gathered:
 
 @dataclass
 class Flags:
-    """What one check learned, on the scale's device, reduced across ranks.
+    """What one optimizer's check learned, on the scale's device, reduced across ranks.
 
     Attributes:
-        found_inf: float32 0-dim, 1.0 when some gradient was inf or NaN (torch's found_inf), else 0.0.
-        found_nan: float32 0-dim, 1.0 when NaN was among them, else 0.0.
-        amax: max|g| of the scaled gradients for policies that need it, else None.
-        host_found: the skip decision as a host bool where it was synced, else None (on device).
-        host_nan, host_bad, host_amax: where it was synced, the rest of what the policy reads, on the
-            host (``host_nan`` None: an overflow whose NaN is learned on device, after the decision).
-        bad_loss: 0-dim (bool, or float32 0/1), the loss (or a traced forward output) was non-finite before scaling on
-            some rank; None when the scaler does not check. ``found_inf`` includes it (the step is
-            skipped), and the policy learns from it that the scale was not the cause.
-        params, amax_vectors: the parameters in check order and per-parameter max|g| vectors
-            (NaN/inf where a parameter held one), for ``overflow_report``; empty when not measured.
-        loss_check: the loss check (non-finite where a loss was) not yet folded into ``found_inf`` (one process,
-            synced: the host reads it with the decision; :meth:`fold` makes the device flags on demand).
-        bools: the flag vector (``FLAG_LAYOUT``: entries 1-3 are overflow, nan, bad_loss) as bools, not yet converted: until
-            :meth:`fold` converts it (on demand: where the host reads the decision, nothing may ask),
-            ``found_inf``, ``found_nan``, ``bad_loss`` and ``flag_vector`` are None.
+        found_inf: float32 0-dim, 1.0 when a gradient was inf or NaN or the loss was non-finite
+            before scaling (the step is skipped), else 0.0: what a fused optimizer reads.
+        found_nan: bool 0-dim, a gradient held NaN (False on a clean step of the check+unscale kernel).
+        bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling.
+        amax: max|g| of the scaled gradients (float32 0-dim) for a measuring policy, else None.
+        skipped: the skip decision as a host bool where the check read it, else None (on device).
+        params, amax_vectors: the parameters and their max|g| (NaN/inf where one held it), in the
+            same order, for ``overflow_report``; empty where not measured.
     """
 
     found_inf: torch.Tensor
     found_nan: torch.Tensor
+    bad_loss: torch.Tensor
     amax: Optional[torch.Tensor] = None
-    host_found: Optional[bool] = None
-    bad_loss: Optional[torch.Tensor] = None
-    host_nan: Optional[bool] = False
-    host_bad: bool = False
-    host_amax: Optional[float] = None
-    loss_check: Optional[torch.Tensor] = None
+    skipped: Optional[bool] = None
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
-
-    flag_vector: Optional[torch.Tensor] = None
-    bools: Optional[torch.Tensor] = None
-
-    @classmethod
-    def from_vector(cls, vector: torch.Tensor, amax: Optional[torch.Tensor], **kwargs) -> "Flags":
-        """Flags whose found_inf, found_nan and bad_loss are views of the flag vector (entries 1, 2, 3 of ``FLAG_LAYOUT``)
-        (float32 0/1; bools are kept as they are until :meth:`fold`)."""
-        if vector.dtype == torch.bool:
-            return cls(found_inf=None, found_nan=None, amax=amax, bools=vector, **kwargs)
-        return cls(found_inf=vector[1], found_nan=vector[2], amax=amax, bad_loss=vector[3], flag_vector=vector,
-                   **kwargs)
-
-    def fold(self) -> "Flags":
-        """Make the device flags from what is still kept apart: the bool vector (one conversion), or a
-        loss check (folded into ``found_inf`` and ``bad_loss``). Device ops, no sync; returns self."""
-        if self.bools is not None:
-            vector, self.bools = _kernels.from_bools(self.bools), None
-            self.found_inf, self.found_nan, self.bad_loss, self.flag_vector = vector[1], vector[2], vector[3], vector
-        if self.loss_check is not None:
-            bad = _kernels.bad_loss_flag(self.loss_check)
-            self.found_inf, self.bad_loss, self.loss_check = torch.maximum(self.found_inf, bad), bad, None
-        return self
-
-    def vector(self) -> torch.Tensor:
-        """The flags laid out (:data:`lossscale.policy.FLAG_LAYOUT`) as float32 0/1 on the flags' device: what a tensor rule
-        takes (:func:`lossscale.policy.count_tensor`). ``found_inf`` already includes a bad loss."""
-        self.fold()
-        if self.flag_vector is None:
-            bad = torch.zeros_like(self.found_inf) if self.bad_loss is None else self.bad_loss.to(self.found_inf.dtype)
-            self.flag_vector = _kernels.laid_out([torch.ones_like(self.found_inf), self.found_inf, self.found_nan, bad])
-        return self.flag_vector
-
-    def read(self, needs_amax: bool, nan_known: bool) -> bool:
-        """THE sync of this optimizer's iteration: the skip decision on the host, with what the policy's
-        pure rule needs besides (the bad loss, the amax of a measuring policy, and NaN where it is
-        known already: ``nan_known``) in the same read. Returns the decision.
-
-        One read, as torch's ``.item()``: the 0/1 flags ride in one number, ``overflow + 2 nan + 4
-        bad`` (a bool vector not yet converted is copied as it is; where only the decision is read, a
-        loss check kept apart is added times 0: NaN, a bad loss, or 0), and a measuring policy's amax (>= 0, finite on a clean step) takes its place on a clean step
-        (an overflow's code is then negative). Where NaN is learned only after the decision (torch's
-        check+unscale kernel cannot tell NaN from inf), ``host_nan`` stays None and ``found_nan``
-        goes on to the device (see ``lossscale._state.StateKeeper``): no second sync.
-        """
-        if self.bools is not None:  # [1, overflow, nan, bad, ...]
-            if not needs_amax:  # one read, no kernel
-                _, overflow, nan, bad = _kernels.read_four_bools(self.bools[:4])
-                return self._learn(overflow + 2 * nan + 4 * bad, needs_amax, nan_known)
-            self.fold()  # the float vector, for the dot below
-        if self.flag_vector is not None:  # [1, overflow, nan, bad, ...]: one dot gives the number
-            code = torch.dot(self.flag_vector[1:4], _kernels.bit_weights(self.flag_vector))
-        else:  # torch's check+unscale kernel: the decision alone (its NaN is learned after, on device)
-            code = self.found_inf
-            if self.loss_check is not None:  # + loss * 0: NaN for a bad loss
-                code = torch.addcmul(code, self.loss_check, _kernels.zero_on(code.device))
-            elif self.bad_loss is not None:
-                code = torch.add(code, self.bad_loss.to(code.dtype), alpha=4)
-        if needs_amax:
-            code = torch.where(code > 0, -code, self.amax.to(code.dtype))
-        return self._learn(code.item(), needs_amax, nan_known)
-
-    def _learn(self, value: float, needs_amax: bool, nan_known: bool) -> bool:
-        """Take the number :meth:`read` read apart into the host's flags; returns the decision."""
-        if value != value:  # a bad loss (read() adds the loss check's NaN-or-0 where NaN is not known)
-            self.host_found, self.host_nan, self.host_bad, self.host_amax = True, None, True, None
-            return True
-        bits = int(-value) if needs_amax and value < 0 else 0 if needs_amax else int(value)
-        self.host_found = bool(bits & 5)  # an inf/NaN gradient, or a bad loss
-        self.host_nan = bool(bits & 2) if nan_known else (None if self.host_found else False)
-        self.host_bad = bool(bits & 4)
-        self.host_amax = value if needs_amax and not self.host_found else None
-        return self.host_found
 
 
 class GradientCheck:
@@ -171,43 +147,45 @@ class GradientCheck:
     def __init__(self, name_of: Callable[[torch.Tensor], Optional[str]], process_group: Any):
         self._name_of = name_of
         self.process_group = process_group
-        self._unscaled: Set[int] = set()
 
-    def new_iteration(self) -> None:
-        """Forget which gradients were unscaled (called by ``update()``)."""
-        self._unscaled = set()
+    def group(self):
+        """The process group the flags are reduced over, or None (one process, or no reduction)."""
+        if self.process_group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        from . import distributed
+
+        return distributed.resolve_group(self.process_group)
 
     # ------------------------------------------------------------------------------ gathering
     def gather(self, optimizer, allow_half: bool, coalesce: bool = False) -> Gathered:
-        """The gradients to check (dense tensors, local shards, or coalesced sparse values).
+        """The gradients to check (dense tensors, local shards, or the values of sparse ones).
 
+        ``allow_half``: accept FP16 gradients (else a ValueError that says what to do).
         ``coalesce``: coalesce every sparse gradient (norms need it); FP16 sparse ones are always
         coalesced, like torch, because a sum of duplicate scaled fp16 values may overflow.
         """
         grads, params, half, every = [], [], [], []
         sharded = False
-        fp16 = torch.float16
-        dense = torch.Tensor
         for gi, group in enumerate(optimizer.param_groups):
             for pi, param in enumerate(group["params"]):
                 if not isinstance(param, torch.Tensor):
                     raise ValueError(f"optimizer.param_groups[{gi}]['params'][{pi}] is not a tensor.")
-                grad = param.grad  # read once: a property, and this loop runs per parameter per step
+                grad = param.grad
                 if grad is None:
                     continue
                 every.append(param)
-                if not allow_half and grad.dtype == fp16:
+                if not allow_half and grad.dtype == torch.float16:
                     half.append(self._name_of(param) or f"param_groups[{gi}][{pi}] {tuple(param.shape)}")
                     continue
-                if type(grad) is not dense or grad.is_sparse:  # plain dense gradients are checked as they are
+                if grad.is_sparse:
+                    if (coalesce or grad.dtype == torch.float16) and not grad.is_coalesced():
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                elif type(grad) is not torch.Tensor:
                     sharded = sharded or hasattr(grad, "_local_tensor")  # a DTensor on every rank alike
-                    if coalesce and grad.is_sparse and not grad.is_coalesced():
-                        param.grad = grad.coalesce()
-                    grad = _kernels.grad_to_check(param)
+                    grad = local_tensor(grad)
                 if grad.numel() == 0:
-                    # Nothing to check, and the inf-norm of an empty tensor raises. FSDP2 gives a rank
-                    # an empty local shard when a parameter's dim 0 is smaller than the world size.
-                    continue
+                    continue  # an empty local shard (FSDP2: dim 0 smaller than the world): nothing to check
                 grads.append(grad)
                 params.append(param)
         if half:
@@ -220,10 +198,13 @@ class GradientCheck:
             )
         return Gathered(params, grads, every, sharded)
 
-    def _claim(self, gathered: Gathered) -> None:
-        """Refuse gradients already unscaled this iteration (before anything is rewritten)."""
-        ids = {id(p) for p in gathered.params}
-        again = ids & self._unscaled
+    def claim(self, gathered: Gathered, unscaled: Set[int]) -> None:
+        """Refuse gradients already unscaled this iteration (``unscaled``: their parameters' ids, which
+        this adds to) before anything is rewritten: an optimizer wrapper (Fabric's, accelerate's) and its
+        inner optimizer hold the same parameters, and torch's scaler, which keys by optimizer object,
+        would divide them by the scale twice."""
+        ids = set(map(id, gathered.params))
+        again = ids & unscaled
         if again:
             names = [self._name_of(p) or f"param {tuple(p.shape)}" for p in gathered.params if id(p) in again]
             raise RuntimeError(
@@ -233,145 +214,179 @@ class GradientCheck:
                 "or accelerate's, and its inner optimizer). Dividing by the scale twice would shrink them "
                 "silently; unscale through one of the two objects only."
             )
-        self._unscaled |= ids
-
-    # ------------------------------------------------------------------------------ reduction
-    def reduce(self, found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor] = None,
-               bad_loss: Optional[torch.Tensor] = None):
-        """All-reduce (MAX) the flags, and ``amax``/``bad_loss`` when given, over the group in ONE collective.
-
-        Returns ``(found_inf, found_nan, amax, bad_loss)`` (None where not given). A collective:
-        whether it runs, and with what, depends only on the group, the policy and the scaler's
-        settings, never on local values.
-        """
-        group = _distributed.resolve_group(self.process_group)
-        if group is None:
-            return found_inf, found_nan, amax, bad_loss
-        return _distributed.all_reduce_flags(found_inf, found_nan, amax, group, bad_loss)
-
-    def reduce_vector(self, vector: torch.Tensor, amax: Optional[torch.Tensor]):
-        """:meth:`reduce` for a flag vector (``FLAG_LAYOUT``; 0/1 or bools, MAX keeps
-        it so) and ``amax``: one collective; returns ``(vector, amax)`` (a reduced vector is float32)."""
-        group = _distributed.resolve_group(self.process_group)
-        if group is None:
-            return vector, amax
-        vector = vector.float()  # a MAX of 0/1 floats, which every backend reduces
-        found_inf, found_nan, amax, bad = _distributed.all_reduce_flags(vector[1], vector[2], amax, group, vector[3])
-        # Laid out again from the reduced flags: "overflow and not a bad loss" is not a MAX of the ranks'.
-        return _kernels.laid_out([vector[0], found_inf, found_nan, bad]), amax
-
-    @staticmethod
-    def _with_bad_loss(flags: "Flags", bad_loss: Optional[torch.Tensor]) -> None:
-        """A reduced non-finite loss skips the step: fold it into found_inf (a max: the flag contract
-        above; NaN gradients *and* a NaN loss are still 1.0); keep it as a bool."""
-        if bad_loss is not None:
-            flags.found_inf = torch.maximum(flags.found_inf, bad_loss.to(flags.found_inf.dtype))
-            flags.bad_loss = bad_loss > 0
+        unscaled |= ids
 
     # ------------------------------------------------------------------------------ the checks
-    def check_(self, gathered: Gathered, scale: torch.Tensor, inv_scale: Optional[torch.Tensor], *, sync: bool,
-               needs_amax: bool, bad_loss: Optional[torch.Tensor] = None) -> Flags:
-        """Check (and unscale in place, by ``inv_scale``) the gathered gradients; return the reduced flags.
+    def unscale_(self, gathered: Gathered, inv_scale: torch.Tensor, found_inf: torch.Tensor, unscaled: Set[int]):
+        """torch's fused check+unscale over the gathered gradients, per (device, dtype); returns
+        ``{device: found_inf}``, as torch's ``_unscale_grads_`` (``found_inf`` is the entry on its
+        own device, set to 1.0 where a gradient was inf or NaN). ``unscaled``: see :meth:`claim`."""
+        self.claim(gathered, unscaled)
+        per_device = {}
+        for device, per_dtype in group_grads(gathered.grads).items():
+            flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+            inv = inv_scale.to(device)
+            for grads in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            per_device[device] = flag
+        return per_device
 
-        ``inv_scale``: torch's ``1/scale`` (float32, rounded once from float64), or None: read-only
-        (the fused-optimizer path).
+    def decide(self, per_device: Dict[torch.device, torch.Tensor], device: torch.device, bad_loss: torch.Tensor,
+               sync: bool, amax: Optional[torch.Tensor] = None) -> Flags:
+        """The flags from the check+unscale kernel's ``per_device`` found_inf and the loss check,
+        reduced across ranks; with ``sync``, the skip decision read on the host (THE sync of the
+        iteration, as torch's ``.item()`` in ``step()``). NaN is not known yet: see :meth:`tell_nan`."""
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in per_device.values():
+            found = torch.maximum(found, flag.to(device))
+        found_inf = torch.where(bad_loss, 1.0, found)
+        group = self.group()
+        if group is not None:
+            from . import distributed
 
-        ``bad_loss``: the loss check's float32 0-dim value, NaN where a loss (or a traced forward
-        output) was non-finite before scaling, else 0 (None: not checked); reduced with the others and
-        folded into ``found_inf``.
-
-        ``sync``: decide on the host now (one sync) and, on overflow only, classify inf vs NaN with a
-        second read pass. Without ``sync`` the flags stay on device (read-only amax pass first).
-        """
-        device = scale.device
-        unscale = inv_scale is not None
-        groups = _kernels.group_grads(gathered.grads)
-        params = gathered.params
-        if len(groups) > 1 or any(len(per_dtype) > 1 for per_dtype in groups.values()):
-            # The amax vectors come per (device, dtype) group: line the parameters up with them, or
-            # overflow_report() names the wrong ones when dtypes interleave.
-            owner = {id(g): p for g, p in zip(gathered.grads, gathered.params)}
-            params = [owner[id(g)] for per_dtype in groups.values() for gs in per_dtype.values() for g in gs]
-        if unscale:
-            self._claim(gathered)
-        nan_pending = False
-        if unscale and sync and not needs_amax:
-            # torch's fused check+unscale: one read+write pass. It cannot tell NaN from inf; that is
-            # learned below, on the overflow path only.
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            per_device = _kernels.check_and_unscale_(groups, inv_scale, found)
-            found_inf = any_flag(per_device.values(), device)
-            if _distributed.resolve_group(self.process_group) is None:
-                # One process: the host reads the loss check with the decision (Flags.read); the device
-                # flags with it folded in are made only if something asks for them (Flags.fold).
-                flags = Flags(found_inf=found_inf, found_nan=found_inf, params=params, loss_check=bad_loss)
-            else:
-                flags = Flags(found_inf=None, found_nan=None, params=params)
-                # Every rank must feed the policy the same flags: they ride in one collective.
-                flags.found_inf, flags.found_nan, _, bad = self.reduce(found_inf, found_inf, None,
-                                                                       None if bad_loss is None else _kernels.bad_loss_flag(bad_loss))
-                self._with_bad_loss(flags, bad)
-            nan_pending = True  # found_nan is a placeholder until an overflow is classified below
-        else:
-            # Read-only pass first (the flags, inf vs NaN, the amax, the names), then torch's kernel.
-            vector, amax, amax_vectors = _kernels.read_only_check(groups, device, bad_loss, needs_amax)
-            if unscale:
-                _kernels.check_and_unscale_(groups, inv_scale, torch.zeros((), dtype=torch.float32, device=device))
-            # Every rank must feed the policy the same flags and amax: they ride in one collective.
-            vector, amax = self.reduce_vector(vector, amax)
-            flags = Flags.from_vector(vector, amax, params=params, amax_vectors=amax_vectors)
-        # Decided on reduced values only, so every rank takes the same path to the collective below.
-        if sync and flags.read(needs_amax, nan_known=not nan_pending) and nan_pending:
-            flags.amax_vectors, local = _kernels.amax_per_tensor(groups, device)
-            _, flags.found_nan, _, _ = self.reduce(flags.found_inf, torch.isnan(local).float())
+            found_inf, _, amax, bad = distributed.all_reduce_flags(found_inf, found_inf, amax, group, bad_loss)
+            bad_loss = bad > 0
+        flags = Flags(found_inf, torch.zeros_like(bad_loss), bad_loss, amax)
+        if sync:
+            flags.skipped = bool(found_inf.item())
         return flags
 
-    def clip_unscaled_(self, optimizer, max_norm: float, norm_type: float, norm_group: Any = None) -> torch.Tensor:
-        """A disabled scaler's ``clip_grad_norm_``: torch's clip, or where the gradients are spread over
-        ranks the same reduced norm as when enabled, at scale 1 (exact). Returns the norm."""
-        gathered = self.gather(optimizer, allow_half=True, coalesce=True)
-        reduce_norm, counted = _distributed.norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
-        if reduce_norm is None:
-            return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
-        one = torch.ones((), device=gathered.all_params[0].grad.device if gathered.all_params else "cpu")
-        return _clip.clip_scaled_(gathered.grads, one, max_norm, norm_type, counted, reduce_norm)[0]
+    def tell_nan(self, flags: Flags, gathered: Gathered, device: torch.device) -> None:
+        """After a synced overflow: whether it held NaN, and which gradients were bad (for the report).
+        One more read pass; on overflow steps only, so every rank (the decision was reduced) runs it."""
+        vectors, amax = largest_magnitudes(group_grads(gathered.grads), device)
+        found_nan = torch.isnan(amax)
+        group = self.group()
+        if group is not None:
+            from . import distributed
 
-    def clip_(self, gathered: Gathered, scale: torch.Tensor, inv_scale: torch.Tensor, max_norm: float,
-              norm_type: float, *, sync: bool,
-              needs_amax: bool, bad_loss: Optional[torch.Tensor] = None, norm_group: Any = None):
-        """Unscale and clip by the true norm (``lossscale._clip``); returns ``(true_norm, flags)``.
+            found_nan = distributed.all_reduce_flags(found_nan.float(), found_nan.float(), None, group)[1] > 0
+        flags.found_nan = found_nan
+        flags.params, flags.amax_vectors = _in_group_order(gathered), vectors
 
-        Sharded gradients: the norm is reduced over ``norm_group`` or the DTensors' mesh
-        (``lossscale.distributed.norm_reduction``), one collective before the flags' one.
-        """
-        reduce_norm, counted = _distributed.norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
-        self._claim(gathered)
-        amax = None
-        if needs_amax:
-            # max|g| of the *scaled* gradients, taken before anything below rewrites them.
-            _, amax = _kernels.amax_per_tensor(_kernels.group_grads(gathered.grads), scale.device)
-        true_norm, vector, per_tensor, order = _clip.clip_scaled_(gathered.grads, scale, max_norm, norm_type,
-                                                                  counted, reduce_norm, loss_check=bad_loss,
-                                                                  inv_scale=inv_scale, host_reads=sync)
-        vector, amax = self.reduce_vector(vector, amax)
-        # overflow_report() reads one value per parameter: the per-tensor norm is NaN for a tensor
-        # holding a NaN and inf for one holding an inf, so it serves as an amax vector.
-        flags = Flags.from_vector(vector, amax, params=[gathered.params[i] for i in order],
-                                  amax_vectors=[per_tensor] if order else [])
+    def read_only(self, gathered: Gathered, device: torch.device, bad_loss: torch.Tensor, needs_amax: bool,
+                  sync: bool) -> Flags:
+        """The check without writing, from the gradients' largest magnitudes (one read). With ``sync``
+        the decision is read on the host."""
+        vectors, amax = largest_magnitudes(group_grads(gathered.grads), device)
+        return self.flags_of(amax, bad_loss, amax if needs_amax else None, sync, _in_group_order(gathered), vectors)
+
+    def flags_of(self, worst: torch.Tensor, bad_loss: torch.Tensor, amax: Optional[torch.Tensor], sync: bool,
+                 params: List[torch.Tensor], vectors: List[torch.Tensor]) -> Flags:
+        """The flags from ``worst``, a value that is NaN where a gradient held NaN and inf where one held
+        an inf (the largest magnitude, or a norm), and the loss check; reduced across ranks (one
+        collective, ``amax`` riding along), read on the host with ``sync``."""
+        found_nan = torch.isnan(worst)
+        found_inf = torch.where(torch.isfinite(worst) & ~bad_loss, 0.0, 1.0)
+        group = self.group()
+        if group is not None:
+            from . import distributed
+
+            found_inf, nan, amax, bad = distributed.all_reduce_flags(found_inf, found_nan.float(), amax, group,
+                                                                     bad_loss)
+            found_nan, bad_loss = nan > 0, bad > 0
+        flags = Flags(found_inf, found_nan, bad_loss, amax, params=params, amax_vectors=vectors)
         if sync:
-            flags.read(needs_amax, nan_known=True)
-        return true_norm, flags
+            flags.skipped = bool(found_inf.item())
+        return flags
 
 
-def any_flag(flags, device: torch.device) -> torch.Tensor:
-    """The largest of 0/1 flag tensors, on ``device`` (1.0 when any is set); 0.0 for none. No sync.
+def _in_group_order(gathered: Gathered) -> List[torch.Tensor]:
+    """The parameters in the order :func:`largest_magnitudes` lists their gradients (by device, dtype)."""
+    owner = {id(g): p for g, p in zip(gathered.grads, gathered.params)}
+    return [owner[id(g)] for per_dtype in group_grads(gathered.grads).values() for gs in per_dtype.values() for g in gs]
 
-    A maximum, not a sum: the result stays 0.0 or 1.0, as torch's fused optimizers require.
+
+# ------------------------------------------------------------------------------------------ clip
+# Norm types whose per-tensor kernels (sum |x|, sum x*x then sqrt, max |x|) scale exactly by 2**k.
+_SCALE_EXACT = (1.0, 2.0, math.inf)
+
+
+def validate_clip(max_norm, norm_type) -> float:
+    """Check ``clip_grad_norm_``'s arguments before anything changes; returns ``norm_type`` as a float."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (inf: no clipping, only the norm).")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(
+            f"norm_type={norm_type!r} must be > 0 or inf (2.0 is the usual choice); the 0-'norm' and "
+            "negative orders do not scale with the gradients, so they cannot be taken from scaled ones."
+        )
+    return float(norm_type)
+
+
+def _torch_groups(grads: List[torch.Tensor]):
+    """``(tensors, their indices in grads)`` per (device, dtype), in torch's clip_grad_norm_ order."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    return [(tensors[0], indices) for tensors, indices in
+            _group_tensors_by_device_and_dtype([grads], with_indices=True).values()]
+
+
+def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, inv_scale: torch.Tensor, max_norm: float,
+                 norm_type: float, counted: Optional[List[bool]] = None,
+                 reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    """Unscale and clip the *scaled* ``grads`` in place by their true total norm, in two passes, not three.
+
+    torch's recipe (``unscale_`` then ``clip_grad_norm_``) reads every gradient three times and writes
+    it twice. Here the norm of the scaled gradients is taken first (one read; an inf or NaN anywhere makes
+    it inf or NaN, so it is the check too), and one multiply by ``coef / S`` unscales and clips::
+
+        total    = vector_norm(stack(foreach_norm(g)))          # torch's kernels and grouping
+        true     = total * (1/S)                                # = ||g / S||
+        coef     = clamp(max_norm / (true + 1e-6), max=1)       # torch's expression, verbatim
+        g       <- g * (coef * (1/S))  if true is finite, else  g * (1/S)   (unscale only: inf stays inf)
+
+    With S = 2**k each step is torch's on values scaled by an exact power of two, so the result is
+    bitwise torch's while no value on either path leaves float32's normal range (``tests/test_clip.py``
+    plants values on both sides). The norm of scaled gradients overflows when ``S * ||g||`` passes
+    float32's range (~1.8e19) with every gradient finite: counted as an overflow. Norm types other than 1,
+    2 and inf take ``pow``, which does not commute with scaling, so those are unscaled first (torch's
+    three passes) and only the check is saved.
+
+    Sharded gradients: ``counted``/``reduce_norm`` from ``lossscale.distributed.norm_reduction`` turn
+    the norm of the parts this rank counts into the total (one all-reduce), the same on every rank.
+
+    Returns ``(true_norm, total, per_tensor, order)``: the true norm (a tensor on ``scale``'s device:
+    no sync), the scaled total whose finiteness is the check, the per-tensor norms of the scaled
+    gradients (a NaN or inf one names its tensor) and the index into ``grads`` of each.
     """
-    flags = [_kernels.to_device(f, device) for f in flags]
-    if not flags:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    total = flags[0]
-    for f in flags[1:]:
-        total = torch.maximum(total, f)
-    return total
+    device = scale.device
+    groups = _torch_groups(grads) if grads else []
+    exact = norm_type in _SCALE_EXACT
+    norms, order = [], []
+    for tensors, indices in groups:
+        if not exact:  # unscale first: these norms are torch's only when taken of unscaled values
+            torch._foreach_mul_(tensors, inv_scale.to(tensors[0].device))
+        norms.extend(torch._foreach_norm(tensors, norm_type))
+        order.extend(indices)
+    first = grads[0].device if grads else device  # torch stacks the norms on the first gradient's device
+    moved = [n.to(first) for n in norms]
+    if not norms:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        per_tensor = torch.zeros(0, dtype=torch.float32, device=device)
+    else:
+        stacked = torch.stack(moved)
+        total = torch.linalg.vector_norm(stacked, norm_type)
+        per_tensor = stacked.float().to(device)
+    bad = ~torch.isfinite(total)  # this rank's gradients, copies included
+    if reduce_norm is not None:
+        mine = [n for n, i in zip(moved, order) if counted is None or counted[i]]
+        local = total
+        if len(mine) < len(moved):
+            local = (torch.linalg.vector_norm(torch.stack(mine), norm_type) if mine
+                     else torch.zeros((), dtype=torch.float32, device=first))
+            # A copy counted elsewhere adds nothing, unless it holds inf/NaN: then so does the total.
+            copies = torch.linalg.vector_norm(torch.stack([n for n, i in zip(moved, order) if not counted[i]]),
+                                              norm_type)
+            local = local + torch.where(torch.isfinite(copies), 0.0, copies)
+        total = reduce_norm(local.to(device))
+        bad = bad.to(device) | ~torch.isfinite(total)
+    inv = inv_scale.to(total.device) if exact else torch.ones_like(inv_scale, device=total.device)
+    true_norm = total * inv  # exact: ||g|| / S == ||g / S|| for S = 2**k
+    clip_coef = max_norm / (true_norm + 1e-6)
+    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    # On overflow the multiplier is 1/S alone (fmax passes over the NaN or 0 coefficient of a bad norm).
+    multiplier = torch.fmax(clip_coef_clamped, bad.to(clip_coef_clamped.dtype)) * inv
+    for tensors, _ in groups:
+        torch._foreach_mul_(tensors, multiplier.to(tensors[0].device))
+    return true_norm.to(device), total.to(device), per_tensor, order

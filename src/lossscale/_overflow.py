@@ -1,8 +1,7 @@
 """Why a step was skipped: the first-cause report (``GradScaler.overflow_report``) from one iteration's evidence.
 
 The scaler keeps, for every iteration that may have been skipped, what the report needs as device
-tensors (no sync while training): the loss check's value, the losses, the trace's snapshot, the
-per-parameter amax vectors and the scale the step ran with. :func:`report` reads them (it syncs),
+tensors (no sync while training): the losses, the trace's snapshot and the per-parameter amax vectors. :func:`report` reads them (it syncs),
 names what held inf and NaN, and says in one line whether the scale or the model and data were the
 cause.
 """
@@ -14,9 +13,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import _kernels, formats
+from . import formats
 
-__all__ = ["NOT_SKIPPED", "keep_evidence", "report", "explain", "names_of"]
+__all__ = ["NOT_SKIPPED", "report", "explain", "names_of"]
 
 #: The report of a step that was not skipped.
 NOT_SKIPPED = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
@@ -35,14 +34,6 @@ def names_of(values: List[float], params: List[torch.Tensor], name_of: Callable)
     return {"inf": inf, "nan": nan}
 
 
-def keep_evidence(iteration, flags, trace, scale: Optional[float]) -> Dict[str, Any]:
-    """What the report of a possibly skipped iteration needs, kept on device (no sync): the loss check
-    and the losses (``iteration``: :class:`lossscale._iteration.Iteration`), the per-parameter amax
-    vectors of its checks (``flags``), the trace's snapshot, the scale where the host knows it."""
-    return dict(loss_bad=iteration.loss_check, losses=iteration.losses, scale=scale, trace=trace,
-                source=[(f.params, f.amax_vectors) for f in flags if f.amax_vectors])
-
-
 def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[float]) -> Dict[str, Any]:
     """The report dict (see ``GradScaler.overflow_report``) from one iteration's ``evidence``; ``scale``:
     the scale the step ran with where the evidence does not hold it. Syncs host and device."""
@@ -51,9 +42,9 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
         values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
         for key, names in names_of(values, params, name_of).items():
             out[key].extend(names)
-    loss_check = evidence.get("loss_bad")
-    if loss_check is not None and bool(_kernels.bad_loss_flag(loss_check).item()):
-        out["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in evidence["losses"]) else "inf"
+    losses = evidence.get("losses") or []  # the losses alone (bad_loss also holds the trace's forward flag)
+    if any(not bool(torch.isfinite(x).all()) for x in losses):
+        out["loss"] = "nan" if any(bool(torch.isnan(x).any()) for x in losses) else "inf"
     if evidence.get("trace") is not None and tracer is not None:
         out.update(tracer.names_of(evidence["trace"]))
     out["scale"] = evidence["scale"] if evidence.get("scale") is not None else scale

@@ -91,10 +91,9 @@ from typing import Optional, Tuple
 
 from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
-from .diagnosis import stuck_at_bound_or_streak
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import (CLEAN, SCALE_OVERFLOW, SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count,
-                     count_tensor, exact_pow2, f32, register)
+from .policy import (SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, exact_pow2, f32,
+                     register, stuck_at_bound_or_streak)
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 
@@ -278,21 +277,20 @@ class AdaptivePolicy(PolicyBase):
             growth, window, hyst = 0, NO_AMAX, self.hysteresis
         return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst, window_exp=window)
 
-    def tensor_update(self, t, flags, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, bad_loss, amax=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync.
 
-        ``flags`` as for :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite
+        Flags as for :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite
         ``amax`` as an overflow (the scaler's check derives both from the same read). ``amax``: float32
         0-dim tensor, the max |g| of the scaled gradients, or None when not measured. A bad loss is
         neither an overflow the scale answers nor a clean step, so no line below moves anything on one.
         """
-        torch = _torch()
-        count_tensor(t, flags)
-        yes = flags > 0  # every flag as a bool (views below)
-        overflow, clean = yes[SCALE_OVERFLOW], yes[CLEAN]
+        import torch  # here, not at the top: the policies import without torch
+        count_tensor(t, found_inf, found_nan, bad_loss)
+        overflow, clean = found_inf & ~bad_loss, ~found_inf
         calibrated = t.calibrated > 0
         if amax is None:  # nothing measured: only the overflows teach anything
-            amax = torch.zeros_like(flags[0])
+            amax = torch.zeros((), dtype=torch.float32, device=t.scale.device)
             measured = zero = torch.zeros_like(clean)
         else:
             measured, zero = clean & (amax > 0), clean & (amax == 0)
@@ -317,7 +315,7 @@ class AdaptivePolicy(PolicyBase):
         # After calibration an overflow backs off instead, as the dynamic policy's (hysteresis.py).
         answered = overflow & calibrated
         back_off = backs_off_tensor(t.hysteresis_tracker, answered)
-        factor = torch.where(back_off, t.constant(self.backoff_factor), exact_pow2(move))
+        factor = torch.where(back_off, self.backoff_factor, exact_pow2(move))
         torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32
         t.scale.clamp_(*self.bounds())
         track_tensor_(t.hysteresis_tracker, answered, window_step if self.consecutive_hysteresis else window_end,

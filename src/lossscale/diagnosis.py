@@ -1,4 +1,4 @@
-"""When training is stuck, and what to tell the user: the policies' shared ``is_stuck`` and the diagnosis.
+"""What to tell the user when training is stuck (the policies' ``is_stuck`` says when: ``lossscale.policy``).
 
 Pure Python: the diagnosis is built from the counters alone, no tensors needed.
 """
@@ -6,33 +6,14 @@ Pure Python: the diagnosis is built from the counters alone, no tensors needed.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
-from .policy import BAD_LOSS_STREAK, ScaleState, f32
+from .policy import ScaleState
 
-__all__ = ["stuck_at_bound_or_streak", "diagnose"]
+__all__ = ["diagnose"]
 
 #: A line of every diagnosis: where the whole run's account is.
 HEALTH_POINTER = ("scaler.health() tells the run's skips apart (the scale calibrating, overflows, bad batches, "
                   "persistent NaN) and says whether training is healthy now.")
-
-
-def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:
-    """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak.
-
-    A streak made only of non-finite losses is stuck after ``max_consecutive_skips`` (or
-    :data:`BAD_LOSS_STREAK`) steps: the scale is not theirs to answer, so the floor does not apply.
-    """
-    if state.overflow_streak == 0:
-        return False
-    if not (math.isfinite(state.scale) and state.scale > 0):
-        return True  # a scale of NaN, inf or 0 that the update kept skips every step from now on
-    if state.streak_bad_loss_steps == state.overflow_streak:
-        limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
-        return state.overflow_streak >= limit
-    at_min = lowest is not None and scale_before <= f32(lowest)
-    too_long = policy.max_consecutive_skips is not None and state.overflow_streak >= policy.max_consecutive_skips
-    return at_min or too_long
 
 
 def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:

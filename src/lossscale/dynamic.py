@@ -54,10 +54,9 @@ from ._validate import (
     validate_stuck,
     warn_not_powers_of_two,
 )
-from .diagnosis import stuck_at_bound_or_streak
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import (BAD_LOSS, CLEAN, I32, SCALE_OVERFLOW, SMALLEST_SCALE, PolicyBase, ScaleState, _torch, count,
-                     count_tensor, f32, register)
+from .policy import (I32, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, f32, register,
+                     stuck_at_bound_or_streak)
 
 __all__ = ["DynamicPolicy", "DynamicState"]
 
@@ -165,47 +164,40 @@ class DynamicPolicy(PolicyBase):
             growth, hyst = 0, self.hysteresis
         return counted.replace(scale=scale, growth_tracker=growth, hysteresis_tracker=hyst)
 
-    def tensor_update(self, t, flags, amax=None) -> None:
-        """:meth:`update` on device tensors, in place, with no host sync (the fused-optimizer path).
-
-        ``flags``: float32 0/1 in :data:`~lossscale.policy.FLAG_LAYOUT` (``BAD_LOSS``: a non-finite
-        loss; ``SCALE_OVERFLOW``: an overflow not from a bad loss; ``CLEAN``: no overflow).
+    def tensor_update(self, t, found_inf, found_nan, bad_loss, amax=None) -> None:
+        """:meth:`update` on device tensors, in place, with no host sync. The flags are bool 0-dim
+        tensors (``found_inf`` includes ``bad_loss``); ``amax`` is not used.
 
         The plan: torch's own update kernel applies the rule as if ``hysteresis=1`` (so the scale's
         arithmetic is bitwise torch's whatever the hysteresis), then one clamp floors a backoff, undoes
         one that the tolerance absorbed, and caps a growth. The kernel grows when ``tracker + 1 ==
         growth_interval``; the state never holds a tracker at or past the interval, so that is the pure
-        rule's ``>=``. Like
-        every way of setting the scale (``init_scale``, ``update(new_scale)``, ``load_state_dict``),
-        the rule keeps ``lowest() <= scale <= max_scale`` and relies on it: on such a scale the floor
-        can only act on an overflow (``lowest()`` on a backoff, the scale before where tolerance is left)
-        and the cap only on a growth, so both are one clamp. Four kernels
-        with ``hysteresis=1``, ten with more (nine with ``consecutive_hysteresis``), the counters'
-        three apart.
+        rule's ``>=``. Every way of setting the scale keeps ``lowest() <= scale <= max_scale``, so the
+        floor can only act on an overflow and the cap only on a growth: both are one clamp.
         """
-        torch = _torch()
-        count_tensor(t, flags)  # also writes t.scale_before: the scale this iteration ran with
-        yes = flags > 0  # every flag as a bool (views below)
-        found_inf = flags[SCALE_OVERFLOW]  # float 0/1, as torch's kernel takes it
-        floor, cap = self.lowest(), None if self.max_scale is None else f32(self.max_scale)
+        import torch  # here, not at the top: the policies import without torch
+        count_tensor(t, found_inf, found_nan, bad_loss)
+        overflow = found_inf & ~bad_loss  # the overflow the scale answers (a bad loss is not the scale's)
+        # The bounds as Python floats: clamp compares a float32 tensor with them and stores a float32, so
+        # they act as their float32 roundings do in the pure rule (lowest(), f32(max_scale)).
+        floor = SMALLEST_SCALE if self.min_scale is None else self.min_scale
         if self.hysteresis > 1:
             # An overflow with tolerance left keeps the scale: the kernel below backs off on every
-            # overflow, and the clamp then lifts the scale back to the one this iteration ran with.
-            floor = torch.where(backs_off_tensor(t.hysteresis_tracker, yes[SCALE_OVERFLOW]),
-                                t.constant(floor), t.scale_before)
-            # Both bounds tensors: clamp_(tensor, number) would read the tensor on the host (a sync).
-            cap = None if cap is None else t.constant(cap)
+            # overflow, and the floor then lifts the scale back to the one this iteration ran with.
+            floor = torch.where(backs_off_tensor(t.hysteresis_tracker, overflow), floor, t.scale_before)
         # A bad loss must leave the scale and the tracker alone: the kernel sees no overflow, and the
         # tracker steps back first, so the kernel's + 1 lands where it was (and cannot reach the interval).
-        # add_(alpha=-1): torch refuses to subtract a bool tensor, not to add one with a negative weight.
-        t.growth_tracker.add_(yes[BAD_LOSS], alpha=-1)
-        torch._amp_update_scale_(t.scale, t.growth_tracker, found_inf, self.growth_factor, self.backoff_factor,
-                                 self.growth_interval)  # refuses a non-finite growth, as the pure rule
-        t.scale.clamp_(floor, cap)
+        t.growth_tracker.sub_(bad_loss.int())
+        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow.float(), self.growth_factor,
+                                 self.backoff_factor, self.growth_interval)  # refuses a non-finite growth
+        t.scale.clamp_(min=floor)
+        if self.max_scale is not None:
+            t.scale.clamp_(max=self.max_scale)
         if self.hysteresis > 1:
             # A clean step whose growth check ran (the tracker back at 0: a growth, or a refused one).
-            refill = yes[CLEAN] if self.consecutive_hysteresis else t.growth_tracker < yes[CLEAN]
-            track_tensor_(t.hysteresis_tracker, yes[SCALE_OVERFLOW], refill, self.hysteresis)
+            clean = ~found_inf
+            refill = clean if self.consecutive_hysteresis else clean & (t.growth_tracker == 0)
+            track_tensor_(t.hysteresis_tracker, overflow, refill, self.hysteresis)
 
     def is_stuck(self, state: DynamicState, scale_before: float) -> bool:
         """True when the update that produced ``state`` was an overflow the scale could not answer.

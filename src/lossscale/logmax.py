@@ -53,9 +53,8 @@ from typing import Optional
 
 from . import formats
 from ._validate import validate_stuck
-from .diagnosis import stuck_at_bound_or_streak
-from .policy import (BAD_LOSS, F64, SCALE_OVERFLOW, PolicyBase, ScaleState, _torch, count, count_tensor, exact_pow2,
-                     f32, is_power_of_two, register)
+from .policy import (F64, PolicyBase, ScaleState, count, count_tensor, exact_pow2, f32, is_power_of_two,
+                     register, stuck_at_bound_or_streak)
 
 __all__ = ["LogMaxPolicy", "LogMaxState"]
 
@@ -189,32 +188,31 @@ class LogMaxPolicy(PolicyBase):
         return counted.replace(scale=math.ldexp(1.0, k), x_hat=x_hat, slow_x_hat=slow, xsquared_hat=xsq,
                                b1_correction=b1c, b2_correction=b2c)
 
-    def tensor_update(self, t, flags, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, bad_loss, amax=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync (float64 arithmetic in
-        the pure rule's order, so the two agree bitwise). ``flags`` as for
+        the pure rule's order, so the two agree bitwise). Flags as for
         :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite ``amax`` as an
         overflow (the scaler's check derives both from the same read)."""
-        torch = _torch()
-        count_tensor(t, flags)
-        found_inf = flags[SCALE_OVERFLOW] > 0  # a bad loss's overflow learns nothing (see learn)
+        import torch  # here, not at the top: the policies import without torch
+        count_tensor(t, found_inf, found_nan, bad_loss)
+        overflow = found_inf & ~bad_loss  # a bad loss's overflow learns nothing (see learn)
         if amax is None:  # not measured: only an overflow carries information
-            amax = torch.full_like(flags[0], math.nan)
-            learn = found_inf
+            amax = torch.full((), math.nan, dtype=torch.float32, device=t.scale.device)
+            learn = overflow
         else:
-            learn = flags[BAD_LOSS] == 0  # a non-finite loss: counted, nothing learned
+            learn = ~bad_loss  # a non-finite loss: counted, nothing learned
         log2_scale = torch.frexp(t.scale)[1] - 1  # int32; exact in the float64 subtraction below
         log2_amax = torch.floor(torch.log2(amax.to(torch.float64)) * GRID) / GRID
-        # In place on that fresh tensor (out of place, each fill would be a copy too); the overflow
-        # last, as found_inf is tested first.
-        log2_amax.masked_fill_(amax == 0, float(self.flush_exp)).masked_fill_(found_inf, float(self.limit_exp))
+        # In place on that fresh tensor; the overflow last, as found_inf is tested first.
+        log2_amax.masked_fill_(amax == 0, float(self.flush_exp)).masked_fill_(overflow, float(self.limit_exp))
         x_hat, slow, xsq, b1c, b2c, mu, var = self._averages(t, log2_amax - log2_scale)
         sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)
-        scale = exact_pow2(k).float()
-        averages = t.span("x_hat", "b2_correction")  # the five float64 fields, side by side
-        torch.where(learn, torch.stack([x_hat, slow, xsq, b1c, b2c]), averages, out=averages)
-        torch.where(learn, scale, t.scale, out=t.scale)
+        for name, value in (("x_hat", x_hat), ("slow_x_hat", slow), ("xsquared_hat", xsq), ("b1_correction", b1c),
+                            ("b2_correction", b2c), ("scale", exact_pow2(k).float())):
+            field = getattr(t, name)
+            torch.where(learn, value, field, out=field)
 
     def is_stuck(self, state: LogMaxState, scale_before: float) -> bool:
         """An overflow at ``min_scale``, or a streak of ``max_consecutive_skips``."""

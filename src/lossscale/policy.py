@@ -1,8 +1,8 @@
 """What every loss-scale policy shares: the protocol, the common state, the bookkeeping, the registry.
 
 This module imports no torch, and neither does any policy module (``dynamic``, ``static``,
-``adaptive``, ``logmax``) nor ``hysteresis``: a tensor rule imports torch inside the function, when the scaler calls
-it. So the rules can be read, run and tested with plain Python values::
+``adaptive``, ``logmax``) nor ``hysteresis``: a tensor rule imports torch inside the function, when the
+scaler calls it. So the rules can be read, run and tested with plain Python values::
 
     state = policy.init_state()
     state = policy.update(state, found_inf=..., found_nan=..., amax=...)
@@ -11,16 +11,10 @@ A policy is one file holding, side by side (jmp's shape, plus the device form):
 
 * its frozen config (a dataclass; validation in ``__post_init__``);
 * its own immutable state type, a subclass of :class:`ScaleState`;
-* ``update``: the readable pure rule, the specification. Where the host knows an iteration's flags
-  (the optimizers without amp-scaling support: the check synced to decide the step), the scaler runs
-  this rule itself and copies the result to the device;
-* ``tensor_update``: the same rule as plain tensor ops on the state's device tensors, in place, with
-  no host sync, for the fused optimizers (whose flags stay on device) and CUDA graphs. A hypothesis
-  test drives both forms with the same random sequences and requires bitwise agreement.
-
-What the scaler needs from a policy is :class:`Policy` (the protocol, with defaults in
-:class:`PolicyBase`). A policy registers itself under a name with :func:`register`, so
-``GradScaler(policy="name")`` and checkpoints find it; nothing else in lossscale lists policies.
+* ``update``: the readable pure rule, the specification, and a public API that needs no torch;
+* ``tensor_update``: the same rule in plain torch ops on the state's device tensors, in place, with no
+  host sync. It is what :class:`lossscale.GradScaler` runs, on every path. A hypothesis test drives both
+  forms with the same random sequences and requires bitwise agreement.
 
 The bookkeeping every policy shares (:func:`count`, and :func:`count_tensor` on device)::
 
@@ -52,25 +46,20 @@ from .formats import f32, is_power_of_two
 
 __all__ = [
     "ScaleState", "Policy", "PolicyBase", "register", "policy_class", "policy_names", "policy_types",
-    "count", "count_tensor", "exact_pow2", "FLAG_LAYOUT", "OVERFLOW", "NAN", "BAD_LOSS", "SCALE_OVERFLOW",
-    "CLEAN", "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK",
+    "count", "count_tensor", "exact_pow2", "stuck_at_bound_or_streak", "field_kind", "F64", "I32", "SIGNED",
+    "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK",
 ]
 
 #: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
 BAD_LOSS_STREAK = 10
 
 
-def _torch():
-    """torch, imported when a tensor rule runs (never at import: the policies are pure Python)."""
-    import torch
-
-    return torch
-
-
 def exact_pow2(k):
     """``2.0 ** k`` for an int64 tensor ``k`` with |k| <= 1022, as float64: built from its bit pattern, so
     exact (a tensor rule's scale moves by whole binades and must land where ``math.ldexp`` does)."""
-    return ((k + 1023) << 52).view(_torch().float64)
+    import torch  # here, not at the top: the policies import without torch
+
+    return ((k + 1023) << 52).view(torch.float64)
 
 
 # ----------------------------------------------------------------------------------------- state
@@ -107,15 +96,8 @@ class ScaleState:
     streak_start_scale: float = 0.0
 
     def replace(self, **changes) -> "ScaleState":
-        """A copy with ``changes`` applied (the state itself is frozen). A field it does not have is a
-        TypeError, as ``dataclasses.replace``'s; this copy skips ``__init__`` (the host runs it every
-        step: ``dataclasses.replace`` costs ~15 us)."""
-        if not changes.keys() <= self.__dict__.keys():  # no set is made where every name is known
-            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(changes.keys() - self.__dict__.keys())}")
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
-        return new
+        """A copy with ``changes`` applied (the state itself is frozen); ``dataclasses.replace``."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -130,20 +112,14 @@ F64 = {"dtype": "f64"}
 I32 = {"dtype": "i32"}
 #: Field metadata marking an int field that may be negative (checkpoint validation).
 SIGNED = {"signed": True}
-#: The ints each device dtype holds exactly (the shared counters are float64 on device: 2**53).
-_INT_LIMIT = {"f64": 2**53, "i64": 2**62, "i32": 2**31 - 1}
-_INT_NAME = {"f64": "float64 counter", "i64": "int64", "i32": "int32"}
-_COUNTERS = ("steps", "skipped_steps", "inf_steps", "nan_steps", "bad_loss_steps", "overflow_streak",
-             "streak_nan_steps", "streak_bad_loss_steps")
+#: The ints a field of each device dtype holds exactly, as the host reads it (through float64: 2**53).
+_INT_LIMIT = {"i64": 2**53, "i32": 2**31 - 1}
 
 
 def field_kind(f: dataclasses.Field) -> str:
-    """How a state field is held on device: "f32", "f64" (float), "i64" (int and bool) or "i32".
-    The shared counters are float64 (see :mod:`lossscale._state`)."""
+    """How a state field is held on device: "f32" or "f64" (float), "i64" (int and bool) or "i32"."""
     if f.metadata.get("dtype"):
         return f.metadata["dtype"]
-    if f.name in _COUNTERS:
-        return "f64"
     kind = str(f.type)
     if kind in ("float", "Optional[float]"):
         return "f32"
@@ -177,41 +153,41 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     )
 
 
-#: The iteration's flags as the tensor rules take them: a float32 0/1 vector of 16, each entry one of
-#: the sources ``(1, overflow, nan, bad_loss, scale_overflow, clean)`` by this index::
-#:
-#:     0..6    what the counters add:  1, overflow, nan, bad_loss | overflow, nan, bad_loss (totals | streaks)
-#:     7..13   what they keep:         1, 1, 1, 1                 | 1, 1, 1 only through an overflow
-#:     14, 15  scale_overflow (an overflow not from a bad loss: the one a policy answers), clean
-#:
-#: so :func:`count_tensor` is one ``addcmul``, and entries 1, 2, 3 are the flags themselves.
-FLAG_LAYOUT = (0, 1, 2, 3, 1, 2, 3,
-               0, 0, 0, 0, 1, 1, 1,
-               4, 5)
-#: Where :data:`FLAG_LAYOUT` puts each flag: any overflow (a bad loss's included), NaN, a non-finite
-#: loss, the overflow a policy answers, and "no overflow" (the optimizer stepped).
-OVERFLOW, NAN, BAD_LOSS, SCALE_OVERFLOW, CLEAN = 1, 2, 3, 14, 15
+def count_tensor(t, found_inf, found_nan, bad_loss) -> None:
+    """:func:`count` on device, in place: call it first in a tensor rule, while ``t.scale`` is still the
+    scale this iteration ran with. The flags are bool 0-dim tensors; ``found_inf`` includes ``bad_loss``
+    and ``found_nan`` implies ``found_inf``, as the scaler's check makes them."""
+    import torch  # here, not at the top: the policies import without torch
+
+    t.scale_before.copy_(t.scale)  # not a state field: what the stuck check and the health account read
+    torch.where(t.overflow_streak == 0, t.scale, t.streak_start_scale, out=t.streak_start_scale)
+    t.steps.add_(1)
+    t.skipped_steps.add_(found_inf)
+    t.inf_steps.add_(found_inf & ~found_nan)
+    t.nan_steps.add_(found_nan)
+    t.bad_loss_steps.add_(bad_loss)
+    # A streak grows through a skipped step and ends at a clean one (times 0).
+    t.overflow_streak.add_(1).mul_(found_inf)
+    t.streak_nan_steps.add_(found_nan).mul_(found_inf)
+    t.streak_bad_loss_steps.add_(bad_loss).mul_(found_inf)
 
 
-def count_tensor(t, flags) -> None:
-    """:func:`count` on device, in place; call it first in a tensor rule, while ``t.scale`` still holds
-    the scale this iteration ran with. Three kernels.
+def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:
+    """The usual ``is_stuck``: an overflow while the scale sat at ``lowest``, or a long enough streak.
 
-    ``flags``: the iteration's flags in :data:`FLAG_LAYOUT` (the scaler's check builds them; overflow
-    includes a bad loss, nan and bad_loss imply overflow). The state keeps ``[steps, skipped, nan,
-    bad_loss]`` as float64 ``totals`` (``inf_steps`` is ``skipped - nan``) and the streak's ``[skipped,
-    nan, bad_loss]`` as ``streaks``, side by side in ``counters``.
+    A streak made only of non-finite losses is stuck after ``max_consecutive_skips`` (or
+    :data:`BAD_LOSS_STREAK`) steps: the scale is not theirs to answer, so the floor does not apply.
     """
-    torch = _torch()
-    # One where for two fields, f32[1:3] = [streak_start_scale, scale_before]: each takes the scale
-    # where [overflow_streak <= 0: no streak runs yet, streak_nan_steps <= 2**53: always] (the streaks'
-    # first two, against t.fresh_limits): the streak's first scale, and the scale this iteration ran
-    # with (the stuck check: did it overflow at the floor?).
-    fresh = torch.le(t.streaks[:2], t.fresh_limits)
-    torch.where(fresh, t.scale, t.f32[1:3], out=t.f32[1:3])
-    # counters * keep + add: the totals grow by [1, overflow, nan, bad]; a streak grows the same way
-    # during an overflow and is zeroed by a clean step (keep and add both 0).
-    torch.addcmul(flags[:7], t.counters, flags[7:14], out=t.counters)
+    if state.overflow_streak == 0:
+        return False
+    if not (math.isfinite(state.scale) and state.scale > 0):
+        return True  # a scale of NaN, inf or 0 that the update kept skips every step from now on
+    if state.streak_bad_loss_steps == state.overflow_streak:
+        limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
+        return state.overflow_streak >= limit
+    at_min = lowest is not None and scale_before <= f32(lowest)
+    too_long = policy.max_consecutive_skips is not None and state.overflow_streak >= policy.max_consecutive_skips
+    return at_min or too_long
 
 
 # ---------------------------------------------------------------------------------------- protocol
@@ -242,11 +218,10 @@ class Policy(Protocol):
         """The next state after one iteration (pure). ``bad_loss``: the loss was non-finite before
         scaling: skip without touching the scale or the trackers."""
 
-    def tensor_update(self, t, flags, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, bad_loss, amax=None) -> None:
         """The same rule on device tensors, in place, without a host sync: ``t`` the state
-        (:class:`lossscale._state.TensorState`), ``flags`` the iteration's flags, float32 0/1 in
-        :data:`FLAG_LAYOUT` (see :func:`count_tensor`), ``amax`` a float32 0-dim
-        tensor or None."""
+        (:class:`lossscale._state.TensorState`), the flags bool 0-dim tensors (``found_inf`` includes
+        ``bad_loss``), ``amax`` a float32 0-dim tensor or None."""
 
     def is_stuck(self, state, scale_before: float) -> bool:
         """Whether the update that produced ``state`` was an overflow the scale could not answer."""
@@ -282,15 +257,13 @@ class PolicyBase:
                 value = plain_number(f.name, getattr(self, f.name), integral="int" in kind)
                 object.__setattr__(self, f.name, value)
 
-    # -- what the scaler calls
     def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:
         """(min_scale, max_scale) as configured; None where unbounded."""
         return getattr(self, "min_scale", None), getattr(self, "max_scale", None)
 
     def keeps_powers_of_two(self) -> bool:
         """Whether the rule takes a power-of-two scale to another: every factor and bound it has is a
-        power of two (or None). Then ``1/scale`` is exact in float32 (one kernel where torch's float64
-        route is three). Optional in :class:`Policy`: without it the scaler takes torch's route."""
+        power of two (or None)."""
         return not off_powers_of_two(self, ("growth_factor", "backoff_factor", "min_scale", "max_scale"))
 
     def config(self) -> Dict[str, Any]:
@@ -327,21 +300,17 @@ class PolicyBase:
                 if v < 0 and not f.metadata.get("signed"):
                     raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
                 if abs(v) >= _INT_LIMIT[kind]:
-                    raise ValueError(f"state.{f.name}={v!r} does not fit its {_INT_NAME[kind]} on device.")
+                    raise ValueError(f"state.{f.name}={v!r} does not fit its {kind} on device.")
             else:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise ValueError(f"state.{f.name}={v!r} must be a finite float.")
                 if v < 0:
                     raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
-        if state.scale <= 0:
-            raise ValueError(f"state.scale={state.scale!r} must be > 0: a zero scale would step on NaN gradients.")
+                if kind == "f32" and not math.isfinite(f32(v)):
+                    raise ValueError(f"state.{f.name}={v!r} is outside float32's range, in which the device holds it.")
         if not SMALLEST_SCALE <= f32(state.scale) < math.inf:
             raise ValueError(f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
-                             "where the device keeps the scale.")
-        for f in dataclasses.fields(state):  # the device holds these in float32: they must fit it
-            v = getattr(state, f.name)
-            if field_kind(f) == "f32" and not math.isfinite(f32(v)):
-                raise ValueError(f"state.{f.name}={v!r} is outside float32's range, in which the device holds it.")
+                             "where the device keeps the scale (a zero scale would step on NaN gradients).")
         lo, hi = self.scale_bounds()
         if (lo is not None and state.scale < f32(lo)) or (hi is not None and state.scale > f32(hi)):
             raise ValueError(f"state.scale={state.scale!r} is outside this policy's [min_scale={lo}, max_scale={hi}].")

@@ -1,75 +1,65 @@
-"""``lossscale.GradScaler``: a drop-in for ``torch.amp.GradScaler``, a thin adapter around a pure policy.
+"""``lossscale.GradScaler``: torch's ``GradScaler`` contract, around a pure scale policy.
+
+One iteration, and where each part lives::
+
+    scale(loss)      loss * _scale                     the state starts on the loss's device (_state.py)
+                     the loss is kept for the loss check (no kernel)
+    backward()
+    unscale_(opt)    optimizers without amp-scaling support (SGD, Adam(foreach)):
+                       torch's check+unscale kernel, then ONE host read of found_inf (the loss check
+                       folded in) decides the step; on an overflow only, one more read pass tells NaN
+                       from inf (_check.py)
+    step(opt)        synced: optimizer.step() unless found_inf
+                     fused (Adam(fused=True), ...): a read-only pass gives found_inf and found_nan on
+                       device; the optimizer gets grad_scale and found_inf and skips by itself
+    update()         the policy's tensor rule on the device state: no sync (dynamic.py, policy.py)
+                     a snapshot of the state starts on its way to the host; the landed ones feed the
+                       health account (health.py) and the stuck check
 
 Configured like torch (``hysteresis=1, min_scale=None, max_scale=None, loss_check=False``) it is bitwise
-torch: the same float32 scale, the same fused check+unscale kernel with an inverse scale computed in
-float64, the same update arithmetic, the same skip decisions. Beyond torch it adds hysteresis and
-bounds, inf told from NaN, a loss check, skip-awareness, a diagnosis when training is stuck, complete
-versioned checkpoints, a read-only check for fused optimizers, and a process-group reduction of the
-skip decision.
+torch: the same float32 scale, the same check+unscale kernel with the inverse scale computed in float64,
+the same update kernel, the same skip decisions.
 
-The parts (``docs/architecture.md``): the policies (``policy`` and one module each), their state on
-device (``_state``), this iteration's bookkeeping (``_iteration``), the gradient check (``_check``),
-the stuck check (``_observe``), the first-cause report (``_overflow``), parameter names (``_names``),
-checkpoints (``checkpoint``) and what differs between devices (``_device``). Two mixins hold the rest
-of the class: what it tells about the run (``_readouts``: skips, counters, metrics, health, the
-overflow report) and torch's getters and setters (``_torch_api``). The same operations run on every
-device.
-
-Host-device syncs, per iteration (torch pays the same):
-
-* optimizers without amp-scaling support (SGD, Adam(foreach)): one, to decide whether to call
-  ``optimizer.step()``, in :meth:`GradScaler.unscale_` (or :meth:`GradScaler.step`) so an overflow is
-  classified before user code (clipping) touches the gradients, an overflow included: the decision and
-  the bad-loss flag ride in one read. Whether an overflow was inf or NaN is learned on device and
-  reaches the host's copy by the next sync (``StateKeeper.resolve``). The host then knows the
-  iteration's flags and runs the policy's pure rule itself: the update is one host-to-device copy.
-* optimizers with ``_step_supports_amp_scaling`` (``Adam(fused=True)``): none (except
-  ``SGD(fused=True)`` with momentum, once, on its first step). The optimizer gets
-  ``grad_scale``/``found_inf`` tensors and skips on device; the policy's tensor rule runs on device,
-  and the stuck check reads a snapshot of the state copied without blocking, at a later update.
+Host-device syncs per iteration: one for optimizers without amp-scaling support (torch pays the same
+one, in ``step()``), none for fused optimizers (except ``SGD(fused=True)`` with momentum, on its first
+step). Reading the state (``get_scale()``, ``state()``, ``counters()``, ``health()``, ``state_dict()``)
+syncs once, as torch's ``get_scale()`` does.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import inspect
 import warnings
-from typing import Any, Dict, Optional, Union
+from collections import abc
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
+from torch.amp.grad_scaler import OptState
 
-from . import _device, _hints, _kernels, _overflow, checkpoint
-from . import distributed as _distributed
-from ._check import Flags, GradientCheck
-from ._iteration import Iteration, LastUpdate, OptState, Record
+from . import _hints, checkpoint
+from ._check import Flags, GradientCheck, inverse
 from ._keywords import policy_from_keywords
 from ._names import ParamNames
-from ._observe import StuckCheck
-from ._optimizers import (
-    first_step_needs_the_host,
-    step_with_flags,
-    supports_amp_scaling,
-    takes_grad_scaler,
-    warn_grad_scaler_contract,
-)
-from ._outputs import map_tensors, refuse_unscalable
-from ._readouts import Readouts
-from ._state import StateKeeper
-from ._torch_api import TorchAPI
-from ._update import device_rule, host_rule, pending_nan, validate_new_scale
-from ._validate import plain_bool, plain_number
-from .health import Health
-from .policy import Policy, ScaleState
+from ._state import Snapshot, TensorState
+from ._validate import SMALLEST_SCALE, plain_bool, plain_number
+from .formats import f32
+from .health import Health, HealthReport
+from .policy import Policy, ScaleState, count_tensor
 from .static import StaticPolicy
-from .telemetry import Telemetry
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
 STATE_DICT_VERSION = checkpoint.STATE_DICT_VERSION
+DEFAULT_GROUP = "default"  # process_group's default: the default group, when torch.distributed runs
+#: Snapshots in flight at most: a device that lags further drops the oldest (the counters still count
+#: every step; the health account infers what happened in the gap).
+SNAPSHOTS = 4
 
 
 class _Default:
-    """The default of torch's positional scale keywords: "not given", so the policy's own default
-    applies (the defaults are spelled once, on the policy dataclasses)."""
+    """The default of torch's positional scale keywords: "not given", so the policy's own default applies."""
 
     def __repr__(self) -> str:
         return "<policy default>"
@@ -77,20 +67,13 @@ class _Default:
 
 _DEFAULT = _Default()
 
-def _make_policy(policy, given: Dict[str, Any]):
-    if isinstance(policy, str):
-        return policy_from_keywords(policy, **given)
-    if not isinstance(policy, Policy):
-        raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
-    if given:
-        raise ValueError(
-            f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
-            "to GradScaler as well."
-        )
-    return policy
+
+def _fresh_record() -> Dict[str, Any]:
+    """One optimizer's record of the iteration, torch's two keys first."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "flags": None, "skipped": None}
 
 
-class GradScaler(Readouts, TorchAPI):
+class GradScaler:
     """Loss scaling for FP16 training: torch's ``GradScaler`` contract, exact arithmetic, and more.
 
     Args:
@@ -134,28 +117,16 @@ class GradScaler(Readouts, TorchAPI):
     ``step``/``update`` once per ``accum_steps``; the scale only changes in :meth:`update`.
     """
 
-    def __init__(
-        self,
-        device: Union[str, torch.device, None] = None,
-        init_scale: float = _DEFAULT,
-        growth_factor: float = _DEFAULT,
-        backoff_factor: float = _DEFAULT,
-        growth_interval: int = _DEFAULT,
-        enabled: bool = True,
-        *,
-        policy: Any = "dynamic",
-        model: Any = None,
-        process_group: Any = _distributed.DEFAULT_GROUP,
-        telemetry: Any = None,
-        loss_check: bool = True,
-        trace: bool = False,
-        **policy_keywords: Any,
-    ) -> None:
+    def __init__(self, device: Union[str, torch.device, None] = None, init_scale: float = _DEFAULT,
+                 growth_factor: float = _DEFAULT, backoff_factor: float = _DEFAULT, growth_interval: int = _DEFAULT,
+                 enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
+                 process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
+                 trace: bool = False, **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
-        device_type = None if device is None else torch.device(device).type
+        self._device_type = None if device is None else torch.device(device).type
         self._enabled = plain_bool("enabled", enabled)
-        if self._enabled and device_type == "cuda" and not torch.cuda.is_available():
+        if self._enabled and self._device_type == "cuda" and not torch.cuda.is_available():
             warnings.warn("lossscale.GradScaler: device='cuda' but CUDA is not available; disabling scaling.",
                           stacklevel=2)
             self._enabled = False
@@ -168,24 +139,32 @@ class GradScaler(Readouts, TorchAPI):
         if trace and not isinstance(model, torch.nn.Module):
             raise ValueError("trace=True hooks the model's modules: pass model=<the nn.Module> as well.")
         self._loss_check = loss_check
-        self._telemetry = Telemetry.from_arg(telemetry)
-        self._s = StateKeeper(self._policy.init_state(), device_type)
+        self._telemetry = None
+        if telemetry is not None:
+            from .telemetry import Telemetry
+
+            self._telemetry = Telemetry.from_arg(telemetry)
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
-        self._check = GradientCheck(self._names, _distributed.validate_group(process_group))
-        self._it = Iteration()
-        self._stuck = StuckCheck()
-        self._health = Health(self._s.state())  # the run-health account (lossscale.health), fed by update()
-        self._last = LastUpdate()
-        self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
-        self._last_report: Optional[Dict[str, Any]] = None
-        self._hint_checks = _hints.CALLS_CHECKED
+        self._check = GradientCheck(self._names, _valid_group(process_group))
         self._tracer = None
         if trace:
             from .trace import Tracer
 
             self._tracer = Tracer(model)
+        self._t: Optional[TensorState] = None  # the state, once it has a device; before that:
+        self._init_state: ScaleState = self._policy.init_state()
+        self._health = Health(self._init_state)
+        self._hint_checks = _hints.CALLS_CHECKED
+        self._new_iteration()
+        self._last_skipped: Optional[bool] = None  # the last update's decision, where the host knows it
+        self._last_found_inf: Optional[torch.Tensor] = None  # ... and its device flag
+        self._graphed = False  # an update ran under CUDA-graph capture or torch.compile: replays move the state
+        self._snapshots: collections.deque = collections.deque(maxlen=SNAPSHOTS)
+        self._warned_streak = self._warned_capture = False
+        self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
+        self._last_report: Optional[Dict[str, Any]] = None
 
     @classmethod
     def passthrough(cls, device=None, **kwargs) -> "GradScaler":
@@ -209,7 +188,7 @@ class GradScaler(Readouts, TorchAPI):
 
     def name_parameters(self, model_or_named_parameters) -> None:
         """Learn parameter names (from an ``nn.Module`` or ``(name, param)`` pairs) for reports. The
-        names survive pickling or deep-copying the model and the scaler (``lossscale._names``)."""
+        names survive pickling or deep-copying the model and the scaler."""
         self._names.add(model_or_named_parameters)
 
     # ------------------------------------------------------------------ properties and state
@@ -221,7 +200,7 @@ class GradScaler(Readouts, TorchAPI):
     @property
     def device(self) -> Optional[torch.device]:
         """Where the scaler's state lives (None before the first :meth:`scale` or :meth:`init_device`)."""
-        return self._s.device
+        return None if self._t is None else self._t.device
 
     @property
     def process_group(self) -> Any:
@@ -229,9 +208,21 @@ class GradScaler(Readouts, TorchAPI):
         return self._check.process_group
 
     @property
-    def telemetry(self) -> Optional[Telemetry]:
+    def telemetry(self):
         """The :class:`lossscale.Telemetry` collecting gradient statistics, or None."""
         return self._telemetry
+
+    @property
+    def _scale(self) -> Optional[torch.Tensor]:
+        """torch's name for the scale tensor (float32, 0-dim, on the state's device; None before the first
+        :meth:`scale`). It is the state itself: code that reads it, as code written for torch does, reads
+        the live scale."""
+        return None if self._t is None else self._t.scale
+
+    @property
+    def _growth_tracker(self) -> Optional[torch.Tensor]:
+        """torch's name for the growth tracker tensor (the policy's, where it has one), or None."""
+        return getattr(self._t, "growth_tracker", None)
 
     def init_device(self, device: Union[str, torch.device]) -> None:
         """Start the state on ``device`` now (the first :meth:`scale` does it otherwise). No sync.
@@ -242,22 +233,32 @@ class GradScaler(Readouts, TorchAPI):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if self._s.t is not None and self._s.device != device:
-            raise ValueError(f"the scaler already runs on {self._s.device}; init_device got device={device}.")
-        self._s.ensure(device)
+        if self._t is not None and self._t.device != device:
+            raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
+        self._start(device)
 
+    def _start(self, device: torch.device) -> TensorState:
+        """The device state, made on ``device`` from the host's initial state the first time."""
+        if self._t is None:
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._t = TensorState(self._init_state, device)
+        return self._t
 
+    def _require(self, call: str) -> TensorState:
+        """The device state; RuntimeError naming ``call`` when there is none yet (callers write
+        ``self._t or self._require(call)``: a TensorState is always true)."""
+        if self._t is None:
+            raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() first in the "
+                               "iteration.")
+        return self._t
 
     def state(self) -> ScaleState:
-        """The policy's state now (a frozen dataclass of plain Python values).
+        """The policy's state now (a frozen dataclass of plain Python values). Syncs once, as torch's
+        ``get_scale()`` does (no sync before the first :meth:`scale`: the state has no device yet)."""
+        return self._init_state if self._t is None else self._t.read()[0]
 
-        Free where the host knows it (before the first step, and after updates whose checks synced);
-        otherwise one sync, after which the host knows it again (unless an update was captured in a
-        CUDA graph or compiled: replays move the device state alone).
-        """
-        return self._s.state()
-
-    # ------------------------------------------------------------------ torch's API
+    # ------------------------------------------------------------------ torch's training-loop API
     def scale(self, outputs):
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale factor.
 
@@ -266,52 +267,76 @@ class GradScaler(Readouts, TorchAPI):
         """
         if not self._enabled:
             return outputs
-        refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
+        if not isinstance(outputs, torch.Tensor) or outputs.device.type == "meta":
+            _refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
         if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
             self._hint_checks -= 1
             _hints.warn_if_bf16(outputs, self._passthrough())
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
-        self._it.begun = True
+        self._began = True
+        if isinstance(outputs, torch.Tensor):  # the usual case, a loss
+            return self._scale_tensor(outputs)
+        return _map_tensors(self._scale_tensor, outputs)
 
-        def scaled(x: torch.Tensor) -> torch.Tensor:
-            t = self._s.ensure(x.device)
-            if self._loss_check:
-                self._it.check_loss(x)
-            return x * _kernels.to_device(t.scale, x.device)
-
-        return map_tensors(scaled, outputs)
+    def _scale_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._t if self._t is not None else self._start(x.device)
+        if self._loss_check:
+            self._losses.append(x.detach())  # for the loss check: no kernel now
+        return x * t.scale.to(x.device, non_blocking=True)
 
     def _passthrough(self) -> bool:
         return isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0
 
-    def _loss_check_value(self) -> Optional[torch.Tensor]:
-        if not self._loss_check and self._tracer is None:
-            return None
-        return self._it.loss_check_value(self._s.device, self._tracer)
+    def _bad_loss(self, device: torch.device) -> torch.Tensor:
+        """Whether a loss of this iteration (or, tracing, a forward output) was non-finite before scaling:
+        a bool 0-dim tensor on ``device``, made once per iteration. No sync. A rank that never called
+        :meth:`scale` (a pipeline stage) says False, so every rank joins the same collectives."""
+        if self._bad is None:
+            bad = None
+            for loss in self._losses:
+                finite = torch.isfinite(loss) if loss.dim() == 0 else torch.isfinite(loss).all()
+                bad = ~finite.to(device) if bad is None else bad | ~finite.to(device)
+            forward = None if self._tracer is None else self._tracer.forward_flag()
+            if forward is not None:
+                bad = forward.to(device) if bad is None else bad | forward.to(device)
+            self._bad = torch.zeros((), dtype=torch.bool, device=device) if bad is None else bad
+        return self._bad
 
-    def _observe_grads(self, gathered) -> None:
-        if self._telemetry is not None:
-            self._telemetry.observe(gathered.params, gathered.grads, self._names, self._s.t.scale,
-                                    all_params=gathered.all_params, sharded=gathered.sharded)
+    def _check_optimizer(self, optimizer, rec: Dict[str, Any], unscale: bool, sync: bool) -> Flags:
+        """Check (and with ``unscale``, unscale) ``optimizer``'s gradients; keep the flags in its record.
+        ``sync``: read the skip decision on the host now (one sync)."""
+        t = self._t
+        if self._telemetry is not None and self._telemetry.due():
+            g = self._check.gather(optimizer, allow_half=True)
+            self._telemetry.observe(g.params, g.grads, self._names, t.scale, all_params=g.all_params,
+                                    sharded=g.sharded)
         if self._tracer is not None:
             self._tracer.end_backward()
+        bad_loss = self._bad_loss(t.device)
+        unscale = unscale and not (isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0)
+        if unscale and sync and not self._policy.needs_amax:
+            found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
+            rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(t.scale), found_inf, False)
+            flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync)
+            if flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
+                self._check.tell_nan(flags, self._check.gather(optimizer, allow_half=True), t.device)
+        else:
+            gathered = self._check.gather(optimizer, allow_half=not unscale)
+            flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax, sync)
+            if unscale:  # after the read-only pass, which measured the *scaled* gradients
+                self._check.unscale_(gathered, inverse(t.scale), torch.zeros_like(flags.found_inf), self._unscaled)
+            rec["found_inf_per_device"] = {t.device: flags.found_inf}
+        rec["flags"] = flags
+        return flags
 
-    def _run_check(self, optimizer, rec: Record, unscale: bool, sync: bool) -> Flags:
-        gathered = self._check.gather(optimizer, allow_half=not unscale or self._passthrough())
-        self._observe_grads(gathered)
-        unscale = unscale and not self._passthrough()
-        rec.flags = self._check.check_(gathered, self._s.t.scale, self._s.inverse() if unscale else None,
-                                       sync=sync, needs_amax=self._policy.needs_amax,
-                                       bad_loss=self._loss_check_value())
-        self._it.keep(optimizer, rec)  # checked (and maybe unscaled): from here on the record holds
-        return rec.flags
-
-    def _record(self, optimizer, call: str) -> Record:
-        rec = self._it.record(optimizer, call)
-        if rec.stage is OptState.STEPPED:
-            raise RuntimeError(f"{call} is being called after step(); call it before step() in the iteration.")
-        return rec
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool):
+        """torch's private primitive, with torch's signature and result: unscale ``optimizer``'s gradients
+        by ``inv_scale`` in place and set ``found_inf`` where one was inf or NaN; returns ``{device:
+        found_inf}``. :meth:`unscale_` and :meth:`step` call it, so code that wraps or patches it (to
+        allow FP16 gradients, say) changes what they do, as with torch."""
+        return self._check.unscale_(self._check.gather(optimizer, allow_half=allow_fp16), inv_scale, found_inf,
+                                    self._unscaled)
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale (in place) and check them for inf/NaN.
@@ -323,52 +348,68 @@ class GradScaler(Readouts, TorchAPI):
         """
         if not self._enabled:
             return
-        self._s.require("unscale_()")
+        self._t or self._require("unscale_()")
         rec = self._record(optimizer, "unscale_()")
-        if rec.stage is OptState.UNSCALED:
+        if rec["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        self._run_check(optimizer, rec, unscale=True, sync=not supports_amp_scaling(optimizer))
-        rec.stage = OptState.UNSCALED
+        self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
+        rec["stage"] = OptState.UNSCALED
+        self._per_optimizer_states[id(optimizer)] = rec
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
                         ) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
-        passes over the gradients instead of three (three reads and writes of every gradient instead of
-        five): the norm of the scaled gradients (also the inf/NaN check), then one multiply by
-        ``clip_coef / scale``; bitwise torch's two steps for a power-of-two
-        scale while values stay in float32's normal range (``lossscale._clip``). A non-finite norm is
-        an overflow: the step is skipped and the gradients are only unscaled.
+        passes over the gradients instead of three: the norm of the scaled gradients (also the inf/NaN
+        check), then one multiply by ``clip_coef / scale``; bitwise torch's two steps for a power-of-two
+        scale while values stay in float32's normal range (``lossscale._check.clip_scaled_``). A
+        non-finite norm is an overflow: the step is skipped and the gradients are only unscaled.
 
         Once per optimizer per iteration, instead of :meth:`unscale_`. The norm is over this
         optimizer's parameters, over every rank's part of them: DTensor gradients (FSDP2, tensor
         parallel, both) are reduced over their mesh, pipeline stages over ``norm_group``
-        (``lossscale.distributed.norm_reduction``), in one all-reduce: every rank gets the same norm
-        (to rounding torch's; a plain tensor). Syncs like :meth:`unscale_`.
+        (``lossscale.distributed.norm_reduction``), in one all-reduce. Syncs like :meth:`unscale_`.
         """
-        from . import _clip
+        from ._check import clip_scaled_, largest_magnitudes, group_grads, validate_clip
+        from .distributed import norm_reduction
 
         max_norm = plain_number("max_norm", max_norm)
-        norm_type = _clip.validate(max_norm, norm_type)
-        if not self._enabled:
-            return self._check.clip_unscaled_(optimizer, max_norm, norm_type, norm_group)
-        t = self._s.require("clip_grad_norm_()")
-        rec = self._record(optimizer, "clip_grad_norm_()")
-        if rec.stage is OptState.UNSCALED:
-            raise RuntimeError(
-                "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
-                "already called on this optimizer since the last update(); call only one of them per iteration."
-            )
+        norm_type = validate_clip(max_norm, norm_type)
+        enabled = self._enabled
+        if enabled:
+            t = self._require("clip_grad_norm_()")
+            rec = self._record(optimizer, "clip_grad_norm_()")
+            if rec["stage"] is OptState.UNSCALED:
+                raise RuntimeError(
+                    "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
+                    "already called on this optimizer since the last update(); call only one of them per iteration.")
         with torch.no_grad():
-            gathered = self._check.gather(optimizer, allow_half=self._passthrough(), coalesce=True)
-            self._observe_grads(gathered)
-            true_norm, rec.flags = self._check.clip_(gathered, t.scale, self._s.inverse(), max_norm, norm_type,
-                                                     sync=not supports_amp_scaling(optimizer),
-                                                     needs_amax=self._policy.needs_amax,
-                                                     bad_loss=self._loss_check_value(), norm_group=norm_group)
-        self._it.keep(optimizer, rec)
-        rec.stage = OptState.UNSCALED
+            gathered = self._check.gather(optimizer, allow_half=not enabled or self._passthrough(), coalesce=True)
+            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
+            if not enabled:
+                if reduce_norm is None:
+                    return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
+                one = torch.ones((), device=gathered.grads[0].device if gathered.grads else "cpu")
+                return clip_scaled_(gathered.grads, one, one, max_norm, norm_type, counted, reduce_norm)[0]
+            if self._telemetry is not None and self._telemetry.due():
+                self._telemetry.observe(gathered.params, gathered.grads, self._names, t.scale,
+                                        all_params=gathered.all_params, sharded=gathered.sharded)
+            if self._tracer is not None:
+                self._tracer.end_backward()
+            self._check.claim(gathered, self._unscaled)
+            amax = None
+            if self._policy.needs_amax:  # of the *scaled* gradients, before they are rewritten
+                amax = largest_magnitudes(group_grads(gathered.grads), t.device)[1]
+            true_norm, total, per_tensor, order = clip_scaled_(gathered.grads, t.scale, inverse(t.scale), max_norm,
+                                                               norm_type, counted, reduce_norm)
+            # A per-tensor norm is NaN for a tensor holding a NaN and inf for one holding an inf: it names
+            # the parameters in the overflow report as an amax vector does.
+            rec["flags"] = self._check.flags_of(total, self._bad_loss(t.device), amax, not _fused(optimizer),
+                                                [gathered.params[i] for i in order], [per_tensor] if order else [])
+            rec["found_inf_per_device"] = {t.device: rec["flags"].found_inf}
+        rec["stage"] = OptState.UNSCALED
+        self._per_optimizer_states[id(optimizer)] = rec
         return true_norm
 
     def step(self, optimizer, *args, **kwargs):
@@ -381,95 +422,376 @@ class GradScaler(Readouts, TorchAPI):
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("Closure use is not supported if GradScaler is enabled (as in torch).")
-        t = self._s.require("step()")
-        rec = self._it.record(optimizer, "step()")
-        if rec.stage is OptState.STEPPED:
-            raise RuntimeError("step() has already been called on this optimizer since the last update().")
-        if not supports_amp_scaling(optimizer):
-            if rec.stage is OptState.READY:
-                self._run_check(optimizer, rec, unscale=True, sync=True)
-            retval = None if rec.flags.host_found else optimizer.step(*args, **kwargs)
-        elif takes_grad_scaler(optimizer.step):
-            warn_grad_scaler_contract()
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        t = self._t or self._require("step()")
+        rec = self._record(optimizer, "step()")
+        if rec["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):  # see _fused
+            flags = rec["flags"] or self._check_optimizer(optimizer, rec, unscale=True, sync=True)
+            retval = None if flags.skipped else optimizer.step(*args, **kwargs)
+        elif _takes_grad_scaler(optimizer.step):
+            warnings.warn("lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; "
+                          "prefer optimizers that read grad_scale/found_inf.", FutureWarning, stacklevel=2)
             retval = optimizer.step(*args, grad_scaler=self, **kwargs)
-            self._it.keep(optimizer, rec)
         else:
-            host = first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
-            if rec.stage is OptState.READY:
-                self._run_check(optimizer, rec, unscale=False, sync=host)
-            if host and rec.read_skipped():  # one sync, on the first step of such an optimizer only
+            host = _first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
+            flags = rec["flags"] or self._check_optimizer(optimizer, rec, unscale=False, sync=host)
+            if host and flags.skipped:
                 retval = None
             else:
-                retval = step_with_flags(optimizer, t.scale, rec.flags.fold().found_inf, rec.stage is OptState.UNSCALED,
-                                         args, kwargs)
-        rec.stage = OptState.STEPPED
+                retval = _step_with_flags(optimizer, None if rec["stage"] is OptState.UNSCALED else t.scale,
+                                          flags.found_inf, args, kwargs)
+        rec["stage"] = OptState.STEPPED
+        self._per_optimizer_states[id(optimizer)] = rec
         return retval
+
+    def _record(self, optimizer, call: str) -> Dict[str, Any]:
+        """``optimizer``'s record of this iteration (a fresh one is kept only by :meth:`_keep`)."""
+        if not hasattr(optimizer, "param_groups"):
+            raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
+                             "torch.optim optimizer whose gradients were scaled.")
+        rec = self._per_optimizer_states.get(id(optimizer))
+        if rec is None or (rec["stage"] is OptState.READY and rec["flags"] is None):
+            return _fresh_record()
+        if rec["stage"] is OptState.STEPPED and call != "step()":
+            raise RuntimeError(f"{call} is being called after step(); call it before step() in the iteration.")
+        return rec
 
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
         """Advance the policy by one iteration (or set ``new_scale``), at the end of the iteration.
 
-        Call after :meth:`step` for every optimizer of the iteration. A float ``new_scale`` must lie
-        within the bounds; a tensor one is copied on device, ignored when it is not finite or below
-        2**-126 (a host check would sync), then clamped to the bounds. The counters still count the
-        iteration. No host sync.
+        Call after :meth:`step` for every optimizer of the iteration. The policy's tensor rule runs on
+        the device state: no host sync. A float ``new_scale`` must lie within the bounds; a tensor one
+        is copied on device, ignored when it is not finite or below 2**-126 (a host check would sync),
+        then clamped to the bounds; the counters still count the iteration.
 
-        Where every check of the iteration synced, the host knows the flags: it runs the policy's pure
-        rule on its copy of the state, sends the result in one host-to-device copy, and reports a stuck
-        run now. Otherwise (fused optimizers, CUDA graphs, torch.compile) the policy's tensor rule runs
-        on device, and a stuck run is reported once a snapshot of the state reaches the host.
+        Then a snapshot of the state starts on its way to the host, and the snapshots that have landed
+        (on CPU at once, on a GPU usually by the next update) feed the health account and the stuck
+        check, which warns or raises (``on_stuck``) when the policy says training is stuck. Under
+        torch.compile or a CUDA-graph capture nothing reaches the host: see :meth:`check_stuck`.
         """
         if not self._enabled:
             return
-        t = self._s.require("update()")
+        t = self._t or self._require("update()")
         if new_scale is not None:
-            new_scale = validate_new_scale(self._policy, new_scale, self.device)
-        flags = self._it.flags()
-        if not flags and new_scale is None:
+            new_scale = _valid_new_scale(self._policy, new_scale, t.device)
+        checked = [rec["flags"] for rec in self._per_optimizer_states.values() if rec["flags"] is not None]
+        if not checked and new_scale is None:
             raise RuntimeError("update() found no inf checks since the last update(): call scaler.step(optimizer) "
                                "(or unscale_) for each optimizer before update().")
-        skipped = any(f.host_found for f in flags) if all(f.host_found is not None for f in flags) else None
-        capturing = _device.capturing(t.device)
-        self._s.graphed = self._s.graphed or capturing
-        trace = None if self._tracer is None else self._tracer.snapshot()  # the next iteration starts afresh
-        if skipped is not False:  # possibly skipped: keep what the report needs (no sync)
-            scale = None if self._s.mirror is None else self._s.mirror.scale
-            self._evidence = _overflow.keep_evidence(self._it, flags, trace, scale)
-            self._last_report = None
-        evidence = self._evidence if skipped is not False else None
-        host = (skipped is not None and self._s.mirror is not None and not self._s.graphed
-                and not isinstance(new_scale, torch.Tensor))
-        if host:
-            # The pure rule on the host's copy, sent in one copy. The iteration synced, so the staging
-            # buffer is free, and a NaN flag pending from an earlier overflow has landed.
-            before = self._s.state()
-            self._s.set(host_rule(self._policy, before, flags, new_scale), synced=bool(flags),
-                        nan=pending_nan(flags))
+        if len(checked) == 1:  # one optimizer: its flags as they are
+            f = checked[0]
+            found_inf, found_nan, bad_loss, amax = f.found_inf, f.found_nan, f.bad_loss, f.amax
         else:
-            device_rule(self._policy, t, flags, new_scale)
-            keeps = getattr(self._policy, "keeps_powers_of_two", None)  # optional (PolicyBase has it)
-            self._s.moved_on_device(keeps is not None and keeps())
-        self._last, self._it = LastUpdate(skipped), Iteration()
-        self._check.new_iteration()
+            found_inf, found_nan, bad_loss, amax = _combined(checked, t.device)
+        if new_scale is None:
+            self._policy.tensor_update(t, found_inf > 0, found_nan, bad_loss, amax)
+        else:  # the iteration still happened: count it; torch leaves the trackers alone
+            if checked:
+                count_tensor(t, found_inf > 0, found_nan, bad_loss)
+            _set_scale(self._policy, t, new_scale)
+        known = [f.skipped for f in checked]
+        self._last_skipped = any(known) if checked and None not in known else None
+        self._last_found_inf = found_inf if checked else None
+        evidence = None
+        if self._last_skipped is not False and checked:  # possibly skipped: keep what the report needs
+            evidence = dict(bad_loss=bad_loss, losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
+                            trace=None if self._tracer is None else self._tracer.snapshot())
+            self._evidence, self._last_report = evidence, None
+        elif self._tracer is not None:
+            self._tracer.snapshot()  # the next iteration starts afresh
+        self._new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
-        if host:
-            self._learn(self._s.mirror, before.scale, evidence if skipped else None)
-        elif not capturing:  # snapshots of earlier device updates that have landed
-            for state, scale_before, kept in self._stuck.after_device_update(
-                    t, skipped is False, evidence, self._policy, self._describe, self._tracer is not None):
-                self._health.record(self._policy, state, scale_before, kept if self._tracer is not None else None)
-        else:
-            self._stuck.capture_warning()
+        if torch.compiler.is_compiling() or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._graphed = True  # replays move the state without update(): never trust a kept decision
+            return
+        self._snapshots.append(Snapshot(t, evidence))
+        self._learn_landed()
 
-    def _learn(self, state: ScaleState, scale_before: float, evidence) -> None:
-        """What the host learns from a state it computed itself: the health account, the stuck check
-        (a stuck state is read whole: a NaN flag still on its way is part of its diagnosis)."""
-        if state.overflow_streak and self._policy.is_stuck(state, scale_before):
-            state = self._s.state()
-        tracing = self._tracer is not None
-        self._health.record(self._policy, state, scale_before, evidence if tracing else None)
-        self._stuck.react(self._policy, state, scale_before, evidence, self._describe, tracing, stacklevel=4)
+    def _new_iteration(self) -> None:
+        # torch's name and shape (a defaultdict of per-optimizer records), which some trainers read.
+        self._per_optimizer_states: Dict[int, Dict[str, Any]] = collections.defaultdict(_fresh_record)
+        self._losses = []
+        self._bad: Optional[torch.Tensor] = None
+        self._began = False
+        self._unscaled = set()  # ids of the parameters whose gradients this iteration unscaled
+
+    def _learn_landed(self) -> None:
+        """Feed every landed snapshot, oldest first, to the health account and the stuck check. Never waits."""
+        while self._snapshots and self._snapshots[0].landed():
+            snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
+            state, scale_before = snap.read()
+            tracing = self._tracer is not None
+            self._health.record(self._policy, state, scale_before, snap.evidence if tracing else None)
+            if state.overflow_streak or self._warned_streak:
+                self._react(state, scale_before, snap.evidence)
+
+    def _react(self, state: ScaleState, scale_before: float, evidence) -> None:
+        """Warn (once per streak) or raise, per ``on_stuck``, if ``state`` says training is stuck."""
+        if state.overflow_streak == 0:
+            self._warned_streak = False
+            return
+        if self._policy.on_stuck == "ignore" or not self._policy.is_stuck(state, scale_before):
+            return
+        from .diagnosis import diagnose
+
+        message = diagnose(self._policy, state, tracing=self._tracer is not None)
+        if evidence is not None:  # rare (the run is stuck): one sync to say where the stuck step's trouble began
+            message += "\nThe step that tripped this check: " + self._describe(evidence, scale_before)
+        if self._policy.on_stuck == "raise":
+            raise RuntimeError(message)
+        if not self._warned_streak:
+            self._warned_streak = True
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def check_stuck(self) -> None:
+        """Run the stuck check on the state now (warn or raise per ``on_stuck``). Syncs host and device.
+
+        :meth:`update` runs it by itself on every state that reaches the host; under CUDA-graph capture
+        or ``torch.compile`` none does, so a loop that replays graphs or runs a compiled step calls this
+        eagerly now and then.
+        """
+        if self._enabled and self._t is not None:
+            self._react(*self._t.read(), None)
+
+    # ------------------------------------------------------------------ what it tells about the run
+    def _describe(self, evidence, scale_before: Optional[float]) -> str:
+        from . import _overflow
+
+        return _overflow.report(evidence, self._names, self._tracer, scale_before)["cause"]
+
+    def health(self) -> HealthReport:
+        """The run's health: every skip classified (the scale calibrating, an overflow in steady
+        training, a bad batch, persistent NaN), the steps since the last overflow, how long the scale
+        has held, the flushed share (telemetry on), and a verdict with what to do (:mod:`lossscale.health`).
+
+        Built from the snapshots :meth:`update` already sends: training pays no sync for it. Reading it
+        syncs once (the state now), once more with telemetry on, once per kept first cause (``trace=True``).
+        """
+        if not self._enabled:
+            from .health import disabled
+
+            return disabled()
+        self._learn_landed()
+        state, before = (self._init_state, None) if self._t is None else self._t.read()
+        sampled = self._telemetry is not None and self._telemetry.overall is not None
+        return self._health.report(self._policy, state, before,
+                                   self._telemetry.overall.flushed_frac if sampled else None,
+                                   self._telemetry.step_collected if sampled else None, self._describe)
+
+    def overflow_report(self) -> Dict[str, Any]:
+        """Why the last step was skipped: which parameters held inf and NaN, and where it began.
+
+        A dict: ``"inf"``, ``"nan"`` (names of the parameters whose gradients held inf / NaN);
+        ``"loss"`` ("finite", "inf" or "nan": the loss before scaling, with ``loss_check``);
+        ``"forward"``, ``"backward"`` (the first module whose output / input gradient was non-finite,
+        with ``trace=True``, else None); ``"scale"`` (the scale the step ran with); ``"cause"`` (a
+        one-line diagnosis). Empty lists and None when the last step was not skipped. Syncs.
+        """
+        from . import _overflow
+
+        if not self._skipped_at_update():
+            return dict(_overflow.NOT_SKIPPED)
+        if self._last_report is None:
+            scale = None if self._t is None else float(self._t.scale_before.item())
+            self._last_report = _overflow.report(self._evidence or {}, self._names, self._tracer, scale)
+        return self._last_report
+
+    def _stepped(self, optimizer=None):
+        """The records of this iteration's steps taken: ``optimizer``'s when it has stepped, else every one."""
+        rec = self._per_optimizer_states.get(id(optimizer)) if optimizer is not None else None
+        if rec is not None and rec["stage"] is OptState.STEPPED:
+            return [rec]
+        stepped = [r for r in self._per_optimizer_states.values() if r["stage"] is OptState.STEPPED]
+        if not stepped and any(r["flags"] is not None for r in self._per_optimizer_states.values()):
+            raise RuntimeError(
+                "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, "
+                "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer).")
+        return stepped
+
+    @staticmethod
+    def _read_skipped(rec) -> bool:
+        """One record's decision: the host's, or its device flag read once (a sync, fused optimizers only)."""
+        if rec["skipped"] is None:
+            flags = rec["flags"]
+            rec["skipped"] = False if flags is None else flags.skipped if flags.skipped is not None else \
+                bool(flags.found_inf.item())
+        return rec["skipped"]
+
+    def _skipped_at_update(self) -> bool:
+        """Whether the iteration the last update closed was skipped (one sync the first time on the fused path)."""
+        if self._last_skipped is None and self._last_found_inf is not None:
+            skipped = bool(self._last_found_inf.item())
+            if self._graphed:
+                return skipped
+            self._last_skipped = skipped
+        return bool(self._last_skipped)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` was skipped: between :meth:`step` and :meth:`update` this
+        iteration's (any optimizer stepped so far), otherwise the last iteration's.
+
+        Free when the host decided the step; for fused optimizers the first read syncs and later
+        reads reuse it (after an update captured in a CUDA graph, every read syncs).
+        """
+        stepped = [r for r in self._per_optimizer_states.values() if r["stage"] is OptState.STEPPED]
+        if stepped:
+            return any(self._read_skipped(r) for r in stepped)
+        return self._skipped_at_update()
+
+    def step_was_skipped(self, optimizer=None) -> bool:
+        """Whether ``optimizer``'s last step was skipped, for code that acts on it (an LR scheduler).
+
+        Between :meth:`step` and :meth:`update` this iteration's decision for ``optimizer`` (each
+        optimizer skips on its own gradients, as in torch), or for the iteration so far; after
+        :meth:`update` the last iteration's. RuntimeError when gradients were checked this iteration
+        but no optimizer has stepped yet (nothing is decided). May sync: see :attr:`last_step_skipped`.
+        """
+        stepped = self._stepped(optimizer)
+        return any(self._read_skipped(r) for r in stepped) if stepped else self._skipped_at_update()
+
+    def skip_flag(self, optimizer=None) -> Union[bool, torch.Tensor]:
+        """:meth:`step_was_skipped` without a host sync: a Python bool where the host decided the step,
+        else a bool 0-dim tensor on the scaler's device (fused optimizers), for gating device work such
+        as an EMA update with ``torch.where``."""
+        if not self._enabled:
+            return False
+        stepped = self._stepped(optimizer)
+        if stepped:
+            if all(r["skipped"] is not None or r["flags"] is None or r["flags"].skipped is not None for r in stepped):
+                return any(self._read_skipped(r) for r in stepped)
+            return _combined([r["flags"] for r in stepped if r["flags"] is not None], self._t.device)[0] > 0
+        if self._last_skipped is not None or self._last_found_inf is None:
+            return bool(self._last_skipped)
+        return self._last_found_inf > 0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Skipped iterations so far. Syncs: see :meth:`state`."""
+        return self.state().skipped_steps if self._enabled else 0
+
+    def step_scheduler(self, scheduler, *args, **kwargs) -> bool:
+        """``scheduler.step()`` unless the step of its optimizer was skipped; returns whether it stepped.
+
+        A skipped step did not train, so an LR schedule that advanced anyway would drift ahead of the
+        weights. Call it after :meth:`step`, before or after :meth:`update`: either way it reads this
+        iteration's decision for ``scheduler.optimizer``. May sync: see :attr:`last_step_skipped`.
+        """
+        if self._enabled and self.step_was_skipped(getattr(scheduler, "optimizer", None)):
+            return False
+        scheduler.step(*args, **kwargs)
+        return True
+
+    def counters(self) -> Dict[str, int]:
+        """Every counter as plain ints: steps, skipped, inf, NaN and bad-loss steps, current streak.
+        Syncs: see :meth:`state`."""
+        return _counters(self.state())
+
+    def metrics(self) -> Dict[str, Union[int, float, bool]]:
+        """A flat dict of numbers for any logger: ``loss_scale``, the :meth:`counters`,
+        ``last_step_skipped``, and with telemetry the figures of the last sampled iteration
+        (``grad/flushed_frac``, ..., see :meth:`metric_labels`). Syncs once (the state rides in the
+        telemetry's transfer); with telemetry reducing across ranks, a collective.
+        """
+        state, figures = self.state() if self._telemetry is None else None, {}
+        if self._telemetry is not None:
+            group = self._check.group() if self._telemetry.wants_reduction() else None
+            also = [self._t.values()] if self._enabled and self._t is not None else []
+            figures, riding = self._telemetry.metrics_with(group=group, device=self.device, also=also)
+            state = self._t.decode(riding[0])[0] if also else self._init_state
+        out: Dict[str, Any] = {"loss_scale": state.scale if self._enabled else 1.0}
+        if self._enabled:
+            out.update(_counters(state))
+        out["last_step_skipped"] = bool(self._enabled and self.last_step_skipped)
+        out.update(figures)
+        return out
+
+    def metric_labels(self) -> Dict[str, str]:
+        """Text that goes with :meth:`metrics` (``grad/measured``: e.g. "float32 as fp16"). No sync."""
+        return {} if self._telemetry is None else self._telemetry.labels()
+
+    # ------------------------------------------------------------------ torch's getters and setters
+    @property
+    def _device(self) -> str:
+        """torch's private attribute: the device string."""
+        if self._t is not None:
+            return str(self._t.device)
+        return self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def _lazy_init_scale_growth_tracker(self, device) -> None:
+        """torch's private name for :meth:`init_device`."""
+        if self._enabled:
+            self.init_device(device)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Syncs: see :meth:`state`."""
+        return self.state().scale if self._enabled else 1.0
+
+    def _get_scale_async(self) -> Optional[torch.Tensor]:
+        """The scale tensor without a sync (None before the first :meth:`scale`), as in torch."""
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        """torch's private getter (used by some trainers). Syncs."""
+        return getattr(self.state(), "growth_tracker", 0) if self._enabled else 0
+
+    def _replace_policy(self, **changes) -> None:
+        missing = [k for k in changes if k not in self._policy.config()]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} do(es) not apply to the {type(self._policy).__name__}.")
+        import dataclasses
+
+        self._policy = dataclasses.replace(self._policy, **changes)  # validates the new value
+
+    def get_growth_factor(self) -> float:
+        """The growth factor (1.0 for a policy without one)."""
+        return self._policy.config().get("growth_factor", 1.0)
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (validated: > 1)."""
+        self._replace_policy(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor (1.0 for a policy without one)."""
+        return self._policy.config().get("backoff_factor", 1.0)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (validated: in (0, 1))."""
+        self._replace_policy(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval (0 for a policy without one)."""
+        return self._policy.config().get("growth_interval", 0)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (validated: int >= 1). Lowering it below the current clean streak makes
+        the next clean step grow the scale (torch would never grow again until an overflow). No sync."""
+        self._replace_policy(growth_interval=new_interval)
+        if self._t is None and hasattr(self._init_state, "growth_tracker"):
+            self._init_state = self._init_state.replace(
+                growth_tracker=min(self._init_state.growth_tracker, new_interval - 1))
+        elif hasattr(self._t, "growth_tracker"):
+            self._t.growth_tracker.clamp_(max=new_interval - 1)
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
+    def _found_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
+        """torch's private accessor, used by some trainers: this iteration's found_inf per device."""
+        rec = self._per_optimizer_states.get(id(optimizer))
+        return {} if rec is None else rec["found_inf_per_device"]
+
+    def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
+        """torch's private read-only check, used by some trainers."""
+        self._require("_check_inf_per_device()")
+        rec = self._record(optimizer, "_check_inf_per_device()")
+        self._check_optimizer(optimizer, rec, unscale=False, sync=False)
+        self._per_optimizer_states[id(optimizer)] = rec
+        return rec["found_inf_per_device"]
 
     # ------------------------------------------------------------------ tracing hooks
     def close(self) -> None:
@@ -488,7 +810,7 @@ class GradScaler(Readouts, TorchAPI):
         """The complete, versioned state: config, scale, every tracker and counter (``lossscale.checkpoint``),
         torch's five keys (``torch.amp.GradScaler.load_state_dict`` accepts it) and, with telemetry, its
         iteration count (a resumed run samples the same iterations). Empty when disabled (as torch).
-        May sync: see :meth:`state`. Call it after :meth:`update`.
+        Syncs once. Call it after :meth:`update`.
         """
         if not self._enabled:
             return {}
@@ -509,7 +831,7 @@ class GradScaler(Readouts, TorchAPI):
         """
         if not self._enabled:
             return
-        if self._it.begun or self._it.records:
+        if self._in_flight():
             raise RuntimeError(
                 "load_state_dict() was called in mid-iteration (after scale(), before update()): the gradients "
                 "in flight were scaled by the current scale, and unscaling them by the loaded one would be "
@@ -522,11 +844,17 @@ class GradScaler(Readouts, TorchAPI):
         if telemetry_iteration is not None and self._telemetry is not None:
             self._telemetry.iteration = telemetry_iteration
         self._policy = policy
-        self._s.set(state)
+        if self._t is None:
+            self._init_state = state
+        elif self._t.state_type is type(state):
+            self._t.load_(state)
+        else:  # another policy's state: new tensors
+            self._t = TensorState(state, self._t.device)
         self.discard_iteration()
-        self._stuck.reset()
+        self._snapshots.clear()
+        self._warned_streak = False
         self._health.reset(state)
-        self._last, self._evidence, self._last_report = LastUpdate(), None, None
+        self._last_skipped = self._last_found_inf = self._evidence = self._last_report = None
 
     def discard_iteration(self) -> None:
         """Forget the iteration in flight (after an exception in it, or to drop a batch by hand).
@@ -535,22 +863,27 @@ class GradScaler(Readouts, TorchAPI):
         the last :meth:`update` is dropped and nothing is counted. The gradients are not touched: zero
         them, since they may still carry the scale. A step that already ran is not undone. No sync.
         """
-        self._it = Iteration()
-        self._check.new_iteration()
+        self._new_iteration()
         if self._tracer is not None:
             self._tracer.snapshot()  # the traced passes of the dropped iteration
 
+    def _in_flight(self) -> bool:
+        """Whether an iteration has begun: scale() or a check ran since the last update()."""
+        return self._began or any(r["flags"] is not None or r["stage"] is not OptState.READY
+                                  for r in self._per_optimizer_states.values())
+
     def __getstate__(self) -> Dict[str, Any]:
-        if self._it.records:
+        if self._in_flight():
             raise RuntimeError("A GradScaler can be pickled only between iterations (after update()).")
         state = self.__dict__.copy()
-        keeper = StateKeeper(self.state(), self._s.device_type)  # the copy's tensors are made afresh
-        state.update(_s=keeper, _stuck=None, _evidence=None, _last_report=None)
+        # The state as numbers; the copy makes its tensors afresh on the next scale() (torch does the same).
+        state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
+                     _evidence=None, _last_report=None, _last_found_inf=None, _bad=None, _losses=[],
+                     _per_optimizer_states=collections.defaultdict(_fresh_record))
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._stuck = StuckCheck()
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GradScaler":
         twin = type(self).__new__(type(self))
@@ -559,5 +892,166 @@ class GradScaler(Readouts, TorchAPI):
         return twin
 
     def __repr__(self) -> str:
-        where = "not started" if self._s.t is None else str(self._s.device)
+        where = "not started" if self._t is None else str(self._t.device)
         return f"lossscale.GradScaler(enabled={self._enabled}, policy={self._policy!r}, {where})"
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _make_policy(policy, given: Dict[str, Any]):
+    if isinstance(policy, str):
+        return policy_from_keywords(policy, **given)
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
+    if given:
+        raise ValueError(f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
+                         "to GradScaler as well.")
+    return policy
+
+
+def _valid_group(group: Any) -> Any:
+    if group is None or (isinstance(group, str) and group == DEFAULT_GROUP):
+        return group
+    from .distributed import validate_group
+
+    return validate_group(group)
+
+
+def _counters(s: ScaleState) -> Dict[str, int]:
+    return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
+            "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
+
+
+def _combined(flags, device: torch.device):
+    """The flags of several checks (one per optimizer) as one: a MAX of each (the flag contract)."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    found_nan = bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+    amaxes = []
+    for f in flags:
+        found_inf = torch.maximum(found_inf, f.found_inf.to(device))
+        found_nan, bad_loss = found_nan | f.found_nan.to(device), bad_loss | f.bad_loss.to(device)
+        if f.amax is not None:
+            amaxes.append(f.amax.to(device))
+    return found_inf, found_nan, bad_loss, torch.stack(amaxes).max() if amaxes else None
+
+
+def _valid_new_scale(policy, new_scale, device: torch.device):
+    """``update(new_scale)``'s argument checked: a Python float within the policy's bounds, or a
+    1-element float tensor on the state's device type; ValueError naming it otherwise."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+            raise ValueError("new_scale must be a float or a 1-element floating-point tensor with requires_grad="
+                             f"False; got a {new_scale.dtype} tensor of shape {tuple(new_scale.shape)}.")
+        if new_scale.device.type != device.type:
+            raise ValueError(f"new_scale is on {new_scale.device} but the scaler's state is on {device}.")
+        return new_scale
+    new_scale = plain_number("new_scale", new_scale)
+    if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
+        raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
+    if not SMALLEST_SCALE <= f32(new_scale) < float("inf"):
+        raise ValueError(f"new_scale={new_scale!r} must be finite and within float32's normal range "
+                         "[2**-126, 3.4e38], where the scale is kept.")
+    lo, hi = policy.scale_bounds()
+    if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
+        raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
+    return new_scale
+
+
+def _set_scale(policy, t: TensorState, new_scale) -> None:
+    """Write ``update(new_scale)``'s scale on device. No sync."""
+    if not isinstance(new_scale, torch.Tensor):
+        t.scale.fill_(new_scale)
+        return
+    value = new_scale.detach().reshape(()).to(t.scale)
+    # A non-finite or too small scale would poison every later step: keep the old one, decided on
+    # device and before the clamp (which would turn inf into max_scale as if it had been asked for).
+    ok = torch.isfinite(value) & (value >= SMALLEST_SCALE)
+    lo, hi = policy.scale_bounds()
+    if lo is not None or hi is not None:
+        value = value.clamp(lo, hi)
+    t.scale.copy_(torch.where(ok, value, t.scale))
+
+
+def _refuse_unscalable(outputs: Any) -> None:
+    """ValueError for what cannot be scaled: not a tensor nor a list, tuple or dict of them (other
+    iterables are checked as they are consumed), or a tensor on the meta device (it holds no values)."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs.device.type == "meta":
+            raise ValueError("scale() got a tensor on the meta device, which holds no values; scale the loss of a "
+                             "real forward (the scaler's state lives on the loss's device).")
+        return
+    if isinstance(outputs, dict):
+        values = outputs.values()
+    elif isinstance(outputs, (list, tuple)):
+        values = outputs
+    elif isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
+        return
+    else:
+        raise ValueError(
+            f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}.")
+    for value in values:
+        _refuse_unscalable(value)
+
+
+def _map_tensors(fn: Callable, value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor, keeping the containers' types (a named tuple stays
+    one, a defaultdict keeps its factory); other iterables come back as a lazy ``map``, as in torch."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _map_tensors(fn, v)
+        return out
+    if isinstance(value, (list, tuple)):
+        mapped = [_map_tensors(fn, v) for v in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
+    return map(lambda v: _map_tensors(fn, v), value)
+
+
+# ---------------------------------------------------------------------- driving an optimizer's step
+def _fused(optimizer) -> bool:
+    """Whether the optimizer unscales and skips by itself: torch's ``_step_supports_amp_scaling``
+    (fused Adam, AdamW, SGD, Adagrad) reads ``grad_scale`` and ``found_inf`` during ``step()``."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+_GRAD_SCALER_KWARG: Dict[Any, bool] = {}  # per step function: inspect.signature costs ~100 us
+
+
+def _takes_grad_scaler(step) -> bool:
+    """Whether ``step`` takes the deprecated ``grad_scaler=`` keyword (the optimizer asks the scaler)."""
+    func = getattr(step, "__func__", step)
+    found = _GRAD_SCALER_KWARG.get(func)
+    if found is None:
+        found = _GRAD_SCALER_KWARG[func] = "grad_scaler" in inspect.signature(step).parameters
+    return found
+
+
+def _first_step_needs_the_host(optimizer) -> bool:
+    """Whether a skip decided on device would leave this optimizer's state garbage, so the host must
+    decide its step (one sync) and not call it when skipped: torch's ``SGD(fused=True)`` with momentum
+    makes its momentum buffers with ``torch.empty_like`` on its first step and lets the kernel fill them;
+    a skipped first step returns before writing, and the next step reads the uninitialised memory
+    (torch 2.13 ``optim/sgd.py``; measured: weights at 5e27 two steps later). Only until they exist."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    for group in optimizer.param_groups:
+        if group.get("fused") and group.get("momentum", 0) != 0:
+            state = optimizer.state
+            if any(p.grad is not None and state.get(p, {}).get("momentum_buffer") is None for p in group["params"]):
+                return True
+    return False
+
+
+def _step_with_flags(optimizer, scale, found_inf, args, kwargs):
+    """``optimizer.step(*args, **kwargs)`` with ``grad_scale``/``found_inf`` set for its duration.
+    ``scale``: what the gradients carry (None: already unscaled); a ``grad_scale`` the user set on the
+    optimizer is multiplied in, as torch does."""
+    user_scale = getattr(optimizer, "grad_scale", None)
+    optimizer.grad_scale = user_scale if scale is None else scale if user_scale is None else scale * user_scale
+    optimizer.found_inf = found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf

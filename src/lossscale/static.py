@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._validate import positive_finite, validate_stuck, warn_not_powers_of_two
-from .diagnosis import stuck_at_bound_or_streak
-from .policy import CLEAN, SCALE_OVERFLOW, PolicyBase, ScaleState, count, count_tensor, f32, register
+from .policy import PolicyBase, ScaleState, count, count_tensor, f32, register, stuck_at_bound_or_streak
 
 __all__ = ["StaticPolicy", "StaticState"]
 
@@ -83,13 +82,12 @@ class StaticPolicy(PolicyBase):
             return count(state, True, found_nan, bad_loss=True)
         return count(state, found_inf, found_nan).replace(growth_tracker=0 if found_inf else state.growth_tracker + 1)
 
-    def tensor_update(self, t, flags, amax=None) -> None:
+    def tensor_update(self, t, found_inf, found_nan, bad_loss, amax=None) -> None:
         """:meth:`update` on device tensors, in place: the counters, and the clean-step tracker (reset
-        by an overflow, left alone by a non-finite loss). ``flags`` as for
+        by an overflow, left alone by a non-finite loss). Flags as for
         :meth:`lossscale.DynamicPolicy.tensor_update`."""
-        count_tensor(t, flags)
-        yes = flags > 0  # every flag as a bool; a bad loss is neither an overflow the scale answers nor clean
-        t.growth_tracker.add_(yes[CLEAN]).masked_fill_(yes[SCALE_OVERFLOW], 0)
+        count_tensor(t, found_inf, found_nan, bad_loss)
+        t.growth_tracker.add_(~found_inf).masked_fill_(found_inf & ~bad_loss, 0)
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
         """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``;

@@ -44,7 +44,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import _kernels
 
 __all__ = ["Tracer"]
 
@@ -110,7 +109,7 @@ class _Pass:
             indices, sums = zip(*self.pending[:n])
             del self.pending[:n]
             device = sums[0].device if self.folded is None else self.folded[1].device
-            bad = ~torch.isfinite(torch.stack([_kernels.to_device(x, device) for x in sums]))
+            bad = ~torch.isfinite(torch.stack([x.to(device) for x in sums]))
             # argmax of a bool vector is its first True (0 when none: read with ``any``).
             first, found = torch.argmax(bad.to(torch.uint8)), bad.any()
             if self.folded is None:

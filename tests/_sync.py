@@ -1,13 +1,12 @@
-"""Count what a GPU would see: kernel launches, host syncs and copies between host and device.
+"""A test instrument: count what a GPU would see, kernel launches, host syncs and copies between host and device.
 
 A sync is the host waiting for an accelerator's queue to drain so it can read a value. Every torch
 operation passes through torch's dispatcher, so a
 :class:`~torch.utils._python_dispatch.TorchDispatchMode` can classify each one by its operator and
-its tensors' devices, the same way on a real GPU, on the test suite's stand-in device (tensors that
-report ``cuda:0`` and compute on the CPU, ``tests/_fake_cuda.py``) and on a plain CPU run:
+its tensors' devices, the same way on a real GPU and on a plain CPU run:
 
 >>> import torch
->>> from lossscale._sync import count_host_syncs
+>>> from _sync import count_host_syncs
 >>> x = torch.ones(3)
 >>> with count_host_syncs() as syncs:
 ...     y = (x * 2).sum()          # stays a tensor: no sync
@@ -19,7 +18,7 @@ What is counted (:func:`classify` is the rule, one operator call at a time):
 
 * **syncs**: ``aten._local_scalar_dense`` of a device tensor (every ``.item()``, ``float(t)``,
   ``int(t)``, ``bool(t)`` and ``if t:``); a copy to host memory that the host waits for (``t.cpu()``,
-  ``t.to("cpu")``, ``t.tolist()``; a ``non_blocking`` copy into pinned memory is queued, not waited
+  ``t.to("cpu", copy=True)``, ``t.tolist()`` of a GPU tensor; a ``non_blocking`` copy into pinned memory is queued, not waited
   for); a copy to the device that the host waits for: a blocking one, or any from pageable (not
   pinned) memory (``torch.tensor(list, device="cuda")``, ``t.to("cuda")`` of a CPU tensor), which
   also fails inside a CUDA-graph capture; operators whose output *shape* depends on values
@@ -40,7 +39,9 @@ What is counted (:func:`classify` is the rule, one operator call at a time):
 
 **A CPU-only run stands for the device.** When the counted block touched no accelerator tensor at
 all, every tensor is taken to be where a GPU run would put it: value reads and value-dependent
-shapes count as syncs, non-view operators as launches. So the CPU test suite checks the promise
+shapes count as syncs, non-view operators as launches, an explicit copy to the host as a read
+(``.tolist()`` of a CPU tensor reads memory without the dispatcher, so it is not seen: host memory
+that a copy filled, such as a snapshot's, is read that way). So the CPU test suite checks the promise
 "no sync in the hot path" without a GPU. Where the block touched an accelerator tensor, only device
 work counts (a read of a CPU-resident tensor, such as ``Adam(foreach=True)``'s step count, is then no
 sync). The totals are final when the block exits.
@@ -52,8 +53,8 @@ copy from pageable memory: a sync and an h2d.
 
 What it cannot see: work done inside a single operator's device code beyond the rules above, and
 device calls that are not operators (``torch.cuda.synchronize()``, events), unless their caller
-reports them: a CUDA graph's replay is one launch (:func:`count_launch`, which
-``lossscale._device.GraphedCall`` calls).
+reports them (:func:`count_launch`). Launch counts are a model of a GPU, reported beside measured
+time in ``benchmarks/bench_iteration.py``, never a goal.
 """
 
 from __future__ import annotations
@@ -180,9 +181,8 @@ def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device]
     """(launches, syncs, h2d, d2h) of one operator call, as a GPU run would see it.
 
     ``on_device(device)`` says whether a device is the accelerator's (``device.type != "cpu"`` on a
-    GPU run and on the stand-in; always true where the CPU stands for the device). The rules are in
-    the module docstring. Everything is decided from the arguments, before the call runs (the
-    stand-in device raises on a sync under ``set_sync_debug_mode("error")``, as CUDA does).
+    GPU run; always true where the CPU stands for the device). The rules are in
+    the module docstring. Everything is decided from the arguments, before the call runs.
     """
     packet = getattr(func, "overloadpacket", None)
     if packet is None:  # not an aten operator (a higher-order operator runs aten operators itself)
@@ -195,8 +195,15 @@ def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device]
                 return (int(on_device(dst.device)), 0, 0, 0)
             return _copy(src, dst.device, lambda: _pinned(dst), nb, on_device)
         src = args[0]
-        dst_device = kwargs.get("device") or src.device
-        return _copy(src, torch.device(dst_device), lambda: bool(kwargs.get("pin_memory")),
+        dst_device = torch.device(kwargs.get("device") or src.device)
+        if (kwargs.get("device") is not None and dst_device.type == "cpu" and kwargs.get("dtype") in (None, src.dtype)
+                and not kwargs.get("non_blocking")):
+            # An explicit, blocking move to the host (t.to("cpu", copy=True)): it leaves the device even
+            # where the CPU stands for it. A cast names no device, or another dtype (autograd's casts name
+            # both); a copy between devices is non_blocking (torch's GradScaler replicates its scale so).
+            return _copy(src, dst_device, lambda: bool(kwargs.get("pin_memory")),
+                         bool(kwargs.get("non_blocking", False)), lambda d: d is not dst_device and on_device(d))
+        return _copy(src, dst_device, lambda: bool(kwargs.get("pin_memory")),
                      bool(kwargs.get("non_blocking", False)), on_device)
     tensors = _tensors((args, kwargs))
     device_kw = kwargs.get("device")
@@ -257,8 +264,7 @@ class _CountingMode(TorchDispatchMode):
 def count_device_work() -> Iterator[DeviceWork]:
     """Context manager: count the launches, syncs and copies of the torch operations run inside it.
 
-    Yields a :class:`DeviceWork`, final when the block exits. On the test suite's stand-in device,
-    enter the stand-in first (its dispatch mode must sit below this one).
+    Yields a :class:`DeviceWork`, final when the block exits. 
     """
     work = DeviceWork()
     lift = torch._C._only_lift_cpu_tensors()
@@ -276,7 +282,7 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 
     Yields a :class:`SyncCounter` (a :class:`DeviceWork`) whose ``.count`` and ``.ops`` are final when
     the block exits. Other dispatch modes (e.g. ``FakeTensorMode``) are not supported inside the
-    block, except the stand-in device entered before it.
+    block.
     """
     with count_device_work() as work:
         yield work

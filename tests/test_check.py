@@ -1,0 +1,94 @@
+"""The gradient check (``lossscale._check``): the read-only pass's per-tensor max|g| with every device
+type's kernel, the flags it gives, flags combined by a maximum (never a sum), and the report's names
+where gradients of several dtypes interleave. (The clip is tested in test_clip.py, the state the flags
+feed in test_state.py.)"""
+
+import math
+
+import pytest
+import torch
+
+from lossscale import GradScaler, _check
+from lossscale.scaler import _combined
+
+CPU = torch.device("cpu")
+KERNELS = [_check._amax_aminmax, _check._amax_foreach_norm]
+
+
+def test_flags_of_several_checks_combine_to_one_not_a_sum():
+    # The flag contract: 0.0 or 1.0 whatever is combined; torch's fused kernels skip only on found_inf == 1.0.
+    def flags(inf, nan=False, bad=False, amax=None):
+        return _check.Flags(torch.tensor(float(inf)), torch.tensor(nan), torch.tensor(bad),
+                            None if amax is None else torch.tensor(amax))
+
+    found_inf, found_nan, bad, amax = _combined([flags(1, True), flags(1), flags(0, amax=3.0), flags(0, amax=5.0)], CPU)
+    assert (found_inf.item(), found_nan.item(), bad.item(), amax.item()) == (1.0, True, False, 5.0)
+    found_inf, found_nan, bad, amax = _combined([flags(0), flags(0, bad=True)], CPU)
+    assert (found_inf.item(), found_nan.item(), bad.item(), amax) == (0.0, False, True, None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_read_only_pass_gives_max_abs_per_tensor_nan_and_negative_inf_included(dtype, kernel, monkeypatch):
+    # Every device type's kernel, run here on CPU tensors: the same values, NaN and -inf included.
+    monkeypatch.setitem(_check.AMAX_KERNELS, "cpu", kernel)
+    grads = [torch.randn(n).to(dtype) for n in (1, 7, 1000, 4099)]
+    before = [g.clone() for g in grads]
+    grads[1][3] = -math.inf
+    grads[2][999] = math.nan
+    grads[3][0] = math.inf
+    grads[3][1] = -math.inf
+    vectors, amax = _check.largest_magnitudes(_check.group_grads(grads), CPU)
+    values = torch.cat(vectors).tolist()
+    assert values[0] == before[0].abs().max().float().item()
+    assert values[1] == math.inf and math.isnan(values[2]) and values[3] == math.inf
+    assert math.isnan(amax.item())  # the overall max keeps the NaN
+    assert torch.cat(vectors)[[0, 1, 3]].max().item() == math.inf
+    assert torch.equal(grads[0], before[0])  # nothing was written
+
+
+@pytest.mark.parametrize("worst, bad_loss, expected", [
+    (3.0e38, False, (0.0, False)), (math.inf, False, (1.0, False)), (math.nan, False, (1.0, True)),
+    (1.0, True, (1.0, False)), (math.nan, True, (1.0, True)),
+], ids=["clean, near float32's max", "inf", "nan", "bad loss", "bad loss and nan"])
+def test_the_flags_from_the_worst_value_and_the_loss_check(worst, bad_loss, expected):
+    check = _check.GradientCheck(lambda p: None, None)
+    flags = check.flags_of(torch.tensor(worst), torch.tensor(bad_loss), None, True, [], [])
+    assert (flags.found_inf.item(), flags.found_nan.item()) == expected
+    assert flags.found_inf.dtype == torch.float32 and flags.skipped == bool(expected[0])
+
+
+def test_the_accelerator_kernel_launches_a_constant_number_of_ops():
+    # The kernel CUDA uses must not launch per parameter (hundreds of launches per step); CPU's does,
+    # where per-tensor aminmax was measured fastest. Counted as a device would see them (the CPU
+    # standing for it: views launch nothing).
+    from _sync import count_device_work
+
+    def launches(kernel, n):
+        grads = [torch.randn(5) for _ in range(n)]
+        with count_device_work() as work:
+            kernel(grads)
+        return work.launches
+
+    assert _check.AMAX_KERNELS.get("cuda", _check._amax_foreach_norm) is _check._amax_foreach_norm
+    assert launches(_check._amax_foreach_norm, 4) == launches(_check._amax_foreach_norm, 400)
+    assert launches(_check._amax_aminmax, 400) > launches(_check._amax_aminmax, 4)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
+def test_overflow_report_names_the_right_parameter_when_dtypes_interleave(kind):
+    # Gradients are checked per (device, dtype) group; the report must map each amax back to its
+    # parameter (fp32, bf16, fp32: the bf16 one sits between the two fp32 ones in parameter order).
+    ps = [torch.nn.Parameter(torch.zeros(3, dtype=d)) for d in (torch.float32, torch.bfloat16, torch.float32)]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(ps, lr=0.1) if kind == "sgd" else torch.optim.Adam(ps, fused=True)
+    scaler = GradScaler.passthrough(on_stuck="ignore")  # bf16 gradients: scale 1, no unscale pass
+    scaler.name_parameters([(f"p{i}", p) for i, p in enumerate(ps)])
+    scaler.scale(torch.ones(()))
+    ps[1].grad[0] = math.nan
+    ps[2].grad[1] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    assert (report["inf"], report["nan"]) == (["p2"], ["p1"])
