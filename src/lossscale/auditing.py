@@ -31,7 +31,7 @@ so dropout draws the same masks where the kernels allow):
    in training. A module **overflows in its own forward** when a call whose floating inputs were all
    finite returned inf or NaN. The smallest such modules (none of whose submodules does) that the FP32
    shadow keeps finite are kept in FP32 and the forward runs again, because a module downstream of the
-   first overflow saw inf as input and could not be judged: up to ``max_rounds`` forwards, until the
+   first overflow saw inf as input and could not be judged: up to ``max_rounds`` times, until the
    FP16 forward is finite. ``report.keep_fp32`` is the union (modules kept already are left out: a
    second audit after ``keep_fp32`` shows none). The forward columns show the first round: the model as
    you gave it.
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -253,17 +252,20 @@ class AuditReport:
         return lines
 
     def table(self, max_rows: Optional[int] = 40) -> str:
-        """The per-module table. With more than ``max_rows`` modules, the rows with a verdict and those
-        with the least forward headroom and the largest flushed share are shown (None: every row)."""
+        """The per-module table, in execution order. With more than ``max_rows`` modules, the rows that name
+        a cause and those with the least forward headroom and the largest flushed share are shown (None:
+        every row)."""
         rows = list(self.modules.values())
         hidden = 0
         if max_rows is not None and len(rows) > max_rows:
-            flagged = [r for r in rows if r.verdict]
-            rest = [r for r in rows if not r.verdict]
+            # Rows that name a cause first (the "from upstream" ones follow from another row's), then the
+            # least forward headroom and the largest flushed share.
+            strong = [r for r in rows if r.verdict and r.verdict != "inf/nan from upstream"][:max_rows]
+            rest = [r for r in rows if r not in strong]
             by_amax = sorted(rest, key=lambda r: -_finite_or(r.fwd_amax, math.inf))
             by_flush = sorted(rest, key=lambda r: -(r.flushed_frac or 0.0))
-            room = max(0, max_rows - len(flagged))
-            pick = {id(r) for r in flagged} | {id(r) for r in by_amax[: room // 2]} | {id(r) for r in by_flush[: room - room // 2]}
+            room = max_rows - len(strong)
+            pick = {id(r) for r in strong} | {id(r) for r in by_amax[: room // 2]} | {id(r) for r in by_flush[: room - room // 2]}
             shown = [r for r in rows if id(r) in pick]
             hidden = len(rows) - len(shown)
             rows = shown
@@ -278,7 +280,7 @@ class AuditReport:
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
         lines.insert(1, "  ".join("-" * w for w in widths))
         if hidden:
-            lines.append(f"... {hidden} more module(s) without a verdict: report.table(max_rows=None) or report.to_dict()")
+            lines.append(f"... {hidden} more module(s): report.table(max_rows=None) or report.to_dict()")
         lines.append(f"FP16's largest value is {FP16.max:g}; flushed@S: share of the nonzero gradient values FP16 "
                      f"stores as 0 at S = {_pow2(self.scale)} (f32 rows: the gradient is float32, nothing flushes).")
         return "\n".join(lines)
@@ -320,26 +322,34 @@ def _buffer_keeper(model: torch.nn.Module) -> Callable[[], None]:
     return restore
 
 
-@contextmanager
-def _preserved(model: torch.nn.Module, cuda_devices: List[int]):
-    """Restore every module's training flag, every buffer and the global RNG on exit; yields ``replay()``,
-    which puts the buffers and the RNG back as they were on entry (each pass starts from there)."""
-    modes = [(m, m.training) for m in model.modules()]
-    restore_buffers = _buffer_keeper(model)
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+class _Preserved:
+    """The user's model as it was: every module's training flag, every buffer and the global RNG.
 
-    def replay() -> None:
-        restore_buffers()
-        torch.set_rng_state(cpu_rng)
-        for d, state in zip(cuda_devices, cuda_rng):
+    :meth:`replay` puts the buffers (of the model and of any module added with :meth:`add_buffers`, the
+    shadow copy) and the RNG back as they were (each pass starts from there); :meth:`restore` also puts
+    the training flags back (at the end).
+    """
+
+    def __init__(self, model: torch.nn.Module, cuda_devices: List[int]):
+        self._modes = [(m, m.training) for m in model.modules()]
+        self._buffers = [_buffer_keeper(model)]
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_devices = cuda_devices
+        self._cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+
+    def add_buffers(self, module: torch.nn.Module) -> None:
+        self._buffers.append(_buffer_keeper(module))
+
+    def replay(self) -> None:
+        for restore in self._buffers:
+            restore()
+        torch.set_rng_state(self._cpu_rng)
+        for d, state in zip(self._cuda_devices, self._cuda_rng):
             torch.cuda.set_rng_state(state, d)
 
-    try:
-        yield replay
-    finally:
-        replay()
-        for m, flag in modes:
+    def restore(self) -> None:
+        self.replay()
+        for m, flag in self._modes:
             m.training = flag
 
 
@@ -632,8 +642,8 @@ def _check_args(model, loss_fn, scale, max_rounds) -> None:
             raise ValueError(f"scale={scale!r} must be a positive finite number, a GradScaler (its get_scale() is "
                              "read), or None (the largest safe power of two).")
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
-        raise ValueError(f"max_rounds={max_rounds!r} must be an int >= 1 (FP16 forwards to find every module to "
-                         "keep in FP32), e.g. 16.")
+        raise ValueError(f"max_rounds={max_rounds!r} must be an int >= 1 (rounds of keeping modules in FP32 "
+                         "and running the FP16 forward again), e.g. 16.")
 
 
 def _device_of(model: torch.nn.Module, batch) -> torch.device:
@@ -684,8 +694,8 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
         scale: the loss scale to judge the backward at: a positive number, a ``GradScaler`` (its
             ``get_scale()``: one host sync), or None for the largest safe power of two (see
             :mod:`lossscale.auditing` for the rule).
-        max_rounds: the most FP16 forwards spent finding the modules to keep in FP32 (each round keeps
-            the first-cause modules of the overflows it sees and runs again).
+        max_rounds: how many times at most the first-cause modules of the forward overflows are kept
+            in FP32 and the FP16 forward run again (each round finds the overflows the last one hid).
 
     Returns:
         An :class:`AuditReport`: ``print(report)`` for the table, ``report.keep_fp32`` for
@@ -707,111 +717,43 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
         if not 0 < given < math.inf:
             raise ValueError(f"scale: the scaler's scale is {given!r}; audit needs a positive finite scale.")
     already_kept = _fp32.kept_modules(model)
-    batch_finite = bool(_finite(_floats(batch)))
     notes: List[str] = []
-    with _preserved(model, _cuda_devices(model, batch)) as replay:
+    kept = _Preserved(model, _cuda_devices(model, batch))
+    try:
         shadow, copied = _shadow_of(model)
         if copied:  # its buffers move in the training pass too, and the eval pass must see the model's
-            restore_model = replay
-            restore_shadow = _buffer_keeper(shadow)
-
-            def replay():
-                restore_model()
-                restore_shadow()
+            kept.add_buffers(shadow)
+            notes.append("the FP32 shadow is a float32 deep copy of the model (it holds non-float32 tensors).")
         shadow_batch = _fp32.to_float32(batch)
-        params = {n: p for n, p in shadow.named_parameters() if p.requires_grad}
-
-        # 1. The FP32 shadow in training mode, forward and backward: exact gradients.
-        replay()
-        p32 = _Pass(shadow, grad_scale=1.0 if given is None else given)
-        try:
-            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-                loss32 = _run(loss_fn, shadow, shadow_batch)
-            grads = torch.autograd.grad(loss32, list(params.values()), allow_unused=True) if params else ()
-        finally:
-            p32.close()
-        if not params:
-            notes.append("no parameter requires grad: the backward figures are empty.")
-        param_grads = dict(zip(params, grads))
+        kept.replay()
+        p32, loss_fp32, param_grads = _shadow_pass(shadow, loss_fn, shadow_batch, device, given, notes)
         fp32_read = _Read(p32)
-        loss_fp32 = float(loss32.detach())
-
-        # 2. FP16 forwards: keep the first causes of forward overflows in FP32 until the forward is finite.
-        found: List[str] = []
-        handles = []
+        rounds = _Rounds(model, loss_fn, batch, device, kept.replay)
         try:
-            for round_ in range(max_rounds):
-                replay()
-                read, loss16 = _fp16_forward(model, loss_fn, batch, device.type, grad=True)
-                if round_ == 0:
-                    first, loss_first = read, loss16
-                causes = _minimal([n for n in read.order if read.own_overflow[n]])
-                new = [n for n in causes if n not in found and n not in already_kept and not fp32_read.nonfinite.get(n, False)]
-                if not new:
-                    break
-                try:
-                    handles.append(_fp32.keep_fp32(model, new))
-                except ValueError as e:
-                    notes.append(f"cannot keep {new!r} in FP32: {e}")
-                    break
-                found += new
-            else:
-                replay()
-                read, loss16 = _fp16_forward(model, loss_fn, batch, device.type, grad=True)
-                if any(read.own_overflow.values()):
-                    notes.append(f"the FP16 forward still overflows after {max_rounds} rounds; run audit again after "
-                                 "keep_fp32, or pass a larger max_rounds.")
-            final, loss_kept = read, loss16
-            forward_finite = math.isfinite(loss_kept) and not any(final.nonfinite.values())
-
-            # 4b. Agreement, in eval mode without grad, with the modules kept.
-            replay()
-            _set_eval(shadow)
-            _set_eval(model)
-            ref = _Pass(shadow, keep_outputs=True)
-            try:
-                with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                    _run(loss_fn, shadow, shadow_batch)
-            finally:
-                ref.close()
-            replay()
-            agree, _ = _fp16_forward(model, loss_fn, batch, device.type, grad=False, compare=ref)
-            ref_read = _Read(ref)
-            del ref
+            rounds.run(fp32_read, already_kept, max_rounds, notes)
+            agree, ref = _agreement(model, shadow, loss_fn, batch, shadow_batch, device, kept.replay)
         finally:
-            for h in handles:
-                h.remove()
-    known = _known_answer(device)
+            rounds.remove()
+    finally:
+        kept.restore()
+    hardware = _hardware_verdict(_known_answer(device), agree, ref)
 
     # 3. The scale, and the backward figures at it.
-    grad_fp16 = {n: "float16" in final.dtypes.get(n, ()) for n in fp32_read.order}
-    stats_at: Dict[str, Tuple[Optional[GradStats], Optional[float]]] = {}
-    for name in fp32_read.order:
-        gs = [g for c in p32.calls[name] for g in c.grads]
-        if not gs:
-            stats_at[name] = (None, None)
-            continue
-        merged = gs[0][0]
-        for st, _ in gs[1:]:
-            merged = merged.merge(st)
-        amaxes = _read([a for _, a in gs])
-        stats_at[name] = (merged, math.nan if any(math.isnan(a) for a in amaxes) else max(amaxes))
-    candidates = [a for n, (_, a) in stats_at.items() if grad_fp16[n] and a is not None]
-    shadow_modules = dict(shadow.named_modules())
-    for n in fp32_read.order:
-        if grad_fp16[n] and n in shadow_modules:
-            own = [param_grads.get(f"{n}.{pn}" if n else pn) for pn, _ in shadow_modules[n].named_parameters(recurse=False)]
-            candidates += [a for a in _read([_amax([g]) for g in own if g is not None]) if a is not None]
+    grad_fp16 = {n: "float16" in rounds.final.dtypes.get(n, ()) for n in fp32_read.order}
+    stats = _grad_figures(p32, fp32_read.order)
+    candidates = [a for n, (_, a) in stats.items() if grad_fp16[n] and a is not None]
+    candidates += _own_param_amaxes(shadow, [n for n in fp32_read.order if grad_fp16[n]], param_grads)
     safe = _safe_scale(candidates)
     if any(not math.isfinite(a) for a in candidates):
-        notes.append("the FP32 shadow's gradients hold inf or NaN: a model or data problem; the safe scale fits the finite ones.")
+        notes.append("the FP32 shadow's gradients hold inf or NaN: a model or data problem; the safe scale fits "
+                     "the finite ones.")
     S = safe if given is None else given
     if S < 1.0:
         notes.append(f"the scale {_pow2(S)} is below 1: these gradients are too large for FP16 even unscaled.")
 
+    first, named = rounds.first, dict(model.named_modules())
     modules: Dict[str, ModuleAudit] = {}
     leaf_stats: List[GradStats] = []
-    named = dict(model.named_modules())
     for name in first.order + [n for n in fp32_read.order if n not in first.calls]:
         row = ModuleAudit(name=name, type=type(named[name]).__name__ if name in named else "?")
         if name in first.calls:
@@ -820,20 +762,129 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
             row.fwd_overflow, row.nonfinite_input = first.own_overflow[name], first.nonfinite_input[name]
         if name in fp32_read.calls:
             row.fp32_amax, row.fp32_nonfinite = fp32_read.amax[name], fp32_read.nonfinite[name]
-        st, gmax = stats_at.get(name, (None, None))
-        row.grad_amax, row.grad_fp16 = gmax, grad_fp16.get(name, False)
+        st, row.grad_amax = stats.get(name, (None, None))
+        row.grad_fp16 = grad_fp16.get(name, False)
         if st is not None and row.grad_fp16:
-            at = st if given is not None else st.at(S)  # measured at 1.0 when S was unknown: S is a power of two
-            row.flushed_frac = at.frac_of_nonzero("flushed")
-            row.grad_overflow = at.overflow > 0 or at.inf > 0
+            at = st if given is not None else st.at(S)  # measured at 1 when S was unknown: S is a power of two
+            row.flushed_frac, row.grad_overflow = at.frac_of_nonzero("flushed"), at.overflow > 0
             if _leaf(named.get(name)):
                 leaf_stats.append(at)
         row.rel_error = agree.rel_error.get(name)
         modules[name] = row
-
-    hardware = _hardware_verdict(known, agree, ref_read)
     fp32_bad = _minimal([n for n in fp32_read.order if fp32_read.nonfinite[n] and not fp32_read.nonfinite_input[n]])
-    backward_overflow = [n for n, r in modules.items() if r.grad_overflow]
+    _write_verdicts(modules, rounds.found, already_kept, fp32_bad, hardware)
+    return AuditReport(
+        device=str(device), scale=S, scale_source=scale_source, safe_scale=safe, loss_fp16=rounds.loss_first,
+        loss_fp16_kept=rounds.loss_final, loss_fp32=loss_fp32, keep_fp32=rounds.found, already_kept=already_kept,
+        forward_finite=rounds.forward_finite, fp32_nonfinite=fp32_bad, batch_finite=bool(_finite(_floats(batch))),
+        backward_overflow=[n for n, r in modules.items() if r.grad_overflow], flushed_frac=_merged_flush(leaf_stats),
+        hardware=hardware, modules=modules, notes=notes)
+
+
+def _shadow_pass(shadow, loss_fn, batch, device, given, notes):
+    """1. The FP32 shadow in training mode, forward and backward: (the pass, the loss, {param id: grad}).
+    The output gradients' statistics are taken at the given scale, or at 1 (then judged with ``at``)."""
+    params = [p for p in shadow.parameters() if p.requires_grad]
+    p32 = _Pass(shadow, grad_scale=1.0 if given is None else given)
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            loss = _run(loss_fn, shadow, batch)
+        if not loss.requires_grad:
+            params = []
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+    finally:
+        p32.close()
+    if not params:
+        notes.append("the loss depends on no parameter that requires grad: the backward figures are empty.")
+    # By identity: a tied weight (GPT-2's lm_head and wte) has one name but belongs to both modules.
+    return p32, float(loss.detach()), {id(p): g for p, g in zip(params, grads)}
+
+
+class _Rounds:
+    """2. FP16 forwards in training mode: keep the first causes of forward overflows in FP32 and run
+    again, until the forward is finite. ``first`` is the model as given, ``final`` the last round."""
+
+    def __init__(self, model, loss_fn, batch, device, replay):
+        self._args = (model, loss_fn, batch, device.type)
+        self._replay = replay
+        self._handles: List[_fp32.KeepFP32Handle] = []
+        self.found: List[str] = []
+
+    def _forward(self):
+        self._replay()
+        return _fp16_forward(*self._args, grad=True)
+
+    def run(self, fp32_read: "_Read", already_kept: List[str], max_rounds: int, notes: List[str]) -> None:
+        self.first, self.loss_first = read, loss = self._forward()
+        for _ in range(max_rounds):
+            causes = _minimal([n for n in read.order if read.own_overflow[n]])
+            # A module FP32 cannot keep finite is a model problem: keeping it would not help.
+            new = [n for n in causes if n not in self.found and n not in already_kept and not fp32_read.nonfinite.get(n)]
+            if not new:
+                break
+            try:
+                self._handles.append(_fp32.keep_fp32(self._args[0], new))
+            except ValueError as e:
+                notes.append(f"cannot keep {new!r} in FP32: {e}")
+                break
+            self.found += new
+            read, loss = self._forward()
+        else:
+            if any(read.own_overflow.values()):
+                notes.append(f"the FP16 forward still overflows after {max_rounds} rounds; run audit again after "
+                             "keep_fp32, or pass a larger max_rounds.")
+        self.final, self.loss_final = read, loss
+        self.forward_finite = math.isfinite(loss) and not any(read.nonfinite.values())
+
+    def remove(self) -> None:
+        """Un-keep the modules the rounds kept."""
+        for h in self._handles:
+            h.remove()
+
+
+def _agreement(model, shadow, loss_fn, batch, shadow_batch, device, replay) -> Tuple["_Read", "_Read"]:
+    """4b. Both in eval mode without grad (no dropout: the same computation), FP32 first, its outputs kept;
+    then FP16 compared against them module by module. Returns (FP16 read, FP32 read)."""
+    replay()
+    _set_eval(shadow)
+    _set_eval(model)
+    ref = _Pass(shadow, keep_outputs=True)
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            _run(loss_fn, shadow, shadow_batch)
+    finally:
+        ref.close()
+    replay()
+    agree, _ = _fp16_forward(model, loss_fn, batch, device.type, grad=False, compare=ref)
+    return agree, _Read(ref)
+
+
+def _grad_figures(p32: "_Pass", order: List[str]) -> Dict[str, Tuple[Optional[GradStats], Optional[float]]]:
+    """Per module: its output gradients' merged statistics and their amax (NaN if any was NaN)."""
+    out: Dict[str, Tuple[Optional[GradStats], Optional[float]]] = {}
+    for name in order:
+        gs = [g for c in p32.calls[name] for g in c.grads]
+        if not gs:
+            out[name] = (None, None)
+            continue
+        merged = gs[0][0]
+        for st, _ in gs[1:]:
+            merged = merged.merge(st)
+        amaxes = _read([a for _, a in gs])
+        out[name] = (merged, math.nan if any(math.isnan(a) for a in amaxes) else max(amaxes))
+    return out
+
+
+def _own_param_amaxes(shadow, names: List[str], grads: Dict[int, torch.Tensor]) -> List[float]:
+    """The amaxes of the gradients of the modules' own parameters: autocast's backward computes a weight's
+    gradient in FP16 where the module's output is FP16 (the cast's backward only then widens it)."""
+    modules = dict(shadow.named_modules())
+    own = [grads.get(id(p)) for n in names if n in modules for p in modules[n].parameters(recurse=False)]
+    return [a for a in _read([_amax([g]) for g in own if g is not None]) if a is not None]
+
+
+def _write_verdicts(modules: Dict[str, ModuleAudit], found: List[str], already_kept: List[str],
+                    fp32_bad: List[str], hardware: "HardwareCheck") -> None:
     for name, r in modules.items():
         words = []
         if name in found:
@@ -850,14 +901,6 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
         if name == hardware.first_disagreement:
             words.append("FP16 DISAGREES")
         r.verdict = ", ".join(words)
-    flushed = _merged_flush(leaf_stats)
-    if copied:
-        notes.append("the FP32 shadow is a float32 deep copy of the model (it holds non-float32 tensors).")
-    return AuditReport(
-        device=str(device), scale=S, scale_source=scale_source, safe_scale=safe, loss_fp16=loss_first,
-        loss_fp16_kept=loss_kept, loss_fp32=loss_fp32, keep_fp32=found, already_kept=already_kept,
-        forward_finite=forward_finite, fp32_nonfinite=fp32_bad, batch_finite=batch_finite, backward_overflow=backward_overflow,
-        flushed_frac=flushed, hardware=hardware, modules=modules, notes=notes)
 
 
 def _leaf(module: Optional[torch.nn.Module]) -> bool:
