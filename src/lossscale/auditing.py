@@ -361,9 +361,7 @@ def _set_eval(model: torch.nn.Module) -> None:
 # ------------------------------------------------------------------ hooking every module
 def _floats(value) -> List[torch.Tensor]:
     """The floating tensors in a module's inputs or outputs (nested), in order."""
-    out: List[torch.Tensor] = []
-    _fp32._map_tensors(lambda t: out.append(t) if t.is_floating_point() else None, value)
-    return out
+    return [t for t in _fp32.tensors_in(value) if t.is_floating_point()]
 
 
 def _amax(ts: List[torch.Tensor]) -> torch.Tensor:
@@ -651,14 +649,13 @@ def _device_of(model: torch.nn.Module, batch) -> torch.device:
         return t.device
     for t in model.buffers():
         return t.device
-    found: List[torch.device] = []
-    _fp32._map_tensors(lambda t: found.append(t.device), batch)
-    return found[0] if found else torch.device("cpu")
+    found = _fp32.tensors_in(batch)
+    return found[0].device if found else torch.device("cpu")
 
 
 def _cuda_devices(model: torch.nn.Module, batch) -> List[int]:
     found = {t.device.index for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
-    _fp32._map_tensors(lambda t: found.add(t.device.index) if t.device.type == "cuda" else None, batch)
+    found |= {t.device.index for t in _fp32.tensors_in(batch) if t.device.type == "cuda"}
     return sorted(i if i is not None else torch.cuda.current_device() for i in found)
 
 

@@ -60,7 +60,7 @@ from typing import Dict, Iterable, List, Tuple, Union
 
 import torch
 
-__all__ = ["keep_fp32", "kept_modules", "is_kept", "release", "KeepFP32Handle", "to_float32"]
+__all__ = ["keep_fp32", "kept_modules", "is_kept", "release", "KeepFP32Handle", "to_float32", "tensors_in"]
 
 #: Dtypes a kept module's inputs are upcast from. float64 stays float64: autocast never narrows it.
 LOWER_PRECISION = (torch.float16, torch.bfloat16)
@@ -100,6 +100,17 @@ def _map_tensors(fn, value):
     return value
 
 
+def tensors_in(value) -> List[torch.Tensor]:
+    """The tensors in ``value`` (nested in tuples, lists and dicts), in order, without rebuilding anything."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
 def to_float32(value):
     """``value`` with every float16 / bfloat16 tensor in it (nested in tuples, lists and dicts) cast to
     float32, differentiably; other tensors and objects unchanged. The rule a kept module's inputs follow."""
@@ -109,16 +120,9 @@ def to_float32(value):
 def _first_device_type(module: torch.nn.Module, args, kwargs) -> str:
     """The device type whose autocast state applies: the first floating input's, else the module's first
     parameter's or buffer's, else the CPU's."""
-    found: List[str] = []
-
-    def look(t: torch.Tensor) -> torch.Tensor:
-        if not found and t.is_floating_point():
-            found.append(t.device.type)
-        return t
-
-    _map_tensors(look, (args, kwargs))
-    if found:
-        return found[0]
+    for t in tensors_in((args, kwargs)):
+        if t.is_floating_point():
+            return t.device.type
     for t in module.parameters():
         return t.device.type
     for t in module.buffers():
