@@ -243,10 +243,12 @@ class AuditReport:
             lines.append(f"FP32 TOO: {', '.join(map(_label, self.fp32_nonfinite))} are non-finite in FP32 as well, "
                          "from finite inputs: a model problem, not FP16's.")
         src = {"given": "given", "scaler": "the scaler's", "largest safe": "the largest safe"}[self.scale_source]
-        bwd = (f"{len(self.backward_overflow)} module(s) overflow FP16 at it ({', '.join(map(_label, self.backward_overflow))}): "
-               "the scale must drop" if self.backward_overflow else "no gradient overflows")
+        over = ", ".join(map(_label, self.backward_overflow))
+        bwd = (f"{len(self.backward_overflow)} module(s) overflow FP16 at it ({over}): the scale must drop"
+               if self.backward_overflow else "no gradient overflows")
         lines.append(f"BACKWARD at scale {_pow2(self.scale)} ({src}): {bwd}; {self.flushed_frac:.3%} of the nonzero "
-                     f"FP16-stored activation-gradient values flush to zero. Largest safe scale: {_pow2(self.safe_scale)}.")
+                     "FP16-stored activation-gradient values flush to zero. "
+                     f"Largest safe scale: {_pow2(self.safe_scale)}.")
         lines.append(f"HARDWARE: {self.hardware.verdict} -- {self.hardware.detail}")
         lines.extend(f"note: {n}" for n in self.notes)
         return lines
@@ -265,7 +267,8 @@ class AuditReport:
             by_amax = sorted(rest, key=lambda r: -_finite_or(r.fwd_amax, math.inf))
             by_flush = sorted(rest, key=lambda r: -(r.flushed_frac or 0.0))
             room = max_rows - len(strong)
-            pick = {id(r) for r in strong} | {id(r) for r in by_amax[: room // 2]} | {id(r) for r in by_flush[: room - room // 2]}
+            chosen = strong + by_amax[: room // 2] + by_flush[: room - room // 2]
+            pick = {id(r) for r in chosen}
             shown = [r for r in rows if id(r) in pick]
             hidden = len(rows) - len(shown)
             rows = shown
@@ -816,7 +819,8 @@ class _Rounds:
         for _ in range(max_rounds):
             causes = _minimal([n for n in read.order if read.own_overflow[n]])
             # A module FP32 cannot keep finite is a model problem: keeping it would not help.
-            new = [n for n in causes if n not in self.found and n not in already_kept and not fp32_read.nonfinite.get(n)]
+            new = [n for n in causes
+                   if n not in self.found and n not in already_kept and not fp32_read.nonfinite.get(n)]
             if not new:
                 break
             try:

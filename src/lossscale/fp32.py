@@ -192,7 +192,8 @@ def _unkeep(module: torch.nn.Module) -> None:
 # ------------------------------------------------------------------ selecting modules
 def _check_model(model) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model={model!r} must be a torch.nn.Module (the model that holds the modules to keep in FP32).")
+        raise ValueError(f"model={model!r} must be a torch.nn.Module (the model that holds the modules to keep "
+                         "in FP32).")
     return model
 
 

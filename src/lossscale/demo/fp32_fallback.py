@@ -224,7 +224,8 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
          and all(runs["fp16"]["skipped"]), f"{sum(runs['fp16']['skipped'])}/{steps} steps skipped, every loss NaN"),
         ("with keep_fp32, FP16 trains like FP32", all(math.isfinite(v) for v in runs["fp16_keep_fp32"]["loss"])
          and abs(kept_end - fp32_end) <= 0.1 * fp32_end and kept_end < runs["fp32"]["loss"][0] - 1.0,
-         f"mean loss of the last 5 steps {kept_end:.3f} against FP32's {fp32_end:.3f} (from {runs['fp32']['loss'][0]:.3f})"),
+         f"mean loss of the last 5 steps {kept_end:.3f} against FP32's {fp32_end:.3f} "
+         f"(from {runs['fp32']['loss'][0]:.3f})"),
         ("this device's FP16 agrees with FP32", report.hardware.verdict == "ok", report.hardware.detail),
     ]
     summary = {
@@ -318,7 +319,8 @@ def _render(summary: Dict[str, Any], report, out_dir: str) -> str:
               "Every module after it sees inf as input; the audit names the first cause, keeps it in FP32, runs "
               "the forward again and checks it is finite."]
         + [f"The scaler, meanwhile, in the FP16 run: \u201c{w}\u201d" for w in runs["fp16"]["warnings"]],
-        pre=str(report), images=[("fp32_fallback_amax.png", "Per-module forward amax, FP16 and FP32, against FP16's max.")])
+        pre=str(report),
+        images=[("fp32_fallback_amax.png", "Per-module forward amax, FP16 and FP32, against FP16's max.")])
     train_section = Section(
         "2. keep_fp32 makes FP16 train", verdict=summary["verdict"], anchor="train",
         text=[f"lossscale.keep_fp32(model, {summary['audit']['keep_fp32']!r}): that module runs outside autocast in "
