@@ -25,7 +25,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import lossscale  # noqa: E402
 from lossscale.integrations import deepspeed as ls_ds  # noqa: E402
-from _integration_models import InfAt  # noqa: E402
+from _integration_models import InfAt, fresh_accelerate_state  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "ds_cpu")
 
@@ -363,3 +363,29 @@ def test_importing_the_integration_imports_no_deepspeed():
     code = "import sys, lossscale.integrations.deepspeed\nprint('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accelerate_state, monkeypatch):
+    """accelerate builds the engine in prepare() (its DeepSpeedPlugin: classic fp16 for
+    mixed_precision="fp16") and steps it with engine.backward/step: attaching to that engine works."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0))
+    model = _model()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 2)),
+                                       batch_size=4)
+    model, opt, data = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2), data)
+    scaler = ls_ds.attach(accelerator.deepspeed_engine_wrapped.engine)
+    assert isinstance(scaler, ls_ds.LossScaler)
+    hook = InfAt(model.module[0].weight, (2, 3))
+    skipped = []
+    for x, y in data:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+    hook.handle.remove()
+    assert skipped == [False, False, True, True, False, False]
+    assert scaler.get_scale() == 2.0**15  # accelerate's DeepSpeed config: hysteresis 2, so one backoff
