@@ -21,7 +21,7 @@ DeepSpeed has two fp16 modes, and both work (line numbers are deepspeed 0.19.8's
     scaler never sees an overflow and never backs off, so a scale that is too large skips every
     step forever. The overflow reaches the lossscale scaler (through ``optimizer.loss_scaler``,
     which DeepSpeed calls on that path), which backs off as its policy says.
-  - ZeRO-0 decides a skipped step from ``optimizer.overflow`` (engine.py:3533-3537), which a torch
+  - ZeRO-0 decides a skipped step from ``optimizer.overflow`` (engine.py:3535-3551), which a torch
     optimizer does not have: ``engine.skipped_steps`` stayed 0 and the LR scheduler stepped on
     skipped steps. The optimizer now reports the scaler's decision (one host sync per step for a
     fused optimizer, none otherwise).
@@ -36,7 +36,7 @@ DeepSpeed has two fp16 modes, and both work (line numbers are deepspeed 0.19.8's
   minimum". And it fixes two DeepSpeed bugs:
 
   - the double division of DeepSpeed PR #8588: DeepSpeed updates the scale before it unscales
-    (fused_optimizer.py:336-344, unfused_optimizer.py:227-228, stage_1_and_2.py:3046-3133), so on a
+    (fused_optimizer.py:337-344, unfused_optimizer.py:227-228, stage_1_and_2.py:3046-3133), so on a
     growth step the gradients are divided by twice the scale backward used. :class:`LossScaler`
     keeps the scale the gradients carry until the next backward.
   - without ZeRO, ``engine.backward`` does not scale the loss at all for ``FP16_Optimizer`` /
@@ -174,7 +174,7 @@ def _attach_autocast(engine, optimizer, zero, scaler, kwargs):
 
 def _report_skips(optimizer, scaler) -> None:
     """Give the (torch) optimizer an ``overflow`` that is the scaler's decision: the engine reads it
-    after every step to count skipped steps and to hold the LR scheduler (engine.py:3533-3547)."""
+    after every step to count skipped steps and to hold the LR scheduler (engine.py:3535-3551)."""
     base = getattr(type(optimizer), "_lossscale_base", type(optimizer))
     optimizer.__class__ = type(base.__name__, (base,), {
         "__module__": base.__module__,
@@ -319,7 +319,7 @@ def _loss_scaler_class():
         The rule is ``lossscale.DynamicPolicy``'s with the config's numbers (``growth_interval`` =
         ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, ``min_scale`` =
         ``min_loss_scale``, factor 2, no cap), with DeepSpeed's growth timing: its window counts from
-        the overflow's iteration (loss_scaler.py:293 ``stable_interval = cur_iter - last_overflow_iter
+        the overflow's iteration (loss_scaler.py:283 ``stable_interval = cur_iter - last_overflow_iter
         - 1``), so the first growth after the start or an overflow needs ``loss_scale_window + 1``
         clean steps, later ones ``loss_scale_window``. ``on_stuck="raise"`` by default where
         DeepSpeed raised at the minimum (``raise_error_at_min_scale``): a RuntimeError with a
@@ -334,7 +334,7 @@ def _loss_scaler_class():
         """
 
         def __init__(self, policy, loss_check: bool = True) -> None:
-            # LossScalerBase.__init__ only sets cur_scale and dynamic (loss_scaler.py:126-129); cur_scale
+            # LossScalerBase.__init__ only sets cur_scale and dynamic (loss_scaler.py:139-141); cur_scale
             # is a property here, so it is not called.
             self._host = HostPolicy(policy, loss_check=loss_check)
             self.dynamic = not isinstance(policy, StaticPolicy)
@@ -378,7 +378,7 @@ def _loss_scaler_class():
             self._in_flight = self._host.state.scale
 
         def scale_loss(self, loss):
-            """``loss * scale`` (loss_scaler.py:158-162), noting first whether ``loss`` is non-finite
+            """``loss * scale`` (loss_scaler.py:157-161), noting first whether ``loss`` is non-finite
             (a device flag, no sync). The policy's current scale becomes the in-flight one."""
             self._host.check_loss(loss)
             self._in_flight = self._host.state.scale

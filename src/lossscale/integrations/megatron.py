@@ -34,7 +34,7 @@ sequences). What it adds:
 ``hysteresis_tracker``) plus lossscale's complete state under ``"lossscale"``; ``load_state_dict``
 takes either (a Megatron checkpoint continues exactly as Megatron's scaler would).
 
-Megatron-core's own classes put their tensors on ``device='cuda'`` (grad_scaler.py:15, 84-91), so
+Megatron-core's own classes put their tensors on ``device='cuda'`` (grad_scaler.py:15, 88-94), so
 they do not run on CPU; this one takes ``device=`` (default: CUDA when available, else CPU). Tested
 with megatron-core 0.16.1 on CPU; see docs/integrations.md.
 """
@@ -51,9 +51,20 @@ _CLASS = "GradScaler"
 _KEY = "lossscale"
 
 
+def _require_megatron() -> None:
+    """:func:`lossscale.integrations._require` for megatron-core, whose pip name is not its import name."""
+    try:
+        _require("megatron")
+    except ModuleNotFoundError as error:
+        if error.name != "megatron":
+            raise
+        raise ModuleNotFoundError('lossscale.integrations.megatron needs megatron-core, which is not installed: pip '
+                                  'install "lossscale[integrations]", or pip install megatron-core.', name="megatron") from error
+
+
 def _build_class():
     """The ``MegatronGradScaler`` subclass (built on first use: importing megatron takes seconds)."""
-    _require("megatron")
+    _require_megatron()
     import torch
     from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 
@@ -166,7 +177,7 @@ def _build_class():
 
         # ------------------------------------------------------------------ checkpoints
         def state_dict(self) -> Dict[str, Any]:
-            """Megatron's keys (grad_scaler.py:127-132) and lossscale's complete state under "lossscale"."""
+            """Megatron's keys (grad_scaler.py:132-137) and lossscale's complete state under "lossscale"."""
             s = self._host.state
             return {"scale": self._scale.detach().clone(), "growth_tracker": int(getattr(s, "growth_tracker", 0)),
                     "hysteresis_tracker": int(getattr(s, "hysteresis_tracker", 1)), _KEY: self._host.state_dict()}
@@ -195,7 +206,7 @@ def _build_class():
 
 
 def _from_megatron(policy, sd: Dict) -> tuple:
-    """``(policy, state)`` from a Megatron ``DynamicGradScaler.state_dict()`` (grad_scaler.py:127-137)."""
+    """``(policy, state)`` from a Megatron ``DynamicGradScaler.state_dict()`` (grad_scaler.py:132-142)."""
     import math
 
     from ..formats import f32
@@ -232,7 +243,7 @@ def attach(optimizer, scaler=None, **scaler_kwargs):
     (optimizer.py:1233-1239), so a scaler shared by N of them advances N times per iteration, as
     Megatron's own shared scaler does.
     """
-    _require("megatron")
+    _require_megatron()
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 
     cls = globals().get(_CLASS) or _build_class()
