@@ -389,3 +389,32 @@ def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accel
     hook.handle.remove()
     assert skipped == [False, False, True, True, False, False]
     assert scaler.get_scale() == 2.0**15  # accelerate's DeepSpeed config: hysteresis 2, so one backoff
+
+
+def test_a_bad_loss_skips_without_backing_off_where_deepspeed_halves():
+    def run(attach):
+        engine = _engine(1, "fp16")
+        scaler = ls_ds.attach(engine) if attach else None
+        scales = []
+        for step in range(3):
+            x, y = _batch(step)
+            loss = torch.nn.functional.mse_loss(engine(x.half()).float(), y) * (math.nan if step == 1 else 1.0)
+            engine.backward(loss)
+            engine.step()
+            scales.append(_scale(engine, scaler))
+        return scales, engine.skipped_steps, scaler
+
+    stock, stock_skipped, _ = run(False)
+    mine, skipped, scaler = run(True)
+    assert stock_skipped == skipped == 1
+    assert stock == [1024, 512, 512] and mine == [1024, 1024, 1024]
+    assert scaler.counters()["bad_loss_steps"] == 1
+
+
+def test_public_names_have_docstrings():
+    for name in ls_ds.__all__:
+        obj = getattr(ls_ds, name)
+        assert obj.__doc__, name
+        for attr, member in vars(obj).items() if isinstance(obj, type) else ():
+            if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
+                assert member.__doc__, f"{name}.{attr}"

@@ -198,3 +198,13 @@ def test_validation_names_the_argument():
         ls_megatron.attach(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0))
     with pytest.raises(ValueError, match="has no lossscale scaler"):
         ls_megatron.log_health(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0))
+
+
+def test_public_names_have_docstrings():
+    assert ls_megatron.__doc__
+    for name in ls_megatron.__all__:
+        obj = getattr(ls_megatron, name)
+        assert obj.__doc__, name
+        for attr, member in vars(obj).items() if isinstance(obj, type) else ():
+            if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
+                assert member.__doc__, f"{name}.{attr}"

@@ -16,7 +16,7 @@ read only on an overflow step (the framework synced already, so the read does no
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 __all__ = ["HostPolicy"]
 
@@ -128,7 +128,3 @@ class HostPolicy:
     def __repr__(self) -> str:
         return f"HostPolicy({self.policy!r}, scale={self.state.scale:g}, steps={self.state.steps})"
 
-
-def optional(value: Optional[Any], default: Any) -> Any:
-    """``value`` unless it is None."""
-    return default if value is None else value
