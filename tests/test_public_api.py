@@ -28,3 +28,15 @@ def test_import_does_not_pull_matplotlib_or_sklearn():
     code = "import sys, lossscale; print(sorted(m for m in ('matplotlib', 'sklearn') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_audit_and_keep_fp32_load_lazily_and_keep_their_names():
+    # lossscale.audit is a function; its module is lossscale.auditing, so importing the module (first or
+    # later) never replaces the function on the package.
+    code = ("import sys, lossscale\n"
+            "assert not any(m in sys.modules for m in ('lossscale.auditing', 'lossscale.fp32'))\n"
+            "import lossscale.auditing, lossscale.fp32\n"
+            "assert callable(lossscale.audit) and lossscale.audit is lossscale.auditing.audit\n"
+            "assert lossscale.AuditReport is lossscale.auditing.AuditReport\n"
+            "assert lossscale.keep_fp32 is lossscale.fp32.keep_fp32\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

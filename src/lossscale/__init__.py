@@ -35,6 +35,9 @@ _LAZY = {
     "activation_grad_probe": "hooks",
     "Telemetry": "telemetry",
     "JsonlLogger": "telemetry",
+    "audit": "auditing",
+    "AuditReport": "auditing",
+    "keep_fp32": "fp32",
 }
 
 __all__ = [
@@ -61,6 +64,9 @@ __all__ = [
     "activation_grad_probe",
     "Telemetry",
     "JsonlLogger",
+    "audit",
+    "AuditReport",
+    "keep_fp32",
 ]
 
 

@@ -16,7 +16,15 @@ callback, a library's loop)::
     scheduler.step()              # a no-op when scaler skipped this iteration's step
     ema.update_parameters(model)  # likewise: the average, its buffers and n_averaged stay bitwise
 
-``torch.optim.swa_utils.SWALR`` is an LR scheduler like any other.
+``torch.optim.swa_utils.SWALR`` is an LR scheduler like any other. EMAs of the ``update(model)``
+kind (timm's ``ModelEmaV2``/``ModelEmaV3``, ultralytics' ``ModelEMA``, any object with an
+``update(model, ...)`` method and no ``step()``) work the same way: ``ema.update(model)`` right
+after ``scaler.step(optimizer)`` takes effect only on steps that were taken::
+
+    ema = lossscale.schedulers.skip_aware(timm.utils.ModelEmaV3(model, decay=0.999), scaler)
+    ...
+    scaler.step(optimizer)
+    ema.update(model, step=num_updates)   # the EMA's tensors and counters stay bitwise on skips
 
 How: the object keeps its identity, attributes and ``state_dict()``; only its class becomes a
 subclass of its own class whose ``step()`` (``update_parameters()``) asks the scaler first. Torch's
@@ -45,6 +53,14 @@ optimizers skip on device:
   host; the EMA functions and ``get_swa_avg_fn`` do not), and copying the model to an averaged model
   kept on another device. A subclass that overrides ``update_parameters`` gets its own update after
   one sync that reads the flag.
+* a skip-aware ``update(model)`` EMA syncs nowhere either, unless it counts its updates on the host:
+  its update runs, and one ``where`` per tensor of the EMA's modules (every ``nn.Module`` it is or
+  holds: timm's ``module``, ultralytics' ``ema``) keeps a copy taken before it where the step was
+  skipped: one copy and one ``where`` per tensor. An EMA whose update moves a host integer (ultralytics'
+  ``updates``, which its decay reads on the host) cannot be gated on device: the first update that moves
+  one reads the flag (and puts the integer back on a skip), and every later update reads the flag
+  first: one host sync per update, the price of a counter that stays right. An EMA that holds no
+  module is handled the same way.
 
 Call ``step()`` / ``update_parameters()`` once per optimizer step, after ``scaler.step(optimizer)``:
 before or after ``scaler.update()``, it follows this iteration's decision
@@ -56,7 +72,7 @@ be wrapped: it would skip a whole epoch's update when the epoch's last batch was
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Dict, TypeVar
 
 __all__ = ["skip_aware", "is_skip_aware"]
 
@@ -116,6 +132,64 @@ def _update_parameters(self, model) -> None:
     _gated_update(self, model, skipped)
 
 
+def _update(self, model, *args: Any, **kwargs: Any):
+    """The EMA's ``update(model, ...)`` on steps that were taken; bitwise nothing on skipped ones (its
+    tensors and host counters as they were). No host sync where the host decided the step, nor on a
+    device flag for an EMA that counts nothing on the host (module docstring)."""
+    cls = type(self)
+    skipped = cls._lossscale_scaler.skip_flag(cls._lossscale_optimizer)  # never syncs
+    base_update = cls._lossscale_base.update
+    if not isinstance(skipped, bool):
+        tensors = None if cls._lossscale_host_counted else _ema_tensors(self)
+        if not tensors:  # counts on the host (or holds no module): read the flag, one sync
+            skipped = bool(skipped)
+        else:
+            return _gated_ema_update(self, base_update, tensors, skipped, model, args, kwargs)
+    if not skipped:
+        return base_update(self, model, *args, **kwargs)
+    return None
+
+
+def _host_ints(obj) -> Dict[str, int]:
+    return {k: v for k, v in vars(obj).items() if type(v) is int}
+
+
+def _gated_ema_update(ema, base_update, tensors, skipped, model, args, kwargs):
+    """``base_update`` run always, its tensors put back on device where ``skipped``; an update that
+    moved a host integer (a counter the decay reads) makes the EMA host-counted (module docstring)."""
+    import torch
+
+    ints = _host_ints(ema)
+    with torch.no_grad():
+        kept = [t.detach().clone() for t in tensors]
+        out = base_update(ema, model, *args, **kwargs)
+        for t, k in zip(tensors, kept):
+            t = t.detach()
+            torch.where(skipped.to(t.device), k, t, out=t)
+    moved = {k: v for k, v in ints.items() if _host_ints(ema).get(k) != v}
+    if moved:
+        type(ema)._lossscale_host_counted = True
+        if bool(skipped):  # one sync, once: this update's counter must not count a skipped step
+            vars(ema).update(moved)
+    return out
+
+
+def _ema_tensors(ema):
+    """Every parameter and buffer of the modules an ``update(model)`` EMA is or holds (timm's EMAs are
+    modules holding ``module``; ultralytics' holds ``ema``), each once."""
+    import torch
+
+    modules = [ema] if isinstance(ema, torch.nn.Module) else [v for v in vars(ema).values()
+                                                                if isinstance(v, torch.nn.Module)]
+    seen, out = set(), []
+    for module in modules:
+        for t in module.state_dict(keep_vars=True).values():
+            if torch.is_tensor(t) and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
 def _reduce_ex(self, protocol):
     # The per-object class is not importable by name: pickle as (base class, scaler, state, optimizer).
     cls = type(self)
@@ -126,9 +200,11 @@ def _reduce_ex(self, protocol):
 def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
     """Make ``obj`` hold still on iterations whose optimizer step ``scaler`` skipped.
 
-    ``obj`` is an LR scheduler (its ``step()`` does nothing then) or a
+    ``obj`` is an LR scheduler (its ``step()`` does nothing then), a
     ``torch.optim.swa_utils.AveragedModel`` (its ``update_parameters(model)`` leaves the averaged
-    parameters, buffers and ``n_averaged`` bitwise as they were). Returns the same object (its class
+    parameters, buffers and ``n_averaged`` bitwise as they were), or an EMA of the ``update(model)``
+    kind without a ``step()`` (timm's ``ModelEmaV2``/``ModelEmaV3``, ultralytics' ``ModelEMA``: its
+    ``update(model, ...)`` leaves its tensors and host counters bitwise as they were). Returns the same object (its class
     becomes a subclass of its own class; every attribute and ``isinstance`` check stays as it was).
     Works for any ``torch.optim.lr_scheduler`` scheduler, ``ReduceLROnPlateau`` (its ``step(metrics)``
     arguments pass through) and ``SWALR`` included, any object with a ``step()`` method, and any
@@ -136,9 +212,10 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
     unchanged and loads into a plain object. Calling it again re-links the object to another scaler.
 
     Host syncs: none where the host decided the step. With fused optimizers (which skip on device)
-    a scheduler's ``step()`` syncs once to read the flag; an ``AveragedModel`` does not sync (the
-    update is gated on the device flag), except inside torch's default SWA averaging on CUDA and for
-    a subclass that overrides ``update_parameters`` (see the module docstring). Wrapping an
+    a scheduler's ``step()`` syncs once to read the flag; an ``AveragedModel`` and an ``update(model)``
+    EMA do not sync (the update is gated on the device flag), except inside torch's default SWA
+    averaging on CUDA, for a subclass that overrides ``update_parameters``, and for an EMA that counts
+    its updates on the host (ultralytics' ``updates``: one sync per update; see the module docstring). Wrapping an
     ``AveragedModel`` whose ``n_averaged`` is not on its parameters' device moves it there (a copy,
     once). A disabled scaler never skips.
 
@@ -146,7 +223,7 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
         obj: the LR scheduler, stepped once per optimizer step, or the ``AveragedModel``, updated
             at most once per optimizer step.
         scaler: the ``lossscale.GradScaler`` that steps the optimizer.
-        optimizer: with an ``AveragedModel`` only: the optimizer whose steps it follows when
+        optimizer: with an ``AveragedModel`` or an EMA only: the optimizer whose steps it follows when
             ``scaler`` steps several (a GAN's generator). None: the iteration as a whole (held
             when any optimizer skipped). A scheduler follows its own ``scheduler.optimizer``.
     """
@@ -154,20 +231,24 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
 
     _check_scaler(scaler)
     averaged = isinstance(obj, AveragedModel)
-    if not averaged:
+    ema = not averaged and not callable(getattr(obj, "step", None)) and callable(getattr(obj, "update", None))
+    if not averaged and not ema:
         if optimizer is not None:
-            raise ValueError(f"optimizer={type(optimizer).__name__}(...) is for an AveragedModel; a scheduler follows its own "
-                             "optimizer (scheduler.optimizer): drop the argument.")
+            raise ValueError(f"optimizer={type(optimizer).__name__}(...) is for an AveragedModel or an EMA; a scheduler follows "
+                             "its own optimizer (scheduler.optimizer): drop the argument.")
         if not callable(getattr(obj, "step", None)):
-            raise ValueError(f"obj={type(obj).__name__}(...) has no step() method and is not a torch.optim.swa_utils.AveragedModel; "
-                             "pass an LR scheduler or an AveragedModel.")
+            raise ValueError(f"obj={type(obj).__name__}(...) has no step() or update(model) method and is not a "
+                             "torch.optim.swa_utils.AveragedModel; pass an LR scheduler, an AveragedModel or an EMA.")
     if not hasattr(obj, "__dict__"):
         raise ValueError(f"obj={obj!r} has no instance __dict__ (__slots__ only); use "
                          "scaler.step_scheduler(scheduler) in the training loop instead.")
     if averaged:
         _keep_count_with_parameters(obj)
     base = getattr(type(obj), "_lossscale_base", type(obj))
-    verb = "update" if averaged else "step"
+    verb = "update" if averaged or ema else "step"
+    method = ({"update_parameters": _update_parameters} if averaged else
+              {"update": _update, "_lossscale_host_counted": getattr(type(obj), "_lossscale_host_counted", False)}
+              if ema else {"step": _step})
     skip_cls = type(f"SkipAware{base.__name__}", (base,), {
         "__module__": __name__,
         "__doc__": f"{base.__name__} that does not {verb} on iterations the lossscale.GradScaler skipped.",
@@ -175,14 +256,14 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
         "_lossscale_scaler": scaler,
         "_lossscale_optimizer": optimizer,
         "__reduce_ex__": _reduce_ex,
-        **({"update_parameters": _update_parameters} if averaged else {"step": _step}),
+        **method,
     })
     obj.__class__ = skip_cls
     return obj
 
 
 def is_skip_aware(obj) -> bool:
-    """Whether :func:`skip_aware` was applied to ``obj`` (a scheduler or an ``AveragedModel``)."""
+    """Whether :func:`skip_aware` was applied to ``obj`` (a scheduler, an ``AveragedModel`` or an EMA)."""
     return "_lossscale_scaler" in type(obj).__dict__
 
 

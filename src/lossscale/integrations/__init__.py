@@ -5,6 +5,10 @@
 * :mod:`lossscale.integrations.lightning`: ``MixedPrecision()`` (``lightning.Trainer``) and
   ``FabricMixedPrecision()`` (``lightning.Fabric``) precision plugins.
 * :mod:`lossscale.integrations.loggers`: ``log_tensorboard(writer, scaler, step)``.
+* :mod:`lossscale.integrations.deepspeed`: ``attach(engine)`` (a ``DeepSpeedEngine``, torch_autocast or
+  classic fp16, ZeRO-0 to 3) and ``log_health(engine)``.
+* :mod:`lossscale.integrations.megatron`: ``GradScaler(...)``, a Megatron-core ``MegatronGradScaler``,
+  and ``attach(optimizer)``.
 
 Importing this package, or any of its modules, imports no framework: each framework is imported by
 the function or class that needs it. See docs/integrations.md for what each integration changes in
@@ -14,7 +18,7 @@ with the extra that installs it.
 
 import importlib
 
-__all__ = ["accelerate", "transformers", "lightning", "loggers"]
+__all__ = ["accelerate", "transformers", "lightning", "loggers", "deepspeed", "megatron"]
 
 
 def _require(framework: str) -> None:
