@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import lossscale
-from lossscale._sync import count_host_syncs
+from _sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
 
 pytestmark = pytest.mark.usefixtures("one_thread")
