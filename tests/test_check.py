@@ -21,10 +21,10 @@ def test_flags_of_several_checks_combine_to_one_not_a_sum():
         return _check.Flags(torch.tensor(float(inf)), torch.tensor(nan), torch.tensor(bad),
                             None if amax is None else torch.tensor(amax))
 
-    found_inf, found_nan, bad, amax = _combined([flags(1, True), flags(1), flags(0, amax=3.0), flags(0, amax=5.0)], CPU)
-    assert (found_inf.item(), found_nan.item(), bad.item(), amax.item()) == (1.0, True, False, 5.0)
-    found_inf, found_nan, bad, amax = _combined([flags(0), flags(0, bad=True)], CPU)
-    assert (found_inf.item(), found_nan.item(), bad.item(), amax) == (0.0, False, True, None)
+    f = _combined([flags(1, True), flags(1), flags(0, amax=3.0), flags(0, amax=5.0)], CPU)
+    assert (f.found_inf.item(), f.found_nan.item(), f.bad_loss.item(), f.amax.item()) == (1.0, True, False, 5.0)
+    f = _combined([flags(0), flags(0, bad=True)], CPU)
+    assert (f.found_inf.item(), f.found_nan.item(), f.bad_loss.item(), f.amax) == (0.0, False, True, None)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
@@ -38,7 +38,8 @@ def test_the_read_only_pass_gives_max_abs_per_tensor_nan_and_negative_inf_includ
     grads[2][999] = math.nan
     grads[3][0] = math.inf
     grads[3][1] = -math.inf
-    vectors, amax = _check.largest_magnitudes(_check.group_grads(grads), CPU)
+    vectors, amax, order = _check.largest_magnitudes(grads, CPU)
+    assert order == [0, 1, 2, 3]
     values = torch.cat(vectors).tolist()
     assert values[0] == before[0].abs().max().float().item()
     assert values[1] == math.inf and math.isnan(values[2]) and values[3] == math.inf

@@ -82,18 +82,22 @@ def _amax_foreach_norm(grads: List[torch.Tensor]) -> torch.Tensor:
 AMAX_KERNELS = {"cpu": _amax_aminmax}
 
 
-def largest_magnitudes(groups: Groups, device: torch.device):
+def largest_magnitudes(grads: List[torch.Tensor], device: torch.device):
     """max|g| of every gradient (NaN where it holds a NaN, inf where it holds an inf and no NaN): one
-    read, nothing written. Returns the per-tensor float32 vectors (one per group, in group order) and
-    their maximum on ``device`` (``max`` keeps NaN: NaN if any gradient held one)."""
-    vectors = []
-    for grad_device, per_dtype in groups.items():
+    read per (device, dtype) group, nothing written. Returns the per-tensor float32 vectors (one per
+    group), their maximum on ``device`` (``max`` keeps NaN: NaN if any gradient held one), and the index
+    in ``grads`` of each value, in the vectors' order."""
+    groups: Dict[tuple, List[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    vectors, order = [], []
+    for (grad_device, _), indices in groups.items():
         kernel = AMAX_KERNELS.get(grad_device.type, _amax_foreach_norm)
-        for grads in per_dtype.values():
-            vectors.append(kernel(grads).float().to(device))
+        vectors.append(kernel([grads[i] for i in indices]).float().to(device))
+        order += indices
     if not vectors:
-        return [], torch.zeros((), dtype=torch.float32, device=device)
-    return vectors, torch.cat(vectors).max()
+        return [], torch.zeros((), dtype=torch.float32, device=device), order
+    return vectors, torch.cat(vectors).max(), order
 
 
 @dataclass
@@ -254,7 +258,7 @@ class GradientCheck:
     def tell_nan(self, flags: Flags, gathered: Gathered, device: torch.device) -> None:
         """After a synced overflow: whether it held NaN, and which gradients were bad (for the report).
         One more read pass; on overflow steps only, so every rank (the decision was reduced) runs it."""
-        vectors, amax = largest_magnitudes(group_grads(gathered.grads), device)
+        vectors, amax, order = largest_magnitudes(gathered.grads, device)
         found_nan = torch.isnan(amax)
         group = self.group()
         if group is not None:
@@ -262,14 +266,15 @@ class GradientCheck:
 
             found_nan = distributed.all_reduce_flags(found_nan.float(), found_nan.float(), None, group)[1] > 0
         flags.found_nan = found_nan
-        flags.params, flags.amax_vectors = _in_group_order(gathered), vectors
+        flags.params, flags.amax_vectors = [gathered.params[i] for i in order], vectors
 
     def read_only(self, gathered: Gathered, device: torch.device, bad_loss: torch.Tensor, needs_amax: bool,
                   sync: bool) -> Flags:
         """The check without writing, from the gradients' largest magnitudes (one read). With ``sync``
         the decision is read on the host."""
-        vectors, amax = largest_magnitudes(group_grads(gathered.grads), device)
-        return self.flags_of(amax, bad_loss, amax if needs_amax else None, sync, _in_group_order(gathered), vectors)
+        vectors, amax, order = largest_magnitudes(gathered.grads, device)
+        return self.flags_of(amax, bad_loss, amax if needs_amax else None, sync, [gathered.params[i] for i in order],
+                             vectors)
 
     def flags_of(self, worst: torch.Tensor, bad_loss: torch.Tensor, amax: Optional[torch.Tensor], sync: bool,
                  params: List[torch.Tensor], vectors: List[torch.Tensor]) -> Flags:
@@ -289,12 +294,6 @@ class GradientCheck:
         if sync:
             flags.skipped = bool(found_inf.item())
         return flags
-
-
-def _in_group_order(gathered: Gathered) -> List[torch.Tensor]:
-    """The parameters in the order :func:`largest_magnitudes` lists their gradients (by device, dtype)."""
-    owner = {id(g): p for g, p in zip(gathered.grads, gathered.params)}
-    return [owner[id(g)] for per_dtype in group_grads(gathered.grads).values() for gs in per_dtype.values() for g in gs]
 
 
 # ------------------------------------------------------------------------------------------ clip

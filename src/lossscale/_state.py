@@ -34,7 +34,7 @@ DTYPES = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64, "i32":
 class TensorState:
     """A :class:`~lossscale.policy.ScaleState` (any subclass) held on ``device``, one 0-dim tensor per
     field (``t.scale``, ``t.steps``, ``t.growth_tracker``, ...), plus ``t.scale_before``: the scale the
-    last update ran with (written by :func:`lossscale.policy.count_tensor`; not a state field)."""
+    last update ran with (float64; written by :func:`lossscale.policy.count_tensor`; not a state field)."""
 
     def __init__(self, state: ScaleState, device: torch.device):
         self.state_type = type(state)
@@ -43,7 +43,9 @@ class TensorState:
         for f in self._fields:  # torch.full: a fill on the device, no copy from host memory
             setattr(self, f.name, torch.full((), getattr(state, f.name), dtype=DTYPES[field_kind(f)],
                                              device=self.device))
-        self.scale_before = torch.full((), state.scale, dtype=torch.float32, device=self.device)
+        # float64: the scale it holds is a float32 value (exact), and it makes values() one float64 cat.
+        self.scale_before = torch.full((), state.scale, dtype=torch.float64, device=self.device)
+        self._pieces = [getattr(self, f.name).view(1) for f in self._fields] + [self.scale_before.view(1)]
 
     def load_(self, state: ScaleState) -> None:
         """Write ``state`` into the tensors in place (no sync: a fill per field)."""
@@ -54,10 +56,10 @@ class TensorState:
         self.scale_before.fill_(state.scale)
 
     def values(self) -> torch.Tensor:
-        """Every field and ``scale_before`` as one float64 vector on the device (no sync). float64 holds
-        each exactly: float32 values, int32 trackers, and counters up to 2**53."""
-        return torch.stack([getattr(self, f.name).to(torch.float64) for f in self._fields]
-                           + [self.scale_before.to(torch.float64)])
+        """Every field, then ``scale_before``, as one float64 vector on the device: one ``cat`` (it
+        promotes every dtype to float64, which ``scale_before`` is), no sync. float64 holds each
+        exactly: float32 values, int32 trackers, and counters up to 2**53."""
+        return torch.cat(self._pieces)
 
     def decode(self, values) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from :meth:`values` read on the host (a list of floats)."""

@@ -1,35 +1,28 @@
-"""``lossscale.GradScaler``: torch's ``GradScaler`` contract, around a pure scale policy.
+"""``lossscale.GradScaler``: torch's ``GradScaler`` contract around a pure scale policy.
 
-One iteration, and where each part lives::
+One iteration (``docs/architecture.md`` draws it whole)::
 
-    scale(loss)      loss * _scale                     the state starts on the loss's device (_state.py)
-                     the loss is kept for the loss check (no kernel)
-    backward()
-    unscale_(opt)    optimizers without amp-scaling support (SGD, Adam(foreach)):
-                       torch's check+unscale kernel, then ONE host read of found_inf (the loss check
-                       folded in) decides the step; on an overflow only, one more read pass tells NaN
-                       from inf (_check.py)
-    step(opt)        synced: optimizer.step() unless found_inf
-                     fused (Adam(fused=True), ...): a read-only pass gives found_inf and found_nan on
-                       device; the optimizer gets grad_scale and found_inf and skips by itself
-    update()         the policy's tensor rule on the device state: no sync (dynamic.py, policy.py)
-                     a snapshot of the state starts on its way to the host; the landed ones feed the
-                       health account (health.py) and the stuck check
+    scale(loss)     loss * _scale; the loss is kept for the loss check      the state: _state.py
+    unscale_(opt)   synced optimizers: torch's check+unscale kernel, then ONE read of found_inf (the loss
+                    check folded in) decides the step; an overflow gets one more pass for NaN  _check.py
+    step(opt)       synced: optimizer.step() unless found_inf. fused: a read-only pass gives the flags on
+                    device, and the optimizer skips by itself on found_inf
+    update()        the policy's tensor rule on the device state (dynamic.py, policy.py), no sync; a
+                    snapshot of the state starts to the host, the landed ones feed health and the stuck check
 
 Configured like torch (``hysteresis=1, min_scale=None, max_scale=None, loss_check=False``) it is bitwise
-torch: the same float32 scale, the same check+unscale kernel with the inverse scale computed in float64,
-the same update kernel, the same skip decisions.
-
-Host-device syncs per iteration: one for optimizers without amp-scaling support (torch pays the same
-one, in ``step()``), none for fused optimizers (except ``SGD(fused=True)`` with momentum, on its first
-step). Reading the state (``get_scale()``, ``state()``, ``counters()``, ``health()``, ``state_dict()``)
-syncs once, as torch's ``get_scale()`` does.
+torch: the same float32 scale, check+unscale kernel, float64 inverse, update kernel and skip decisions.
+Syncs per iteration: one with optimizers without amp-scaling support (torch's ``step()`` pays the same),
+none with fused ones (but ``SGD(fused=True)`` with momentum, on its first step). Reading the state
+(``get_scale()``, ``state()``, ``counters()``, ``health()``, ``state_dict()``) syncs once, as torch's
+``get_scale()`` does.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import inspect
 import warnings
 from collections import abc
@@ -69,7 +62,7 @@ _DEFAULT = _Default()
 
 
 def _fresh_record() -> Dict[str, Any]:
-    """One optimizer's record of the iteration, torch's two keys first."""
+    """One optimizer's record of the iteration: torch's two keys, what the check learned, the decision."""
     return {"stage": OptState.READY, "found_inf_per_device": {}, "flags": None, "skipped": None}
 
 
@@ -77,29 +70,28 @@ class GradScaler:
     """Loss scaling for FP16 training: torch's ``GradScaler`` contract, exact arithmetic, and more.
 
     Args:
-        device: "cpu", "cuda", a ``torch.device``, or None (default) to take the device of the first
-            tensor passed to :meth:`scale`. Unlike torch there is no "cuda" default.
+        device: "cpu", "cuda", a ``torch.device``, or None (default): the device of the first tensor
+            passed to :meth:`scale`. Unlike torch there is no "cuda" default.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch; left out,
             the policy's own defaults apply (the dynamic policy's are torch's).
-        policy: "dynamic" (default, :class:`lossscale.DynamicPolicy`), "static" (a fixed
-            ``init_scale``), "adaptive", "logmax", or a policy object (then no scale keyword may be given).
+        policy: "dynamic" (default, :class:`lossscale.DynamicPolicy`), "static", "adaptive", "logmax",
+            or a policy object (then no scale keyword may be given).
         model: an ``nn.Module`` or ``(name, parameter)`` pairs, to name parameters in reports and errors.
-        process_group: the group over which the skip decision (and an amax-measuring policy's amax) is
-            all-reduced (MAX), so every rank skips or steps together. "default": the default group when
-            torch.distributed runs with more than one rank. None: no reduction.
+        process_group: the group the skip decision (and a measuring policy's amax) is all-reduced over
+            (MAX), so every rank skips or steps together. "default": the default group when
+            torch.distributed runs. None: no reduction.
         telemetry: None (off), an int N (statistics of the scaled gradients every N iterations), a dict
             of :class:`lossscale.Telemetry` arguments or a ``Telemetry``; :meth:`metrics` reads them.
-        loss_check: skip a step whose loss is already non-finite before scaling *without* backing off
-            (the scale did not cause it). False: torch's behaviour (it halves the scale).
+        loss_check: skip a step whose loss is non-finite before scaling *without* backing off (the
+            scale did not cause it). False: torch's behaviour (it halves the scale).
         trace: hook the model's modules to name the first one whose output or gradient was non-finite
             (needs ``model=`` an ``nn.Module``; see :meth:`overflow_report`).
-        **policy_keywords: the policy's other fields, e.g. for "dynamic": ``hysteresis=1``,
+        **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
-            ``max_consecutive_skips=None``. A keyword of another policy is validated and warned about
-            (it changes nothing); an unknown one raises.
+            ``max_consecutive_skips=None``. Another policy's keyword is validated and warned about.
 
-    The same training loop as torch::
+    The training loop is torch's::
 
         scaler = lossscale.GradScaler()
         for x, y in data:
@@ -112,9 +104,6 @@ class GradScaler:
             scaler.step(optimizer)                          # skipped on inf/NaN
             scaler.update()
             scaler.step_scheduler(lr_scheduler)             # does not advance on skipped steps
-
-    Gradient accumulation: ``scaler.scale(loss / accum_steps).backward()`` for every micro-batch and
-    ``step``/``update`` once per ``accum_steps``; the scale only changes in :meth:`update`.
     """
 
     def __init__(self, device: Union[str, torch.device, None] = None, init_scale: float = _DEFAULT,
@@ -139,7 +128,7 @@ class GradScaler:
         if trace and not isinstance(model, torch.nn.Module):
             raise ValueError("trace=True hooks the model's modules: pass model=<the nn.Module> as well.")
         self._loss_check = loss_check
-        self._telemetry = None
+        self._telemetry = self._tracer = None
         if telemetry is not None:
             from .telemetry import Telemetry
 
@@ -147,22 +136,24 @@ class GradScaler:
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
-        self._check = GradientCheck(self._names, _valid_group(process_group))
-        self._tracer = None
+        if process_group is not None and process_group != DEFAULT_GROUP:
+            from .distributed import validate_group
+
+            process_group = validate_group(process_group)
+        self._check = GradientCheck(self._names, process_group)
         if trace:
             from .trace import Tracer
 
             self._tracer = Tracer(model)
-        self._t: Optional[TensorState] = None  # the state, once it has a device; before that:
+        self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
         self._hint_checks = _hints.CALLS_CHECKED
         self._new_iteration()
-        self._last_skipped: Optional[bool] = None  # the last update's decision, where the host knows it
-        self._last_found_inf: Optional[torch.Tensor] = None  # ... and its device flag
-        self._graphed = False  # an update ran under CUDA-graph capture or torch.compile: replays move the state
+        self._last = _fresh_record()  # the last update's combined flags and decision, as a record
+        self._graphed = False  # an update ran under CUDA-graph capture or compile: replays move the state
         self._snapshots: collections.deque = collections.deque(maxlen=SNAPSHOTS)
-        self._warned_streak = self._warned_capture = False
+        self._warned_streak = False
         self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
         self._last_report: Optional[Dict[str, Any]] = None
 
@@ -170,10 +161,9 @@ class GradScaler:
     def passthrough(cls, device=None, **kwargs) -> "GradScaler":
         """A scaler for bf16 or fp32 training: scale fixed at 1, no unscale pass, non-finite steps skipped.
 
-        bf16 and fp32 have fp32's exponent range, so nothing underflows that scaling would save; what
-        is still worth having is a step that is skipped (and counted, and diagnosed) rather than
-        written into the weights when a gradient is inf or NaN. Takes ``on_stuck``,
-        ``max_consecutive_skips`` and the scaler's other keywords; the scale is not configurable.
+        Nothing underflows in bf16 or fp32 that scaling would save; a step that is skipped (counted,
+        diagnosed) instead of written into the weights when a gradient is inf or NaN is still worth
+        having. Takes ``on_stuck``, ``max_consecutive_skips`` and the scaler's other keywords.
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         scale_keys = [k for k in kwargs if k not in ("enabled", "model", "process_group", "telemetry", "loss_check",
@@ -187,8 +177,8 @@ class GradScaler:
         return cls(device, policy=StaticPolicy(scale=1.0, **stuck), **kwargs)
 
     def name_parameters(self, model_or_named_parameters) -> None:
-        """Learn parameter names (from an ``nn.Module`` or ``(name, param)`` pairs) for reports. The
-        names survive pickling or deep-copying the model and the scaler."""
+        """Learn parameter names (an ``nn.Module`` or ``(name, param)`` pairs) for reports; they survive
+        pickling or deep-copying the model and the scaler."""
         self._names.add(model_or_named_parameters)
 
     # ------------------------------------------------------------------ properties and state
@@ -199,7 +189,7 @@ class GradScaler:
 
     @property
     def device(self) -> Optional[torch.device]:
-        """Where the scaler's state lives (None before the first :meth:`scale` or :meth:`init_device`)."""
+        """Where the state lives (None before the first :meth:`scale` or :meth:`init_device`)."""
         return None if self._t is None else self._t.device
 
     @property
@@ -214,9 +204,8 @@ class GradScaler:
 
     @property
     def _scale(self) -> Optional[torch.Tensor]:
-        """torch's name for the scale tensor (float32, 0-dim, on the state's device; None before the first
-        :meth:`scale`). It is the state itself: code that reads it, as code written for torch does, reads
-        the live scale."""
+        """torch's name for the scale tensor (float32, 0-dim; None before the first :meth:`scale`): the
+        state itself, so code written for torch that reads it reads the live scale."""
         return None if self._t is None else self._t.scale
 
     @property
@@ -225,11 +214,9 @@ class GradScaler:
         return getattr(self._t, "growth_tracker", None)
 
     def init_device(self, device: Union[str, torch.device]) -> None:
-        """Start the state on ``device`` now (the first :meth:`scale` does it otherwise). No sync.
-
-        For ranks that never call :meth:`scale` (pipeline stages before the last) and for frameworks
-        that restore a checkpoint before the first iteration. ValueError if it runs on another device.
-        """
+        """Start the state on ``device`` now (the first :meth:`scale` does it otherwise), for ranks that
+        never call :meth:`scale` (pipeline stages) and frameworks that load a checkpoint first. No sync.
+        ValueError if the state already lives on another device."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -238,7 +225,6 @@ class GradScaler:
         self._start(device)
 
     def _start(self, device: torch.device) -> TensorState:
-        """The device state, made on ``device`` from the host's initial state the first time."""
         if self._t is None:
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
@@ -246,25 +232,22 @@ class GradScaler:
         return self._t
 
     def _require(self, call: str) -> TensorState:
-        """The device state; RuntimeError naming ``call`` when there is none yet (callers write
-        ``self._t or self._require(call)``: a TensorState is always true)."""
+        """The device state; RuntimeError naming ``call`` without one (callers write ``self._t or
+        self._require(call)``: a TensorState is always true)."""
         if self._t is None:
             raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() first in the "
                                "iteration.")
         return self._t
 
     def state(self) -> ScaleState:
-        """The policy's state now (a frozen dataclass of plain Python values). Syncs once, as torch's
-        ``get_scale()`` does (no sync before the first :meth:`scale`: the state has no device yet)."""
+        """The policy's state now (a frozen dataclass of Python values). Syncs once, as torch's
+        ``get_scale()`` (no sync before the first :meth:`scale`: the state has no device yet)."""
         return self._init_state if self._t is None else self._t.read()[0]
 
     # ------------------------------------------------------------------ torch's training-loop API
     def scale(self, outputs):
-        """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale factor.
-
-        Returns the outputs unchanged when disabled. The first call fixes the scaler's device. No host
-        sync. Warns once if the loss is bf16 or bf16 autocast is active (see :meth:`passthrough`).
-        """
+        """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
+        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast."""
         if not self._enabled:
             return outputs
         if not isinstance(outputs, torch.Tensor) or outputs.device.type == "meta":
@@ -290,41 +273,44 @@ class GradScaler:
 
     def _bad_loss(self, device: torch.device) -> torch.Tensor:
         """Whether a loss of this iteration (or, tracing, a forward output) was non-finite before scaling:
-        a bool 0-dim tensor on ``device``, made once per iteration. No sync. A rank that never called
-        :meth:`scale` (a pipeline stage) says False, so every rank joins the same collectives."""
+        a bool 0-dim tensor, made once per iteration, no sync. A rank that never called :meth:`scale` (a
+        pipeline stage) says False, so every rank joins the same collectives."""
         if self._bad is None:
-            bad = None
+            bad = torch.zeros((), dtype=torch.bool, device=device) if not self._losses else None
             for loss in self._losses:
-                finite = torch.isfinite(loss) if loss.dim() == 0 else torch.isfinite(loss).all()
-                bad = ~finite.to(device) if bad is None else bad | ~finite.to(device)
+                finite = (torch.isfinite(loss) if loss.dim() == 0 else torch.isfinite(loss).all()).to(device)
+                bad = ~finite if bad is None else bad | ~finite
             forward = None if self._tracer is None else self._tracer.forward_flag()
-            if forward is not None:
-                bad = forward.to(device) if bad is None else bad | forward.to(device)
-            self._bad = torch.zeros((), dtype=torch.bool, device=device) if bad is None else bad
+            self._bad = bad if forward is None else bad | forward.to(device)
         return self._bad
+
+    def _observe(self, optimizer, gathered=None) -> None:
+        """The opt-in features that look at the scaled gradients: telemetry (when due) and the trace."""
+        if self._telemetry is not None and self._telemetry.due():
+            g = gathered or self._check.gather(optimizer, allow_half=True)
+            self._telemetry.observe(g.params, g.grads, self._names, self._t.scale, all_params=g.all_params,
+                                    sharded=g.sharded)
+        if self._tracer is not None:
+            self._tracer.end_backward()
 
     def _check_optimizer(self, optimizer, rec: Dict[str, Any], unscale: bool, sync: bool) -> Flags:
         """Check (and with ``unscale``, unscale) ``optimizer``'s gradients; keep the flags in its record.
         ``sync``: read the skip decision on the host now (one sync)."""
         t = self._t
-        if self._telemetry is not None and self._telemetry.due():
-            g = self._check.gather(optimizer, allow_half=True)
-            self._telemetry.observe(g.params, g.grads, self._names, t.scale, all_params=g.all_params,
-                                    sharded=g.sharded)
-        if self._tracer is not None:
-            self._tracer.end_backward()
+        if self._telemetry is not None or self._tracer is not None:
+            self._observe(optimizer)
         bad_loss = self._bad_loss(t.device)
-        unscale = unscale and not (isinstance(self._policy, StaticPolicy) and self._policy.scale == 1.0)
+        unscale = unscale and not self._passthrough()
         if unscale and sync and not self._policy.needs_amax:
             found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
             rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(t.scale), found_inf, False)
             flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync)
             if flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
                 self._check.tell_nan(flags, self._check.gather(optimizer, allow_half=True), t.device)
-        else:
+        else:  # the read-only pass first: it measures the *scaled* gradients
             gathered = self._check.gather(optimizer, allow_half=not unscale)
             flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax, sync)
-            if unscale:  # after the read-only pass, which measured the *scaled* gradients
+            if unscale:
                 self._check.unscale_(gathered, inverse(t.scale), torch.zeros_like(flags.found_inf), self._unscaled)
             rec["found_inf_per_device"] = {t.device: flags.found_inf}
         rec["flags"] = flags
@@ -332,19 +318,18 @@ class GradScaler:
 
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool):
         """torch's private primitive, with torch's signature and result: unscale ``optimizer``'s gradients
-        by ``inv_scale`` in place and set ``found_inf`` where one was inf or NaN; returns ``{device:
-        found_inf}``. :meth:`unscale_` and :meth:`step` call it, so code that wraps or patches it (to
-        allow FP16 gradients, say) changes what they do, as with torch."""
+        by ``inv_scale`` in place, set ``found_inf`` where one was inf or NaN, return ``{device:
+        found_inf}``. The checks call it, so code that wraps or patches it changes what they do, as with torch."""
         return self._check.unscale_(self._check.gather(optimizer, allow_half=allow_fp16), inv_scale, found_inf,
                                     self._unscaled)
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale (in place) and check them for inf/NaN.
 
-        Optional, as in torch: call it before anything that reads gradient magnitudes (clipping, norm
-        logging), at most once per optimizer per iteration, before :meth:`step`. Unscaling the same
-        gradients twice in one iteration (through an optimizer wrapper) raises RuntimeError. Syncs once
-        for optimizers without amp-scaling support (the sync torch pays in ``step()``), never for fused ones.
+        Optional, as in torch: before anything that reads gradient magnitudes (clipping, norm logging),
+        at most once per optimizer per iteration, before :meth:`step`. Unscaling the same gradients twice
+        in one iteration (through an optimizer wrapper) raises RuntimeError. Syncs once for optimizers
+        without amp-scaling support (the sync torch pays in ``step()``), never for fused ones.
         """
         if not self._enabled:
             return
@@ -353,63 +338,53 @@ class GradScaler:
         if rec["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
-        rec["stage"] = OptState.UNSCALED
-        self._per_optimizer_states[id(optimizer)] = rec
+        self._keep(optimizer, rec, OptState.UNSCALED)
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
                         ) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
-        passes over the gradients instead of three: the norm of the scaled gradients (also the inf/NaN
-        check), then one multiply by ``clip_coef / scale``; bitwise torch's two steps for a power-of-two
-        scale while values stay in float32's normal range (``lossscale._check.clip_scaled_``). A
-        non-finite norm is an overflow: the step is skipped and the gradients are only unscaled.
-
-        Once per optimizer per iteration, instead of :meth:`unscale_`. The norm is over this
-        optimizer's parameters, over every rank's part of them: DTensor gradients (FSDP2, tensor
-        parallel, both) are reduced over their mesh, pipeline stages over ``norm_group``
-        (``lossscale.distributed.norm_reduction``), in one all-reduce. Syncs like :meth:`unscale_`.
+        passes over the gradients instead of three (``lossscale._check.clip_scaled_``: bitwise torch's
+        two steps for a power-of-two scale). A non-finite norm is an overflow: the step is skipped and
+        the gradients are only unscaled. Once per optimizer per iteration, instead of :meth:`unscale_`.
+        The norm is over every rank's part of the parameters: DTensor gradients (FSDP2, tensor parallel)
+        over their mesh, pipeline stages over ``norm_group``, in one all-reduce. Syncs like :meth:`unscale_`.
         """
-        from ._check import clip_scaled_, largest_magnitudes, group_grads, validate_clip
+        from ._check import clip_scaled_, largest_magnitudes, validate_clip
         from .distributed import norm_reduction
 
         max_norm = plain_number("max_norm", max_norm)
         norm_type = validate_clip(max_norm, norm_type)
-        enabled = self._enabled
-        if enabled:
-            t = self._require("clip_grad_norm_()")
+        if self._enabled:
+            t = self._t or self._require("clip_grad_norm_()")
             rec = self._record(optimizer, "clip_grad_norm_()")
             if rec["stage"] is OptState.UNSCALED:
                 raise RuntimeError(
                     "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
                     "already called on this optimizer since the last update(); call only one of them per iteration.")
         with torch.no_grad():
-            gathered = self._check.gather(optimizer, allow_half=not enabled or self._passthrough(), coalesce=True)
+            gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(),
+                                          coalesce=True)
             reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
-            if not enabled:
+            if not self._enabled:  # torch's clip, or the same reduced norm as when enabled, at scale 1
                 if reduce_norm is None:
                     return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
                 one = torch.ones((), device=gathered.grads[0].device if gathered.grads else "cpu")
                 return clip_scaled_(gathered.grads, one, one, max_norm, norm_type, counted, reduce_norm)[0]
-            if self._telemetry is not None and self._telemetry.due():
-                self._telemetry.observe(gathered.params, gathered.grads, self._names, t.scale,
-                                        all_params=gathered.all_params, sharded=gathered.sharded)
-            if self._tracer is not None:
-                self._tracer.end_backward()
+            self._observe(optimizer, gathered)
             self._check.claim(gathered, self._unscaled)
             amax = None
             if self._policy.needs_amax:  # of the *scaled* gradients, before they are rewritten
-                amax = largest_magnitudes(group_grads(gathered.grads), t.device)[1]
+                amax = largest_magnitudes(gathered.grads, t.device)[1]
             true_norm, total, per_tensor, order = clip_scaled_(gathered.grads, t.scale, inverse(t.scale), max_norm,
                                                                norm_type, counted, reduce_norm)
-            # A per-tensor norm is NaN for a tensor holding a NaN and inf for one holding an inf: it names
+            # A per-tensor norm is NaN for a tensor holding a NaN, inf for one holding an inf: it names
             # the parameters in the overflow report as an amax vector does.
             rec["flags"] = self._check.flags_of(total, self._bad_loss(t.device), amax, not _fused(optimizer),
                                                 [gathered.params[i] for i in order], [per_tensor] if order else [])
             rec["found_inf_per_device"] = {t.device: rec["flags"].found_inf}
-        rec["stage"] = OptState.UNSCALED
-        self._per_optimizer_states[id(optimizer)] = rec
+        self._keep(optimizer, rec, OptState.UNSCALED)
         return true_norm
 
     def step(self, optimizer, *args, **kwargs):
@@ -440,14 +415,14 @@ class GradScaler:
             if host and flags.skipped:
                 retval = None
             else:
-                retval = _step_with_flags(optimizer, None if rec["stage"] is OptState.UNSCALED else t.scale,
-                                          flags.found_inf, args, kwargs)
-        rec["stage"] = OptState.STEPPED
-        self._per_optimizer_states[id(optimizer)] = rec
+                unscaled = rec["stage"] is OptState.UNSCALED
+                retval = _step_with_flags(optimizer, None if unscaled else t.scale, flags.found_inf, args, kwargs)
+        self._keep(optimizer, rec, OptState.STEPPED)
         return retval
 
     def _record(self, optimizer, call: str) -> Dict[str, Any]:
-        """``optimizer``'s record of this iteration (a fresh one is kept only by :meth:`_keep`)."""
+        """``optimizer``'s record of this iteration (a fresh one is kept only by :meth:`_keep`, so a call
+        that fails leaves nothing behind)."""
         if not hasattr(optimizer, "param_groups"):
             raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
                              "torch.optim optimizer whose gradients were scaled.")
@@ -458,18 +433,19 @@ class GradScaler:
             raise RuntimeError(f"{call} is being called after step(); call it before step() in the iteration.")
         return rec
 
+    def _keep(self, optimizer, rec: Dict[str, Any], stage: OptState) -> None:
+        rec["stage"] = stage
+        self._per_optimizer_states[id(optimizer)] = rec
+
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
-        """Advance the policy by one iteration (or set ``new_scale``), at the end of the iteration.
+        """Advance the policy by one iteration (or set ``new_scale``), after :meth:`step` for every
+        optimizer of the iteration. No sync: the policy's tensor rule runs on the device state.
 
-        Call after :meth:`step` for every optimizer of the iteration. The policy's tensor rule runs on
-        the device state: no host sync. A float ``new_scale`` must lie within the bounds; a tensor one
-        is copied on device, ignored when it is not finite or below 2**-126 (a host check would sync),
-        then clamped to the bounds; the counters still count the iteration.
-
-        Then a snapshot of the state starts on its way to the host, and the snapshots that have landed
-        (on CPU at once, on a GPU usually by the next update) feed the health account and the stuck
-        check, which warns or raises (``on_stuck``) when the policy says training is stuck. Under
-        torch.compile or a CUDA-graph capture nothing reaches the host: see :meth:`check_stuck`.
+        A float ``new_scale`` must lie within the bounds; a tensor one is copied on device, ignored
+        when not finite or below 2**-126 (a host check would sync), clamped to the bounds; the counters
+        still count the iteration. Then a snapshot of the state starts to the host; the landed ones (on
+        CPU at once, on a GPU usually by the next update) feed the health account and the stuck check
+        (``on_stuck``). Under torch.compile or CUDA-graph capture none does: see :meth:`check_stuck`.
         """
         if not self._enabled:
             return
@@ -480,23 +456,20 @@ class GradScaler:
         if not checked and new_scale is None:
             raise RuntimeError("update() found no inf checks since the last update(): call scaler.step(optimizer) "
                                "(or unscale_) for each optimizer before update().")
-        if len(checked) == 1:  # one optimizer: its flags as they are
-            f = checked[0]
-            found_inf, found_nan, bad_loss, amax = f.found_inf, f.found_nan, f.bad_loss, f.amax
-        else:
-            found_inf, found_nan, bad_loss, amax = _combined(checked, t.device)
+        flags = checked[0] if len(checked) == 1 else _combined(checked, t.device)
         if new_scale is None:
-            self._policy.tensor_update(t, found_inf > 0, found_nan, bad_loss, amax)
+            self._policy.tensor_update(t, flags.found_inf > 0, flags.found_nan, flags.bad_loss, flags.amax)
         else:  # the iteration still happened: count it; torch leaves the trackers alone
             if checked:
-                count_tensor(t, found_inf > 0, found_nan, bad_loss)
+                count_tensor(t, flags.found_inf > 0, flags.found_nan, flags.bad_loss)
             _set_scale(self._policy, t, new_scale)
         known = [f.skipped for f in checked]
-        self._last_skipped = any(known) if checked and None not in known else None
-        self._last_found_inf = found_inf if checked else None
+        self._last = _fresh_record()
+        self._last.update(stage=OptState.STEPPED, flags=flags if checked else None,
+                          skipped=any(known) if None not in known else None)
         evidence = None
-        if self._last_skipped is not False and checked:  # possibly skipped: keep what the report needs
-            evidence = dict(bad_loss=bad_loss, losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
+        if self._last["skipped"] is not False and checked:  # possibly skipped: keep what the report needs
+            evidence = dict(losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
                             trace=None if self._tracer is None else self._tracer.snapshot())
             self._evidence, self._last_report = evidence, None
         elif self._tracer is not None:
@@ -513,9 +486,7 @@ class GradScaler:
     def _new_iteration(self) -> None:
         # torch's name and shape (a defaultdict of per-optimizer records), which some trainers read.
         self._per_optimizer_states: Dict[int, Dict[str, Any]] = collections.defaultdict(_fresh_record)
-        self._losses = []
-        self._bad: Optional[torch.Tensor] = None
-        self._began = False
+        self._losses, self._bad, self._began = [], None, False
         self._unscaled = set()  # ids of the parameters whose gradients this iteration unscaled
 
     def _learn_landed(self) -> None:
@@ -523,8 +494,7 @@ class GradScaler:
         while self._snapshots and self._snapshots[0].landed():
             snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
             state, scale_before = snap.read()
-            tracing = self._tracer is not None
-            self._health.record(self._policy, state, scale_before, snap.evidence if tracing else None)
+            self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
 
@@ -538,7 +508,7 @@ class GradScaler:
         from .diagnosis import diagnose
 
         message = diagnose(self._policy, state, tracing=self._tracer is not None)
-        if evidence is not None:  # rare (the run is stuck): one sync to say where the stuck step's trouble began
+        if evidence is not None:  # rare (the run is stuck): one sync to say where the trouble began
             message += "\nThe step that tripped this check: " + self._describe(evidence, scale_before)
         if self._policy.on_stuck == "raise":
             raise RuntimeError(message)
@@ -547,12 +517,9 @@ class GradScaler:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def check_stuck(self) -> None:
-        """Run the stuck check on the state now (warn or raise per ``on_stuck``). Syncs host and device.
-
-        :meth:`update` runs it by itself on every state that reaches the host; under CUDA-graph capture
-        or ``torch.compile`` none does, so a loop that replays graphs or runs a compiled step calls this
-        eagerly now and then.
-        """
+        """Run the stuck check on the state now (warn or raise per ``on_stuck``); one sync. :meth:`update`
+        runs it on every state that reaches the host; under CUDA-graph capture or ``torch.compile`` none
+        does, so such a loop calls this eagerly now and then."""
         if self._enabled and self._t is not None:
             self._react(*self._t.read(), None)
 
@@ -563,13 +530,10 @@ class GradScaler:
         return _overflow.report(evidence, self._names, self._tracer, scale_before)["cause"]
 
     def health(self) -> HealthReport:
-        """The run's health: every skip classified (the scale calibrating, an overflow in steady
-        training, a bad batch, persistent NaN), the steps since the last overflow, how long the scale
-        has held, the flushed share (telemetry on), and a verdict with what to do (:mod:`lossscale.health`).
-
-        Built from the snapshots :meth:`update` already sends: training pays no sync for it. Reading it
-        syncs once (the state now), once more with telemetry on, once per kept first cause (``trace=True``).
-        """
+        """The run's health (:mod:`lossscale.health`): every skip classified (the scale calibrating, an
+        overflow in steady training, a bad batch, persistent NaN), the state now, a verdict and what to
+        do. Built from the snapshots :meth:`update` sends; reading it syncs once, once more with
+        telemetry, once per kept first cause (``trace=True``)."""
         if not self._enabled:
             from .health import disabled
 
@@ -582,25 +546,24 @@ class GradScaler:
                                    self._telemetry.step_collected if sampled else None, self._describe)
 
     def overflow_report(self) -> Dict[str, Any]:
-        """Why the last step was skipped: which parameters held inf and NaN, and where it began.
-
-        A dict: ``"inf"``, ``"nan"`` (names of the parameters whose gradients held inf / NaN);
-        ``"loss"`` ("finite", "inf" or "nan": the loss before scaling, with ``loss_check``);
-        ``"forward"``, ``"backward"`` (the first module whose output / input gradient was non-finite,
-        with ``trace=True``, else None); ``"scale"`` (the scale the step ran with); ``"cause"`` (a
-        one-line diagnosis). Empty lists and None when the last step was not skipped. Syncs.
-        """
+        """Why the last step was skipped, as a dict: ``"inf"``, ``"nan"`` (the parameters whose gradients
+        held them), ``"loss"`` ("finite", "inf" or "nan" before scaling), ``"forward"``, ``"backward"``
+        (with ``trace=True``, the first module whose output / input gradient was non-finite),
+        ``"scale"`` (the scale the step ran with), ``"cause"`` (one line). Empty when the last step was
+        not skipped. Syncs."""
         from . import _overflow
 
-        if not self._skipped_at_update():
+        if not self._read_skipped(self._last):
             return dict(_overflow.NOT_SKIPPED)
         if self._last_report is None:
             scale = None if self._t is None else float(self._t.scale_before.item())
             self._last_report = _overflow.report(self._evidence or {}, self._names, self._tracer, scale)
         return self._last_report
 
-    def _stepped(self, optimizer=None):
-        """The records of this iteration's steps taken: ``optimizer``'s when it has stepped, else every one."""
+    def _decided(self, optimizer=None):
+        """The records that say whether the last step was skipped: this iteration's steps so far
+        (``optimizer``'s when it has stepped), else the last update's. RuntimeError between a check and
+        the first step: nothing is decided yet."""
         rec = self._per_optimizer_states.get(id(optimizer)) if optimizer is not None else None
         if rec is not None and rec["stage"] is OptState.STEPPED:
             return [rec]
@@ -609,64 +572,43 @@ class GradScaler:
             raise RuntimeError(
                 "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, "
                 "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer).")
-        return stepped
+        return stepped or [self._last]
 
-    @staticmethod
-    def _read_skipped(rec) -> bool:
-        """One record's decision: the host's, or its device flag read once (a sync, fused optimizers only)."""
+    def _read_skipped(self, rec) -> bool:
+        """A record's decision: the host's, or its device flag read once (a sync, fused optimizers only;
+        every time after an update under CUDA-graph capture, whose replays move it)."""
         if rec["skipped"] is None:
             flags = rec["flags"]
-            rec["skipped"] = False if flags is None else flags.skipped if flags.skipped is not None else \
+            skipped = False if flags is None else flags.skipped if flags.skipped is not None else \
                 bool(flags.found_inf.item())
-        return rec["skipped"]
-
-    def _skipped_at_update(self) -> bool:
-        """Whether the iteration the last update closed was skipped (one sync the first time on the fused path)."""
-        if self._last_skipped is None and self._last_found_inf is not None:
-            skipped = bool(self._last_found_inf.item())
-            if self._graphed:
+            if rec is self._last and self._graphed:
                 return skipped
-            self._last_skipped = skipped
-        return bool(self._last_skipped)
+            rec["skipped"] = skipped
+        return rec["skipped"]
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last :meth:`step` was skipped: between :meth:`step` and :meth:`update` this
-        iteration's (any optimizer stepped so far), otherwise the last iteration's.
-
-        Free when the host decided the step; for fused optimizers the first read syncs and later
-        reads reuse it (after an update captured in a CUDA graph, every read syncs).
-        """
+        """Whether the last :meth:`step` was skipped: this iteration's (any optimizer so far) between
+        :meth:`step` and :meth:`update`, otherwise the last iteration's. Free where the host decided the
+        step; for fused optimizers the first read syncs."""
         stepped = [r for r in self._per_optimizer_states.values() if r["stage"] is OptState.STEPPED]
-        if stepped:
-            return any(self._read_skipped(r) for r in stepped)
-        return self._skipped_at_update()
+        return any(self._read_skipped(r) for r in stepped or [self._last])
 
     def step_was_skipped(self, optimizer=None) -> bool:
-        """Whether ``optimizer``'s last step was skipped, for code that acts on it (an LR scheduler).
-
-        Between :meth:`step` and :meth:`update` this iteration's decision for ``optimizer`` (each
-        optimizer skips on its own gradients, as in torch), or for the iteration so far; after
-        :meth:`update` the last iteration's. RuntimeError when gradients were checked this iteration
-        but no optimizer has stepped yet (nothing is decided). May sync: see :attr:`last_step_skipped`.
-        """
-        stepped = self._stepped(optimizer)
-        return any(self._read_skipped(r) for r in stepped) if stepped else self._skipped_at_update()
+        """Whether ``optimizer``'s last step was skipped (each optimizer skips on its own gradients, as in
+        torch; None: the iteration's so far), for code that acts on it. After :meth:`update`, the last
+        iteration's. RuntimeError between a check and the first step. May sync: see :attr:`last_step_skipped`."""
+        return any(self._read_skipped(r) for r in self._decided(optimizer))
 
     def skip_flag(self, optimizer=None) -> Union[bool, torch.Tensor]:
-        """:meth:`step_was_skipped` without a host sync: a Python bool where the host decided the step,
-        else a bool 0-dim tensor on the scaler's device (fused optimizers), for gating device work such
-        as an EMA update with ``torch.where``."""
+        """:meth:`step_was_skipped` without a sync: a bool where the host decided the step, else a bool
+        0-dim tensor on the state's device (fused optimizers), to gate device work with ``torch.where``."""
         if not self._enabled:
             return False
-        stepped = self._stepped(optimizer)
-        if stepped:
-            if all(r["skipped"] is not None or r["flags"] is None or r["flags"].skipped is not None for r in stepped):
-                return any(self._read_skipped(r) for r in stepped)
-            return _combined([r["flags"] for r in stepped if r["flags"] is not None], self._t.device)[0] > 0
-        if self._last_skipped is not None or self._last_found_inf is None:
-            return bool(self._last_skipped)
-        return self._last_found_inf > 0
+        records = self._decided(optimizer)
+        if all(r["skipped"] is not None or r["flags"] is None or r["flags"].skipped is not None for r in records):
+            return any(self._read_skipped(r) for r in records)
+        return _combined([r["flags"] for r in records if r["flags"] is not None], self._t.device).found_inf > 0
 
     @property
     def skipped_steps(self) -> int:
@@ -674,30 +616,27 @@ class GradScaler:
         return self.state().skipped_steps if self._enabled else 0
 
     def step_scheduler(self, scheduler, *args, **kwargs) -> bool:
-        """``scheduler.step()`` unless the step of its optimizer was skipped; returns whether it stepped.
-
-        A skipped step did not train, so an LR schedule that advanced anyway would drift ahead of the
-        weights. Call it after :meth:`step`, before or after :meth:`update`: either way it reads this
-        iteration's decision for ``scheduler.optimizer``. May sync: see :attr:`last_step_skipped`.
-        """
+        """``scheduler.step()`` unless its optimizer's step was skipped (an LR schedule that advanced on
+        skipped steps drifts ahead of the weights); returns whether it stepped. After :meth:`step`,
+        before or after :meth:`update`. May sync: see :attr:`last_step_skipped`."""
         if self._enabled and self.step_was_skipped(getattr(scheduler, "optimizer", None)):
             return False
         scheduler.step(*args, **kwargs)
         return True
 
     def counters(self) -> Dict[str, int]:
-        """Every counter as plain ints: steps, skipped, inf, NaN and bad-loss steps, current streak.
-        Syncs: see :meth:`state`."""
+        """Every counter: steps, skipped, inf, NaN and bad-loss steps, the current streak. Syncs once."""
         return _counters(self.state())
 
     def metrics(self) -> Dict[str, Union[int, float, bool]]:
         """A flat dict of numbers for any logger: ``loss_scale``, the :meth:`counters`,
-        ``last_step_skipped``, and with telemetry the figures of the last sampled iteration
-        (``grad/flushed_frac``, ..., see :meth:`metric_labels`). Syncs once (the state rides in the
-        telemetry's transfer); with telemetry reducing across ranks, a collective.
-        """
-        state, figures = self.state() if self._telemetry is None else None, {}
-        if self._telemetry is not None:
+        ``last_step_skipped``, and with telemetry the last sampled iteration's figures (see
+        :meth:`metric_labels`). Syncs once (the state rides in the telemetry's transfer); with telemetry
+        reducing across ranks, a collective."""
+        state, figures = None, {}
+        if self._telemetry is None:
+            state = self.state()
+        else:
             group = self._check.group() if self._telemetry.wants_reduction() else None
             also = [self._t.values()] if self._enabled and self._t is not None else []
             figures, riding = self._telemetry.metrics_with(group=group, device=self.device, also=also)
@@ -727,7 +666,7 @@ class GradScaler:
             self.init_device(device)
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Syncs: see :meth:`state`."""
+        """The current scale as a Python float (1.0 when disabled). Syncs once, as torch's."""
         return self.state().scale if self._enabled else 1.0
 
     def _get_scale_async(self) -> Optional[torch.Tensor]:
@@ -738,12 +677,10 @@ class GradScaler:
         """torch's private getter (used by some trainers). Syncs."""
         return getattr(self.state(), "growth_tracker", 0) if self._enabled else 0
 
-    def _replace_policy(self, **changes) -> None:
+    def _set_policy(self, **changes) -> None:
         missing = [k for k in changes if k not in self._policy.config()]
         if missing:
             raise RuntimeError(f"{', '.join(missing)} do(es) not apply to the {type(self._policy).__name__}.")
-        import dataclasses
-
         self._policy = dataclasses.replace(self._policy, **changes)  # validates the new value
 
     def get_growth_factor(self) -> float:
@@ -752,7 +689,7 @@ class GradScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (validated: > 1)."""
-        self._replace_policy(growth_factor=new_factor)
+        self._set_policy(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """The backoff factor (1.0 for a policy without one)."""
@@ -760,19 +697,19 @@ class GradScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (validated: in (0, 1))."""
-        self._replace_policy(backoff_factor=new_factor)
+        self._set_policy(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         """The growth interval (0 for a policy without one)."""
         return self._policy.config().get("growth_interval", 0)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (validated: int >= 1). Lowering it below the current clean streak makes
-        the next clean step grow the scale (torch would never grow again until an overflow). No sync."""
-        self._replace_policy(growth_interval=new_interval)
+        """Set the growth interval (validated: int >= 1). Lowered below the current clean streak, the
+        next clean step grows the scale (torch's tracker would never meet it again). No sync."""
+        self._set_policy(growth_interval=new_interval)
         if self._t is None and hasattr(self._init_state, "growth_tracker"):
-            self._init_state = self._init_state.replace(
-                growth_tracker=min(self._init_state.growth_tracker, new_interval - 1))
+            tracker = min(self._init_state.growth_tracker, new_interval - 1)
+            self._init_state = self._init_state.replace(growth_tracker=tracker)
         elif hasattr(self._t, "growth_tracker"):
             self._t.growth_tracker.clamp_(max=new_interval - 1)
 
@@ -787,13 +724,12 @@ class GradScaler:
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private read-only check, used by some trainers."""
-        self._require("_check_inf_per_device()")
+        self._t or self._require("_check_inf_per_device()")
         rec = self._record(optimizer, "_check_inf_per_device()")
         self._check_optimizer(optimizer, rec, unscale=False, sync=False)
         self._per_optimizer_states[id(optimizer)] = rec
         return rec["found_inf_per_device"]
 
-    # ------------------------------------------------------------------ tracing hooks
     def close(self) -> None:
         """Remove the tracing hooks (``trace=True``); the scaler keeps working without them. Idempotent."""
         if self._tracer is not None:
@@ -807,11 +743,9 @@ class GradScaler:
 
     # ------------------------------------------------------------------ checkpoints and copies
     def state_dict(self) -> Dict[str, Any]:
-        """The complete, versioned state: config, scale, every tracker and counter (``lossscale.checkpoint``),
-        torch's five keys (``torch.amp.GradScaler.load_state_dict`` accepts it) and, with telemetry, its
-        iteration count (a resumed run samples the same iterations). Empty when disabled (as torch).
-        Syncs once. Call it after :meth:`update`.
-        """
+        """The complete, versioned state (``lossscale.checkpoint``): config, scale, every tracker and
+        counter, torch's five keys (a torch ``GradScaler`` loads it) and, with telemetry, its iteration
+        count. Empty when disabled (as torch). Syncs once. Call it after :meth:`update`."""
         if not self._enabled:
             return {}
         out = checkpoint.to_dict(self._policy, self.state())
@@ -820,15 +754,12 @@ class GradScaler:
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict`, or from ``torch.amp.GradScaler.state_dict()``.
-
-        A torch state continues exactly as torch would (its scale, tracker and factors; this scaler's
-        hysteresis refilled, counters at zero). Works before the first :meth:`scale`. Validates
-        everything before changing anything (ValueError naming the key); the state tensors are filled
-        in place (a CUDA graph captured before keeps reading the live scale). The checkpoint's policy
-        wins over the constructor's (with a warning when they differ). Call it between iterations:
-        in mid-iteration it raises RuntimeError (:meth:`discard_iteration` drops the iteration).
-        """
+        """Load a state from :meth:`state_dict`, or from ``torch.amp.GradScaler.state_dict()`` (which
+        continues exactly as torch would). Works before the first :meth:`scale`; validates everything
+        before changing anything (ValueError naming the key); fills the state tensors in place (a CUDA
+        graph captured before keeps reading the live scale). The checkpoint's policy wins over the
+        constructor's, with a warning when they differ. Between iterations only (RuntimeError otherwise:
+        :meth:`discard_iteration` drops the iteration in flight)."""
         if not self._enabled:
             return
         if self._in_flight():
@@ -854,15 +785,12 @@ class GradScaler:
         self._snapshots.clear()
         self._warned_streak = False
         self._health.reset(state)
-        self._last_skipped = self._last_found_inf = self._evidence = self._last_report = None
+        self._last, self._evidence, self._last_report = _fresh_record(), None, None
 
     def discard_iteration(self) -> None:
-        """Forget the iteration in flight (after an exception in it, or to drop a batch by hand).
-
-        What :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step` recorded since
-        the last :meth:`update` is dropped and nothing is counted. The gradients are not touched: zero
-        them, since they may still carry the scale. A step that already ran is not undone. No sync.
-        """
+        """Forget the iteration in flight: what :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_`
+        and :meth:`step` recorded since the last :meth:`update`; nothing is counted. The gradients are
+        not touched (zero them: they may carry the scale), a step that ran is not undone. No sync."""
         self._new_iteration()
         if self._tracer is not None:
             self._tracer.snapshot()  # the traced passes of the dropped iteration
@@ -876,14 +804,14 @@ class GradScaler:
         if self._in_flight():
             raise RuntimeError("A GradScaler can be pickled only between iterations (after update()).")
         state = self.__dict__.copy()
-        # The state as numbers; the copy makes its tensors afresh on the next scale() (torch does the same).
+        # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
         state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
-                     _evidence=None, _last_report=None, _last_found_inf=None, _bad=None, _losses=[],
-                     _per_optimizer_states=collections.defaultdict(_fresh_record))
+                     _evidence=None, _last_report=None, _last=dict(_fresh_record(), skipped=self._read_skipped(self._last)))
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._new_iteration()
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GradScaler":
         twin = type(self).__new__(type(self))
@@ -908,35 +836,25 @@ def _make_policy(policy, given: Dict[str, Any]):
     return policy
 
 
-def _valid_group(group: Any) -> Any:
-    if group is None or (isinstance(group, str) and group == DEFAULT_GROUP):
-        return group
-    from .distributed import validate_group
-
-    return validate_group(group)
-
-
 def _counters(s: ScaleState) -> Dict[str, int]:
     return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
             "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
 
 
-def _combined(flags, device: torch.device):
-    """The flags of several checks (one per optimizer) as one: a MAX of each (the flag contract)."""
+def _combined(flags, device: torch.device) -> Flags:
+    """The flags of several checks (one per optimizer) as one: a maximum of each (the flag contract)."""
     found_inf = torch.zeros((), dtype=torch.float32, device=device)
     found_nan = bad_loss = torch.zeros((), dtype=torch.bool, device=device)
-    amaxes = []
+    amaxes = [f.amax.to(device) for f in flags if f.amax is not None]
     for f in flags:
         found_inf = torch.maximum(found_inf, f.found_inf.to(device))
         found_nan, bad_loss = found_nan | f.found_nan.to(device), bad_loss | f.bad_loss.to(device)
-        if f.amax is not None:
-            amaxes.append(f.amax.to(device))
-    return found_inf, found_nan, bad_loss, torch.stack(amaxes).max() if amaxes else None
+    return Flags(found_inf, found_nan, bad_loss, torch.stack(amaxes).max() if amaxes else None)
 
 
 def _valid_new_scale(policy, new_scale, device: torch.device):
-    """``update(new_scale)``'s argument checked: a Python float within the policy's bounds, or a
-    1-element float tensor on the state's device type; ValueError naming it otherwise."""
+    """``update(new_scale)``'s argument: a Python float within the policy's bounds, or a 1-element float
+    tensor on the state's device type; ValueError naming it otherwise."""
     if isinstance(new_scale, torch.Tensor):
         if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
             raise ValueError("new_scale must be a float or a 1-element floating-point tensor with requires_grad="
@@ -979,17 +897,12 @@ def _refuse_unscalable(outputs: Any) -> None:
             raise ValueError("scale() got a tensor on the meta device, which holds no values; scale the loss of a "
                              "real forward (the scaler's state lives on the loss's device).")
         return
-    if isinstance(outputs, dict):
-        values = outputs.values()
-    elif isinstance(outputs, (list, tuple)):
-        values = outputs
-    elif isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
-        return
-    else:
+    if isinstance(outputs, (dict, list, tuple)):
+        for value in outputs.values() if isinstance(outputs, dict) else outputs:
+            _refuse_unscalable(value)
+    elif not isinstance(outputs, abc.Iterable) or isinstance(outputs, (str, bytes)):
         raise ValueError(
             f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}.")
-    for value in values:
-        _refuse_unscalable(value)
 
 
 def _map_tensors(fn: Callable, value: Any) -> Any:
@@ -1028,11 +941,10 @@ def _takes_grad_scaler(step) -> bool:
 
 
 def _first_step_needs_the_host(optimizer) -> bool:
-    """Whether a skip decided on device would leave this optimizer's state garbage, so the host must
-    decide its step (one sync) and not call it when skipped: torch's ``SGD(fused=True)`` with momentum
-    makes its momentum buffers with ``torch.empty_like`` on its first step and lets the kernel fill them;
-    a skipped first step returns before writing, and the next step reads the uninitialised memory
-    (torch 2.13 ``optim/sgd.py``; measured: weights at 5e27 two steps later). Only until they exist."""
+    """Whether a skip decided on device would leave this optimizer's state garbage, so the host decides
+    its step (one sync): torch's ``SGD(fused=True)`` with momentum makes its buffers with ``empty_like`` on
+    its first step and lets the kernel fill them; a skipped first step leaves them uninitialised, read as
+    momentum next (torch 2.13 ``optim/sgd.py``; measured: weights at 5e27 two steps later)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return False
     for group in optimizer.param_groups:
