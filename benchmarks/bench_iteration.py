@@ -19,9 +19,11 @@ sequence of 32 tokens) and an MLP of 8 layers 256 wide. Optimizers: AdamW fused,
 with momentum. Clipping: none; torch's recipe (``scaler.unscale_(opt)`` + ``clip_grad_norm_``) on both
 sides; and lossscale's own ``scaler.clip_grad_norm_(opt, 1.0)`` against torch's recipe.
 
-Beside the times: host syncs per iteration, each side (``tests/_sync.count_host_syncs``: a CPU run
-stands for the device), and the launches the scaler and optimizer calls make (everything but the
-forward and backward), as a GPU would see them: a model of a device, reported, not a goal.
+Beside the times: the optimizer side alone (clip, ``step``, ``update``, timed inside the same
+iterations: where a difference comes from), host syncs per iteration, each side
+(``tests/_sync.count_host_syncs``: a CPU run stands for the device), and the launches the scaler and
+optimizer calls make (everything but the forward and backward), as a GPU would see them: a model of a
+device, reported, not a goal. ``--device cuda`` runs the same rows on a GPU (``gpu_check.py`` does).
 Nothing is asserted: CI runs ``--quick`` as a smoke test only.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -48,6 +51,14 @@ from _sync import count_device_work  # noqa: E402
 #: Targets of issue 30 (the report marks the rows that miss them; nothing fails on them).
 TARGETS = {"gpt2": 1.005, "mlp": 1.05, "own clip": 1.0}
 OPTIMIZERS = ("adamw_fused", "adamw_foreach", "sgd")
+DEVICE = torch.device("cpu")  # --device
+
+
+def clock() -> float:
+    """``time.perf_counter()`` once the device has done what was queued (CUDA runs asynchronously)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 CLIPS = ("none", "torch recipe", "own clip")
 
 
@@ -61,8 +72,9 @@ def gpt2(quick: bool):
     config = transformers.GPT2Config(n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                      bos_token_id=0, eos_token_id=0, **size)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config).to(DEVICE)
     ids = torch.randint(0, config.vocab_size, (1, 8 if quick else 32), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(DEVICE)
     return model, lambda m: m(ids, labels=ids).loss
 
 
@@ -73,9 +85,9 @@ def mlp(quick: bool):
     layers = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers[:-1])
+    model = torch.nn.Sequential(*layers[:-1]).to(DEVICE)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, width, generator=g), torch.randint(0, width, (64,), generator=g)
+    x, y = torch.randn(64, width, generator=g).to(DEVICE), torch.randint(0, width, (64,), generator=g).to(DEVICE)
     return model, lambda m: torch.nn.functional.cross_entropy(m(x), y)
 
 
@@ -97,7 +109,7 @@ class Side:
 
     def forward_backward(self):
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
             loss = self.loss(self.model)
         self.scaler.scale(loss).backward()
 
@@ -110,11 +122,14 @@ class Side:
         self.scaler.step(self.opt)
         self.scaler.update()
 
-    def iteration(self) -> float:
-        start = time.perf_counter()
+    def iteration(self):
+        """(seconds for the iteration, seconds for its optimizer side: clip, step, update)."""
+        start = clock()
         self.forward_backward()
+        middle = clock() if DEVICE.type == "cpu" else time.perf_counter()  # (a sync here would distort CUDA)
         self.optimizer_side()
-        return time.perf_counter() - start
+        end = clock()
+        return end - start, end - middle
 
     def counted(self):
         """(syncs of a whole iteration, launches of its scaler and optimizer calls)."""
@@ -130,17 +145,18 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours = Side(make_model, kind, lossscale.GradScaler(), clip)
-    theirs = Side(make_model, kind, torch.amp.GradScaler("cpu"), "torch recipe" if clip == "own clip" else clip)
+    theirs = Side(make_model, kind, torch.amp.GradScaler(DEVICE.type), "torch recipe" if clip == "own clip" else clip)
     for _ in range(3):  # warm-up: first-call work, the optimizers' state
         ours.iteration()
         theirs.iteration()
-    ratios, t_ours, t_theirs = [], [], []
+    ratios, tail_ratios, t_ours, t_theirs = [], [], [], []
     for i in range(pairs):
         if i % 2:
             a, b = ours.iteration(), theirs.iteration()
         else:
             b, a = theirs.iteration(), ours.iteration()
-        ratios.append(a / b)
+        ratios.append(a[0] / b[0])
+        tail_ratios.append(a[1] / b[1])
         t_ours.append(a)
         t_theirs.append(b)
     (syncs_ours, launches_ours), (syncs_theirs, launches_theirs) = ours.counted(), theirs.counted()
@@ -148,19 +164,25 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
     target = TARGETS["own clip"] if clip == "own clip" else TARGETS[model_name]
     return dict(model=model_name, optimizer=kind, clip=clip, pairs=pairs, ratio=ratio, target=target,
                 meets=(ratio < target) if clip == "own clip" else (ratio <= target),
-                lossscale_ms=1e3 * statistics.median(t_ours), torch_ms=1e3 * statistics.median(t_theirs),
+                lossscale_ms=1e3 * statistics.median(t[0] for t in t_ours),
+                torch_ms=1e3 * statistics.median(t[0] for t in t_theirs),
+                optimizer_side_ratio=statistics.median(tail_ratios),
+                optimizer_side_ms=dict(lossscale=1e3 * statistics.median(t[1] for t in t_ours),
+                                       torch=1e3 * statistics.median(t[1] for t in t_theirs)),
                 syncs=dict(lossscale=syncs_ours, torch=syncs_theirs),
                 launches=dict(lossscale=launches_ours, torch=launches_theirs))
 
 
 def table(rows) -> str:
-    out = ["| model | optimizer | clip | ratio | target | lossscale ms | torch ms | syncs (ls/torch) | "
-           "launches (ls/torch) |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | optimizer | clip | ratio | target | lossscale ms | torch ms | optimizer side: ratio, ms "
+           "(ls/torch) | syncs (ls/torch) | launches (ls/torch) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "" if r["meets"] else " **missed**"
+        side = r["optimizer_side_ms"]
         out.append(f"| {r['model']} | {r['optimizer']} | {r['clip']} | {r['ratio']:.3f}{mark} | "
                    f"{'<' if r['clip'] == 'own clip' else '<='} {r['target']} | {r['lossscale_ms']:.2f} | "
-                   f"{r['torch_ms']:.2f} | {r['syncs']['lossscale']}/{r['syncs']['torch']} | "
+                   f"{r['torch_ms']:.2f} | {r['optimizer_side_ratio']:.3f}: {side['lossscale']:.2f}/{side['torch']:.2f} | "
+                   f"{r['syncs']['lossscale']}/{r['syncs']['torch']} | "
                    f"{r['launches']['lossscale']}/{r['launches']['torch']} |")
     return "\n".join(out)
 
@@ -171,10 +193,16 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=None, help="pairs per row (default 12 GPT-2, 60 MLP)")
     parser.add_argument("--models", nargs="*", default=["gpt2", "mlp"], choices=["gpt2", "mlp"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     rows = []
+    if "gpt2" in args.models and importlib.util.find_spec("transformers") is None:
+        print("bench_iteration: transformers is not installed here: the GPT-2 rows are left out", flush=True)
+        args.models = [m for m in args.models if m != "gpt2"]
     for model_name in args.models:
         pairs = args.pairs or (3 if args.quick else 12 if model_name == "gpt2" else 60)
         for kind in OPTIMIZERS:
@@ -183,15 +211,17 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"{model_name:5s} {kind:13s} {clip:12s} ratio {r['ratio']:.3f} "
                       f"({r['lossscale_ms']:.1f} vs {r['torch_ms']:.1f} ms)", flush=True)
-    name = "bench_iteration_quick" if args.quick else "bench_iteration"
+    name = ("bench_iteration_quick" if args.quick else "bench_iteration") + ("" if DEVICE.type == "cpu" else "_" + DEVICE.type)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(torch=torch.__version__, python=platform.python_version(), threads=args.threads,
-                machine=platform.machine(), date=time.strftime("%Y-%m-%d"))
+                machine=platform.machine(), device=str(DEVICE), date=time.strftime("%Y-%m-%d"),
+                gpu=torch.cuda.get_device_name() if DEVICE.type == "cuda" else None)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     text = table(rows)
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(f"# bench_iteration ({meta['date']}, torch {meta['torch']}, {args.threads} thread)\n\n{text}\n")
+        f.write(f"# bench_iteration ({meta['date']}, torch {meta['torch']}, {meta['gpu'] or 'CPU'}, {args.threads} "
+                f"thread)\n\n{text}\n")
     print(text)
     return 0
 

@@ -62,3 +62,24 @@ def test_compat_picks_the_ends_of_each_range_and_writes_its_table(tmp_path, monk
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| x | 1.0.0 | `>=1.0,<2` | **failed** | 1 failed, 3 passed |" in text
+
+
+def test_bench_iteration_smoke(tmp_path):
+    bench = _run("bench_iteration", ["--quick", "--pairs", "2", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "bench_iteration_quick.json").read_text())
+    rows = results["rows"]
+    assert len(rows) == len(bench.OPTIMIZERS) * len(bench.CLIPS) * 2
+    assert all(r["ratio"] > 0 and r["optimizer_side_ratio"] > 0 for r in rows)
+    # Syncs are counts, not timings: these hold on any machine.
+    assert all(r["syncs"]["lossscale"] <= r["syncs"]["torch"] for r in rows)
+    assert all(r["syncs"]["lossscale"] == 0 for r in rows if r["optimizer"] == "adamw_fused")
+    assert "| gpt2 | adamw_fused | own clip |" in (tmp_path / "bench_iteration_quick.md").read_text()
+
+
+def test_gpu_check_says_so_without_cuda(capsys):
+    if torch.cuda.is_available():
+        return
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(HERE, "..", "benchmarks", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main([]) == 2 and "no CUDA device" in capsys.readouterr().err

@@ -97,7 +97,7 @@ class Snapshot:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
             self._event = torch.Event(device=t.device)
-            self._event.record()
+            self._event.record(torch.accelerator.current_stream(t.device))  # the stream the copy went to
 
     def landed(self) -> bool:
         """Whether the copy has reached the host (never waits)."""

@@ -311,7 +311,7 @@ class GradScaler:
             gathered = self._check.gather(optimizer, allow_half=not unscale)
             flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax, sync)
             if unscale:
-                self._check.unscale_(gathered, inverse(t.scale), torch.zeros_like(flags.found_inf), self._unscaled)
+                self._check.multiply_(gathered, inverse(t.scale), self._unscaled)
             rec["found_inf_per_device"] = {t.device: flags.found_inf}
         rec["flags"] = flags
         return flags
