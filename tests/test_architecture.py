@@ -39,7 +39,7 @@ def test_every_registered_policy_follows_the_protocol():
 
 def test_the_public_surface_is_pinned():
     assert lossscale.__all__ == [
-        "GradScaler", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
+        "GradScaler", "ShardedGradScaler", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
         "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
         "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale",
         "ActivationGradRecorder", "activation_grad_probe", "Telemetry", "JsonlLogger",
@@ -350,12 +350,13 @@ def _code_lines(name: str) -> int:
 
 
 def test_the_core_is_at_most_2000_lines_of_code():
-    """Issue 30's measure, as lines of code, every policy included (1,929 on 2026-12-03). The physical
-    lines (docstrings, comments and blank lines too) are held where they stand, 3,375 that day: above the
-    issue's 2,000, which a core with its pseudocode and why-comments does not meet (docs/architecture.md)."""
+    """Issue 30's measure, as lines of code, every policy included (1,997 on 2026-12-03, with issue 31's
+    compatibility surface). The physical lines (docstrings, comments and blank lines too) are held where
+    they stand, 3,478 that day: above the issue's 2,000, which a core with its pseudocode, argument docs
+    and why-comments does not meet (docs/architecture.md)."""
     modules = CORE + OPTIONAL_POLICIES
     assert sum(_code_lines(m) for m in modules) <= 2000, {m: _code_lines(m) for m in modules}
-    assert sum(_lines(m) for m in modules) <= 3400, {m: _lines(m) for m in modules}
+    assert sum(_lines(m) for m in modules) <= 3500, {m: _lines(m) for m in modules}
 
 
 def test_the_scaler_is_one_class_without_mixins():

@@ -263,10 +263,10 @@ def test_torchrun_example_trains_and_skips_together(run):
 def test_process_group_argument_is_validated():
     with pytest.raises(ValueError, match=r"process_group='world' is not a process group.*'default'.*None"):
         lossscale.GradScaler(process_group="world")
-    with pytest.raises(ValueError, match=r"process_group=3 \(int\) is not a torch.distributed ProcessGroup"):
-        lossscale.GradScaler(process_group=3)
-    lossscale.GradScaler(process_group=None)
-    lossscale.GradScaler(process_group="default")
+    # Any other object is taken, as torch's ShardedGradScaler takes it (its tests pass a stand-in group);
+    # one that is not a ProcessGroup reduces nothing.
+    for group in (None, "default", object()):
+        assert lossscale.GradScaler(process_group=group).process_group is group
 
 
 def test_helpers_without_torch_distributed_initialised():

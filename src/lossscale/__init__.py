@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 # Names that need torch, and the module each lives in: imported on first access (PEP 562).
 _LAZY = {
     "GradScaler": "scaler",
+    "ShardedGradScaler": "sharded",
     "OptState": "scaler",
     "grad_stats": "stats",
     "GradStats": "stats",
@@ -42,6 +43,7 @@ _LAZY = {
 
 __all__ = [
     "GradScaler",
+    "ShardedGradScaler",
     "OptState",
     "Policy",
     "DynamicPolicy",

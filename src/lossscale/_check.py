@@ -40,17 +40,13 @@ NO_FLOAT64 = {"mps"}
 
 def inverse(scale: torch.Tensor) -> torch.Tensor:
     """``1/scale`` as float32, as torch computes it: in float64, rounded once (bitwise torch's). Where the
-    device has no float64 (:data:`NO_FLOAT64`) in float32, which is the same value for a power of two
-    (its reciprocal is exact in either)."""
-    if scale.device.type in NO_FLOAT64:
+    device has no float64 (MPS; an Intel XPU whose properties say so) in float32, which is the same value
+    for a power of two (its reciprocal is exact in either). Off CUDA torch's scaler needs float64 there,
+    and users are told to drop the scaler (pytorch #147731)."""
+    device = scale.device
+    if device.type in NO_FLOAT64 or (device.type == "xpu" and not torch.xpu.get_device_properties(device).has_fp64):
         return scale.reciprocal()
     return scale.double().reciprocal().float()
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of ``t``: a DTensor's local shard (in-place ops on it update the DTensor)."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
 
 
 def group_grads(tensors: List[torch.Tensor]) -> Groups:
@@ -185,9 +181,9 @@ class GradientCheck:
                     if (coalesce or grad.dtype == torch.float16) and not grad.is_coalesced():
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                elif type(grad) is not torch.Tensor:
-                    sharded = sharded or hasattr(grad, "_local_tensor")  # a DTensor on every rank alike
-                    grad = local_tensor(grad)
+                elif isinstance(getattr(grad, "_local_tensor", None), torch.Tensor):
+                    # A DTensor (on every rank alike): its local shard, whose in-place ops update it.
+                    sharded, grad = True, grad._local_tensor
                 if grad.numel() == 0:
                     continue  # an empty local shard (FSDP2: dim 0 smaller than the world): nothing to check
                 grads.append(grad)
@@ -197,8 +193,10 @@ class GradientCheck:
                 f"{len(half)} parameter(s) have FP16 gradients ({', '.join(half[:5])}"
                 f"{', ...' if len(half) > 5 else ''}): unscaling them in FP16 would flush the small ones, "
                 "the very values loss scaling protects. Keep the parameters in FP32 and run the forward "
-                "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), or use an "
-                "optimizer that unscales itself (e.g. torch.optim.Adam(fused=True))."
+                "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), use an "
+                "optimizer that unscales itself in float32 (e.g. torch.optim.AdamW(fused=True)), or accept "
+                "the flushing with GradScaler(allow_fp16=True), as torch's ShardedGradScaler does (the "
+                "flushed values are counted in metrics() and health())."
             )
         return Gathered(params, grads, every, sharded)
 
@@ -221,30 +219,38 @@ class GradientCheck:
         unscaled |= ids
 
     # ------------------------------------------------------------------------------ the checks
-    def unscale_(self, gathered: Gathered, inv_scale: torch.Tensor, found_inf: torch.Tensor, unscaled: Set[int]):
+    def unscale_(self, gathered: Gathered, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                 flushed: Optional[torch.Tensor] = None):
         """torch's fused check+unscale over the gathered gradients, per (device, dtype); returns
         ``{device: found_inf}``, as torch's ``_unscale_grads_`` (``found_inf`` is the entry on its
-        own device, set to 1.0 where a gradient was inf or NaN). ``unscaled``: see :meth:`claim`."""
-        self.claim(gathered, unscaled)
+        own device, set to 1.0 where a gradient was inf or NaN). ``flushed``: see :func:`_counting_flushed`."""
         per_device = {}
         for device, per_dtype in group_grads(gathered.grads).items():
             flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
             inv = inv_scale.to(device)
             for grads in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+                if flushed is None:
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+                else:
+                    _counting_flushed(flushed, torch._amp_foreach_non_finite_check_and_unscale_, grads, flag, inv)
             per_device[device] = flag
         return per_device
 
-    def multiply_(self, gathered: Gathered, inv_scale: torch.Tensor, unscaled: Set[int]) -> None:
+    def multiply_(self, gathered: Gathered, inv_scale: torch.Tensor, unscaled: Set[int],
+                  flushed: Optional[torch.Tensor] = None) -> None:
         """Unscale the gathered gradients by ``inv_scale`` where the check already ran (the read-only
         pass): a plain multiply per (device, dtype), the same values as torch's check+unscale kernel (which
         multiplies in the same precision) at half its cost on CPU (3.4 against 7.3 ms for 7.9M values, one
-        thread: it skips the finiteness test). ``unscaled``: see :meth:`claim`."""
+        thread: it skips the finiteness test). ``unscaled``: see :meth:`claim`; ``flushed``: see
+        :func:`_counting_flushed`."""
         self.claim(gathered, unscaled)
         for device, per_dtype in group_grads(gathered.grads).items():
             inv = inv_scale.to(device)
             for grads in per_dtype.values():
-                torch._foreach_mul_(grads, inv)
+                if flushed is None:
+                    torch._foreach_mul_(grads, inv)
+                else:
+                    _counting_flushed(flushed, torch._foreach_mul_, grads, inv)
 
     def decide(self, per_device: Dict[torch.device, torch.Tensor], device: torch.device, bad_loss: torch.Tensor,
                sync: bool, amax: Optional[torch.Tensor] = None) -> Flags:
@@ -254,17 +260,7 @@ class GradientCheck:
         found = torch.zeros((), dtype=torch.float32, device=device)
         for flag in per_device.values():
             found = torch.maximum(found, flag.to(device))
-        found_inf = torch.where(bad_loss, 1.0, found)
-        group = self.group()
-        if group is not None:
-            from . import distributed
-
-            found_inf, _, amax, bad = distributed.all_reduce_flags(found_inf, found_inf, amax, group, bad_loss)
-            bad_loss = bad > 0
-        flags = Flags(found_inf, torch.zeros_like(bad_loss), bad_loss, amax)
-        if sync:
-            flags.skipped = bool(found_inf.item())
-        return flags
+        return self._finish(torch.where(bad_loss, 1.0, found), torch.zeros_like(bad_loss), bad_loss, amax, sync)
 
     def tell_nan(self, flags: Flags, gathered: Gathered, device: torch.device) -> None:
         """After a synced overflow: whether it held NaN, and which gradients were bad (for the report).
@@ -292,8 +288,12 @@ class GradientCheck:
         """The flags from ``worst``, a value that is NaN where a gradient held NaN and inf where one held
         an inf (the largest magnitude, or a norm), and the loss check; reduced across ranks (one
         collective, ``amax`` riding along), read on the host with ``sync``."""
-        found_nan = torch.isnan(worst)
         found_inf = torch.where(torch.isfinite(worst) & ~bad_loss, 0.0, 1.0)
+        return self._finish(found_inf, torch.isnan(worst), bad_loss, amax, sync, params, vectors)
+
+    def _finish(self, found_inf, found_nan, bad_loss, amax, sync: bool, params=(), vectors=()) -> Flags:
+        """The flags reduced across ranks (one collective, ``amax`` riding along) and, with ``sync``, the
+        decision read on the host (THE sync of the iteration, as torch's ``.item()`` in ``step()``)."""
         group = self.group()
         if group is not None:
             from . import distributed
@@ -301,10 +301,22 @@ class GradientCheck:
             found_inf, nan, amax, bad = distributed.all_reduce_flags(found_inf, found_nan.float(), amax, group,
                                                                      bad_loss)
             found_nan, bad_loss = nan > 0, bad > 0
-        flags = Flags(found_inf, found_nan, bad_loss, amax, params=params, amax_vectors=vectors)
+        flags = Flags(found_inf, found_nan, bad_loss, amax, params=list(params), amax_vectors=list(vectors))
         if sync:
             flags.skipped = bool(found_inf.item())
         return flags
+
+
+def _counting_flushed(flushed: torch.Tensor, unscale: Callable, grads: List[torch.Tensor], *args) -> None:
+    """``unscale(grads, *args)`` for one (device, dtype) group, and where the gradients are half precision
+    (FP16, bf16: ``allow_fp16``), add to ``flushed`` the values it turned to zero: counted before and
+    after, two more reads, so the underflow the user accepted is visible (``metrics()``, ``health()``)."""
+    half = grads[0].dtype in (torch.float16, torch.bfloat16)
+    if half:
+        before = torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+    unscale(grads, *args)
+    if half:
+        flushed.add_((before - torch.stack([torch.count_nonzero(g) for g in grads]).sum()).to(flushed.device))
 
 
 # ------------------------------------------------------------------------------------------ clip

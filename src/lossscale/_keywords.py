@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from ._validate import positive_finite
+from ._validate import plain_number, positive_finite
 from .policy import policy_class, policy_names, registered
 
 __all__ = ["policy_from_keywords"]
@@ -29,6 +29,7 @@ def policy_from_keywords(name: str, **given):
             ignored.append(key)
     for key in ignored:
         _validate_elsewhere(cls, key, given[key])
+    _lift_default_bounds(cls, kwargs)
     if ignored:
         warnings.warn(
             f"lossscale.GradScaler: {', '.join(f'{k}={given[k]!r}' for k in ignored)} do(es) not apply to "
@@ -38,6 +39,25 @@ def policy_from_keywords(name: str, **given):
             stacklevel=4,
         )
     return cls(**kwargs)
+
+
+def _lift_default_bounds(cls, kwargs) -> None:
+    """An ``init_scale`` given outside the *default* bounds moves the bound to it (torch has none, so
+    ``GradScaler(init_scale=2**32)``, Megatron's default, or ``init_scale=1e38`` must start training),
+    with one note; a bound the caller gave is theirs, and a scale outside it stays an error."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    init = plain_number("init_scale", kwargs.get("init_scale"))  # ValueError beyond float range, naming it
+    if isinstance(init, bool) or not isinstance(init, (int, float)) or "max_scale" not in defaults:
+        return
+    for bound, side in (("max_scale", 1), ("min_scale", -1)):
+        default = defaults[bound]
+        if bound not in kwargs and default is not None and (init - default) * side > 0:
+            kwargs[bound] = float(init)
+            warnings.warn(
+                f"lossscale.GradScaler: init_scale={init!r} is {'above' if side > 0 else 'below'} the default "
+                f"{bound}={default!r}, so {bound} is set to init_scale: the scale starts where asked and never goes "
+                f"past it. Pass {bound}= to choose the bound ({bound}=None: none, as torch).",
+                UserWarning, stacklevel=5)  # the caller of GradScaler(): here <- policy_from_keywords <- _make_policy <- __init__
 
 
 def _validate_elsewhere(cls, key: str, value) -> None:

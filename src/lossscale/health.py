@@ -148,6 +148,8 @@ class HealthReport:
         flushed: with telemetry on, the share of the gradients of the last sampled iteration that
             FP16 flushes to zero at their scale (``grad/flushed_frac``); else None.
         flushed_step: the iteration ``flushed`` was sampled at, or None.
+        fp16_flushed: with ``allow_fp16``, the gradient values the unscale of FP16 (and bf16) gradients
+            flushed to zero so far; else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 
@@ -168,6 +170,7 @@ class HealthReport:
     calibrating: bool = False
     flushed: Optional[float] = None
     flushed_step: Optional[int] = None
+    fp16_flushed: Optional[int] = None
     causes: Tuple[Tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
@@ -176,7 +179,7 @@ class HealthReport:
     def metrics(self, prefix: str = "health/") -> Dict[str, Any]:
         """The numbers as a flat dict for any logger (int, float, bool; no text): ``verdict`` is the
         index in :data:`VERDICTS` (0 healthy, 1 recovering, 2 stuck; -1 disabled); ``steps_since_overflow``,
-        ``flushed`` and ``flushed_step`` are left out while None."""
+        ``flushed``, ``flushed_step`` and ``fp16_flushed`` are left out while None."""
         out: Dict[str, Any] = {"verdict": VERDICTS.index(self.verdict) if self.verdict in VERDICTS else -1}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -366,8 +369,8 @@ class Health:
 
     # ------------------------------------------------------------------------------------ report
     def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
-               flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None
-               ) -> HealthReport:
+               flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
+               fp16_flushed: Optional[int] = None) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -401,7 +404,7 @@ class Health:
             persistent_nan=h._persistent + persistent, earlier=h._earlier, streak=streak,
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
             scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
-            settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step,
+            settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
         text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)
@@ -441,6 +444,8 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
         elif r.steps_since_overflow is not None:
             parts.append(f"No overflow in the last {_plural(r.steps_since_overflow, 'step')}.")
         parts.append(f"The scale is {pow2_label(r.scale)}, unchanged for {_plural(r.scale_held, 'step')}.")
+    if r.fp16_flushed:
+        parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:
         parts.append(f"{r.flushed:.2%} of the gradients sampled at iteration {r.flushed_step} flush to zero in "
                      "FP16 at their scale.")

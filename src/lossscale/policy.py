@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
-from ._validate import SMALLEST_SCALE, off_powers_of_two, plain_number
+from ._validate import SMALLEST_SCALE, plain_number
 from .formats import f32, is_power_of_two
 
 __all__ = [
@@ -260,11 +260,6 @@ class PolicyBase:
     def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:
         """(min_scale, max_scale) as configured; None where unbounded."""
         return getattr(self, "min_scale", None), getattr(self, "max_scale", None)
-
-    def keeps_powers_of_two(self) -> bool:
-        """Whether the rule takes a power-of-two scale to another: every factor and bound it has is a
-        power of two (or None)."""
-        return not off_powers_of_two(self, ("growth_factor", "backoff_factor", "min_scale", "max_scale"))
 
     def config(self) -> Dict[str, Any]:
         """The configuration as a dict of the dataclass fields (what a checkpoint stores)."""

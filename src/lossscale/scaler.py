@@ -86,6 +86,10 @@ class GradScaler:
             scale did not cause it). False: torch's behaviour (it halves the scale).
         trace: hook the model's modules to name the first one whose output or gradient was non-finite
             (needs ``model=`` an ``nn.Module``; see :meth:`overflow_report`).
+        allow_fp16: unscale FP16 (and bf16) gradients in place, as torch's ``ShardedGradScaler`` does,
+            counting the values the unscale flushes to zero (``metrics()``, ``health()``). False (torch's
+            ``GradScaler``): such gradients raise ValueError with what to do instead. Optimizers that
+            unscale themselves (fused) take FP16 gradients either way, in float32 arithmetic: exact.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -110,7 +114,7 @@ class GradScaler:
                  growth_factor: float = _DEFAULT, backoff_factor: float = _DEFAULT, growth_interval: int = _DEFAULT,
                  enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
                  process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
-                 trace: bool = False, **policy_keywords: Any) -> None:
+                 trace: bool = False, allow_fp16: bool = False, **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -122,12 +126,14 @@ class GradScaler:
         given = {k: v for k, v in dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                        growth_interval=growth_interval).items() if v is not _DEFAULT}
         self._policy = _make_policy(policy, {**given, **policy_keywords})
-        for name, value in (("loss_check", loss_check), ("trace", trace)):
+        for name, value in (("loss_check", loss_check), ("trace", trace), ("allow_fp16", allow_fp16)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False.")
         if trace and not isinstance(model, torch.nn.Module):
             raise ValueError("trace=True hooks the model's modules: pass model=<the nn.Module> as well.")
-        self._loss_check = loss_check
+        self._loss_check, self._allow_fp16 = loss_check, allow_fp16
+        self._fp16_flushed: Optional[torch.Tensor] = None  # values the unscale of FP16 gradients flushed (allow_fp16)
+        self._init_flushed = 0  # ... before the state has a device (a loaded checkpoint's count)
         self._telemetry = self._tracer = None
         if telemetry is not None:
             from .telemetry import Telemetry
@@ -136,10 +142,9 @@ class GradScaler:
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
-        if process_group is not None and process_group != DEFAULT_GROUP:
-            from .distributed import validate_group
-
-            process_group = validate_group(process_group)
+        if isinstance(process_group, str) and process_group != DEFAULT_GROUP:
+            raise ValueError(f"process_group={process_group!r} is not a process group; pass 'default' (the default "
+                             "group when torch.distributed runs), None (no reduction) or a group.")
         self._check = GradientCheck(self._names, process_group)
         if trace:
             from .trace import Tracer
@@ -229,6 +234,8 @@ class GradScaler:
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             self._t = TensorState(self._init_state, device)
+            if self._allow_fp16:  # the count of FP16 values the unscale flushes, beside the state
+                self._fp16_flushed = torch.full((), self._init_flushed, dtype=torch.int64, device=device)
         return self._t
 
     def _require(self, call: str) -> TensorState:
@@ -302,26 +309,35 @@ class GradScaler:
         bad_loss = self._bad_loss(t.device)
         unscale = unscale and not self._passthrough()
         if unscale and sync and not self._policy.needs_amax:
+            self._check.claim(self._check.gather(optimizer, allow_half=True), self._unscaled)  # before any unscale
             found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
-            rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(t.scale), found_inf, False)
+            rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(t.scale), found_inf,
+                                                               self._allow_fp16)
             flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync)
             if flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
                 self._check.tell_nan(flags, self._check.gather(optimizer, allow_half=True), t.device)
         else:  # the read-only pass first: it measures the *scaled* gradients
-            gathered = self._check.gather(optimizer, allow_half=not unscale)
+            gathered = self._check.gather(optimizer, allow_half=self._allow_fp16 or not unscale)
             flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax, sync)
             if unscale:
-                self._check.multiply_(gathered, inverse(t.scale), self._unscaled)
+                self._check.multiply_(gathered, inverse(t.scale), self._unscaled, self._fp16_flushed)
             rec["found_inf_per_device"] = {t.device: flags.found_inf}
         rec["flags"] = flags
         return flags
 
-    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool):
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: Optional[bool] = None):
         """torch's private primitive, with torch's signature and result: unscale ``optimizer``'s gradients
         by ``inv_scale`` in place, set ``found_inf`` where one was inf or NaN, return ``{device:
-        found_inf}``. The checks call it, so code that wraps or patches it changes what they do, as with torch."""
-        return self._check.unscale_(self._check.gather(optimizer, allow_half=allow_fp16), inv_scale, found_inf,
-                                    self._unscaled)
+        found_inf}`` (``allow_fp16`` None: this scaler's setting, as ``ShardedGradScaler``'s default). The
+        synced check calls it, so code that wraps or patches it changes what it does, as with torch."""
+        allow = self._allow_fp16 if allow_fp16 is None else allow_fp16
+        return self._check.unscale_(self._check.gather(optimizer, allow_half=allow), inv_scale, found_inf,
+                                    self._fp16_flushed if allow else None)
+
+    def _flushed_count(self) -> int:
+        """The values the unscale of FP16 gradients flushed to zero so far (``allow_fp16``): one sync."""
+        return self._init_flushed if self._fp16_flushed is None else int(self._fp16_flushed.item())
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale (in place) and check them for inf/NaN.
@@ -543,7 +559,8 @@ class GradScaler:
         sampled = self._telemetry is not None and self._telemetry.overall is not None
         return self._health.report(self._policy, state, before,
                                    self._telemetry.overall.flushed_frac if sampled else None,
-                                   self._telemetry.step_collected if sampled else None, self._describe)
+                                   self._telemetry.step_collected if sampled else None, self._describe,
+                                   fp16_flushed=self._flushed_count() if self._allow_fp16 else None)
 
     def overflow_report(self) -> Dict[str, Any]:
         """Why the last step was skipped, as a dict: ``"inf"``, ``"nan"`` (the parameters whose gradients
@@ -644,6 +661,8 @@ class GradScaler:
         out: Dict[str, Any] = {"loss_scale": state.scale if self._enabled else 1.0}
         if self._enabled:
             out.update(_counters(state))
+            if self._allow_fp16:
+                out["fp16_flushed"] = self._flushed_count()
         out["last_step_skipped"] = bool(self._enabled and self.last_step_skipped)
         out.update(figures)
         return out
@@ -659,6 +678,31 @@ class GradScaler:
         if self._t is not None:
             return str(self._t.device)
         return self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def _init_scale(self) -> float:
+        """torch's attribute: the scale the state starts at (the policy's ``init_scale``)."""
+        return self._policy.config().get("init_scale", self._policy.config().get("scale"))
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """torch's attribute: the growth tracker the state starts with (once the state is on a device, its
+        tracker now: one sync)."""
+        return self._get_growth_tracker() if self._t is not None else getattr(self._init_state, "growth_tracker", 0)
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        if self._t is None and hasattr(self._init_state, "growth_tracker"):
+            self._init_state = self._init_state.replace(growth_tracker=int(value))
+        elif hasattr(self._t, "growth_tracker"):
+            self._t.growth_tracker.fill_(int(value))
+
+    _growth_factor = property(lambda self: self.get_growth_factor(), lambda self, v: self.set_growth_factor(v),
+                              doc="torch's attribute: :meth:`get_growth_factor` / :meth:`set_growth_factor`.")
+    _backoff_factor = property(lambda self: self.get_backoff_factor(), lambda self, v: self.set_backoff_factor(v),
+                               doc="torch's attribute: :meth:`get_backoff_factor` / :meth:`set_backoff_factor`.")
+    _growth_interval = property(lambda self: self.get_growth_interval(), lambda self, v: self.set_growth_interval(v),
+                                doc="torch's attribute: :meth:`get_growth_interval` / :meth:`set_growth_interval`.")
 
     def _lazy_init_scale_growth_tracker(self, device) -> None:
         """torch's private name for :meth:`init_device`."""
@@ -751,6 +795,8 @@ class GradScaler:
         out = checkpoint.to_dict(self._policy, self.state())
         if self._telemetry is not None:
             out[checkpoint.TELEMETRY_KEY] = self._telemetry.iteration
+        if self._allow_fp16:
+            out[checkpoint.FP16_FLUSHED_KEY] = self._flushed_count()
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -762,18 +808,21 @@ class GradScaler:
         :meth:`discard_iteration` drops the iteration in flight)."""
         if not self._enabled:
             return
-        if self._in_flight():
-            raise RuntimeError(
-                "load_state_dict() was called in mid-iteration (after scale(), before update()): the gradients "
-                "in flight were scaled by the current scale, and unscaling them by the loaded one would be "
-                "wrong. Load between iterations (after update(), before the next scale()); to drop the "
-                "iteration in flight, call optimizer.zero_grad() and scaler.discard_iteration() first."
-            )
         policy, state = checkpoint.load(state_dict, self._policy)
         telemetry_iteration = checkpoint.telemetry_iteration(state_dict)
+        flushed = checkpoint.fp16_flushed(state_dict)
         # Everything is validated: now swap.
+        if self._in_flight():
+            warnings.warn(
+                "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()): the "
+                "state is loaded and the iteration in flight is discarded (nothing of it is counted; its "
+                "gradients carry the old scale: zero them before the next backward).", RuntimeWarning, stacklevel=2)
         if telemetry_iteration is not None and self._telemetry is not None:
             self._telemetry.iteration = telemetry_iteration
+        if flushed is not None and self._allow_fp16:
+            self._init_flushed = flushed
+            if self._fp16_flushed is not None:
+                self._fp16_flushed.fill_(flushed)
         self._policy = policy
         if self._t is None:
             self._init_state = state
@@ -801,11 +850,14 @@ class GradScaler:
                                   for r in self._per_optimizer_states.values())
 
     def __getstate__(self) -> Dict[str, Any]:
-        if self._in_flight():
-            raise RuntimeError("A GradScaler can be pickled only between iterations (after update()).")
+        # As torch: not once an optimizer was checked (after scale() is fine: the copy starts afresh).
+        if any(r["flags"] is not None or r["stage"] is not OptState.READY for r in self._per_optimizer_states.values()):
+            raise RuntimeError("A GradScaler can be pickled only at the beginning of an iteration, before any "
+                               "unscale_(), clip_grad_norm_() or step() (as torch's), or after update().")
         state = self.__dict__.copy()
         # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
         state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
+                     _init_flushed=self._flushed_count() if self._allow_fp16 else 0, _fp16_flushed=None,
                      _evidence=None, _last_report=None, _last=dict(_fresh_record(), skipped=self._read_skipped(self._last)))
         return state
 
