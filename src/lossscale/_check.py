@@ -196,8 +196,7 @@ class GradientCheck:
                 "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), use an "
                 "optimizer that unscales itself in float32 (e.g. torch.optim.AdamW(fused=True)), or accept "
                 "the flushing with GradScaler(allow_fp16=True), as torch's ShardedGradScaler does (the "
-                "flushed values are counted in metrics() and health())."
-            )
+                "flushed values are counted in metrics() and health()).")
         return Gathered(params, grads, every, sharded)
 
     def claim(self, gathered: Gathered, unscaled: Set[int]) -> None:
@@ -214,8 +213,7 @@ class GradientCheck:
                 f"{', ...' if len(names) > 5 else ''}): unscale_()/clip_grad_norm_() reached them through "
                 "another optimizer object over the same parameters (an optimizer wrapper such as Fabric's "
                 "or accelerate's, and its inner optimizer). Dividing by the scale twice would shrink them "
-                "silently; unscale through one of the two objects only."
-            )
+                "silently; unscale through one of the two objects only.")
         unscaled |= ids
 
     # ------------------------------------------------------------------------------ the checks
@@ -331,8 +329,7 @@ def validate_clip(max_norm, norm_type) -> float:
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
         raise ValueError(
             f"norm_type={norm_type!r} must be > 0 or inf (2.0 is the usual choice); the 0-'norm' and "
-            "negative orders do not scale with the gradients, so they cannot be taken from scaled ones."
-        )
+            "negative orders do not scale with the gradients, so they cannot be taken from scaled ones.")
     return float(norm_type)
 
 

@@ -159,6 +159,7 @@ class GradScaler:
         self._graphed = False  # an update ran under CUDA-graph capture or compile: replays move the state
         self._snapshots: collections.deque = collections.deque(maxlen=SNAPSHOTS)
         self._warned_streak = False
+        self._step_callbacks: Dict[int, Callable] = collections.OrderedDict()  # on_step (a handle holds it weakly)
         self._evidence: Optional[Dict[str, Any]] = None  # the last possibly skipped iteration's, for reports
         self._last_report: Optional[Dict[str, Any]] = None
 
@@ -171,14 +172,13 @@ class GradScaler:
         having. Takes ``on_stuck``, ``max_consecutive_skips`` and the scaler's other keywords.
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
-        scale_keys = [k for k in kwargs if k not in ("enabled", "model", "process_group", "telemetry", "loss_check",
-                                                     "trace")]
+        scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
+                                           "allow_fp16"})
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
                 "do(es) not apply. For a fixed scale S use GradScaler(policy='static', init_scale=S); for FP16 "
-                "use GradScaler()."
-            )
+                "use GradScaler().")
         return cls(device, policy=StaticPolicy(scale=1.0, **stuck), **kwargs)
 
     def name_parameters(self, model_or_named_parameters) -> None:
@@ -223,16 +223,13 @@ class GradScaler:
         never call :meth:`scale` (pipeline stages) and frameworks that load a checkpoint first. No sync.
         ValueError if the state already lives on another device."""
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if self._t is not None and self._t.device != device:
+        if self._t is not None and self._start(device).device != _indexed(device):
             raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
         self._start(device)
 
     def _start(self, device: torch.device) -> TensorState:
         if self._t is None:
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
+            device = _indexed(device)
             self._t = TensorState(self._init_state, device)
             if self._allow_fp16:  # the count of FP16 values the unscale flushes, beside the state
                 self._fp16_flushed = torch.full((), self._init_flushed, dtype=torch.int64, device=device)
@@ -493,11 +490,36 @@ class GradScaler:
         self._new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
+        for callback in list(self._step_callbacks.values()):  # on_step: the host's bool, else the device flag
+            callback(not self._last["skipped"] if self._last["skipped"] is not None else flags.found_inf == 0)
         if torch.compiler.is_compiling() or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._graphed = True  # replays move the state without update(): never trust a kept decision
             return
         self._snapshots.append(Snapshot(t, evidence))
         self._learn_landed()
+
+    def on_step(self, fn: Callable[[Any], Any]):
+        """Call ``fn(taken)`` after every :meth:`update`: whether the iteration's optimizer step was taken.
+        ``taken`` is a bool where the host decided the step (no sync), and a bool 0-dim device tensor on
+        the fused path (read it, one sync, or gate device work with ``torch.where``). For code that acts on
+        a step that really happened (a SCAFFOLD correction, an EMA, a step counter). Returns a handle whose
+        ``remove()`` stops the calls; copies of the scaler do not keep them."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._step_callbacks)
+        self._step_callbacks[handle.id] = fn
+        return handle
+
+    def record_overflow(self, nan: bool = False) -> None:
+        """Close this iteration as an overflow that something else found (a framework that checked the
+        gradients itself and skipped its step, as DeepSpeed's ZeRO does): the policy answers it as one of
+        its own check's, in place of :meth:`update`; the gradients are not touched. No sync."""
+        t = self._t or self._require("record_overflow()")
+        flags = Flags(torch.ones((), device=t.device), torch.full((), nan, device=t.device),
+                      torch.zeros((), dtype=torch.bool, device=t.device), skipped=True)
+        self._per_optimizer_states = collections.defaultdict(_fresh_record, {id(self): dict(
+            _fresh_record(), stage=OptState.STEPPED, flags=flags, skipped=True)})
+        self.update()
 
     def _new_iteration(self) -> None:
         # torch's name and shape (a defaultdict of per-optimizer records), which some trainers read.
@@ -858,7 +880,8 @@ class GradScaler:
         # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
         state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
                      _init_flushed=self._flushed_count() if self._allow_fp16 else 0, _fp16_flushed=None,
-                     _evidence=None, _last_report=None, _last=dict(_fresh_record(), skipped=self._read_skipped(self._last)))
+                     _evidence=None, _last_report=None, _last=dict(_fresh_record(), skipped=self._read_skipped(self._last)),
+                     _step_callbacks=collections.OrderedDict())
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -877,6 +900,11 @@ class GradScaler:
 
 
 # ------------------------------------------------------------------------------------- helpers
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" alone means the current CUDA device."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
 def _make_policy(policy, given: Dict[str, Any]):
     if isinstance(policy, str):
         return policy_from_keywords(policy, **given)

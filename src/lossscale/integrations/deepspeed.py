@@ -201,18 +201,10 @@ def _reduce_optimizer(self, protocol):
 
 def _report_overflow(scaler) -> None:
     """Tell ``scaler`` that this iteration overflowed, where the framework decided it and freed the
-    gradients: one non-finite gradient through the scaler's own check, step (skipped) and update."""
-    import torch
-
-    # The scaler's public API has no "the framework found an overflow" entry yet: one parameter whose
-    # gradient is inf goes through unscale_/step/update, so the policy, the counters and the health
-    # account see the overflow as the scaler's own check would have.
-    p = torch.zeros(1, device=scaler.device, requires_grad=True)
-    p.grad = torch.full_like(p, math.inf)
-    holder = torch.optim.SGD([p], lr=0.0)
-    scaler.unscale_(holder)
-    scaler.step(holder)
-    scaler.update()
+    gradients (ZeRO returns before its scaler sees the step): ``record_overflow``, which the policy, the
+    counters and the health account take as one of the scaler's own checks (counted as inf: ZeRO does
+    not say whether it was NaN)."""
+    scaler.record_overflow()
 
 
 def _overflow_reporter_class():
