@@ -39,7 +39,7 @@ def test_every_registered_policy_follows_the_protocol():
 
 def test_the_public_surface_is_pinned():
     assert lossscale.__all__ == [
-        "GradScaler", "ShardedGradScaler", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
+        "GradScaler", "ShardedGradScaler", "SkipIf", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
         "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
         "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale",
         "ActivationGradRecorder", "activation_grad_probe", "Telemetry", "JsonlLogger",

@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "GradScaler": "scaler",
     "ShardedGradScaler": "sharded",
+    "SkipIf": "spikes",
     "OptState": "scaler",
     "grad_stats": "stats",
     "GradStats": "stats",
@@ -44,6 +45,7 @@ _LAZY = {
 __all__ = [
     "GradScaler",
     "ShardedGradScaler",
+    "SkipIf",
     "OptState",
     "Policy",
     "DynamicPolicy",

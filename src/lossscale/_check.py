@@ -122,6 +122,8 @@ class Flags:
         bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling.
         amax: max|g| of the scaled gradients (float32 0-dim) for a measuring policy, else None.
         skipped: the skip decision as a host bool where the check read it, else None (on device).
+        spike: with ``skip_if``, ``(spike, overflow, learn)``: the spike flag (folded into ``found_inf``),
+            the overflow alone (what the policy answers), and ``(windows, norm, loss)`` for ``update()``.
         params, amax_vectors: the parameters and their max|g| (NaN/inf where one held it), in the
             same order, for ``overflow_report``; empty where not measured.
     """
@@ -133,6 +135,7 @@ class Flags:
     skipped: Optional[bool] = None
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
+    spike: Optional[Any] = None  # skip_if: (spike flag, the overflow alone, what update() learns from)
 
 
 class GradientCheck:

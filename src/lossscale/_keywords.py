@@ -63,24 +63,17 @@ def _lift_default_bounds(cls, kwargs) -> None:
 def _validate_elsewhere(cls, key: str, value) -> None:
     """Validate a keyword that ``cls`` does not have with a registered policy that has it."""
     for other in registered():
-        if other is cls:
-            continue
-        fields = {f.name for f in dataclasses.fields(other)}
         field = other.keyword_aliases.get(key, key)
-        if field not in fields:
+        if other is cls or field not in {f.name for f in dataclasses.fields(other)}:
             continue
-        if field in ("init_scale", "scale", "min_scale", "max_scale"):
-            # The bounds and the scale only make sense beside each other: check the value alone.
-            if not (value is None and field in ("min_scale", "max_scale")):
-                try:
-                    positive_finite(key, value)
-                except ValueError as e:
-                    raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
-            return
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                other(**{field: value})
+            if field in ("init_scale", "scale", "min_scale", "max_scale"):  # a scale (a bound may be None)
+                if not (value is None and field in ("min_scale", "max_scale")):
+                    positive_finite(key, value)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    other(**{field: value})
         except ValueError as e:
             raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
         return

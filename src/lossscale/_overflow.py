@@ -19,7 +19,7 @@ __all__ = ["NOT_SKIPPED", "report", "explain", "names_of"]
 
 #: The report of a step that was not skipped.
 NOT_SKIPPED = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
-               "cause": "the last step was not skipped."}
+               "spike": False, "cause": "the last step was not skipped."}
 
 
 def names_of(values: List[float], params: List[torch.Tensor], name_of: Callable) -> Dict[str, List[str]]:
@@ -48,6 +48,7 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
     if evidence.get("trace") is not None and tracer is not None:
         out.update(tracer.names_of(evidence["trace"]))
     out["scale"] = evidence["scale"] if evidence.get("scale") is not None else scale
+    out["spike"] = any(bool(s.item()) for s in evidence.get("spikes") or [])
     out["cause"] = explain(out)
     return out
 
@@ -56,6 +57,9 @@ def explain(rep: Dict[str, Any]) -> str:
     """A one-line diagnosis of a skipped step from the report's fields."""
     kind = "NaN" if rep["nan"] or rep["loss"] == "nan" else "inf"
     scale = "?" if rep["scale"] is None else formats.pow2_label(rep["scale"])
+    if rep.get("spike") and not (rep["inf"] or rep["nan"]) and rep["loss"] == "finite":
+        return ("skipped by skip_if: a spike (the gradient norm or the loss far above its recent run; every "
+                "value finite), not the loss scale (kept).")
     if rep["forward"] is not None:
         return (f"inf/NaN first appeared in the forward output of `{rep['forward']}` (before any scaling): "
                 "a model or data problem, not the loss scale (kept).")

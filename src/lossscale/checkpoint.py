@@ -111,25 +111,14 @@ def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     for key, value in (("policy", config), ("state", fields)):
         if not isinstance(value, dict):
             raise ValueError(f"state dict '{key}' must be a dict, got {type(value).__name__}.")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(map(str, set(config) - names))
-    absent = sorted(names - set(config))
-    if unknown or absent:
-        raise ValueError(f"state dict 'policy' does not fit {type_name} of 'lossscale_version'={version}: "
-                         + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
-                         + (f"missing keys {absent}" if absent else "") + ".")
+    _check_keys("policy", config, cls, version)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the power-of-two warning was given when it was created
         try:
             policy = cls(**config)
         except (TypeError, ValueError) as e:
             raise ValueError(f"state dict 'policy' ({type_name}): {e}") from None
-    known = {f.name for f in dataclasses.fields(cls.state_type)}
-    unknown, absent = sorted(map(str, set(fields) - known)), sorted(known - set(fields))
-    if unknown or absent:
-        raise ValueError(f"state dict 'state' does not fit {cls.state_type.__name__} of 'lossscale_version'={version}: "
-                         + (f"unknown keys {unknown}" if unknown else "") + (", " if unknown and absent else "")
-                         + (f"missing keys {absent}" if absent else "") + ".")
+    _check_keys("state", fields, cls.state_type, version)
     fields = _plain_fields(cls.state_type, fields)
     try:
         policy.check_state(cls.state_type(**fields))
@@ -158,25 +147,23 @@ def _check_torch_copies(sd: Dict[str, Any], expected: Dict[str, Any]) -> None:
             )
 
 
+def _check_keys(key: str, given: Dict[str, Any], cls, version: int) -> None:
+    """ValueError naming the unknown and the missing keys when ``given`` does not hold ``cls``'s fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown, absent = sorted(map(str, set(given) - names)), sorted(names - set(given))
+    if unknown or absent:
+        parts = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {absent}"] if absent else [])
+        raise ValueError(f"state dict '{key}' does not fit {cls.__name__} of 'lossscale_version'={version}: "
+                         f"{', '.join(parts)}.")
+
+
 def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
-    """Each field as a Python number (numpy's converted, so the state saves as plain numbers again),
-    type-checked before the dataclass is built (so the error names the key)."""
+    """Each field as a Python number or bool (numpy's converted, so the state saves as plain numbers
+    again); the policy's ``check_state`` then checks the types, naming the key."""
     kinds = {f.name: str(f.type) for f in dataclasses.fields(state_type)}
-    fields = {name: plain_bool(f"state dict state.{name}", value) if kinds[name] == "bool" else
-              plain_number(f"state dict state.{name}", value, integral=kinds[name] == "int")
-              for name, value in fields.items()}
-    for f in dataclasses.fields(state_type):
-        v = fields[f.name]
-        kind = str(f.type)
-        if kind == "bool":
-            ok = isinstance(v, bool)
-        elif kind == "int":
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not ok:
-            raise ValueError(f"state dict state.{f.name}={v!r} must be {'an' if kind == 'int' else 'a'} {kind}.")
-    return fields
+    return {name: plain_bool(f"state dict state.{name}", value) if kinds[name] == "bool" else
+            plain_number(f"state dict state.{name}", value, integral=kinds[name] == "int")
+            for name, value in fields.items()}
 
 
 def _as_held(f: dataclasses.Field, value):

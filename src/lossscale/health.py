@@ -150,6 +150,8 @@ class HealthReport:
         flushed_step: the iteration ``flushed`` was sampled at, or None.
         fp16_flushed: with ``allow_fp16``, the gradient values the unscale of FP16 (and bf16) gradients
             flushed to zero so far; else None.
+        spike_steps: with ``skip_if``, the finite steps skipped as spikes (not counted in ``skipped``,
+            which counts the steps the scale answered or the loss spoiled); else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 
@@ -171,6 +173,7 @@ class HealthReport:
     flushed: Optional[float] = None
     flushed_step: Optional[int] = None
     fp16_flushed: Optional[int] = None
+    spike_steps: Optional[int] = None
     causes: Tuple[Tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
@@ -370,7 +373,7 @@ class Health:
     # ------------------------------------------------------------------------------------ report
     def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
                flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
-               fp16_flushed: Optional[int] = None) -> HealthReport:
+               fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -405,6 +408,7 @@ class Health:
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
             scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
             settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
+            spike_steps=spike_steps,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
         text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)
@@ -444,6 +448,9 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
         elif r.steps_since_overflow is not None:
             parts.append(f"No overflow in the last {_plural(r.steps_since_overflow, 'step')}.")
         parts.append(f"The scale is {pow2_label(r.scale)}, unchanged for {_plural(r.scale_held, 'step')}.")
+    if r.spike_steps:
+        parts.append(f"{_plural(r.spike_steps, 'spike')} (a gradient norm or loss far above its recent run) "
+                     "skipped by skip_if, the scale kept.")
     if r.fp16_flushed:
         parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:

@@ -90,6 +90,8 @@ class GradScaler:
             counting the values the unscale flushes to zero (``metrics()``, ``health()``). False (torch's
             ``GradScaler``): such gradients raise ValueError with what to do instead. Optimizers that
             unscale themselves (fused) take FP16 gradients either way, in float32 arithmetic: exact.
+        skip_if: a :class:`lossscale.SkipIf` (or a dict of its fields): skip finite steps whose gradient
+            norm or loss spikes, with the same skip flag, the scale kept (:mod:`lossscale.spikes`).
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -114,7 +116,7 @@ class GradScaler:
                  growth_factor: float = _DEFAULT, backoff_factor: float = _DEFAULT, growth_interval: int = _DEFAULT,
                  enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
                  process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
-                 trace: bool = False, allow_fp16: bool = False, **policy_keywords: Any) -> None:
+                 trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -134,7 +136,11 @@ class GradScaler:
         self._loss_check, self._allow_fp16 = loss_check, allow_fp16
         self._fp16_flushed: Optional[torch.Tensor] = None  # values the unscale of FP16 gradients flushed (allow_fp16)
         self._init_flushed = 0  # ... before the state has a device (a loaded checkpoint's count)
-        self._telemetry = self._tracer = None
+        self._telemetry = self._tracer = self._spikes = None
+        if skip_if is not None:
+            from .spikes import SkipIf, SpikeSkipper
+
+            self._spikes = SpikeSkipper(SkipIf.of(skip_if))
         if telemetry is not None:
             from .telemetry import Telemetry
 
@@ -173,7 +179,7 @@ class GradScaler:
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
-                                           "allow_fp16"})
+                                           "allow_fp16", "skip_if"})
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
@@ -268,8 +274,8 @@ class GradScaler:
 
     def _scale_tensor(self, x: torch.Tensor) -> torch.Tensor:
         t = self._t if self._t is not None else self._start(x.device)
-        if self._loss_check:
-            self._losses.append(x.detach())  # for the loss check: no kernel now
+        if self._loss_check or self._spikes is not None:
+            self._losses.append(x.detach())  # for the loss check (and a loss rule): no kernel now
         return x * t.scale.to(x.device, non_blocking=True)
 
     def _passthrough(self) -> bool:
@@ -305,19 +311,26 @@ class GradScaler:
             self._observe(optimizer)
         bad_loss = self._bad_loss(t.device)
         unscale = unscale and not self._passthrough()
-        if unscale and sync and not self._policy.needs_amax:
-            self._check.claim(self._check.gather(optimizer, allow_half=True), self._unscaled)  # before any unscale
+        synced = unscale and sync and not self._policy.needs_amax
+        if synced:  # torch's check+unscale kernel, then the one read
+            gathered = self._check.gather(optimizer, allow_half=True)
+            self._check.claim(gathered, self._unscaled)  # before any unscale
             found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
             rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(t.scale), found_inf,
                                                                self._allow_fp16)
-            flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync)
-            if flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
-                self._check.tell_nan(flags, self._check.gather(optimizer, allow_half=True), t.device)
+            flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync and not self._spikes)
         else:  # the read-only pass first: it measures the *scaled* gradients
             gathered = self._check.gather(optimizer, allow_half=self._allow_fp16 or not unscale)
-            flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax, sync)
+            flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax,
+                                          sync and not self._spikes)
             if unscale:
                 self._check.multiply_(gathered, inverse(t.scale), self._unscaled, self._fp16_flushed)
+        if self._spikes is not None:  # skip_if: a spike joins the decision before it is read
+            self._spikes.fold(optimizer, flags, t.device, self._losses, self._check.group(), sync, gathered.grads,
+                              None if unscale else t.scale)
+        if synced and flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
+            self._check.tell_nan(flags, gathered, t.device)
+        if not synced or self._spikes is not None:
             rec["found_inf_per_device"] = {t.device: flags.found_inf}
         rec["flags"] = flags
         return flags
@@ -394,8 +407,12 @@ class GradScaler:
                                                                norm_type, counted, reduce_norm)
             # A per-tensor norm is NaN for a tensor holding a NaN, inf for one holding an inf: it names
             # the parameters in the overflow report as an amax vector does.
-            rec["flags"] = self._check.flags_of(total, self._bad_loss(t.device), amax, not _fused(optimizer),
+            rec["flags"] = self._check.flags_of(total, self._bad_loss(t.device), amax,
+                                                not _fused(optimizer) and not self._spikes,
                                                 [gathered.params[i] for i in order], [per_tensor] if order else [])
+            if self._spikes is not None:  # the clip's true norm: no pass more
+                self._spikes.fold(optimizer, rec["flags"], t.device, self._losses, self._check.group(),
+                                  not _fused(optimizer), gathered.grads, norm=true_norm)
             rec["found_inf_per_device"] = {t.device: rec["flags"].found_inf}
         self._keep(optimizer, rec, OptState.UNSCALED)
         return true_norm
@@ -470,11 +487,13 @@ class GradScaler:
             raise RuntimeError("update() found no inf checks since the last update(): call scaler.step(optimizer) "
                                "(or unscale_) for each optimizer before update().")
         flags = checked[0] if len(checked) == 1 else _combined(checked, t.device)
+        # skip_if: a spike is skipped, but for the scale it is a clean step
+        overflow = flags.found_inf > 0 if self._spikes is None else self._spikes.learn(checked, t.device)
         if new_scale is None:
-            self._policy.tensor_update(t, flags.found_inf > 0, flags.found_nan, flags.bad_loss, flags.amax)
+            self._policy.tensor_update(t, overflow, flags.found_nan, flags.bad_loss, flags.amax)
         else:  # the iteration still happened: count it; torch leaves the trackers alone
             if checked:
-                count_tensor(t, flags.found_inf > 0, flags.found_nan, flags.bad_loss)
+                count_tensor(t, overflow, flags.found_nan, flags.bad_loss)
             _set_scale(self._policy, t, new_scale)
         known = [f.skipped for f in checked]
         self._last = _fresh_record()
@@ -483,6 +502,7 @@ class GradScaler:
         evidence = None
         if self._last["skipped"] is not False and checked:  # possibly skipped: keep what the report needs
             evidence = dict(losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
+                            spikes=[f.spike[0] for f in checked if f.spike],
                             trace=None if self._tracer is None else self._tracer.snapshot())
             self._evidence, self._last_report = evidence, None
         elif self._tracer is not None:
@@ -582,7 +602,7 @@ class GradScaler:
         return self._health.report(self._policy, state, before,
                                    self._telemetry.overall.flushed_frac if sampled else None,
                                    self._telemetry.step_collected if sampled else None, self._describe,
-                                   fp16_flushed=self._flushed_count() if self._allow_fp16 else None)
+                                   **self._opt_in_counts())
 
     def overflow_report(self) -> Dict[str, Any]:
         """Why the last step was skipped, as a dict: ``"inf"``, ``"nan"`` (the parameters whose gradients
@@ -664,8 +684,15 @@ class GradScaler:
         return True
 
     def counters(self) -> Dict[str, int]:
-        """Every counter: steps, skipped, inf, NaN and bad-loss steps, the current streak. Syncs once."""
-        return _counters(self.state())
+        """Every counter: steps, skipped, inf, NaN and bad-loss steps, the current streak; with ``skip_if``
+        the spikes skipped (``spike_steps``), with ``allow_fp16`` the values flushed (``fp16_flushed``).
+        Syncs once (once more for each of those)."""
+        return {**_counters(self.state()), **self._opt_in_counts()}
+
+    def _opt_in_counts(self) -> Dict[str, int]:
+        """The opt-in features' counts: ``fp16_flushed`` (allow_fp16), ``spike_steps`` (skip_if); a sync each."""
+        out = {"fp16_flushed": self._flushed_count()} if self._allow_fp16 else {}
+        return out if self._spikes is None else dict(out, spike_steps=self._spikes.count())
 
     def metrics(self) -> Dict[str, Union[int, float, bool]]:
         """A flat dict of numbers for any logger: ``loss_scale``, the :meth:`counters`,
@@ -682,9 +709,7 @@ class GradScaler:
             state = self._t.decode(riding[0])[0] if also else self._init_state
         out: Dict[str, Any] = {"loss_scale": state.scale if self._enabled else 1.0}
         if self._enabled:
-            out.update(_counters(state))
-            if self._allow_fp16:
-                out["fp16_flushed"] = self._flushed_count()
+            out.update(_counters(state), **self._opt_in_counts())
         out["last_step_skipped"] = bool(self._enabled and self.last_step_skipped)
         out.update(figures)
         return out
@@ -819,6 +844,8 @@ class GradScaler:
             out[checkpoint.TELEMETRY_KEY] = self._telemetry.iteration
         if self._allow_fp16:
             out[checkpoint.FP16_FLUSHED_KEY] = self._flushed_count()
+        if self._spikes is not None:  # each optimizer's windows, in the order they were first checked
+            out["skip_if"] = self._spikes.state()
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -833,6 +860,8 @@ class GradScaler:
         policy, state = checkpoint.load(state_dict, self._policy)
         telemetry_iteration = checkpoint.telemetry_iteration(state_dict)
         flushed = checkpoint.fp16_flushed(state_dict)
+        if self._spikes is not None and "skip_if" in state_dict:
+            self._spikes.load(state_dict["skip_if"])  # validates the windows first: the last check
         # Everything is validated: now swap.
         if self._in_flight():
             warnings.warn(
