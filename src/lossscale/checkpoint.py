@@ -34,8 +34,7 @@ from .dynamic import DynamicPolicy
 from ._validate import plain_bool, plain_number
 from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
 
-__all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "TELEMETRY_KEY", "FP16_FLUSHED_KEY", "to_dict", "load",
-           "telemetry_iteration", "fp16_flushed"]
+__all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
 
 STATE_DICT_VERSION = 2
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -50,33 +49,6 @@ def to_dict(policy, state: ScaleState) -> Dict[str, Any]:
         "policy": policy.config(),
         "state": dataclasses.asdict(state),
     }
-
-
-#: The key of the telemetry's iteration count (its sampling phase), present with telemetry on.
-TELEMETRY_KEY = "telemetry_iteration"
-#: The key of the count of values the unscale of FP16 gradients flushed to zero, with ``allow_fp16``.
-FP16_FLUSHED_KEY = "fp16_flushed"
-
-
-def _count(state_dict: Dict[str, Any], key: str):
-    """The int >= 0 a state dict holds under ``key`` (None when absent), validated."""
-    value = state_dict.get(key)
-    if value is None:
-        return None
-    value = plain_number(key, value, integral=True)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"state dict '{key}'={state_dict[key]!r} must be an int >= 0.")
-    return value
-
-
-def telemetry_iteration(state_dict: Dict[str, Any]):
-    """The telemetry's iteration count a state dict holds (None when absent), validated."""
-    return _count(state_dict, TELEMETRY_KEY)
-
-
-def fp16_flushed(state_dict: Dict[str, Any]):
-    """The count of FP16 values flushed by the unscale a state dict holds (None when absent), validated."""
-    return _count(state_dict, FP16_FLUSHED_KEY)
 
 
 def load(state_dict: Any, current) -> Tuple[Any, ScaleState]:

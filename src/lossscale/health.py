@@ -152,6 +152,8 @@ class HealthReport:
             flushed to zero so far; else None.
         spike_steps: with ``skip_if``, the finite steps skipped as spikes (not counted in ``skipped``,
             which counts the steps the scale answered or the loss spoiled); else None.
+        dropped_microbatches: with ``bad_microbatch="drop"`` (or "zero"), the micro-batches whose loss
+            was non-finite and that were left out of their step; else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 
@@ -174,6 +176,7 @@ class HealthReport:
     flushed_step: Optional[int] = None
     fp16_flushed: Optional[int] = None
     spike_steps: Optional[int] = None
+    dropped_microbatches: Optional[int] = None
     causes: Tuple[Tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
@@ -373,7 +376,8 @@ class Health:
     # ------------------------------------------------------------------------------------ report
     def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
                flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
-               fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None) -> HealthReport:
+               fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None,
+               dropped_microbatches: Optional[int] = None) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -408,7 +412,7 @@ class Health:
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
             scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
             settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
-            spike_steps=spike_steps,
+            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
         text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)
@@ -451,6 +455,11 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
     if r.spike_steps:
         parts.append(f"{_plural(r.spike_steps, 'spike')} (a gradient norm or loss far above its recent run) "
                      "skipped by skip_if, the scale kept.")
+    if r.dropped_microbatches:
+        one = r.dropped_microbatches == 1
+        parts.append(f"{r.dropped_microbatches} micro-batch{'' if one else 'es'} with a non-finite loss "
+                     f"{'was' if one else 'were'} left out of {'its step' if one else 'their steps'} "
+                     "(bad_microbatch); the other micro-batches stepped.")
     if r.fp16_flushed:
         parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:

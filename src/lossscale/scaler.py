@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import importlib
 import inspect
 import warnings
 from collections import abc
@@ -92,6 +93,9 @@ class GradScaler:
             unscale themselves (fused) take FP16 gradients either way, in float32 arithmetic: exact.
         skip_if: a :class:`lossscale.SkipIf` (or a dict of its fields): skip finite steps whose gradient
             norm or loss spikes, with the same skip flag, the scale kept (:mod:`lossscale.spikes`).
+        bad_microbatch: "skip" (a non-finite loss skips the whole step), "drop" (that micro-batch adds
+            nothing, the step renormalised over the others; one host read per ``scale()``) or "zero"
+            (dropped, not renormalised): :mod:`lossscale.microbatches`.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -116,7 +120,8 @@ class GradScaler:
                  growth_factor: float = _DEFAULT, backoff_factor: float = _DEFAULT, growth_interval: int = _DEFAULT,
                  enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
                  process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
-                 trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, **policy_keywords: Any) -> None:
+                 trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, bad_microbatch: str = "skip",
+                 **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -134,17 +139,13 @@ class GradScaler:
         if trace and not isinstance(model, torch.nn.Module):
             raise ValueError("trace=True hooks the model's modules: pass model=<the nn.Module> as well.")
         self._loss_check, self._allow_fp16 = loss_check, allow_fp16
-        self._fp16_flushed: Optional[torch.Tensor] = None  # values the unscale of FP16 gradients flushed (allow_fp16)
-        self._init_flushed = 0  # ... before the state has a device (a loaded checkpoint's count)
-        self._telemetry = self._tracer = self._spikes = None
-        if skip_if is not None:
-            from .spikes import SkipIf, SpikeSkipper
-
-            self._spikes = SpikeSkipper(SkipIf.of(skip_if))
-        if telemetry is not None:
-            from .telemetry import Telemetry
-
-            self._telemetry = Telemetry.from_arg(telemetry)
+        # The opt-in features: None when off, their modules loaded only when asked for.
+        self._telemetry = None if telemetry is None else _opt_in("telemetry").Telemetry.from_arg(telemetry)
+        self._flushed = _opt_in("_features").Fp16Flushed() if allow_fp16 else None  # the values it flushed
+        self._spikes = None if skip_if is None else _opt_in("spikes").SpikeSkipper.of(skip_if)
+        self._microbatches = None if bad_microbatch == "skip" else _opt_in("microbatches").MicroBatches(bad_microbatch)
+        # Those with an account (lossscale._features): counts(), state(), loadable() and load().
+        self._features = [f for f in (self._telemetry, self._flushed, self._spikes, self._microbatches) if f is not None]
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
@@ -152,10 +153,7 @@ class GradScaler:
             raise ValueError(f"process_group={process_group!r} is not a process group; pass 'default' (the default "
                              "group when torch.distributed runs), None (no reduction) or a group.")
         self._check = GradientCheck(self._names, process_group)
-        if trace:
-            from .trace import Tracer
-
-            self._tracer = Tracer(model)
+        self._tracer = _opt_in("trace").Tracer(model) if trace else None
         self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
@@ -179,7 +177,7 @@ class GradScaler:
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
-                                           "allow_fp16", "skip_if"})
+                                           "allow_fp16", "skip_if", "bad_microbatch"})
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
@@ -237,8 +235,6 @@ class GradScaler:
         if self._t is None:
             device = _indexed(device)
             self._t = TensorState(self._init_state, device)
-            if self._allow_fp16:  # the count of FP16 values the unscale flushes, beside the state
-                self._fp16_flushed = torch.full((), self._init_flushed, dtype=torch.int64, device=device)
         return self._t
 
     def _require(self, call: str) -> TensorState:
@@ -274,6 +270,8 @@ class GradScaler:
 
     def _scale_tensor(self, x: torch.Tensor) -> torch.Tensor:
         t = self._t if self._t is not None else self._start(x.device)
+        if self._microbatches is not None and not self._microbatches.admit(x):  # one host read (opt-in)
+            return torch.zeros_like(x).requires_grad_()  # its backward reaches no parameter: dropped
         if self._loss_check or self._spikes is not None:
             self._losses.append(x.detach())  # for the loss check (and a loss rule): no kernel now
         return x * t.scale.to(x.device, non_blocking=True)
@@ -284,13 +282,17 @@ class GradScaler:
     def _bad_loss(self, device: torch.device) -> torch.Tensor:
         """Whether a loss of this iteration (or, tracing, a forward output) was non-finite before scaling:
         a bool 0-dim tensor, made once per iteration, no sync. A rank that never called :meth:`scale` (a
-        pipeline stage) says False, so every rank joins the same collectives."""
+        pipeline stage) says False, so every rank joins the same collectives. Also fixes ``_carried``, the
+        scale the gradients carry: the loss scale, or over kept/total with dropped micro-batches."""
         if self._bad is None:
-            bad = torch.zeros((), dtype=torch.bool, device=device) if not self._losses else None
-            for loss in self._losses:
+            batches = self._microbatches  # with bad_microbatch, the losses judge; every one dropped: bad
+            losses = self._losses or ([] if batches is None or batches.kept else batches.dropped_losses)
+            bad = torch.zeros((), dtype=torch.bool, device=device) if not losses else None
+            for loss in losses:
                 finite = (torch.isfinite(loss) if loss.dim() == 0 else torch.isfinite(loss).all()).to(device)
                 bad = ~finite if bad is None else bad | ~finite
-            forward = None if self._tracer is None else self._tracer.forward_flag()
+            forward = None if self._tracer is None or batches is not None else self._tracer.forward_flag()
+            self._carried = self._t.scale if batches is None else batches.carried(self._t.scale)
             self._bad = bad if forward is None else bad | forward.to(device)
         return self._bad
 
@@ -316,7 +318,7 @@ class GradScaler:
             gathered = self._check.gather(optimizer, allow_half=True)
             self._check.claim(gathered, self._unscaled)  # before any unscale
             found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
-            rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(t.scale), found_inf,
+            rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(self._carried), found_inf,
                                                                self._allow_fp16)
             flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync and not self._spikes)
         else:  # the read-only pass first: it measures the *scaled* gradients
@@ -324,10 +326,11 @@ class GradScaler:
             flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax,
                                           sync and not self._spikes)
             if unscale:
-                self._check.multiply_(gathered, inverse(t.scale), self._unscaled, self._fp16_flushed)
+                self._check.multiply_(gathered, inverse(self._carried), self._unscaled,
+                                      None if self._flushed is None else self._flushed.counter(t.device))
         if self._spikes is not None:  # skip_if: a spike joins the decision before it is read
             self._spikes.fold(optimizer, flags, t.device, self._losses, self._check.group(), sync, gathered.grads,
-                              None if unscale else t.scale)
+                              None if unscale else self._carried)
         if synced and flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
             self._check.tell_nan(flags, gathered, t.device)
         if not synced or self._spikes is not None:
@@ -342,12 +345,8 @@ class GradScaler:
         found_inf}`` (``allow_fp16`` None: this scaler's setting, as ``ShardedGradScaler``'s default). The
         synced check calls it, so code that wraps or patches it changes what it does, as with torch."""
         allow = self._allow_fp16 if allow_fp16 is None else allow_fp16
-        return self._check.unscale_(self._check.gather(optimizer, allow_half=allow), inv_scale, found_inf,
-                                    self._fp16_flushed if allow else None)
-
-    def _flushed_count(self) -> int:
-        """The values the unscale of FP16 gradients flushed to zero so far (``allow_fp16``): one sync."""
-        return self._init_flushed if self._fp16_flushed is None else int(self._fp16_flushed.item())
+        flushed = self._flushed.counter(found_inf.device) if allow and self._flushed is not None else None
+        return self._check.unscale_(self._check.gather(optimizer, allow_half=allow), inv_scale, found_inf, flushed)
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale (in place) and check them for inf/NaN.
@@ -403,11 +402,12 @@ class GradScaler:
             amax = None
             if self._policy.needs_amax:  # of the *scaled* gradients, before they are rewritten
                 amax = largest_magnitudes(gathered.grads, t.device)[1]
-            true_norm, total, per_tensor, order = clip_scaled_(gathered.grads, t.scale, inverse(t.scale), max_norm,
-                                                               norm_type, counted, reduce_norm)
+            bad_loss = self._bad_loss(t.device)
+            true_norm, total, per_tensor, order = clip_scaled_(gathered.grads, self._carried, inverse(self._carried),
+                                                               max_norm, norm_type, counted, reduce_norm)
             # A per-tensor norm is NaN for a tensor holding a NaN, inf for one holding an inf: it names
             # the parameters in the overflow report as an amax vector does.
-            rec["flags"] = self._check.flags_of(total, self._bad_loss(t.device), amax,
+            rec["flags"] = self._check.flags_of(total, bad_loss, amax,
                                                 not _fused(optimizer) and not self._spikes,
                                                 [gathered.params[i] for i in order], [per_tensor] if order else [])
             if self._spikes is not None:  # the clip's true norm: no pass more
@@ -446,7 +446,7 @@ class GradScaler:
                 retval = None
             else:
                 unscaled = rec["stage"] is OptState.UNSCALED
-                retval = _step_with_flags(optimizer, None if unscaled else t.scale, flags.found_inf, args, kwargs)
+                retval = _step_with_flags(optimizer, None if unscaled else self._carried, flags.found_inf, args, kwargs)
         self._keep(optimizer, rec, OptState.STEPPED)
         return retval
 
@@ -544,7 +544,9 @@ class GradScaler:
     def _new_iteration(self) -> None:
         # torch's name and shape (a defaultdict of per-optimizer records), which some trainers read.
         self._per_optimizer_states: Dict[int, Dict[str, Any]] = collections.defaultdict(_fresh_record)
-        self._losses, self._bad, self._began = [], None, False
+        self._losses, self._bad, self._began, self._carried = [], None, False, None
+        if self._microbatches is not None:
+            self._microbatches.new_iteration()
         self._unscaled = set()  # ids of the parameters whose gradients this iteration unscaled
 
     def _learn_landed(self) -> None:
@@ -690,9 +692,8 @@ class GradScaler:
         return {**_counters(self.state()), **self._opt_in_counts()}
 
     def _opt_in_counts(self) -> Dict[str, int]:
-        """The opt-in features' counts: ``fp16_flushed`` (allow_fp16), ``spike_steps`` (skip_if); a sync each."""
-        out = {"fp16_flushed": self._flushed_count()} if self._allow_fp16 else {}
-        return out if self._spikes is None else dict(out, spike_steps=self._spikes.count())
+        """The opt-in features' counts (``fp16_flushed``, ``spike_steps``, ...); a sync each."""
+        return {name: n for feature in self._features for name, n in feature.counts().items()}
 
     def metrics(self) -> Dict[str, Union[int, float, bool]]:
         """A flat dict of numbers for any logger: ``loss_scale``, the :meth:`counters`,
@@ -835,17 +836,14 @@ class GradScaler:
     # ------------------------------------------------------------------ checkpoints and copies
     def state_dict(self) -> Dict[str, Any]:
         """The complete, versioned state (``lossscale.checkpoint``): config, scale, every tracker and
-        counter, torch's five keys (a torch ``GradScaler`` loads it) and, with telemetry, its iteration
-        count. Empty when disabled (as torch). Syncs once. Call it after :meth:`update`."""
+        counter, torch's five keys (a torch ``GradScaler`` loads it) and the opt-in features' entries (the
+        telemetry's iteration count, ...). Empty when disabled (as torch). Syncs once (and once per
+        feature count). Call it after :meth:`update`."""
         if not self._enabled:
             return {}
         out = checkpoint.to_dict(self._policy, self.state())
-        if self._telemetry is not None:
-            out[checkpoint.TELEMETRY_KEY] = self._telemetry.iteration
-        if self._allow_fp16:
-            out[checkpoint.FP16_FLUSHED_KEY] = self._flushed_count()
-        if self._spikes is not None:  # each optimizer's windows, in the order they were first checked
-            out["skip_if"] = self._spikes.state()
+        for feature in self._features:
+            out.update(feature.state())
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -858,22 +856,15 @@ class GradScaler:
         if not self._enabled:
             return
         policy, state = checkpoint.load(state_dict, self._policy)
-        telemetry_iteration = checkpoint.telemetry_iteration(state_dict)
-        flushed = checkpoint.fp16_flushed(state_dict)
-        if self._spikes is not None and "skip_if" in state_dict:
-            self._spikes.load(state_dict["skip_if"])  # validates the windows first: the last check
+        loaded = [(feature, feature.loadable(state_dict)) for feature in self._features]
         # Everything is validated: now swap.
         if self._in_flight():
             warnings.warn(
                 "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()): the "
                 "state is loaded and the iteration in flight is discarded (nothing of it is counted; its "
                 "gradients carry the old scale: zero them before the next backward).", RuntimeWarning, stacklevel=2)
-        if telemetry_iteration is not None and self._telemetry is not None:
-            self._telemetry.iteration = telemetry_iteration
-        if flushed is not None and self._allow_fp16:
-            self._init_flushed = flushed
-            if self._fp16_flushed is not None:
-                self._fp16_flushed.fill_(flushed)
+        for feature, value in loaded:
+            feature.load(value)
         self._policy = policy
         if self._t is None:
             self._init_state = state
@@ -908,7 +899,6 @@ class GradScaler:
         state = self.__dict__.copy()
         # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
         state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
-                     _init_flushed=self._flushed_count() if self._allow_fp16 else 0, _fp16_flushed=None,
                      _evidence=None, _last_report=None, _last=dict(_fresh_record(), skipped=self._read_skipped(self._last)),
                      _step_callbacks=collections.OrderedDict())
         return state
@@ -929,6 +919,11 @@ class GradScaler:
 
 
 # ------------------------------------------------------------------------------------- helpers
+def _opt_in(module: str):
+    """``lossscale.<module>``, imported on first use: the default scaler loads no opt-in feature."""
+    return importlib.import_module(f"lossscale.{module}")
+
+
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with its index: "cuda" alone means the current CUDA device."""
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device

@@ -164,6 +164,11 @@ class SpikeSkipper:
         self.windows: Dict[int, SpikeWindows] = {}  # by id(optimizer)
         self.saved: List[Dict[str, Any]] = []
 
+    @classmethod
+    def of(cls, skip_if) -> "SpikeSkipper":
+        """For ``GradScaler(skip_if=...)``: a SkipIf or a dict of its fields (ValueError otherwise)."""
+        return cls(SkipIf.of(skip_if))
+
     def fold(self, optimizer, flags, device: torch.device, losses: List[torch.Tensor], group, sync: bool,
              grads: List[torch.Tensor], scale: Optional[torch.Tensor] = None,
              norm: Optional[torch.Tensor] = None) -> None:
@@ -200,24 +205,34 @@ class SpikeSkipper:
             overflow = overflow | ((f.spike[1] if f.spike else f.found_inf) > 0).to(device)
         return overflow
 
-    def count(self) -> int:
-        """The steps skipped as spikes so far (a sync per optimizer)."""
-        return sum(int(w.spikes.item()) for w in self.windows.values()) + sum(w["spikes"] for w in self.saved)
+    def counts(self) -> Dict[str, int]:
+        """The steps skipped as spikes so far, for ``counters()``, ``metrics()``, ``health()`` (a sync per
+        optimizer)."""
+        return {"spike_steps": sum(int(w.spikes.item()) for w in self.windows.values()) +
+                sum(w["spikes"] for w in self.saved)}
 
-    def state(self) -> List[Dict[str, Any]]:
-        """Every optimizer's windows as plain numbers, for the checkpoint's ``"skip_if"`` entry."""
-        return [w.state() for w in self.windows.values()] + self.saved
+    def state(self) -> Dict[str, Any]:
+        """The checkpoint's entry: every optimizer's windows as plain numbers, in the order first checked."""
+        return {"skip_if": [w.state() for w in self.windows.values()] + self.saved}
 
-    def load(self, saved) -> None:
-        """Take a checkpoint's windows: the optimizers pick them up in the order they are first checked."""
+    def loadable(self, state_dict: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+        """A checkpoint's windows (None when absent), each validated (ValueError naming what does not fit)."""
+        saved = state_dict.get("skip_if")
+        if saved is None:
+            return None
         if not isinstance(saved, list):
             raise ValueError(f"state dict 'skip_if' must be a list of windows (one per optimizer); got {saved!r}.")
-        for entry in saved:  # every entry validated before anything changes
+        for entry in saved:
             SpikeWindows(self.rule, torch.device("cpu"), entry)
-        self.saved, self.windows = list(saved), {}
+        return saved
+
+    def load(self, saved: Optional[List[Dict[str, Any]]]) -> None:
+        """Take what :meth:`loadable` returned: the optimizers pick the windows up as they are first checked."""
+        if saved is not None:
+            self.saved, self.windows = list(saved), {}
 
     def __getstate__(self):  # a copy meets other optimizers (ids): it takes the windows as saved ones
-        return {"rule": self.rule, "windows": {}, "saved": self.state()}
+        return {"rule": self.rule, "windows": {}, "saved": self.state()["skip_if"]}
 
 
 def true_norm(grads: List[torch.Tensor], scale: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,6 +97,27 @@ class Telemetry:
     def due(self) -> bool:
         """Whether this iteration is sampled."""
         return self.iteration % self.every == 0
+
+    # The scaler's opt-in feature protocol (lossscale._features): the iteration count is checkpointed,
+    # so a resumed run samples at the same iterations.
+    def counts(self) -> Dict[str, int]:
+        """No counters of its own: its figures come from :meth:`metrics`."""
+        return {}
+
+    def state(self) -> Dict[str, Any]:
+        """The checkpoint's entry: the iteration count (the sampling phase)."""
+        return {"telemetry_iteration": self.iteration}
+
+    def loadable(self, state_dict: Dict[str, Any]) -> Optional[int]:
+        """The checkpoint's iteration count, validated (None when absent)."""
+        from ._features import saved_count
+
+        return saved_count(state_dict, "telemetry_iteration")
+
+    def load(self, value: Optional[int]) -> None:
+        """Take what :meth:`loadable` returned."""
+        if value is not None:
+            self.iteration = value
 
     def observe(self, params: List[torch.Tensor], grads: List[torch.Tensor], name_of: Callable, scale: torch.Tensor,
                 *, all_params: Optional[List[torch.Tensor]] = None, sharded: bool = False) -> None:
