@@ -17,6 +17,8 @@ run cut short keeps what it measured):
 4. ``nan_batch``: fused AdamW through a NaN batch: the weights and optimizer state bitwise unchanged,
    the scale kept (the loss check).
 5. ``bench_iteration``: ``benchmarks/bench_iteration.py --device cuda``, the whole-iteration ratios.
+6. ``bench_beyond``: ``benchmarks/bench_beyond.py --device cuda``, what the opt-in features beyond
+   scaling cost (the micro-batch drop's read per micro-batch is a real stall there).
 
 Exit status 1 when a step failed. Without CUDA it exits 2 at once.
 """
@@ -153,17 +155,26 @@ def step_nan_batch(quick):
                 counters=scaler.counters())
 
 
-def step_bench_iteration(quick):
+def _bench(script: str, quick: bool, *extra: str):
     out = os.environ.get("GPU_CHECK_OUT", os.path.join(ROOT, "benchmarks", "results"))
-    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_iteration.py"), "--device", "cuda", "--out", out]
+    argv = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--device", "cuda", "--out", out, *extra]
     if quick:
         argv.append("--quick")
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     return dict(ok=done.returncode == 0, tail=done.stdout[-4000:] + done.stderr[-1000:])
 
 
+def step_bench_iteration(quick):
+    return _bench("bench_iteration.py", quick)
+
+
+def step_bench_beyond(quick):
+    """The opt-in features' cost on the GPU, where bad_microbatch='drop''s read per micro-batch stalls."""
+    return _bench("bench_beyond.py", quick, "--pairs", "8")
+
+
 STEPS = [("tests", step_tests), ("syncs", step_syncs), ("kernels", step_kernels), ("nan_batch", step_nan_batch),
-         ("bench_iteration", step_bench_iteration)]
+         ("bench_iteration", step_bench_iteration), ("bench_beyond", step_bench_beyond)]
 
 
 def main(argv=None) -> int:

@@ -76,6 +76,15 @@ def test_bench_iteration_smoke(tmp_path):
     assert "| gpt2 | adamw_fused | own clip |" in (tmp_path / "bench_iteration_quick.md").read_text()
 
 
+def test_bench_beyond_smoke(tmp_path):
+    bench = _run("bench_beyond", ["--quick", "--pairs", "1", "--out", str(tmp_path)])
+    rows = {r["row"]: r for r in json.loads((tmp_path / "bench_beyond_quick.json").read_text())["rows"]}
+    assert set(rows) == set(bench.ROWS) and all(r["ratio"] > 0 for r in rows.values())
+    # Syncs are counts: one read per micro-batch for the drop, none for the others (fused AdamW).
+    assert rows["bad_microbatch='drop'"]["syncs"] == {"feature": bench.MICRO_BATCHES, "default": 0}
+    assert all(r["syncs"] == {"feature": 0, "default": 0} for name, r in rows.items() if "drop" not in name)
+
+
 def test_gpu_check_says_so_without_cuda(capsys):
     if torch.cuda.is_available():
         return

@@ -1,5 +1,6 @@
 """``lossscale audit-demo``: the audit names the overflowing module of the demo's GPT-2-shaped model, FP16
-never trains without keep_fp32 and trains like FP32 with it; the report, its plots and summary.json."""
+never trains without keep_fp32 and trains like FP32 with it, and ``on_forward_overflow="upcast"`` keeps it
+in FP32 by itself; the report, its plots and summary.json."""
 
 from __future__ import annotations
 
@@ -37,13 +38,16 @@ def quick_run(tmp_path_factory):
 def test_the_demo_holds_every_check(quick_run):
     rc, _, summary, printed = quick_run
     assert rc == 0 and summary["verdict"] == "HELD", summary["checks"]
-    assert [c["passed"] for c in summary["checks"]] == [True] * 4
+    assert [c["passed"] for c in summary["checks"]] == [True] * 5
     assert summary["audit"]["keep_fp32"] == [demo.INJECTED] and summary["steps"] == 12
     fp16, kept, fp32 = (summary["runs"][k] for k in ("fp16", "fp16_keep_fp32", "fp32"))
     assert all(s for s in fp16["skipped"]) and not any(kept["skipped"])
     assert kept["loss"][-1] < kept["loss"][0] - 1.0
     assert kept["loss"][-1] == pytest.approx(fp32["loss"][-1], rel=0.05)
     assert any("non-finite before any scaling" in w for w in fp16["warnings"])  # the scaler's own words
+    upcast = summary["runs"]["fp16_upcast"]
+    assert upcast["upcast"] == [demo.INJECTED] and upcast["skipped"][:3] == [True, True, False]
+    assert any("now runs in FP32" in w for w in upcast["warnings"])
     assert "KEEP FP32 (output overflows)" in printed and "done in" in printed and "HELD" in printed
 
 
@@ -53,7 +57,8 @@ def test_the_report_has_its_page_plots_and_summary(quick_run):
         with open(out / png, "rb") as fh:
             assert fh.read(8) == PNG
     page = (out / "index.html").read_text(encoding="utf-8")
-    for piece in ("fp32_fallback_loss.png", "fp32_fallback_amax.png", "lossscale.keep_fp32", demo.INJECTED, "HELD"):
+    for piece in ("fp32_fallback_loss.png", "fp32_fallback_amax.png", "lossscale.keep_fp32", demo.INJECTED, "HELD",
+                  "on_forward_overflow"):
         assert piece in page
     modules = {m["name"]: m for m in summary["audit"]["modules"]}
     assert modules[demo.INJECTED]["fp32_amax"] > lossscale.formats.FP16.max

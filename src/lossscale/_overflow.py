@@ -19,7 +19,7 @@ __all__ = ["NOT_SKIPPED", "report", "explain", "names_of"]
 
 #: The report of a step that was not skipped.
 NOT_SKIPPED = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
-               "spike": False, "cause": "the last step was not skipped."}
+               "spike": False, "upcast": None, "cause": "the last step was not skipped."}
 
 
 def names_of(values: List[float], params: List[torch.Tensor], name_of: Callable) -> Dict[str, List[str]]:
@@ -49,6 +49,7 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
         out.update(tracer.names_of(evidence["trace"]))
     out["scale"] = evidence["scale"] if evidence.get("scale") is not None else scale
     out["spike"] = any(bool(s.item()) for s in evidence.get("spikes") or [])
+    out["upcast"] = evidence.get("upcast")  # on_forward_overflow="upcast" kept this module in FP32 on this step
     out["cause"] = explain(out)
     return out
 
@@ -61,8 +62,9 @@ def explain(rep: Dict[str, Any]) -> str:
         return ("skipped by skip_if: a spike (the gradient norm or the loss far above its recent run; every "
                 "value finite), not the loss scale (kept).")
     if rep["forward"] is not None:
+        upcast = (f" `{rep['upcast']}` now runs in FP32 (on_forward_overflow='upcast')." if rep.get("upcast") else "")
         return (f"inf/NaN first appeared in the forward output of `{rep['forward']}` (before any scaling): "
-                "a model or data problem, not the loss scale (kept).")
+                f"a model or data problem, not the loss scale (kept).{upcast}")
     if rep["loss"] != "finite":
         return (f"the loss itself was {rep['loss']} before scaling: a data or model problem (a bad batch, "
                 "log of 0, an overflowed fp16 activation), not the loss scale (kept).")

@@ -111,7 +111,7 @@ VERDICTS = ("healthy", "recovering", "stuck")
 #: A flushed share above this (1%) gets advice in the report.
 FLUSHED_WARN = 0.01
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
-_TEXT_FIELDS = ("verdict", "text", "causes")
+_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules")
 
 
 def settle_steps(policy) -> int:
@@ -154,6 +154,8 @@ class HealthReport:
             which counts the steps the scale answered or the loss spoiled); else None.
         dropped_microbatches: with ``bad_microbatch="drop"`` (or "zero"), the micro-batches whose loss
             was non-finite and that were left out of their step; else None.
+        upcasts, upcast_modules: with ``on_forward_overflow="upcast"``, how many modules and which ones
+            the scaler kept in FP32 after repeated forward overflows; else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 
@@ -177,6 +179,8 @@ class HealthReport:
     fp16_flushed: Optional[int] = None
     spike_steps: Optional[int] = None
     dropped_microbatches: Optional[int] = None
+    upcasts: Optional[int] = None
+    upcast_modules: Optional[Tuple[str, ...]] = None
     causes: Tuple[Tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
@@ -377,7 +381,8 @@ class Health:
     def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
                flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
                fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None,
-               dropped_microbatches: Optional[int] = None) -> HealthReport:
+               dropped_microbatches: Optional[int] = None, upcasts: Optional[int] = None,
+               upcast_modules: Optional[Tuple[str, ...]] = None) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -412,7 +417,8 @@ class Health:
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
             scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
             settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
-            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches,
+            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, upcasts=upcasts,
+            upcast_modules=upcast_modules,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
         text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)
@@ -455,6 +461,9 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
     if r.spike_steps:
         parts.append(f"{_plural(r.spike_steps, 'spike')} (a gradient norm or loss far above its recent run) "
                      "skipped by skip_if, the scale kept.")
+    if r.upcast_modules:
+        parts.append(f"Kept in FP32 after repeated forward overflows (on_forward_overflow='upcast'): "
+                     f"{', '.join(r.upcast_modules)}.")
     if r.dropped_microbatches:
         one = r.dropped_microbatches == 1
         parts.append(f"{r.dropped_microbatches} micro-batch{'' if one else 'es'} with a non-finite loss "

@@ -96,6 +96,9 @@ class GradScaler:
         bad_microbatch: "skip" (a non-finite loss skips the whole step), "drop" (that micro-batch adds
             nothing, the step renormalised over the others; one host read per ``scale()``) or "zero"
             (dropped, not renormalised): :mod:`lossscale.microbatches`.
+        on_forward_overflow, upcast_after: "upcast" (with ``trace=True``): a module the trace names as the
+            first forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
+            (:mod:`lossscale.upcast`). "skip": such steps are skipped, the scale kept.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -121,7 +124,7 @@ class GradScaler:
                  enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
                  process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
                  trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, bad_microbatch: str = "skip",
-                 **policy_keywords: Any) -> None:
+                 on_forward_overflow: str = "skip", upcast_after: int = 2, **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -144,8 +147,11 @@ class GradScaler:
         self._flushed = _opt_in("_features").Fp16Flushed() if allow_fp16 else None  # the values it flushed
         self._spikes = None if skip_if is None else _opt_in("spikes").SpikeSkipper.of(skip_if)
         self._microbatches = None if bad_microbatch == "skip" else _opt_in("microbatches").MicroBatches(bad_microbatch)
+        self._upcast = None if (on_forward_overflow, upcast_after) == ("skip", 2) else \
+            _opt_in("upcast").Upcast.of(on_forward_overflow, upcast_after, trace, model)
         # Those with an account (lossscale._features): counts(), state(), loadable() and load().
-        self._features = [f for f in (self._telemetry, self._flushed, self._spikes, self._microbatches) if f is not None]
+        self._features = [f for f in (self._telemetry, self._flushed, self._spikes, self._microbatches, self._upcast)
+                          if f is not None]
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
@@ -177,7 +183,8 @@ class GradScaler:
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
-                                           "allow_fp16", "skip_if", "bad_microbatch"})
+                                           "allow_fp16", "skip_if", "bad_microbatch", "on_forward_overflow",
+                                           "upcast_after"})
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
@@ -555,6 +562,8 @@ class GradScaler:
             snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
             state, scale_before = snap.read()
             self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
+            if self._upcast is not None:  # a skipped step's first forward overflow: one read, on skips only
+                self._upcast.learn(state, snap.evidence, self._tracer)
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
 
@@ -604,6 +613,7 @@ class GradScaler:
         return self._health.report(self._policy, state, before,
                                    self._telemetry.overall.flushed_frac if sampled else None,
                                    self._telemetry.step_collected if sampled else None, self._describe,
+                                   upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
                                    **self._opt_in_counts())
 
     def overflow_report(self) -> Dict[str, Any]:

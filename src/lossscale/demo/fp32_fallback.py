@@ -14,7 +14,10 @@ finite in FP32 and overflows FP16's 65504. Three runs from the same initial weig
 * ``fp16`` -- FP16 autocast with ``lossscale.GradScaler``: every loss is NaN, every step is skipped
   (no scale helps: the scale only touches the backward);
 * ``fp16_keep_fp32`` -- the same after ``lossscale.keep_fp32(model, report.keep_fp32)``, with the
-  module that :func:`lossscale.audit` named: it trains, and follows FP32's curve.
+  module that :func:`lossscale.audit` named: it trains, and follows FP32's curve;
+* ``fp16_upcast`` -- FP16 with ``GradScaler(model=model, trace=True, on_forward_overflow="upcast")`` and
+  no audit: the trace names the module on the first two skipped steps, the scaler keeps it in FP32 by
+  itself, and from the third step on it trains like the run above.
 
 Writes ``DIR/index.html``, ``fp32_fallback_loss.png`` (the three loss curves), ``fp32_fallback_amax.png``
 (each module's forward amax in FP16 and FP32 against FP16's largest value) and ``summary.json`` (every
@@ -141,11 +144,14 @@ def markov_batches(steps: int, seed: int = 0, batch_size: int = 16) -> List[torc
     return out
 
 
-def train_run(model: torch.nn.Module, batches: List[torch.Tensor], *, fp16: bool, lr: float = 3e-3) -> Dict[str, Any]:
+def train_run(model: torch.nn.Module, batches: List[torch.Tensor], *, fp16: bool, lr: float = 3e-3,
+              upcast: bool = False) -> Dict[str, Any]:
     """Train ``model`` on ``batches`` with AdamW; with ``fp16``, under FP16 autocast with lossscale's
-    ``GradScaler``. Returns the per-step losses, which steps were skipped (no weight moved) and the scales."""
+    ``GradScaler`` (with ``upcast``: tracing, ``on_forward_overflow="upcast"``). Returns the per-step
+    losses, which steps were skipped (no weight moved), the scales and the modules the scaler upcast."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    scaler = GradScaler("cpu") if fp16 else None
+    scaler = None if not fp16 else GradScaler("cpu", model=model, trace=True, on_forward_overflow="upcast") \
+        if upcast else GradScaler("cpu")
     probe = model.lm_head.weight
     losses, skipped, scales = [], [], []
     for batch in batches:
@@ -163,7 +169,10 @@ def train_run(model: torch.nn.Module, batches: List[torch.Tensor], *, fp16: bool
             scaler.update()
         losses.append(float(loss.detach()))
         skipped.append(bool(torch.equal(before, probe.detach())))
-    return {"loss": losses, "skipped": skipped, "scale": scales}
+    upcast_modules = list(scaler.health().upcast_modules or ()) if scaler is not None else []
+    if scaler is not None:
+        scaler.close()
+    return {"loss": losses, "skipped": skipped, "scale": scales, "upcast": upcast_modules}
 
 
 def _tail(values: List[float], n: int = 5) -> float:
@@ -203,14 +212,15 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
     print()
 
     runs: Dict[str, Dict[str, Any]] = {}
-    for name, fp16, keep in (("fp32", False, False), ("fp16", True, False), ("fp16_keep_fp32", True, True)):
+    for name, fp16, keep, upcast in (("fp32", False, False, False), ("fp16", True, False, False),
+                                     ("fp16_keep_fp32", True, True, False), ("fp16_upcast", True, False, True)):
         m = injected_model(seed)
         if keep:
             keep_fp32(m, report.keep_fp32)
         t = time.perf_counter()
-        with warnings.catch_warnings(record=True) as said:  # the scaler's stuck warning: kept for the report
+        with warnings.catch_warnings(record=True) as said:  # the scaler's warnings: kept for the report
             warnings.simplefilter("always")
-            runs[name] = train_run(m, batches, fp16=fp16)
+            runs[name] = train_run(m, batches, fp16=fp16, upcast=upcast)
         runs[name]["seconds"] = time.perf_counter() - t
         runs[name]["warnings"] = sorted({str(w.message).split("\n")[0] for w in said})
         r = runs[name]
@@ -218,6 +228,8 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
               f"({r['seconds']:.1f}s)")
 
     fp32_end, kept_end = _tail(runs["fp32"]["loss"]), _tail(runs["fp16_keep_fp32"]["loss"])
+    up = runs["fp16_upcast"]
+    up_end, up_skipped = _tail(up["loss"]), [i for i, s in enumerate(up["skipped"]) if s]
     checks = [
         ("audit names the injected module", report.keep_fp32 == [INJECTED], f"report.keep_fp32 = {report.keep_fp32}"),
         ("without keep_fp32, FP16 never trains", all(not math.isfinite(v) for v in runs["fp16"]["loss"])
@@ -226,6 +238,10 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
          and abs(kept_end - fp32_end) <= 0.1 * fp32_end and kept_end < runs["fp32"]["loss"][0] - 1.0,
          f"mean loss of the last 5 steps {kept_end:.3f} against FP32's {fp32_end:.3f} "
          f"(from {runs['fp32']['loss'][0]:.3f})"),
+        ("on_forward_overflow='upcast' gets there by itself", up["upcast"] == [INJECTED] and up_skipped == [0, 1]
+         and all(math.isfinite(v) for v in up["loss"][2:]) and up_end < up["loss"][2] - 1.0,
+         f"upcast {up['upcast']} after steps {up_skipped} were skipped; then from {up['loss'][2]:.3f} to a mean of "
+         f"{up_end:.3f} over the last 5 steps (FP32: {fp32_end:.3f}, two steps more)"),
         ("this device's FP16 agrees with FP32", report.hardware.verdict == "ok", report.hardware.detail),
     ]
     summary = {
@@ -258,7 +274,8 @@ def plot_losses(runs: Dict[str, Dict[str, Any]], path: str, amax: float) -> str:
     fig, ax = _figure(7.5, 3.8)
     # FP32 drawn wide and pale underneath: FP16 + keep_fp32 lies on it.
     style = {"fp32": ("#bbbbbb", "FP32", 4.0), "fp16": ("#d62728", "FP16 + GradScaler", 1.8),
-             "fp16_keep_fp32": ("#1f77b4", "FP16 + GradScaler + keep_fp32", 1.6)}
+             "fp16_keep_fp32": ("#1f77b4", "FP16 + GradScaler + keep_fp32", 1.6),
+             "fp16_upcast": ("#2ca02c", "FP16 + GradScaler(on_forward_overflow='upcast')", 1.2)}
     finite_all = [v for r in runs.values() for v in r["loss"] if math.isfinite(v)]
     top = max(finite_all) * 1.08 if finite_all else 1.0
     for name, r in runs.items():
@@ -272,8 +289,8 @@ def plot_losses(runs: Dict[str, Dict[str, Any]], path: str, amax: float) -> str:
     ax.set_ylim(0, top * 1.04)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats)")
-    ax.set_title(f"{INJECTED} outputs {amax:.2g}: FP16 overflows in the forward; kept in FP32 it trains",
-                 fontsize=10)
+    ax.set_title(f"{INJECTED} outputs {amax:.2g}: FP16 overflows in the forward; kept in FP32 (by hand or by "
+                 "the scaler) it trains", fontsize=9)
     ax.legend(fontsize=8, loc="center right")
     fig.savefig(path, dpi=110)
     return path
@@ -329,9 +346,19 @@ def _render(summary: Dict[str, Any], report, out_dir: str) -> str:
                  for name, r in runs.items()] + [(f"{name}: steps skipped", f"{sum(r['skipped'])}/{summary['steps']}")
                                                  for name, r in runs.items()],
         checks=[(c["check"], c["passed"], c["detail"]) for c in summary["checks"]],
-        images=[("fp32_fallback_loss.png", "Training loss, same weights and batches: FP32, FP16, FP16 + keep_fp32.")])
+        images=[("fp32_fallback_loss.png", "Training loss, same weights and batches: FP32, FP16, FP16 + keep_fp32, "
+                 "FP16 + upcast.")])
+    up = runs["fp16_upcast"]
+    upcast_section = Section(
+        "3. on_forward_overflow='upcast' does it by itself", verdict=None, anchor="upcast",
+        text=["GradScaler(model=model, trace=True, on_forward_overflow='upcast'), no audit: the trace names the "
+              "first module whose forward output was non-finite on each skipped step; named on 2 steps, the "
+              "scaler calls keep_fp32 on it and says so."]
+        + [f"The scaler: “{w}”" for w in up["warnings"]],
+        figures=[("modules upcast", ", ".join(up["upcast"]) or "none"),
+                 ("steps skipped", f"{sum(up['skipped'])}/{summary['steps']}")])
     return write_html(os.path.join(out_dir, "index.html"), "lossscale audit-demo: when loss scaling cannot fix it",
-                      [audit_section, train_section],
+                      [audit_section, train_section, upcast_section],
                       subtitle=f"A GPT-2-shaped model with one overflowing module, {summary['steps']} steps, seed "
                       f"{summary['seed']}, on the CPU.")
 
