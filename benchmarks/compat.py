@@ -72,12 +72,23 @@ def released(name: str) -> list:
     return sorted(v for v in versions if not v.is_prerelease and not v.is_devrelease)
 
 
+def allowed(requirement: Requirement) -> list:
+    """The releases the requirement's range allows, oldest first."""
+    found = [v for v in released(requirement.name) if requirement.specifier.contains(v)]
+    if not found:
+        raise RuntimeError(f"no release of {requirement.name} satisfies {requirement.specifier}")
+    return found
+
+
 def ends(requirement: Requirement) -> list:
     """The oldest and newest releases the requirement's range allows (one if they coincide)."""
-    allowed = [v for v in released(requirement.name) if requirement.specifier.contains(v)]
-    if not allowed:
-        raise RuntimeError(f"no release of {requirement.name} satisfies {requirement.specifier}")
-    return sorted({allowed[0], allowed[-1]})
+    found = allowed(requirement)
+    return sorted({found[0], found[-1]})
+
+
+#: How many older releases to try when the newest cannot be installed here (a dependency of it missing
+#: from this machine's package index): the row then says so and tests the newest that installs.
+FALLBACKS = 3
 
 
 def check(name: str, version: Version, keep: bool) -> tuple:
@@ -147,12 +158,22 @@ def main(argv=None) -> int:
         parser.error(f"not in the integrations extra: {', '.join(unknown)} (known: {', '.join(known)})")
     rows = []
     for name in chosen:
+        releases = allowed(known[name])
         for version in ends(known[name]):
             if args.dry_run:
                 print(f"{name} {version}")
                 continue
             started = datetime.datetime.now()
             passed, summary = check(name, version, args.keep)
+            if summary.startswith("install failed") and version == releases[-1]:
+                note = f"{version} does not install here ({summary[len('install failed: '):]})"
+                for older in list(reversed(releases[:-1]))[:FALLBACKS]:
+                    passed, summary = check(name, older, args.keep)
+                    if not summary.startswith("install failed"):
+                        version, summary = older, f"{note}; the newest that does: {summary}"
+                        break
+                else:
+                    summary = note
             took = (datetime.datetime.now() - started).total_seconds()
             print(f"{name} {version}: {'passed' if passed else 'FAILED'} ({summary}; {took:.0f} s)", flush=True)
             rows.append((name, version, known[name].specifier, passed, summary))

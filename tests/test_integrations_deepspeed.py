@@ -418,3 +418,17 @@ def test_public_names_have_docstrings():
         for attr, member in vars(obj).items() if isinstance(obj, type) else ():
             if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
                 assert member.__doc__, f"{name}.{attr}"
+
+
+def test_zero_torch_autocast_before_0_19_8_is_refused_with_the_fix(monkeypatch):
+    """deepspeed 0.19.0-0.19.7 ZeRO steps without its own overflow check in torch_autocast mode (measured:
+    with lossscale attached, a ZeRO-2 step with an inf gradient moved the weights): attach refuses."""
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.19.7")
+    engine = _engine(2, "autocast")
+    held = engine.optimizer.torch_autocast_gradscaler
+    with pytest.raises(RuntimeError, match=r"needs deepspeed>=0\.19\.8 \(this is 0\.19\.7"):
+        ls_ds.attach(engine)
+    assert engine.optimizer.torch_autocast_gradscaler is held  # nothing changed
+    assert isinstance(ls_ds.attach(_engine(0, "autocast")), lossscale.GradScaler)  # ZeRO-0 is unaffected

@@ -161,6 +161,7 @@ def _attach_autocast(engine, optimizer, zero, scaler, kwargs):
     elif not isinstance(scaler, GradScaler):
         raise ValueError(f"scaler={scaler!r} must be a lossscale.GradScaler (or None to build one).")
     if zero:
+        _require_zero_autocast_overflow_check()
         # zero/stage_1_and_2.py:2976-2978, stage3.py:1240-1242 step and update it.
         optimizer.torch_autocast_gradscaler = scaler
         # On an overflow, ZeRO returns before the scaler's step (stage_1_and_2.py:3046-3064) and
@@ -170,6 +171,26 @@ def _attach_autocast(engine, optimizer, zero, scaler, kwargs):
         engine.torch_autocast_z0_gradscaler = scaler  # engine.py:3374, 3420, 3509-3514 use it
         _report_skips(optimizer, scaler)
     return scaler
+
+
+#: The first deepspeed whose ZeRO-1/2/3 torch_autocast path checks the gradients for overflow itself
+#: (``check_grad_overflow``) and reports it through ``optimizer.loss_scaler``, which attach() relies on.
+#: Before it (0.19.0-0.19.7, measured with benchmarks/compat.py and each release's tests), ZeRO clips and
+#: steps without that check, and with lossscale attached a ZeRO-2 step with an inf gradient moved the
+#: weights: refused rather than half-working.
+ZERO_AUTOCAST_MIN = "0.19.8"
+
+
+def _require_zero_autocast_overflow_check() -> None:
+    import deepspeed
+    from packaging.version import Version
+
+    if Version(deepspeed.__version__) < Version(ZERO_AUTOCAST_MIN):
+        raise RuntimeError(
+            f"lossscale.integrations.deepspeed.attach: ZeRO with torch_autocast float16 needs deepspeed>="
+            f"{ZERO_AUTOCAST_MIN} (this is {deepspeed.__version__}, whose ZeRO steps without checking the gradients "
+            f"for overflow in that mode). Upgrade (pip install 'deepspeed>={ZERO_AUTOCAST_MIN}'), or use the classic "
+            "'fp16' config, or ZeRO stage 0.")
 
 
 def _report_skips(optimizer, scaler) -> None:
