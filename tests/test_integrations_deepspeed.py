@@ -391,6 +391,46 @@ def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accel
     assert scaler.get_scale() == 2.0**15  # accelerate's DeepSpeed config: hysteresis 2, so one backoff
 
 
+@pytest.mark.parametrize("when", ["before prepare", "after prepare"])
+def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_engine(fresh_accelerate_state,
+                                                                                    monkeypatch, when):
+    """ls_accelerate.attach(accelerator) on accelerate's DeepSpeed plugin: the scaler lands in the engine
+    prepare() builds (classic fp16 for mixed_precision="fp16", ZeRO-2), with the same steps as attaching
+    to the engine by hand; log_health(accelerator) reads it."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from lossscale.integrations import accelerate as ls_accelerate
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0))
+    model = _model()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 2)),
+                                       batch_size=4)
+    if when == "before prepare":
+        scaler = ls_accelerate.attach(accelerator)
+        with pytest.raises(RuntimeError, match="use the scaler after prepare"):
+            scaler.get_scale()
+    model, opt, data = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2), data)
+    if when == "after prepare":
+        scaler = ls_accelerate.attach(accelerator)
+    assert isinstance(scaler, ls_accelerate.EngineScaler) and ls_accelerate.attach(accelerator) is scaler
+    assert isinstance(scaler.target, ls_ds.LossScaler)
+    assert accelerator.deepspeed_engine_wrapped.engine.optimizer.loss_scaler is scaler.target
+    hook = InfAt(model.module[0].weight, (2, 3))
+    skipped = []
+    for x, y in data:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+    hook.handle.remove()
+    assert skipped == [False, False, True, True, False, False]
+    assert scaler.get_scale() == 2.0**15  # as attaching to the engine by hand (the test above)
+    report = ls_accelerate.log_health(accelerator)
+    assert report.skipped == 2
+
+
 def test_a_bad_loss_skips_without_backing_off_where_deepspeed_halves():
     def run(attach):
         engine = _engine(1, "fp16")

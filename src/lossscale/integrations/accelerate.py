@@ -37,7 +37,7 @@ from typing import Any
 
 from . import _require
 
-__all__ = ["attach", "log_health"]
+__all__ = ["attach", "log_health", "EngineScaler"]
 
 _SKIP_AWARE_NAME = "SkipAwareAcceleratedOptimizer"
 
@@ -51,6 +51,11 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     ``accelerator.clip_grad_norm_`` unscales before clipping, ``accelerator.optimizer_step_was_skipped``
     is True exactly on skipped steps (fused optimizers included) so accelerate's prepared schedulers
     do not advance then, and ``save_state``/``load_state`` carry the scaler's complete state.
+
+    With accelerate's DeepSpeed plugin the engine scales the loss, and it exists only once ``prepare``
+    built it: ``attach`` then returns an :class:`EngineScaler`, which becomes the scaler
+    ``lossscale.integrations.deepspeed.attach`` installs in the engine when ``prepare`` returns (called
+    after ``prepare``, it attaches at once). The loop is unchanged.
 
     Called again on the same accelerator, it returns the scaler the first call installed (at any
     time, before or after ``prepare``); given a different scaler or scaler keywords then, it raises
@@ -78,9 +83,11 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
             'Accelerator(mixed_precision="fp16") (or `accelerate launch --mixed_precision fp16`) to use a '
             "loss scaler. bf16 needs none."
         )
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise ValueError(f"accelerator.distributed_type is {accelerator.distributed_type}, whose engine scales "
-                         "the loss itself (accelerator.py:568); configure its loss scaler instead.")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return _attach_deepspeed(accelerator, scaler, scaler_kwargs)
+    if accelerator.distributed_type == DistributedType.MEGATRON_LM:
+        raise ValueError("accelerator.distributed_type is MEGATRON_LM, whose engine scales the loss itself "
+                         "(accelerator.py:568): give Megatron's optimizer lossscale.integrations.megatron.GradScaler.")
     attached = _attached(accelerator, scaler, scaler_kwargs)
     if attached is not None:
         return attached
@@ -107,6 +114,61 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     return scaler
 
 
+class EngineScaler:
+    """What :func:`attach` returns on a DeepSpeed accelerator: the loss scaler
+    ``lossscale.integrations.deepspeed.attach`` installs in the engine once ``accelerator.prepare(...)``
+    has built it (a ``lossscale.GradScaler`` in torch_autocast mode; a
+    ``lossscale.integrations.deepspeed.LossScaler`` in classic fp16 mode, accelerate's default for
+    ``mixed_precision="fp16"``). Every attribute is that scaler's; before ``prepare()`` there is none
+    yet, and reading one raises RuntimeError."""
+
+    def __init__(self):
+        self.target = None
+
+    def __getattr__(self, name: str):
+        target = self.__dict__.get("target")
+        if target is None:
+            raise RuntimeError(f"scaler.{name}: under DeepSpeed the loss scaler lives in the engine, which "
+                               "accelerator.prepare(...) builds; use the scaler after prepare().")
+        return getattr(target, name)
+
+    def __repr__(self) -> str:
+        return f"EngineScaler({self.target!r})"
+
+
+def _attach_deepspeed(accelerator, scaler, scaler_kwargs):
+    """accelerate with its DeepSpeed plugin: the engine, which scales the loss itself
+    (accelerator.py:568), exists only once ``prepare()`` built it (``_prepare_deepspeed``), so the
+    scaler is attached to it there, by ``lossscale.integrations.deepspeed.attach``; accelerate's
+    ``backward`` is the engine's, its ``optimizer_step_was_skipped`` reads the engine's overflow, and
+    ``save_state``/``load_state`` go through the engine's checkpoints, which carry the scaler."""
+    from . import deepspeed as ls_deepspeed
+
+    handle = accelerator.__dict__.get("_lossscale_engine_scaler")
+    if handle is not None:
+        if scaler is None and not scaler_kwargs:
+            return handle
+        raise ValueError("a lossscale scaler is already attached to this accelerator (attach(accelerator) returns "
+                         "it); pass scaler= or its keywords to the first attach().")
+    handle = EngineScaler()
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:  # prepare() already ran: attach now
+        handle.target = ls_deepspeed.attach(wrapped.engine, scaler, **scaler_kwargs)
+    else:
+        prepare = accelerator.prepare
+
+        def prepare_then_attach(*args, **kwargs):
+            out = prepare(*args, **kwargs)
+            engine_wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+            if engine_wrapped is not None and handle.target is None:
+                handle.target = ls_deepspeed.attach(engine_wrapped.engine, scaler, **scaler_kwargs)
+            return out
+
+        accelerator.prepare = prepare_then_attach
+    accelerator.__dict__["_lossscale_engine_scaler"] = handle
+    return handle
+
+
 def log_health(accelerator, step=None):
     """Report the run's health at the end of training; returns the ``lossscale.health.HealthReport``.
 
@@ -121,6 +183,9 @@ def log_health(accelerator, step=None):
     from .loggers import scalars
 
     scaler = _attached(accelerator, None, {}) if isinstance(accelerator, Accelerator) else None
+    engine_scaler = getattr(accelerator, "__dict__", {}).get("_lossscale_engine_scaler")
+    if engine_scaler is not None:  # DeepSpeed: the engine's scaler, once prepare() built it
+        scaler = engine_scaler.target
     if scaler is None:
         raise ValueError(f"accelerator={accelerator!r} has no lossscale scaler: call "
                          "lossscale.integrations.accelerate.attach(accelerator) before prepare(...).")
