@@ -108,6 +108,8 @@ def check(name: str, version: Version, keep: bool) -> tuple:
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode != 0:
+            if not keep:
+                subprocess.run(["rm", "-rf", work])
             return False, "install failed: " + _last_line(done.stderr or done.stdout)
     tests = [t for t in TESTS.get(name, []) if os.path.exists(os.path.join(ROOT, t))]
     if not tests:
