@@ -170,7 +170,7 @@ def test_autocast_mode_skips_bitwise_and_backs_off(stage):
     engine = _engine(stage, "autocast")
     scaler = ls_ds.attach(engine, init_scale=2.0**INIT_POWER, growth_interval=3)
     assert isinstance(scaler, lossscale.GradScaler)
-    held = engine.torch_autocast_z0_gradscaler if stage == 0 else engine.optimizer.torch_autocast_gradscaler
+    held = engine.torch_autocast_z0_gradscaler if stage == 0 else engine.optimizer.torch_autocast_gradscaler.scaler
     assert held is scaler
     first = _snapshot(engine)
     run = _train(engine, 8, inf_at=(0, 4), scaler=scaler)
@@ -211,6 +211,40 @@ def test_autocast_zero0_is_bitwise_torch_and_holds_the_lr_on_skips():
     # torch's scaler and DeepSpeed disagree: the engine did not see the skip and stepped the LR
     assert [r[1] for r in ref_run] == [0] * 6 and ref.lr_scheduler.last_epoch == 6
     assert [r[1] for r in run] == [0, 0, 1, 0, 0, 0] and engine.lr_scheduler.last_epoch == 5
+
+
+def _two_group_engine(stage, scaler_kwargs=None):
+    """SGD (lr 1, no momentum: the step is the unscaled gradient itself) over two parameter groups,
+    weights and biases, as transformers' Trainer builds (decay, no decay)."""
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.SGD([{"params": weights}, {"params": biases}], lr=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, "autocast"))
+    return engine, ls_ds.attach(engine, init_scale=2.0**INIT_POWER, growth_interval=3, **(scaler_kwargs or {}))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_autocast_zero_two_groups_grow_once_per_step_and_unscale_by_the_backwards_scale(stage):
+    """ZeRO-1/2/3 step one parameter group at a time and call their scaler's step() then update() for
+    each: a stock GradScaler then counts every iteration once per group, and on a growth step unscales
+    the later groups by the grown scale. Attached, the scaler advances once per ZeRO step, and every
+    group's update is ZeRO-0's (which steps once) bit for bit, growth steps included."""
+    engine, scaler = _two_group_engine(stage)
+    ref, ref_scaler = _two_group_engine(0)
+    run = _train(engine, 8, inf_at=(4,), scaler=scaler)
+    ref_run = _train(ref, 8, inf_at=(4,), scaler=ref_scaler)
+    scales = [r[0] for r in run] + [scaler.get_scale()]
+    assert scales == [1024, 1024, 1024, 2048, 2048, 1024, 1024, 1024, 2048]  # growth after 3 clean steps
+    assert scales == [r[0] for r in ref_run] + [ref_scaler.get_scale()]
+    assert scaler.counters()["steps"] == 8 and scaler.counters()["skipped_steps"] == 1
+    assert [r[1] for r in run] == [0, 0, 0, 0, 1, 0, 0, 0]
+    weights = _snapshot(engine)[:4] if stage != 3 else None
+    if stage != 3:  # ZeRO-3 keeps its own flat fp32 partitions (compared through the module below)
+        assert _equal(weights, _snapshot(ref)[:4])
+    with torch.no_grad():
+        x, _ = _batch(99)
+        assert torch.equal(engine(x), ref(x))
 
 
 # ------------------------------------------------------------------------------ classic fp16 mode
@@ -429,6 +463,81 @@ def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_eng
     assert scaler.get_scale() == 2.0**15  # as attaching to the engine by hand (the test above)
     report = ls_accelerate.log_health(accelerator)
     assert report.skipped == 2
+
+
+def _trainer_run(tmp_path, mode, use_lossscale, resume=None, steps=12, inf_step=5):
+    """transformers' Trainer with TrainingArguments(deepspeed=...), ZeRO-2, the tiny GPT-2 (two parameter
+    groups: decay and no decay); an inf gradient at step ``inf_step``. Per step: skipped, scale after."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from _integration_models import TokenData, tiny_gpt2
+    from lossscale.integrations import transformers as ls_transformers
+
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    if mode == "autocast":
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.float16"}
+    else:
+        cfg["fp16"] = {"enabled": "auto", "initial_scale_power": INIT_POWER, "loss_scale_window": 4, "hysteresis": 1}
+    box, out = {}, dict(skipped=[], scales=[])
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer = box["trainer"]
+            out["skipped"].append(trainer.accelerator.optimizer_step_was_skipped)
+            out["scales"].append(box["scaler"].get_scale() if use_lossscale else _scale(trainer.model_wrapped))
+
+    model = tiny_gpt2()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, per_device_train_batch_size=2,
+                             max_steps=steps, learning_rate=1e-3, logging_steps=4, save_strategy="steps", save_steps=6,
+                             report_to=[], seed=0, disable_tqdm=True, deepspeed=cfg)
+    trainer = box["trainer"] = Trainer(model=model, args=args, train_dataset=TokenData(2 * steps, length=8),
+                                       callbacks=[Recorder()])
+    if use_lossscale:
+        box["scaler"] = ls_transformers.attach(trainer, init_scale=2.0**INIT_POWER, growth_interval=4)
+    InfAt(model.transformer.h[0].mlp.c_fc.weight, [inf_step], start=0 if resume is None else 6)
+    out["metrics"] = trainer.train(resume_from_checkpoint=resume).metrics
+    out.update(trainer=trainer, scaler=box.get("scaler"), params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.fixture
+def trainer_deepspeed_globals(monkeypatch):
+    """TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED=true in os.environ
+    (training_args.py:1900) and a process-wide HfDeepSpeedConfig (integrations/deepspeed.py:275):
+    later Trainers and Accelerators in the process would take DeepSpeed. Put both back afterwards."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what TrainingArguments sets; undone after
+    yield
+    unset_hf_deepspeed_config()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "autocast"])
+def test_trainer_with_deepspeed_goes_through_attach_and_resumes(tmp_path, fresh_accelerate_state,
+                                                                trainer_deepspeed_globals, mode):
+    """ls_transformers.attach(trainer) on TrainingArguments(deepspeed=...): the scaler lands in the engine
+    train() builds. Classic fp16: DeepSpeed's own skips and scale (its DynamicLossScaler's arithmetic);
+    torch_autocast: the scale halves on the skip and grows once per 4 clean steps, though ZeRO steps the
+    Trainer's two parameter groups one at a time. The health account reaches train()'s metrics, and a
+    run resumed from its step-6 checkpoint is the uninterrupted run."""
+    run = _trainer_run(tmp_path / "run", mode, True)
+    assert run["skipped"] == [s == 5 for s in range(12)]
+    if mode == "fp16":  # DeepSpeed's window counts from the last overflow's iteration (loss_scaler.py)
+        assert run["scales"] == [1024.0] * 4 + [2048.0] + [1024.0] * 5 + [2048.0] * 2
+    else:  # torch's: 4 clean steps, then grow
+        assert run["scales"] == [1024.0] * 3 + [2048.0] * 2 + [1024.0] * 4 + [2048.0] * 3
+    assert run["metrics"]["scaler/health/skipped"] == 1 and run["metrics"]["scaler/health/steps"] == 12
+    if mode == "fp16":
+        stock = _trainer_run(tmp_path / "stock", mode, False)
+        assert stock["skipped"] == run["skipped"] and stock["scales"] == run["scales"]
+        assert isinstance(run["scaler"].target, ls_ds.LossScaler)
+    else:
+        assert isinstance(run["scaler"].target, lossscale.GradScaler)
+    resumed = _trainer_run(tmp_path / "resumed", mode, True, resume=str(tmp_path / "run" / "out" / "checkpoint-6"))
+    assert resumed["scales"] == run["scales"][6:] and resumed["skipped"] == run["skipped"][6:]
+    assert resumed["scaler"].state_dict() == run["scaler"].state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(resumed["params"], run["params"]))
 
 
 def test_a_bad_loss_skips_without_backing_off_where_deepspeed_halves():

@@ -162,8 +162,16 @@ def _attach_autocast(engine, optimizer, zero, scaler, kwargs):
         raise ValueError(f"scaler={scaler!r} must be a lossscale.GradScaler (or None to build one).")
     if zero:
         _require_zero_autocast_overflow_check()
-        # zero/stage_1_and_2.py:2976-2978, stage3.py:1240-1242 step and update it.
-        optimizer.torch_autocast_gradscaler = scaler
+        # zero/stage_1_and_2.py:2976-2978, stage3.py:1240-1242 step and update it, once per group.
+        groups = optimizer.torch_autocast_gradscaler = _GroupSteps(scaler)
+        zero_step = optimizer.step
+
+        def step(*args, **kwargs):
+            out = zero_step(*args, **kwargs)
+            groups.finish()  # the iteration ends with ZeRO's step, not with each group's
+            return out
+
+        optimizer.step = step  # engine.py:3516 calls it
         # On an overflow, ZeRO returns before the scaler's step (stage_1_and_2.py:3046-3064) and
         # calls only loss_scaler.update_scale(True): a reporter there tells the scaler.
         optimizer.loss_scaler = _overflow_reporter_class()(scaler)
@@ -171,6 +179,54 @@ def _attach_autocast(engine, optimizer, zero, scaler, kwargs):
         engine.torch_autocast_z0_gradscaler = scaler  # engine.py:3374, 3420, 3509-3514 use it
         _report_skips(optimizer, scaler)
     return scaler
+
+
+class _GroupSteps:
+    """What ZeRO-1/2/3 hold as ``torch_autocast_gradscaler``: the lossscale scaler, stepped for each
+    parameter (sub)group and updated once per ZeRO step.
+
+    ZeRO steps one (sub)group at a time, calling ``step(optimizer)`` then ``update()`` for each
+    (stage_1_and_2.py:2967-2984, stage3.py:1235-1262). With a stock GradScaler and two groups
+    (transformers' Trainer makes two: decay and no decay) every iteration counts twice towards growth,
+    and on a growth step the later groups are unscaled by twice the scale their gradients carry
+    (measured here: the scale grew after 2 clean steps of 3). Here each group is one more optimizer of
+    the iteration, as in torch's several-optimizers recipe, all unscaled by the scale backward used;
+    ``update()`` waits for ZeRO's ``step()`` to return (:meth:`finish`). Other attributes are the
+    scaler's."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+        self._stepped = []  # this iteration's group views, alive until update(): the scaler keys them by id
+
+    def scale(self, outputs):
+        """The scaler's ``scale``."""
+        return self.scaler.scale(outputs)
+
+    def step(self, optimizer, *args, **kwargs):
+        """Step the group ZeRO put in ``optimizer.param_groups`` (unscale, check, step or skip)."""
+        # A second object of the optimizer's class over the same __dict__: to the scaler another
+        # optimizer (its own record this iteration), to everything else the optimizer itself (its
+        # state, its step, the grad_scale/found_inf a fused kernel reads).
+        group = object.__new__(type(optimizer))
+        group.__dict__ = optimizer.__dict__
+        self._stepped.append(group)
+        return self.scaler.step(group, *args, **kwargs)
+
+    def update(self):
+        """Nothing yet: ZeRO calls it after each group; :meth:`finish` updates once, after the last."""
+
+    def finish(self) -> None:
+        """End the iteration (``scaler.update()``) if ZeRO stepped any group (not after an overflow:
+        ZeRO reported it through ``loss_scaler`` and stepped none)."""
+        if self._stepped:
+            self.scaler.update()
+            self._stepped.clear()
+
+    def __getattr__(self, name: str):
+        return getattr(self.scaler, name)
+
+    def __repr__(self) -> str:
+        return f"_GroupSteps({self.scaler!r})"
 
 
 #: The first deepspeed whose ZeRO-1/2/3 torch_autocast path checks the gradients for overflow itself

@@ -18,6 +18,10 @@ with ``train_runtime``, trainer.py:2022), and writes its paragraph to the Traine
 (``transformers.trainer``: INFO when healthy, WARNING otherwise). The Trainer's checkpoints already
 save and restore the scaler (``scaler.pt``, trainer.py:3605 and 4023, loaded with ``weights_only=True``).
 
+With ``TrainingArguments(deepspeed=...)`` the scaler is accelerate's ``EngineScaler``: ``train()``'s
+``accelerator.prepare(...)`` builds the DeepSpeed engine and installs it there (before the Trainer
+loads a DeepSpeed checkpoint), and the engine's checkpoints carry it.
+
 Tested with transformers 5.24.0 (accelerate 1.15.0) on CPU; see docs/integrations.md.
 """
 
@@ -40,7 +44,9 @@ def attach(trainer, scaler=None, **scaler_kwargs):
     ``scaler.metrics()`` appear in the Trainer's training logs under ``scaler/`` at its logging
     steps (one host sync each), and ``scaler.health()`` at the end of training (its numbers in the
     final log, its paragraph in the Trainer's logger); checkpoints and ``resume_from_checkpoint``
-    restore the scaler.
+    restore the scaler. With ``TrainingArguments(deepspeed=...)`` it returns an ``EngineScaler`` that
+    ``train()`` points at the scaler installed in the DeepSpeed engine
+    (:func:`lossscale.integrations.accelerate.attach`).
 
     Called again on the same Trainer, it returns the same scaler (a different scaler or scaler
     keywords then raise ``ValueError``, as in :func:`lossscale.integrations.accelerate.attach`).
@@ -78,6 +84,16 @@ def attach(trainer, scaler=None, **scaler_kwargs):
     return scaler
 
 
+def _installed_scaler(accelerator):
+    """The scaler ``accelerator`` trains with: its own, or under DeepSpeed the ``EngineScaler`` handle
+    ``attach`` left on it (which ``prepare()``, run by ``train()`` before ``on_train_begin``, pointed
+    at the engine's scaler)."""
+    handle = accelerator.__dict__.get("_lossscale_engine_scaler")
+    if handle is not None:
+        return handle if handle.target is not None else None
+    return accelerator.scaler
+
+
 def _metrics_callback(trainer, scaler):
     from transformers import TrainerCallback
 
@@ -93,7 +109,7 @@ def _metrics_callback(trainer, scaler):
         def on_train_begin(self, args, state, control, **kwargs):
             """Refuse to train if the Trainer rebuilt its accelerator after attach()."""
             trainer = trainer_ref()
-            if trainer is not None and trainer.accelerator.scaler is not scaler:
+            if trainer is not None and _installed_scaler(trainer.accelerator) is not scaler:
                 # trainer.py:4658 (hyperparameter_search) builds a new accelerator per trial.
                 raise RuntimeError("The Trainer rebuilt its accelerator after lossscale attach(), so "
                                    "training would run without the scaler. hyperparameter_search does this "
