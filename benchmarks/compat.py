@@ -35,10 +35,12 @@ BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
 # The tests that drive each framework (run from the checkout, in the framework's venv).
 TESTS = {
+    # (test_integrations_deepspeed.py drives accelerate's DeepSpeed plugin and the Trainer on DeepSpeed too)
     "accelerate": ["tests/test_integrations_accelerate.py", "tests/test_integrations_skip.py",
-                   "tests/test_health.py", "tests/test_integrations_examples.py"],
+                   "tests/test_health.py", "tests/test_integrations_examples.py", "tests/test_integrations_deepspeed.py"],
     "transformers": ["tests/test_integrations_transformers.py", "tests/test_integrations_skip.py",
-                     "tests/test_health.py", "tests/test_integrations_examples.py"],
+                     "tests/test_health.py", "tests/test_integrations_examples.py",
+                     "tests/test_integrations_deepspeed.py"],
     "lightning": ["tests/test_integrations_lightning.py", "tests/test_integrations_skip.py",
                   "tests/test_health.py", "tests/test_integrations_examples.py"],
     "tensorboard": ["tests/test_integrations_loggers.py"],

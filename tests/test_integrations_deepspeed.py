@@ -540,6 +540,23 @@ def test_trainer_with_deepspeed_goes_through_attach_and_resumes(tmp_path, fresh_
     assert all(torch.equal(a, b) for a, b in zip(resumed["params"], run["params"]))
 
 
+@pytest.mark.parametrize("stage,classic", [(2, False), (1, True)])
+def test_the_example_skips_the_first_steps_backs_off_and_round_trips(tmp_path, stage, classic):
+    """examples/deepspeed_fp16.py, shortened: the scale starts at 2**24, so the first steps overflow and
+    are skipped (the engine counts them as the scaler does) until the scale has backed off; the
+    checkpoint it saves restores the scaler in a second engine."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "deepspeed_fp16.py")
+    spec = importlib.util.spec_from_file_location("deepspeed_fp16_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(steps=30, stage=stage, classic=classic, ckpt_dir=str(tmp_path))
+    assert 0 < result["skipped"] < 30 and result["counters"]["skipped_steps"] == result["skipped"]
+    assert result["scale"] < 2.0**24
+    assert result["reloaded_scale"] == result["scale"] and result["reloaded_counters"] == result["counters"]
+
+
 def test_a_bad_loss_skips_without_backing_off_where_deepspeed_halves():
     def run(attach):
         engine = _engine(1, "fp16")
