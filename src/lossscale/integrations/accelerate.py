@@ -8,10 +8,10 @@
     # the loop is unchanged: accelerator.backward(loss), accelerator.clip_grad_norm_(...),
     # optimizer.step(), scheduler.step()
 
-What it changes in accelerate (1.x; line numbers are accelerate 1.15.0's):
+What it changes in accelerate (1.x; line numbers are accelerate 1.16.0's):
 
 * FP16 autocast and loss scaling on CPU too: accelerate enables them only off CPU
-  (accelerator.py:564-570).
+  (accelerator.py:536-548).
 * ``accelerator.optimizer_step_was_skipped`` (and so accelerate's wrapped schedulers and the HF
   Trainer's scheduler) is True exactly on the steps the scaler skipped, fused optimizers included:
   accelerate infers a skip from whether the inner ``optimizer.step()`` ran (optimizer.py:176-179), and
@@ -28,7 +28,7 @@ At the end of training, ``log_health(accelerator)`` prints the scaler's run-heal
 (``scaler.health()``: which skips were the scale calibrating, which were bad batches, whether
 training is healthy now) on the main process and logs its numbers to the accelerator's trackers.
 
-Tested with accelerate 1.15.0 on CPU; see docs/integrations.md.
+Tested with accelerate 1.16.0 (and 1.3.0, the range's oldest, by benchmarks/compat.py) on CPU; see docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     if not isinstance(accelerator, Accelerator):
         raise ValueError(f"accelerator={accelerator!r} must be an accelerate.Accelerator.")
     if accelerator.mixed_precision != "fp16":
-        # The autocast dtype comes from accelerate's process-wide state (utils/modeling.py:2097) and
-        # unscaling happens only for "fp16" (accelerator.py:2946): neither can be switched afterwards.
+        # The autocast dtype comes from accelerate's process-wide state (utils/modeling.py:2066) and
+        # unscaling happens only for "fp16" (accelerator.py:2852): neither can be switched afterwards.
         raise ValueError(
             f"accelerator.mixed_precision is {accelerator.mixed_precision!r}; build it with "
             'Accelerator(mixed_precision="fp16") (or `accelerate launch --mixed_precision fp16`) to use a '
@@ -87,7 +87,7 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
         return _attach_deepspeed(accelerator, scaler, scaler_kwargs)
     if accelerator.distributed_type == DistributedType.MEGATRON_LM:
         raise ValueError("accelerator.distributed_type is MEGATRON_LM, whose engine scales the loss itself "
-                         "(accelerator.py:568): give Megatron's optimizer lossscale.integrations.megatron.GradScaler.")
+                         "(accelerator.py:539): give Megatron's optimizer lossscale.integrations.megatron.GradScaler.")
     attached = _attached(accelerator, scaler, scaler_kwargs)
     if attached is not None:
         return attached
@@ -95,7 +95,7 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
         raise RuntimeError("attach() was called after accelerator.prepare(...); call it right after "
                            "building the Accelerator, before prepare().")
     if scaler is None:
-        handler = accelerator.scaler_handler  # GradScalerKwargs, read by accelerate at accelerator.py:578
+        handler = accelerator.scaler_handler  # GradScalerKwargs, read by accelerate at accelerator.py:549
         kwargs = dict(handler.to_kwargs()) if handler is not None else {}
         kwargs.update(scaler_kwargs)
         kwargs.setdefault("device", accelerator.device.type)
@@ -105,8 +105,8 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     elif not isinstance(scaler, GradScaler):
         raise ValueError(f"scaler={scaler!r} must be a lossscale.GradScaler (or None to build one).")
 
-    # accelerator.py:563-570 sets these only off CPU; native_amp gates autocast in prepare_model
-    # (1824) and unscaling in unscale_gradients (2946), scaler gates scaling in backward (2856).
+    # accelerator.py:534-548 sets these only off CPU; native_amp gates autocast in prepare_model
+    # (1791) and unscaling in unscale_gradients (2852), scaler gates scaling in backward (2763).
     accelerator.scaler = scaler
     accelerator.native_amp = True
     accelerator.prepare_optimizer = _reporting_prepare_optimizer(accelerator.prepare_optimizer)
@@ -138,7 +138,7 @@ class EngineScaler:
 
 def _attach_deepspeed(accelerator, scaler, scaler_kwargs):
     """accelerate with its DeepSpeed plugin: the engine, which scales the loss itself
-    (accelerator.py:568), exists only once ``prepare()`` built it (``_prepare_deepspeed``), so the
+    (accelerator.py:539), exists only once ``prepare()`` built it (``_prepare_deepspeed``), so the
     scaler is attached to it there, by ``lossscale.integrations.deepspeed.attach``; accelerate's
     ``backward`` is the engine's, its ``optimizer_step_was_skipped`` reads the engine's overflow, and
     ``save_state``/``load_state`` go through the engine's checkpoints, which carry the scaler."""
@@ -209,14 +209,14 @@ def _attached(accelerator, scaler, scaler_kwargs):
 
 def _prepared(accelerator) -> bool:
     """Whether ``accelerator.prepare(...)`` has run: then attaching is too late. prepare() wraps the
-    model's forward in autocast only if native_amp is already set (accelerator.py:1824) and hands each
-    optimizer the scaler it finds then (accelerator.py:2784)."""
+    model's forward in autocast only if native_amp is already set (accelerator.py:1791) and hands each
+    optimizer the scaler it finds then (accelerator.py:2690)."""
     return bool(accelerator._models or accelerator._optimizers)
 
 
 def _reporting_prepare_optimizer(prepare_optimizer):
-    """Wrap ``Accelerator.prepare_optimizer`` (accelerator.py:2744, the one place that builds an
-    ``AcceleratedOptimizer``, at 2784) so each prepared optimizer reports skips from the scaler."""
+    """Wrap ``Accelerator.prepare_optimizer`` (accelerator.py:2653, the one place that builds an
+    ``AcceleratedOptimizer``, at 2690) so each prepared optimizer reports skips from the scaler."""
 
     def wrapped(optimizer, device_placement=None):
         prepared = prepare_optimizer(optimizer, device_placement=device_placement)

@@ -22,7 +22,7 @@ With ``TrainingArguments(deepspeed=...)`` the scaler is accelerate's ``EngineSca
 ``accelerator.prepare(...)`` builds the DeepSpeed engine and installs it there (before the Trainer
 loads a DeepSpeed checkpoint), and the engine's checkpoints carry it.
 
-Tested with transformers 5.24.0 (accelerate 1.15.0) on CPU; see docs/integrations.md.
+Tested with transformers 5.24.0 (accelerate 1.16.0) on CPU; see docs/integrations.md.
 """
 
 from __future__ import annotations
