@@ -85,6 +85,13 @@ def test_bench_beyond_smoke(tmp_path):
     assert all(r["syncs"] == {"feature": 0, "default": 0} for name, r in rows.items() if "drop" not in name)
 
 
+def test_bench_optimizer_side_smoke(tmp_path):
+    _run("bench_optimizer_side", ["--quick", "--out", str(tmp_path)])
+    text = (tmp_path / "optimizer_side_quick.md").read_text()
+    for kind in ("adamw_foreach", "adamw_fused", "sgd"):
+        assert f"| {kind} | lossscale |" in text and f"| {kind} | torch |" in text
+
+
 def test_gpu_check_says_so_without_cuda(capsys):
     if torch.cuda.is_available():
         return

@@ -1,0 +1,97 @@
+"""Where the optimizer side's time goes: ``unscale_``, ``step`` and ``update`` timed apart, lossscale against torch.
+
+    python benchmarks/bench_optimizer_side.py                 # GPT-2 (7.4M), AdamW foreach, AdamW fused, SGD
+    python benchmarks/bench_optimizer_side.py --iterations 8  # fewer interleaved iterations
+    python benchmarks/bench_optimizer_side.py --quick         # a smoke run (a tiny GPT-2, 2 iterations)
+
+``bench_iteration.py`` times the optimizer side (clip, step, update) as one figure; this splits it, on
+the same GPT-2 from a config, one thread: each iteration runs the forward and backward untimed, then
+times ``scaler.unscale_(opt)``, ``scaler.step(opt)`` and ``scaler.update()`` apart (torch's recipe
+without the clip). lossscale's ``GradScaler()`` at its defaults and ``torch.amp.GradScaler("cpu")``
+alternate iteration by iteration, after 3 warm-up iterations each; a figure is the median over the
+iterations. Writes ``benchmarks/results/optimizer_side.md`` (``optimizer_side_quick.md`` with ``--quick``).
+Nothing is asserted; CI runs ``--quick`` as a smoke test. Single calls of a few ms move by about 10%
+between runs on a shared machine (``step``, the same code on both sides, is the control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))  # measure the checkout this file lives in
+sys.path.insert(0, HERE)
+import lossscale  # noqa: E402
+from bench_iteration import gpt2, optimizer  # noqa: E402  (the same model and optimizers)
+
+PARTS = ("unscale_", "step", "update")
+
+
+def iteration(model, loss, opt, scaler, times: list) -> None:
+    """Forward and backward (untimed), then the three calls timed apart (ms)."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        value = loss(model)
+    scaler.scale(value).backward()
+    t0 = time.perf_counter()
+    scaler.unscale_(opt)
+    t1 = time.perf_counter()
+    scaler.step(opt)
+    t2 = time.perf_counter()
+    scaler.update()
+    t3 = time.perf_counter()
+    times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+
+
+def measure(kind: str, iterations: int, quick: bool = False) -> dict:
+    """``{side: {part: median ms}}`` for one optimizer."""
+    sides = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, scaler in (("lossscale", lossscale.GradScaler()), ("torch", torch.amp.GradScaler("cpu"))):
+            model, loss = gpt2(quick)
+            sides[name] = (model, loss, optimizer(kind, model.parameters()), scaler)
+    times = {name: [] for name in sides}
+    for _ in range(3):
+        for name, side in sides.items():
+            iteration(*side, [])
+    for i in range(iterations):
+        order = ("lossscale", "torch") if i % 2 else ("torch", "lossscale")
+        for name in order:
+            iteration(*sides[name], times[name])
+    return {name: {part: statistics.median(t[k] for t in times[name]) for k, part in enumerate(PARTS)}
+            for name in sides}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=None, help="interleaved iterations (default 16)")
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT-2 and 2 iterations (a smoke run)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    iterations = args.iterations or (2 if args.quick else 16)
+    lines = ["| optimizer | side | unscale_ ms | step ms | update ms | total ms |", "|---|---|---|---|---|---|"]
+    for kind in ("adamw_foreach", "adamw_fused", "sgd"):
+        result = measure(kind, iterations, args.quick)
+        for name, parts in result.items():
+            row = f"| {kind} | {name} | " + " | ".join(f"{parts[p]:.2f}" for p in PARTS) + f" | {sum(parts.values()):.2f} |"
+            lines.append(row)
+            print(row, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    name = "optimizer_side_quick.md" if args.quick else "optimizer_side.md"
+    with open(os.path.join(args.out, name), "w") as f:
+        f.write(f"# optimizer side, part by part ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, CPU, 1 thread, "
+                f"GPT-2 {'tiny' if args.quick else '7.4M'}, {iterations} interleaved iterations, medians)\n\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
