@@ -247,6 +247,26 @@ def test_autocast_zero_two_groups_grow_once_per_step_and_unscale_by_the_backward
         assert torch.equal(engine(x), ref(x))
 
 
+def test_autocast_zero_two_groups_keep_their_skip_if_windows_from_step_to_step():
+    """skip_if under ZeRO-2 with two parameter groups: each group's z-score window fills over the steps
+    (the scaler meets the same group every step), so a gradient spike after ``min_steps`` is skipped,
+    the weights stay as they were, and the engine counts the skip though its own check saw none."""
+    engine, scaler = _two_group_engine(2, dict(skip_if=lossscale.SkipIf(grad_norm_zscore=4.0, min_steps=4)))
+    skipped, moved = [], []
+    for step in range(8):
+        x, y = _batch(step)
+        before = _snapshot(engine)[:4]
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y) * (10.0 if step == 6 else 1.0)
+        engine.backward(loss)
+        was = engine.skipped_steps
+        engine.step()
+        skipped.append(engine.skipped_steps - was)
+        moved.append(not _equal(before, _snapshot(engine)[:4]))
+    assert skipped == [0, 0, 0, 0, 0, 0, 1, 0]  # engine.skipped_steps counts the spike (the LR holds)
+    assert moved == [True] * 6 + [False, True]
+    assert scaler.counters()["skipped_steps"] == 0 and scaler.counters()["inf_steps"] == 0  # not an overflow
+
+
 # ------------------------------------------------------------------------------ classic fp16 mode
 def _ds_scaler(init, window, min_scale, hysteresis, consecutive):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler

@@ -168,7 +168,10 @@ def _attach_autocast(engine, optimizer, zero, scaler, kwargs):
 
         def step(*args, **kwargs):
             out = zero_step(*args, **kwargs)
-            groups.finish()  # the iteration ends with ZeRO's step, not with each group's
+            if groups.finish():  # the iteration ends with ZeRO's step, not with each group's
+                # A skip ZeRO's own check did not see (a skip_if spike): the engine reads this after the
+                # step to count it and hold the LR scheduler (engine.py:3535-3551). One sync if fused.
+                optimizer.overflow = optimizer.overflow or bool(scaler.last_step_skipped)
             return out
 
         optimizer.step = step  # engine.py:3516 calls it
@@ -191,36 +194,39 @@ class _GroupSteps:
     and on a growth step the later groups are unscaled by twice the scale their gradients carry
     (measured here: the scale grew after 2 clean steps of 3). Here each group is one more optimizer of
     the iteration, as in torch's several-optimizers recipe, all unscaled by the scale backward used;
-    ``update()`` waits for ZeRO's ``step()`` to return (:meth:`finish`). Other attributes are the
-    scaler's."""
+    ``update()`` waits for ZeRO's ``step()`` to return (:meth:`finish`). Other attributes (``scale``,
+    ``get_scale``, ...) are the scaler's."""
 
     def __init__(self, scaler):
         self.scaler = scaler
-        self._stepped = []  # this iteration's group views, alive until update(): the scaler keys them by id
-
-    def scale(self, outputs):
-        """The scaler's ``scale``."""
-        return self.scaler.scale(outputs)
+        self._views = []   # one per (sub)group, in the order ZeRO steps them, kept from step to step
+        self._stepped = 0  # the groups stepped this iteration
 
     def step(self, optimizer, *args, **kwargs):
         """Step the group ZeRO put in ``optimizer.param_groups`` (unscale, check, step or skip)."""
-        # A second object of the optimizer's class over the same __dict__: to the scaler another
-        # optimizer (its own record this iteration), to everything else the optimizer itself (its
+        # The k-th group's view: a second object of the optimizer's class over the same __dict__. To the
+        # scaler another optimizer, whose identity keys its record of the iteration and its skip_if
+        # windows, so it is the same object every step; to everything else the optimizer itself (its
         # state, its step, the grad_scale/found_inf a fused kernel reads).
-        group = object.__new__(type(optimizer))
-        group.__dict__ = optimizer.__dict__
-        self._stepped.append(group)
-        return self.scaler.step(group, *args, **kwargs)
+        k = self._stepped
+        if k == len(self._views) or self._views[k].__dict__ is not optimizer.__dict__:
+            view = object.__new__(type(optimizer))
+            view.__dict__ = optimizer.__dict__
+            self._views[k:k + 1] = [view]
+        self._stepped += 1
+        return self.scaler.step(self._views[k], *args, **kwargs)
 
     def update(self):
         """Nothing yet: ZeRO calls it after each group; :meth:`finish` updates once, after the last."""
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
         """End the iteration (``scaler.update()``) if ZeRO stepped any group (not after an overflow:
-        ZeRO reported it through ``loss_scaler`` and stepped none)."""
-        if self._stepped:
-            self.scaler.update()
-            self._stepped.clear()
+        ZeRO reported it through ``loss_scaler`` and stepped none); returns whether it did."""
+        if not self._stepped:
+            return False
+        self._stepped = 0
+        self.scaler.update()
+        return True
 
     def __getattr__(self, name: str):
         return getattr(self.scaler, name)
@@ -276,14 +282,6 @@ def _reduce_optimizer(self, protocol):
     return _rebuild_optimizer, (cls._lossscale_base, cls._lossscale_scaler, self.__getstate__())
 
 
-def _report_overflow(scaler) -> None:
-    """Tell ``scaler`` that this iteration overflowed, where the framework decided it and freed the
-    gradients (ZeRO returns before its scaler sees the step): ``record_overflow``, which the policy, the
-    counters and the health account take as one of the scaler's own checks (counted as inf: ZeRO does
-    not say whether it was NaN)."""
-    scaler.record_overflow()
-
-
 def _overflow_reporter_class():
     cls = globals().get("_OverflowReporter")
     if cls is not None:
@@ -299,9 +297,10 @@ def _overflow_reporter_class():
             self.scaler = scaler
 
         def update_scale(self, overflow):
-            """On an overflow, tell the scaler (ZeRO skips its step() and update() then)."""
+            """On an overflow, tell the scaler, which answers it as one of its own checks' (counted as
+            inf: ZeRO does not say whether it was NaN). ZeRO then skips the scaler's step() and update()."""
             if overflow:
-                _report_overflow(self.scaler)
+                self.scaler.record_overflow()
 
         def __repr__(self) -> str:
             return f"_OverflowReporter({self.scaler!r})"
