@@ -12,6 +12,7 @@ batch takes milliseconds).
   module in FP32 makes the whole forward finite, and the next layer norm brings the scale back.
 * :func:`gpt2_batch` -- a seeded batch of token ids, and :func:`gpt2_loss` -- the causal-LM loss
   ``loss_fn(model, batch)`` as :func:`lossscale.audit` calls it.
+* :func:`train_fp16` -- steps of torch's GradScaler loop under CPU FP16 autocast, on those batches.
 """
 
 from __future__ import annotations
@@ -64,3 +65,21 @@ def gpt2_loss(model, batch):
     transformers' own loss computes it; written out so no version's loss plumbing is involved)."""
     logits = model(batch).logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+def train_fp16(model, scaler, opt, steps: int, start: int = 0, after_step=None) -> list:
+    """``steps`` iterations of torch's loop (zero_grad; the forward under CPU FP16 autocast on
+    ``gpt2_batch(step)``; ``scaler.scale(loss).backward()``; ``step``; ``update``), the batches numbered
+    from ``start``; ``after_step()`` after each update. Returns the losses (floats)."""
+    losses = []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        with torch.autocast(device_type="cpu", dtype=torch.float16):
+            loss = gpt2_loss(model, gpt2_batch(step))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step()
+    return losses

@@ -419,9 +419,9 @@ def test_importing_the_integration_imports_no_deepspeed():
     assert out.strip() == "False"
 
 
-def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accelerate_state, monkeypatch):
-    """accelerate builds the engine in prepare() (its DeepSpeedPlugin: classic fp16 for
-    mixed_precision="fp16") and steps it with engine.backward/step: attaching to that engine works."""
+def _deepspeed_accelerator(monkeypatch):
+    """accelerate with its DeepSpeedPlugin (ZeRO-2; classic fp16 for mixed_precision="fp16"), the MLP and
+    six batches, none prepared yet."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
@@ -430,9 +430,11 @@ def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accel
     model = _model()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 2)),
                                        batch_size=4)
-    model, opt, data = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2), data)
-    scaler = ls_ds.attach(accelerator.deepspeed_engine_wrapped.engine)
-    assert isinstance(scaler, ls_ds.LossScaler)
+    return accelerator, model, data
+
+
+def _train_accelerated(accelerator, model, opt, data):
+    """accelerate's loop over ``data`` with an inf gradient at steps 2 and 3; the skip flag per step."""
     hook = InfAt(model.module[0].weight, (2, 3))
     skipped = []
     for x, y in data:
@@ -441,7 +443,17 @@ def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accel
         opt.zero_grad()
         skipped.append(accelerator.optimizer_step_was_skipped)
     hook.handle.remove()
-    assert skipped == [False, False, True, True, False, False]
+    return skipped
+
+
+def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accelerate_state, monkeypatch):
+    """accelerate builds the engine in prepare() (its DeepSpeedPlugin: classic fp16 for
+    mixed_precision="fp16") and steps it with engine.backward/step: attaching to that engine works."""
+    accelerator, model, data = _deepspeed_accelerator(monkeypatch)
+    model, opt, data = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2), data)
+    scaler = ls_ds.attach(accelerator.deepspeed_engine_wrapped.engine)
+    assert isinstance(scaler, ls_ds.LossScaler)
+    assert _train_accelerated(accelerator, model, opt, data) == [False, False, True, True, False, False]
     assert scaler.get_scale() == 2.0**15  # accelerate's DeepSpeed config: hysteresis 2, so one backoff
 
 
@@ -451,16 +463,9 @@ def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_eng
     """ls_accelerate.attach(accelerator) on accelerate's DeepSpeed plugin: the scaler lands in the engine
     prepare() builds (classic fp16 for mixed_precision="fp16", ZeRO-2), with the same steps as attaching
     to the engine by hand; log_health(accelerator) reads it."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
-
     from lossscale.integrations import accelerate as ls_accelerate
 
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0))
-    model = _model()
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 2)),
-                                       batch_size=4)
+    accelerator, model, data = _deepspeed_accelerator(monkeypatch)
     if when == "before prepare":
         scaler = ls_accelerate.attach(accelerator)
         with pytest.raises(RuntimeError, match="use the scaler after prepare"):
@@ -471,15 +476,7 @@ def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_eng
     assert isinstance(scaler, ls_accelerate.EngineScaler) and ls_accelerate.attach(accelerator) is scaler
     assert isinstance(scaler.target, ls_ds.LossScaler)
     assert accelerator.deepspeed_engine_wrapped.engine.optimizer.loss_scaler is scaler.target
-    hook = InfAt(model.module[0].weight, (2, 3))
-    skipped = []
-    for x, y in data:
-        accelerator.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y))
-        opt.step()
-        opt.zero_grad()
-        skipped.append(accelerator.optimizer_step_was_skipped)
-    hook.handle.remove()
-    assert skipped == [False, False, True, True, False, False]
+    assert _train_accelerated(accelerator, model, opt, data) == [False, False, True, True, False, False]
     assert scaler.get_scale() == 2.0**15  # as attaching to the engine by hand (the test above)
     report = ls_accelerate.log_health(accelerator)
     assert report.skipped == 2

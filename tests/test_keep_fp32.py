@@ -241,7 +241,7 @@ def test_bad_arguments_raise_value_errors_that_say_what_to_do():
 
 # ------------------------------------------------------------------ a real GPT-2
 transformers = pytest.importorskip("transformers")
-from _gpt2 import gpt2_batch, gpt2_loss, overflowing_gpt2, tiny_gpt2  # noqa: E402
+from _gpt2 import gpt2_batch, gpt2_loss, overflowing_gpt2, tiny_gpt2, train_fp16  # noqa: E402
 
 
 def _train(model, *, fused, steps=5):
@@ -249,16 +249,7 @@ def _train(model, *, fused, steps=5):
     moved). Only the scaler's public training calls are used."""
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    scaler = lossscale.GradScaler("cpu")
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        with torch.autocast(**AUTOCAST):
-            loss = gpt2_loss(model, gpt2_batch(step))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.item())
+    losses = train_fp16(model, lossscale.GradScaler("cpu"), opt, steps)
     moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     return losses, moved
 

@@ -15,22 +15,12 @@ import torch
 
 import lossscale
 from lossscale.fp32 import kept_modules
-from _gpt2 import gpt2_batch, gpt2_loss, overflowing_gpt2
-
-AUTOCAST = dict(device_type="cpu", dtype=torch.float16)
-
+from _gpt2 import overflowing_gpt2, train_fp16
 
 def _train(model, scaler, opt, steps, start=0):
-    losses, reports = [], []
-    for step in range(start, start + steps):
-        opt.zero_grad()
-        with torch.autocast(**AUTOCAST):
-            loss = gpt2_loss(model, gpt2_batch(step))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.item())
-        reports.append(scaler.overflow_report())
+    """(losses, the overflow report after each step)."""
+    reports = []
+    losses = train_fp16(model, scaler, opt, steps, start, after_step=lambda: reports.append(scaler.overflow_report()))
     return losses, reports
 
 

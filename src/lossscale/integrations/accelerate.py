@@ -40,6 +40,7 @@ from . import _require
 __all__ = ["attach", "log_health", "EngineScaler"]
 
 _SKIP_AWARE_NAME = "SkipAwareAcceleratedOptimizer"
+_ENGINE_SCALER = "_lossscale_engine_scaler"  # where attach() leaves the EngineScaler on a DeepSpeed accelerator
 
 
 def attach(accelerator, scaler=None, **scaler_kwargs):
@@ -144,7 +145,7 @@ def _attach_deepspeed(accelerator, scaler, scaler_kwargs):
     ``save_state``/``load_state`` go through the engine's checkpoints, which carry the scaler."""
     from . import deepspeed as ls_deepspeed
 
-    handle = accelerator.__dict__.get("_lossscale_engine_scaler")
+    handle = accelerator.__dict__.get(_ENGINE_SCALER)
     if handle is not None:
         if scaler is None and not scaler_kwargs:
             return handle
@@ -165,7 +166,7 @@ def _attach_deepspeed(accelerator, scaler, scaler_kwargs):
             return out
 
         accelerator.prepare = prepare_then_attach
-    accelerator.__dict__["_lossscale_engine_scaler"] = handle
+    accelerator.__dict__[_ENGINE_SCALER] = handle
     return handle
 
 
@@ -182,10 +183,7 @@ def log_health(accelerator, step=None):
 
     from .loggers import scalars
 
-    scaler = _attached(accelerator, None, {}) if isinstance(accelerator, Accelerator) else None
-    engine_scaler = getattr(accelerator, "__dict__", {}).get("_lossscale_engine_scaler")
-    if engine_scaler is not None:  # DeepSpeed: the engine's scaler, once prepare() built it
-        scaler = engine_scaler.target
+    scaler = _training_scaler(accelerator) if isinstance(accelerator, Accelerator) else None
     if scaler is None:
         raise ValueError(f"accelerator={accelerator!r} has no lossscale scaler: call "
                          "lossscale.integrations.accelerate.attach(accelerator) before prepare(...).")
@@ -193,6 +191,15 @@ def log_health(accelerator, step=None):
     accelerator.print(report.text)
     accelerator.log(scalars(report.metrics(prefix=""), prefix="scaler/health/"), step=step)
     return report
+
+
+def _training_scaler(accelerator):
+    """The lossscale scaler ``accelerator`` trains with, or None: the one :func:`attach` installed, or
+    under DeepSpeed the one in the engine, once ``prepare()`` built it."""
+    handle = accelerator.__dict__.get(_ENGINE_SCALER)
+    if handle is not None:
+        return handle.target
+    return _attached(accelerator, None, {})
 
 
 def _attached(accelerator, scaler, scaler_kwargs):

@@ -84,18 +84,10 @@ def attach(trainer, scaler=None, **scaler_kwargs):
     return scaler
 
 
-def _installed_scaler(accelerator):
-    """The scaler ``accelerator`` trains with: its own, or under DeepSpeed the ``EngineScaler`` handle
-    ``attach`` left on it (which ``prepare()``, run by ``train()`` before ``on_train_begin``, pointed
-    at the engine's scaler)."""
-    handle = accelerator.__dict__.get("_lossscale_engine_scaler")
-    if handle is not None:
-        return handle if handle.target is not None else None
-    return accelerator.scaler
-
-
 def _metrics_callback(trainer, scaler):
     from transformers import TrainerCallback
+
+    from . import accelerate as _accelerate
 
     trainer_ref = weakref.ref(trainer)
 
@@ -109,7 +101,11 @@ def _metrics_callback(trainer, scaler):
         def on_train_begin(self, args, state, control, **kwargs):
             """Refuse to train if the Trainer rebuilt its accelerator after attach()."""
             trainer = trainer_ref()
-            if trainer is not None and _installed_scaler(trainer.accelerator) is not scaler:
+            # Under DeepSpeed the handle's target: train()'s prepare() installed it in the engine by now.
+            training = scaler.target if isinstance(scaler, _accelerate.EngineScaler) else scaler
+            in_place = trainer is None or (training is not None and
+                                           _accelerate._training_scaler(trainer.accelerator) is training)
+            if not in_place:
                 # trainer.py:4658 (hyperparameter_search) builds a new accelerator per trial.
                 raise RuntimeError("The Trainer rebuilt its accelerator after lossscale attach(), so "
                                    "training would run without the scaler. hyperparameter_search does this "
