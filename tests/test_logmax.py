@@ -146,6 +146,8 @@ def test_logmax_constant_amax_sets_the_scale_at_the_mean():
     (dict(xsquared_hat=1024.0**2 + 1), "xsquared_hat"),
     (dict(xsquared_hat=-1.0), "xsquared_hat"),
     (dict(b1_correction=1.5), "b1_correction"),
+    (dict(x_hat=None), "x_hat"),            # a corrupted checkpoint (found by test_checkpoint's hypothesis run)
+    (dict(slow_x_hat="-1.0"), "slow_x_hat"),
 ])
 def test_logmax_state_bounds(changes, name):
     """Kills: LogMax's bounds on its averages moved or swapped (x*x is bounded by the square)."""

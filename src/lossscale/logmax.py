@@ -222,7 +222,11 @@ class LogMaxPolicy(PolicyBase):
         """Generic checks, plus: the scale a power of two, the bias corrections in (0, 1]."""
         x_fields = ("x_hat", "slow_x_hat", "xsquared_hat")
         # The averages of log2(amax) may be negative: check them apart from the generic rule (>= 0).
-        probe = state.replace(**{n: abs(getattr(state, n)) for n in x_fields})
+        # Only numbers are made positive; anything else (None, a string) meets the generic rule, which
+        # raises ValueError naming the field.
+        values = {n: getattr(state, n) for n in x_fields}
+        probe = state.replace(**{n: abs(v) for n, v in values.items()
+                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
         super().check_state(probe)
         if not is_power_of_two(state.scale):
             raise ValueError(f"state.scale={state.scale!r} must be a power of two for the logmax policy.")
