@@ -1,13 +1,15 @@
 """Run chosen modules of an autocast model in FP32: the fix for a forward overflow no loss scale can help.
 
 A module whose own FP16 output exceeds 65504 gives inf in the forward, and the loss scale only touches
-the backward: it cannot help. :func:`keep_fp32` runs such modules outside autocast, in FP32, and leaves
-the rest of the model in FP16 (:func:`lossscale.audit` names them)::
+the backward: it cannot help. ``keep_fp32`` runs such modules outside autocast, in FP32, and leaves
+the rest of the model in FP16 (``lossscale.audit`` names them):
 
-    handle = lossscale.keep_fp32(model, ["transformer.h.0.mlp.c_proj"])   # names or module objects
-    ...train...
-    lossscale.fp32.kept_modules(model)    # ['transformer.h.0.mlp.c_proj']
-    handle.remove()                       # back to autocast everywhere
+```python
+handle = lossscale.keep_fp32(model, ["transformer.h.0.mlp.c_proj"])   # names or module objects
+...train...
+lossscale.fp32.kept_modules(model)    # ['transformer.h.0.mlp.c_proj']
+handle.remove()                       # back to autocast everywhere
+```
 
 What a kept module does, inside an enabled autocast region of its device (outside one it runs exactly
 as before, so an FP32 evaluation is untouched):
@@ -42,8 +44,8 @@ module's hook dicts do not pickle. With the class swap:
   pickles as (base class, cast rule) and the module's own state, and is rebuilt on load;
 * ``isinstance`` checks hold, hooks already registered on the module keep running.
 
-Calling :func:`keep_fp32` again adds modules and is idempotent: a module already kept stays kept (a
-different ``cast_back`` updates its rule) and belongs to the handle that first kept it. :func:`release`
+Calling ``keep_fp32`` again adds modules and is idempotent: a module already kept stays kept (a
+different ``cast_back`` updates its rule) and belongs to the handle that first kept it. ``release``
 un-keeps by name (after unpickling a model, whose handle stayed behind). A scaler that upcasts by
 itself (``on_forward_overflow="upcast"``) calls ``keep_fp32(model, [name])`` and stores
 ``kept_modules(model)`` in its checkpoint.
@@ -132,7 +134,7 @@ def _first_device_type(module: torch.nn.Module, args, kwargs) -> str:
 
 # ------------------------------------------------------------------ the kept subclass
 def _forward(self, *args, **kwargs):
-    """The base class's ``forward`` in FP32, outside autocast (see :mod:`lossscale.fp32`)."""
+    """The base class's ``forward`` in FP32, outside autocast (see ``lossscale.fp32``)."""
     cls = type(self)
     base_forward = cls._lossscale_fp32_base.forward
     device_type = _first_device_type(self, args, kwargs)
@@ -180,7 +182,7 @@ def _kept_class(base: type, cast_back: bool) -> type:
 
 
 def is_kept(module: torch.nn.Module) -> bool:
-    """Whether ``module`` runs in FP32 through :func:`keep_fp32`."""
+    """Whether ``module`` runs in FP32 through ``keep_fp32``."""
     return "_lossscale_fp32_base" in type(module).__dict__
 
 
@@ -243,7 +245,7 @@ def _check_keepable(name: str, module: torch.nn.Module) -> None:
 
 # ------------------------------------------------------------------ the public functions
 class KeepFP32Handle:
-    """What :func:`keep_fp32` returns: ``remove()`` puts the modules this call kept back under autocast.
+    """What ``keep_fp32`` returns: ``remove()`` puts the modules this call kept back under autocast.
 
     Attributes:
         names: the module names this call kept (modules that were kept already are not in it: they
@@ -251,7 +253,7 @@ class KeepFP32Handle:
 
     Also a context manager: ``with lossscale.keep_fp32(model, names): ...`` removes on exit. The
     handle refers to the model's module objects (weakly): after ``copy.deepcopy(model)`` or a pickle
-    round trip the copy's modules stay kept, and :func:`release` is the way to un-keep them.
+    round trip the copy's modules stay kept, and ``release`` is the way to un-keep them.
     """
 
     def __init__(self, kept: List[Tuple[str, torch.nn.Module]]):
@@ -282,9 +284,9 @@ def keep_fp32(model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Modu
 
     Args:
         model: the model (a ``torch.nn.Module``) that holds the modules.
-        modules: names as in ``model.named_modules()`` (``report.keep_fp32`` of :func:`lossscale.audit`)
+        modules: names as in ``model.named_modules()`` (``report.keep_fp32`` of ``lossscale.audit``)
             or module objects of ``model``; one name or module alone is accepted too.
-        cast_back: False (default): a kept module's outputs stay float32 (see :mod:`lossscale.fp32` for
+        cast_back: False (default): a kept module's outputs stay float32 (see ``lossscale.fp32`` for
             why). True: float32 outputs are cast to autocast's dtype, for code downstream that needs it
             (safe only when the module's output itself fits FP16).
 
@@ -316,14 +318,14 @@ def keep_fp32(model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Modu
 
 
 def kept_modules(model: torch.nn.Module) -> List[str]:
-    """The names of ``model``'s modules that run in FP32 (:func:`keep_fp32`), in ``named_modules`` order."""
+    """The names of ``model``'s modules that run in FP32 (``keep_fp32``), in ``named_modules`` order."""
     _check_model(model)
     return [name for name, m in model.named_modules() if is_kept(m)]
 
 
 def release(model: torch.nn.Module, modules=None) -> List[str]:
     """Un-keep ``modules`` of ``model`` (names or objects; None: every kept module); returns the names
-    released. For a model whose :class:`KeepFP32Handle` is gone (unpickled, deep-copied)."""
+    released. For a model whose ``KeepFP32Handle`` is gone (unpickled, deep-copied)."""
     _check_model(model)
     pairs = [(n, m) for n, m in model.named_modules() if is_kept(m)] if modules is None else _resolve(model, modules)
     released = [name for name, m in pairs if is_kept(m)]
