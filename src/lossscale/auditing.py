@@ -51,7 +51,7 @@ so dropout draws the same masks where the kernels allow):
    result must be bitwise the float64 one), plus a matmul of general values held to the rigorous
    rounding bound ``gamma(K+3) * |A| |B|`` (``gamma(n) = n u / (1 - n u)``, ``u = 2^-11``, FP16's unit
    roundoff; it holds for any summation order, FP16 accumulation included). A device whose FP16 kernels
-   return NaN or garbage (ultralytics PR #17977: GTX 16xx and Quadro T GPUs pass simple AMP checks and
+   return NaN or garbage (GTX 16xx and Quadro T GPUs have been reported to pass simple AMP checks and
    give NaN losses in training) fails it. (b) Agreement: the model in eval mode (no dropout: the same
    computation in both), under ``no_grad``, FP16 (with ``keep_fp32`` applied) against FP32, module by
    module: ``max|y16 - y32| / amax(y32)`` must stay within ``tol(d) = min(1/4, 4u * (d + 1))``, where
@@ -925,7 +925,7 @@ def _hardware_verdict(known: Dict[str, str], agree: _Read, ref: _Read) -> Hardwa
         name, why = next(iter(failed.items()))
         return HardwareCheck("broken", known, detail=(
             f"this device's FP16 {name} gives wrong answers ({why}); FP16 training here cannot be trusted: "
-            "train in FP32 or BF16 (ultralytics PR #17977 found the same on GTX 16xx GPUs)."))
+            "train in FP32 or BF16 (GTX 16xx GPUs have been reported to do the same)."))
     max_ratio = 0.0
     for name in agree.order:
         err = agree.rel_error[name]

@@ -692,7 +692,7 @@ def _count_into(hist: torch.Tensor, keys: torch.Tensor, method: str, ones: torch
       keys' max on the host (a sync), so ``grad_stats`` refuses it there.
     * ``index_add`` -- ``hist.index_add_(keys, 1)``: one int64 atomic add per element in global
       memory.  The accelerator default; exact, but gradients crowd into a few dozen hot bins, so
-      the atomics contend (issue 14, item 13: unmeasured on a GPU so far).
+      the atomics contend (not measured on a GPU yet).
     * ``histc`` -- ``torch.histc`` over the keys as float32 with ``min=0, max=nbins``: on CUDA a
       kernel that counts per thread block in shared memory and merges the partial histograms
       (when ``nbins`` floats fit in shared memory: the 1,280 bins of the float32 path do, the

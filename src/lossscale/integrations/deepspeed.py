@@ -387,7 +387,7 @@ def _loss_scaler_class():
         ``cur_scale`` (and ``loss_scale``) is the scale of the gradients in flight: what the last
         ``scale_loss`` multiplied by. ``update_scale(overflow)`` advances the policy; its new scale
         applies from the next ``scale_loss``, so an unscale after the update divides by the scale
-        backward used (DeepSpeed PR #8588). ``scaler.get_scale()`` is the policy's scale now.
+        backward used. ``scaler.get_scale()`` is the policy's scale now.
 
         Build it with ``attach(engine)``, or ``LossScaler(policy)``.
         """
