@@ -355,3 +355,60 @@ def test_the_sharded_scaler_trains_fp16_gradients_as_torchs_sharded_scaler_does_
             scaler.update()
         runs.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# ------------------------------------------------------------------ a load in mid-iteration
+def _fresh_pair(optimizer):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else \
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    return model, opt
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused adamw"])
+@pytest.mark.parametrize("call", ["unscale_", "step", "clip_grad_norm_"])
+def test_the_gradients_of_an_iteration_a_load_discarded_are_refused_not_stepped(call, optimizer):
+    # The gradients in flight carry 2**16, the checkpoint's scale is 2**10: unscaled by the loaded scale
+    # they would step 64x too far (torch does, silently). The iteration is refused until a new backward.
+    checkpoint = lossscale.GradScaler(init_scale=2.0**10).state_dict()
+    model, opt = _fresh_pair(optimizer)
+    scaler = lossscale.GradScaler()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    with pytest.warns(RuntimeWarning, match="mid-iteration"):
+        scaler.load_state_dict(checkpoint)
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="zero the gradients"):
+        if call == "clip_grad_norm_":
+            scaler.clip_grad_norm_(opt, 1.0)
+        else:
+            getattr(scaler, call)(opt)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    # A new backward is the loaded run's iteration: bitwise a scaler that loaded between iterations.
+    ref_model, ref_opt = _fresh_pair(optimizer)
+    ref = lossscale.GradScaler()
+    ref.load_state_dict(checkpoint)
+    for m, o, s in ((model, opt, scaler), (ref_model, ref_opt, ref)):
+        o.zero_grad()
+        s.scale(m(torch.ones(2, 3)).sum()).backward()
+        s.step(o)
+        s.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert scaler.state() == ref.state()
+
+
+def test_discard_iteration_after_zeroing_the_gradients_lets_the_loop_go_on():
+    # A rank that never calls scale() (a pipeline stage) says the gradients were zeroed this way.
+    model, opt = _fresh_pair("sgd")
+    scaler = lossscale.GradScaler()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    with pytest.warns(RuntimeWarning, match="mid-iteration"):
+        scaler.load_state_dict(lossscale.GradScaler(init_scale=2.0**10).state_dict())
+    opt.zero_grad()
+    scaler.discard_iteration()
+    scaler.unscale_(opt)  # no gradients: nothing to refuse
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.state().steps == 1

@@ -164,6 +164,7 @@ class GradScaler:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
         self._hint_checks = _hints.CALLS_CHECKED
+        self._stale_gradients = False  # a mid-iteration load left gradients scaled by the old scale
         self._new_iteration()
         self._last = _fresh_record()  # the last update's combined flags and decision, as a record
         self._graphed = False  # an update ran under CUDA-graph capture or compile: replays move the state
@@ -271,6 +272,7 @@ class GradScaler:
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
         self._began = True
+        self._stale_gradients = False  # a new backward follows
         if isinstance(outputs, torch.Tensor):  # the usual case, a loss
             return self._scale_tensor(outputs)
         return _map_tensors(self._scale_tensor, outputs)
@@ -463,6 +465,13 @@ class GradScaler:
         if not hasattr(optimizer, "param_groups"):
             raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
                              "torch.optim optimizer whose gradients were scaled.")
+        if self._stale_gradients:
+            raise RuntimeError(
+                f"{call}: load_state_dict() was called in mid-iteration, after the gradients were scaled by the "
+                "scale from before the load; unscaled by the loaded one they would take a wrong step. Those "
+                "gradients belong to the run before the load: zero the gradients and run a new "
+                "scaler.scale(loss).backward() (a rank that calls no scale(), such as a pipeline stage, calls "
+                "scaler.discard_iteration() once they are zeroed).")
         rec = self._per_optimizer_states.get(id(optimizer))
         if rec is None or (rec["stage"] is OptState.READY and rec["flags"] is None):
             return _fresh_record()
@@ -861,18 +870,27 @@ class GradScaler:
         continues exactly as torch would). Works before the first :meth:`scale`; validates everything
         before changing anything (ValueError naming the key); fills the state tensors in place (a CUDA
         graph captured before keeps reading the live scale). The checkpoint's policy wins over the
-        constructor's, with a warning when they differ. Between iterations only (RuntimeError otherwise:
-        :meth:`discard_iteration` drops the iteration in flight)."""
+        constructor's, with a warning when they differ.
+
+        In mid-iteration (after :meth:`scale`, before :meth:`update`; torch's own tests load there) it
+        loads, warns, and discards the iteration in flight: nothing of it is counted. Its gradients carry
+        the scale from before the load, so :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step`
+        refuse them (RuntimeError) until a new :meth:`scale` (or :meth:`discard_iteration`, once they are
+        zeroed). Refused rather than unscaled by the scale they carry: the checkpoint restores a run at an
+        iteration boundary, and a step from gradients of the run before the load, written into the
+        loaded run, would belong to neither (torch unscales them by the loaded scale, silently)."""
         if not self._enabled:
             return
         policy, state = checkpoint.load(state_dict, self._policy)
         loaded = [(feature, feature.loadable(state_dict)) for feature in self._features]
         # Everything is validated: now swap.
-        if self._in_flight():
+        in_flight = self._in_flight()
+        if in_flight:
             warnings.warn(
                 "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()): the "
-                "state is loaded and the iteration in flight is discarded (nothing of it is counted; its "
-                "gradients carry the old scale: zero them before the next backward).", RuntimeWarning, stacklevel=2)
+                "state is loaded and the iteration in flight is discarded (nothing of it is counted). Its "
+                "gradients carry the old scale, so unscale_() and step() refuse them: zero the gradients and run "
+                "a new scaler.scale(loss).backward().", RuntimeWarning, stacklevel=2)
         for feature, value in loaded:
             feature.load(value)
         self._policy = policy
@@ -883,6 +901,7 @@ class GradScaler:
         else:  # another policy's state: new tensors
             self._t = TensorState(state, self._t.device)
         self.discard_iteration()
+        self._stale_gradients = in_flight
         self._snapshots.clear()
         self._warned_streak = False
         self._health.reset(state)
@@ -891,8 +910,10 @@ class GradScaler:
     def discard_iteration(self) -> None:
         """Forget the iteration in flight: what :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_`
         and :meth:`step` recorded since the last :meth:`update`; nothing is counted. The gradients are
-        not touched (zero them: they may carry the scale), a step that ran is not undone. No sync."""
+        not touched (zero them: they may carry the scale), a step that ran is not undone. After a
+        mid-iteration :meth:`load_state_dict`, it says the gradients were zeroed (see there). No sync."""
         self._new_iteration()
+        self._stale_gradients = False
         if self._tracer is not None:
             self._tracer.snapshot()  # the traced passes of the dropped iteration
 
