@@ -430,3 +430,40 @@ def test_a_new_optimizers_record_is_torchs_fresh_record(lazy):
     a.scale(p.sum()).backward()
     a.unscale_(opt)
     assert set(a._per_optimizer_states[id(opt)]) == set(_refresh_per_optimizer_state())
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["after scale()", "fresh"])
+def test_a_new_optimizers_record_is_torchs_fresh_record(lazy):
+    # upstream test_pickle_gradscaler: b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state().
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    a = lossscale.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
+    if lazy:
+        a.scale(torch.tensor([4.0]))
+    b = pickle.loads(pickle.dumps(a))
+    assert b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state()
+    assert a._per_optimizer_states["new key"] == _refresh_per_optimizer_state()
+    p = torch.nn.Parameter(torch.ones(2))  # a checked optimizer's record has torch's two keys only
+    opt = torch.optim.SGD([p], lr=0.1)
+    a.scale(p.sum()).backward()
+    a.unscale_(opt)
+    assert set(a._per_optimizer_states[id(opt)]) == set(_refresh_per_optimizer_state())
+
+
+@pytest.mark.parametrize("torch_scale, bound", [(2.0**26, "max_scale"), (2.0**-3, "min_scale")])
+def test_a_torch_checkpoint_beyond_the_default_bounds_loads_and_moves_the_bound(torch_scale, bound):
+    # torch's scale is unbounded: a torch checkpoint at 2**26 is valid and must load, as init_scale=2**26 does.
+    ref = torch.amp.GradScaler("cpu", init_scale=torch_scale)
+    scaler = lossscale.GradScaler()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler.load_state_dict(ref.state_dict())
+    assert len(caught) == 1 and bound in str(caught[0].message), [str(w.message) for w in caught]
+    assert scaler.get_scale() == torch_scale and getattr(scaler.policy, bound) == torch_scale
+    p = torch.nn.Parameter(torch.ones(2))  # and it goes on as torch's
+    for s in (scaler, ref):
+        opt = torch.optim.SGD([p], lr=0.0)
+        s.scale(p.sum()).backward()
+        s.step(opt)
+        s.update()
+    assert scaler.get_scale() == ref.get_scale()
