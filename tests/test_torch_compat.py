@@ -414,6 +414,7 @@ def test_discard_iteration_after_zeroing_the_gradients_lets_the_loop_go_on():
     assert scaler.state().steps == 1
 
 
+# ------------------------------------------------------------------ torch's record shapes and getters
 @pytest.mark.parametrize("lazy", [True, False], ids=["after scale()", "fresh"])
 def test_a_new_optimizers_record_is_torchs_fresh_record(lazy):
     # upstream test_pickle_gradscaler: b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state().
@@ -432,22 +433,16 @@ def test_a_new_optimizers_record_is_torchs_fresh_record(lazy):
     assert set(a._per_optimizer_states[id(opt)]) == set(_refresh_per_optimizer_state())
 
 
-@pytest.mark.parametrize("lazy", [True, False], ids=["after scale()", "fresh"])
-def test_a_new_optimizers_record_is_torchs_fresh_record(lazy):
-    # upstream test_pickle_gradscaler: b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state().
-    from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
-    a = lossscale.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
-    if lazy:
-        a.scale(torch.tensor([4.0]))
-    b = pickle.loads(pickle.dumps(a))
-    assert b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state()
-    assert a._per_optimizer_states["new key"] == _refresh_per_optimizer_state()
-    p = torch.nn.Parameter(torch.ones(2))  # a checked optimizer's record has torch's two keys only
-    opt = torch.optim.SGD([p], lr=0.1)
-    a.scale(p.sum()).backward()
-    a.unscale_(opt)
-    assert set(a._per_optimizer_states[id(opt)]) == set(_refresh_per_optimizer_state())
+@pytest.mark.parametrize("policy", lossscale.policy.policy_names())
+def test_the_getters_say_what_the_state_dict_says(policy):
+    # One answer: what a torch scaler that loads state_dict() reports is what the getters report.
+    scaler = lossscale.GradScaler(policy=policy)
+    sd = scaler.state_dict()
+    ours = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+    assert ours == (sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"])
+    ref = torch.amp.GradScaler("cpu")
+    ref.load_state_dict(sd)
+    assert ours == (ref.get_growth_factor(), ref.get_backoff_factor(), ref.get_growth_interval())
 
 
 @pytest.mark.parametrize("torch_scale, bound", [(2.0**26, "max_scale"), (2.0**-3, "min_scale")])

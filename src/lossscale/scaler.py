@@ -806,24 +806,26 @@ class GradScaler:
         self._policy = dataclasses.replace(self._policy, **changes)  # validates the new value
 
     def get_growth_factor(self) -> float:
-        """The growth factor (1.0 for a policy without one)."""
-        return self._policy.config().get("growth_factor", 1.0)
+        """The growth factor: the one :meth:`state_dict` gives torch (1.0 for a static scale; the policy's
+        own, or torch's default where it has none: what a torch scaler loading the state would use)."""
+        return self._policy.torch_factors()["growth_factor"]
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (validated: > 1)."""
         self._set_policy(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        """The backoff factor (1.0 for a policy without one)."""
-        return self._policy.config().get("backoff_factor", 1.0)
+        """The backoff factor, as :meth:`state_dict` gives it to torch (see :meth:`get_growth_factor`)."""
+        return self._policy.torch_factors()["backoff_factor"]
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (validated: in (0, 1))."""
         self._set_policy(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        """The growth interval (0 for a policy without one)."""
-        return self._policy.config().get("growth_interval", 0)
+        """The growth interval, as :meth:`state_dict` gives it to torch (2**31 - 1 for a static scale: an
+        interval torch's int32 tracker never reaches; see :meth:`get_growth_factor`)."""
+        return self._policy.torch_factors()["growth_interval"]
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (validated: int >= 1). Lowered below the current clean streak, the
