@@ -243,3 +243,34 @@ def test_telemetry_reducing_on_a_rank_with_only_empty_parameters_reads_its_metri
     finally:
         if owned:
             torch.distributed.destroy_process_group()
+
+
+def test_telemetry_reducing_on_a_rank_with_only_empty_parameters_reads_its_metrics():
+    # A rank whose optimizer holds only 0-element parameters (an FSDP2 rank past the end of dim 0, a
+    # pipeline stage) still joins the telemetry's reduction, and reads the scale its empty figures ran at.
+    import socket
+
+    owned = not torch.distributed.is_initialized()
+    if owned:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        p = torch.nn.Parameter(torch.zeros(0))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = lossscale.GradScaler(telemetry={"every": 1, "reduce": "sum"},
+                                      process_group=torch.distributed.group.WORLD)
+        scaler.scale((p.sum() + 1.0) * torch.ones(())).backward()
+        scaler.step(opt)
+        scaler.update()
+        m = scaler.metrics()
+        assert m["loss_scale"] == 65536.0 and m["grad/loss_scale"] == 65536.0 and m["grad/numel"] == 0
+    finally:
+        if owned:
+            torch.distributed.destroy_process_group()
+
+
+def test_a_scale_given_twice_under_two_names_is_refused():
+    with pytest.raises(ValueError, match="init_scale=2.0.*scale=4.0|scale=4.0.*init_scale=2.0"):
+        lossscale.GradScaler(policy="static", init_scale=2.0, scale=4.0)
