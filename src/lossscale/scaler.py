@@ -169,7 +169,9 @@ class GradScaler:
             raise ValueError(f"process_group={process_group!r} is not a process group; pass 'default' (the default "
                              "group when torch.distributed runs), None (no reduction) or a group.")
         self._check = GradientCheck(self._names, process_group)
-        self._tracer = _opt_in("trace").Tracer(model) if trace else None
+        # A disabled scaler checks nothing, and its update() (which hands each iteration's trace over)
+        # returns at once: hooks there would only pile up their records.
+        self._tracer = _opt_in("trace").Tracer(model) if trace and self._enabled else None
         self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
