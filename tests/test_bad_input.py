@@ -274,3 +274,13 @@ def test_a_disabled_scaler_with_trace_holds_no_tensors_over_many_steps():
     before = tensors()
     steps(300)
     assert tensors() - before < 10
+
+
+def test_init_device_meta_is_refused_naming_the_argument():
+    scaler = lossscale.GradScaler()
+    with pytest.raises(ValueError, match="device=meta"):
+        scaler.init_device("meta")
+    assert scaler.device is None
+    model, opt = _model_opt()
+    _iteration(model, opt, scaler)  # and the next CPU step runs
+    assert scaler.device == torch.device("cpu")
