@@ -284,3 +284,13 @@ def test_init_device_meta_is_refused_naming_the_argument():
     model, opt = _model_opt()
     _iteration(model, opt, scaler)  # and the next CPU step runs
     assert scaler.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("key", ["scale", "_growth_tracker"])
+def test_a_torch_state_dict_holding_a_meta_tensor_is_a_value_error_naming_the_key(key):
+    sd = torch.amp.GradScaler("cpu").state_dict()
+    sd[key] = torch.tensor(sd[key]).to("meta")
+    scaler = lossscale.GradScaler(init_scale=8.0)
+    with pytest.raises(ValueError, match=f"'{key}'.*meta"):
+        scaler.load_state_dict(sd)
+    assert scaler.get_scale() == 8.0

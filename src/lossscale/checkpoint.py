@@ -151,6 +151,9 @@ def _torch_number(sd: Dict[str, Any], key: str, kind: type):
         n = v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)  # as some trainers save them
         if n != 1:
             raise ValueError(f"state dict '{key}' must hold one number, got {n}.")
+        if getattr(v, "is_meta", False):
+            raise ValueError(f"state dict '{key}' is a tensor on the meta device, which holds no value; load the "
+                             "checkpoint with map_location='cpu' (or the training device).")
         v = v.item()
     v = plain_number(f"state dict '{key}'", v, integral=kind is int and isinstance(v, numbers.Integral))
     if isinstance(v, bool) or not isinstance(v, (int, float)):
