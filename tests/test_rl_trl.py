@@ -1,0 +1,189 @@
+"""lossscale.integrations.transformers.attach on TRL's trainers (GRPO and SFT), run for real on CPU.
+
+TRL's trainers are transformers ``Trainer``s, so ``attach(trainer)`` is the whole integration. Each test
+trains a 2-layer Qwen2 built from a config, with a character tokenizer built in code (nothing
+downloaded), ``fp16=True`` (attach turns FP16 autocast and scaling on on CPU, where the Trainer alone
+would train in FP32), the Trainer's default fused AdamW and a linear LR schedule. GRPO samples 4
+completions of 3 tokens per prompt and scores them with a rule (later letters score higher).
+
+Two faults at chosen steps: an inf in one gradient inside backward (an FP16 overflow) and a NaN out of
+the embedding in the training forward (a batch that produces a NaN loss). Both steps are skipped with
+the weights and the optimizer state bitwise unchanged and the LR held; the overflow backs the scale
+off, the NaN loss does not (the scale was not the cause). ``scaler/*`` keys reach ``log_history``, and
+a run resumed from a checkpoint ends bitwise equal to the uninterrupted run.
+"""
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from transformers import TrainerCallback, get_linear_schedule_with_warmup  # noqa: E402
+
+from lossscale.integrations import transformers as ls_transformers  # noqa: E402
+from _integration_models import fresh_accelerate_state  # noqa: E402,F401  (fixture)
+from _integration_models import DtypeProbe, InfAt, all_equal, lr_reference  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fresh_accelerate_state):
+    """accelerate's process-wide state, reset around every test (see _integration_models)."""
+
+
+STEPS = 8
+INF_AT = 2    # the step whose gradient gets an inf
+NAN_AT = 4    # the step whose training forward gives NaN
+SAVE_AT = 6   # the checkpoint the resumed run starts from (after both faults)
+LR = 1e-3
+WARMUP = 2
+INIT_SCALE = 2.0**10  # no step overflows by itself: only the injected inf does
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz "
+
+
+def char_tokenizer():
+    """One token per character of ``LETTERS``, plus <pad> (0) and <eos> (1): a fast tokenizer built in code."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(LETTERS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_qwen2(seed=0):
+    """A 2-layer Qwen2 (hidden 32, 2 heads, 1 KV head) over the character vocabulary, built in code."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+def later_letters(completions, **kwargs):
+    """The rule-based reward: the mean position in the alphabet of a completion's letters (0 if none)."""
+    return [sum(LETTERS.index(c) for c in text) / max(len(text), 1) / len(LETTERS) for text in completions]
+
+
+class NanAt:
+    """A forward hook that makes ``module``'s output NaN at given training forwards (those with grad on:
+    generation runs under no_grad and is not counted). ``start`` offsets the count for resumed runs."""
+
+    def __init__(self, module, calls, start=0):
+        self.calls, self.n = set(calls), start
+        module.register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        if not torch.is_grad_enabled():
+            return None
+        call, self.n = self.n, self.n + 1
+        return output * float("nan") if call in self.calls else None
+
+
+def _state(model, optimizer):
+    """Weights and every tensor of the optimizer's state, copied."""
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in optimizer.state.values():
+        tensors += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
+class Recorder(TrainerCallback):
+    """Per optimizer step: the LR used, the skip flag, the scale after, whether weights or optimizer
+    state moved."""
+
+    def __init__(self, box):
+        self.box = box
+        self.lrs, self.skipped, self.scales, self.moved = [], [], [], []
+        self.scaler_at_begin = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.scaler_at_begin = self.box["trainer"].accelerator.scaler.state_dict()
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+        self._before = _state(model, optimizer)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        accelerator = self.box["trainer"].accelerator
+        self.skipped.append(accelerator.optimizer_step_was_skipped)
+        self.scales.append(accelerator.scaler.get_scale())
+        self.moved.append(not all_equal(self._before, _state(model, optimizer)))
+
+
+def _train(tmp_path, kind, *, resume=None):
+    """``kind`` ("grpo" or "sft") for STEPS steps with the two faults, saving a checkpoint at SAVE_AT."""
+    from datasets import Dataset
+
+    start = 0 if resume is None else SAVE_AT
+    common = dict(output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, max_steps=STEPS, learning_rate=LR,
+                  lr_scheduler_type="linear", warmup_steps=WARMUP, logging_steps=2, save_strategy="steps",
+                  save_steps=SAVE_AT, report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    model, tokenizer, box = tiny_qwen2(), char_tokenizer(), {}
+    recorder = Recorder(box)
+    if kind == "grpo":
+        args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, **common)
+        data = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"] * 2})
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=later_letters, args=args, train_dataset=data,
+                                  processing_class=tokenizer, callbacks=[recorder])
+    else:
+        args = trl.SFTConfig(per_device_train_batch_size=2, max_length=16, **common)
+        data = Dataset.from_dict({"text": ["the cat sat", "a dog ran far", "birds sing", "fish swim deep"] * 4})
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                                 callbacks=[recorder])
+    box["trainer"] = trainer
+    scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE)
+    probe = DtypeProbe(model.model.layers[-1].mlp.down_proj)  # an nn.Linear in every forward
+    InfAt(model.model.layers[0].mlp.up_proj.weight, [INF_AT], start=start)
+    NanAt(model.model.embed_tokens, [NAN_AT], start=start)
+    trainer.train(resume_from_checkpoint=resume)
+    return dict(trainer=trainer, scaler=scaler, rec=recorder, state=_state(model, trainer.optimizer),
+                dtypes=set(probe.dtypes))
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_trl_trainer_skips_overflow_and_nan_holds_the_lr_logs_and_resumes_bitwise(tmp_path, kind):
+    run = _train(tmp_path / "run", kind)
+    rec, scaler = run["rec"], run["scaler"]
+    assert run["dtypes"] == {torch.float16}  # FP16 autocast really on, on CPU
+    optimizer = run["trainer"].optimizer.optimizer
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]  # the Trainer's default
+
+    # Both faults skipped, weights and optimizer state bitwise untouched there; every other step moved.
+    assert rec.skipped == [s in (INF_AT, NAN_AT) for s in range(STEPS)]
+    assert rec.moved == [s not in (INF_AT, NAN_AT) for s in range(STEPS)]
+    # The overflow backs the scale off; the NaN loss is a bad batch, not a scale too large: held.
+    assert rec.scales == [INIT_SCALE] * INF_AT + [INIT_SCALE / 2] * (STEPS - INF_AT)
+    counters = scaler.counters()
+    assert (counters["skipped_steps"], counters["inf_steps"], counters["bad_loss_steps"]) == (2, 1, 1)
+
+    # The LR at each step is the schedule's over the taken steps only.
+    make = lambda opt: get_linear_schedule_with_warmup(opt, WARMUP, STEPS)  # noqa: E731
+    assert rec.lrs == lr_reference(make, [not s for s in rec.skipped], LR)
+    assert rec.lrs[INF_AT + 1] == rec.lrs[INF_AT] and rec.lrs[NAN_AT + 1] == rec.lrs[NAN_AT]
+
+    # scaler.metrics() in log_history at every logging step, with that step's values; health at the end.
+    history = run["trainer"].state.log_history
+    logged = [h for h in history if "loss" in h]
+    assert [h["step"] for h in logged] == [2, 4, 6, 8]
+    for h in logged:
+        assert h["scaler/loss_scale"] == rec.scales[h["step"] - 1]
+        assert h["scaler/skipped_steps"] == (h["step"] > INF_AT) + (h["step"] > NAN_AT)
+    final = history[-1]
+    assert final["scaler/health/steps"] == STEPS and final["scaler/health/skipped"] == 2
+
+    # Resumed from the checkpoint at SAVE_AT: the scaler comes back exactly, and the rest of the run is
+    # the same run, bit for bit (weights, optimizer state, scaler).
+    ckpt = tmp_path / "run" / "out" / f"checkpoint-{SAVE_AT}"
+    saved = torch.load(ckpt / "scaler.pt", weights_only=True)
+    resumed = _train(tmp_path / "resumed", kind, resume=str(ckpt))
+    assert resumed["rec"].scaler_at_begin == saved
+    assert resumed["rec"].scales == rec.scales[SAVE_AT:]
+    assert resumed["rec"].lrs == rec.lrs[SAVE_AT:]
+    assert all_equal(resumed["state"], run["state"])
+    assert resumed["scaler"].state_dict() == scaler.state_dict()
