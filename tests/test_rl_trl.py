@@ -13,6 +13,9 @@ off, the NaN loss does not (the scale was not the cause). ``scaler/*`` keys reac
 a run resumed from a checkpoint ends bitwise equal to the uninterrupted run.
 """
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,34 +43,17 @@ LR = 1e-3
 WARMUP = 2
 INIT_SCALE = 2.0**10  # no step overflows by itself: only the injected inf does
 
-LETTERS = "abcdefghijklmnopqrstuvwxyz "
+
+def _load_example():
+    path = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo_fp16.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_fp16", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def char_tokenizer():
-    """One token per character of ``LETTERS``, plus <pad> (0) and <eos> (1): a fast tokenizer built in code."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(LETTERS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def tiny_qwen2(seed=0):
-    """A 2-layer Qwen2 (hidden 32, 2 heads, 1 KV head) over the character vocabulary, built in code."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                      eos_token_id=1, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg)
-
-
-def later_letters(completions, **kwargs):
-    """The rule-based reward: the mean position in the alphabet of a completion's letters (0 if none)."""
-    return [sum(LETTERS.index(c) for c in text) / max(len(text), 1) / len(LETTERS) for text in completions]
+# The example's tiny Qwen2, character tokenizer and rule-based reward (one definition for both).
+example = _load_example()
 
 
 class NanAt:
@@ -124,12 +110,12 @@ def _train(tmp_path, kind, *, resume=None):
     common = dict(output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, max_steps=STEPS, learning_rate=LR,
                   lr_scheduler_type="linear", warmup_steps=WARMUP, logging_steps=2, save_strategy="steps",
                   save_steps=SAVE_AT, report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
-    model, tokenizer, box = tiny_qwen2(), char_tokenizer(), {}
+    model, tokenizer, box = example.tiny_qwen2(), example.char_tokenizer(), {}
     recorder = Recorder(box)
     if kind == "grpo":
         args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, **common)
         data = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"] * 2})
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=later_letters, args=args, train_dataset=data,
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=example.later_letters, args=args, train_dataset=data,
                                   processing_class=tokenizer, callbacks=[recorder])
     else:
         args = trl.SFTConfig(per_device_train_batch_size=2, max_length=16, **common)
@@ -187,3 +173,12 @@ def test_trl_trainer_skips_overflow_and_nan_holds_the_lr_logs_and_resumes_bitwis
     assert resumed["rec"].lrs == rec.lrs[SAVE_AT:]
     assert all_equal(resumed["state"], run["state"])
     assert resumed["scaler"].state_dict() == scaler.state_dict()
+
+
+def test_the_grpo_example_runs_fp16_and_reports_health(tmp_path):
+    """examples/trl_grpo_fp16.py, shortened: FP16 GRPO with its RL settings, the scaler's figures in the
+    logs, the health account in the final log, the LR schedule advanced once per taken step."""
+    final = example.main(steps=4, output_dir=str(tmp_path))
+    assert final["scaler/health/steps"] == 4 and final["scaler/health/verdict"] == 0
+    assert final["lr_steps"] == 4 - final["scaler/health/skipped"]
+    assert final["scaler/health/spike_steps"] == 0  # skip_if is on (min_steps not reached in 4 steps)
