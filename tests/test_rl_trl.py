@@ -23,6 +23,7 @@ trl = pytest.importorskip("trl")
 
 from transformers import TrainerCallback, get_linear_schedule_with_warmup  # noqa: E402
 
+import lossscale  # noqa: E402
 from lossscale.integrations import transformers as ls_transformers  # noqa: E402
 from _integration_models import fresh_accelerate_state  # noqa: E402,F401  (fixture)
 from _integration_models import DtypeProbe, InfAt, all_equal, lr_reference  # noqa: E402
@@ -182,3 +183,70 @@ def test_the_grpo_example_runs_fp16_and_reports_health(tmp_path):
     assert final["scaler/health/steps"] == 4 and final["scaler/health/verdict"] == 0
     assert final["lr_steps"] == 4 - final["scaler/health/skipped"]
     assert final["scaler/health/spike_steps"] == 0  # skip_if is on (min_steps not reached in 4 steps)
+
+
+class TimesAt:
+    """A gradient hook that multiplies ``param``'s gradient by ``factor`` at given backward calls: a finite
+    spike (an outlier reward's advantage), which an inf check lets through."""
+
+    def __init__(self, param, calls, factor):
+        self.calls, self.factor, self.n = set(calls), factor, 0
+        param.register_hook(self)
+
+    def __call__(self, grad):
+        call, self.n = self.n, self.n + 1
+        return grad * self.factor if call in self.calls else None
+
+
+def _short_run(tmp_path, kind, scaler_kwargs, fault, steps=6, accumulation=1):
+    """A short run of ``kind`` with ``fault(model)`` installed; per step: skipped, scale, LR, moved."""
+    from datasets import Dataset
+
+    common = dict(output_dir=str(tmp_path), fp16=True, use_cpu=True, max_steps=steps, learning_rate=LR,
+                  lr_scheduler_type="linear", logging_steps=steps, save_strategy="no", report_to=[], seed=0,
+                  disable_tqdm=True, gradient_accumulation_steps=accumulation)
+    box = {}
+    recorder = Recorder(box)
+    model = example.tiny_qwen2()
+    if kind == "grpo":
+        args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, **common)
+        data = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"] * 2})
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=example.later_letters, args=args, train_dataset=data,
+                                  processing_class=example.char_tokenizer(), callbacks=[recorder])
+    else:
+        args = trl.SFTConfig(per_device_train_batch_size=2, max_length=16, **common)
+        data = Dataset.from_dict({"text": ["the cat sat", "a dog ran far", "birds sing", "fish swim deep"] * 4})
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=example.char_tokenizer(),
+                                 callbacks=[recorder])
+    box["trainer"] = trainer
+    scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE, **scaler_kwargs)
+    fault(model)
+    trainer.train()
+    return scaler, recorder
+
+
+def test_grpo_skip_if_skips_a_finite_gradient_spike_and_holds_the_lr(tmp_path):
+    """skip_if through the Trainer: a x1000 gradient (finite) after min_steps is skipped as a spike: the
+    weights and optimizer state untouched, the LR held, the scale not backed off (it fits FP16)."""
+    spike = 4
+    scaler, rec = _short_run(tmp_path, "grpo", dict(skip_if=lossscale.SkipIf(grad_norm_zscore=6.0, min_steps=3)),
+                             lambda m: TimesAt(m.model.layers[0].mlp.up_proj.weight, [spike], 1e3))
+    assert rec.skipped == [s == spike for s in range(6)]
+    assert rec.moved == [s != spike for s in range(6)]
+    assert rec.lrs[spike + 1] == rec.lrs[spike]
+    assert rec.scales == [INIT_SCALE] * 6
+    counters = scaler.counters()
+    assert counters["spike_steps"] == 1 and counters["skipped_steps"] == 0  # a spike, not an overflow
+
+
+def test_sft_bad_microbatch_drop_costs_only_the_bad_micro_batch(tmp_path):
+    """bad_microbatch="drop" with gradient accumulation: a micro-batch whose forward gives NaN is left out
+    and the step is taken over the others (by default the whole step would be skipped); the scale is kept."""
+    scaler, rec = _short_run(tmp_path, "sft", dict(bad_microbatch="drop"),
+                             lambda m: NanAt(m.model.embed_tokens, [5]), steps=4, accumulation=2)
+    assert rec.skipped == [False] * 4 and all(rec.moved)  # micro-batch 5 is the second of step 2
+    assert rec.scales == [INIT_SCALE] * 4
+    assert scaler.counters()["skipped_steps"] == 0 and scaler.health().dropped_microbatches == 1
+    default, rec = _short_run(tmp_path / "default", "sft", {}, lambda m: NanAt(m.model.embed_tokens, [5]),
+                              steps=4, accumulation=2)
+    assert rec.skipped == [s == 2 for s in range(4)]  # the default: the whole step skipped
