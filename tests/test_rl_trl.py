@@ -103,16 +103,14 @@ class Recorder(TrainerCallback):
         self.moved.append(not all_equal(self._before, _state(model, optimizer)))
 
 
-def _train(tmp_path, kind, *, resume=None):
-    """``kind`` ("grpo" or "sft") for STEPS steps with the two faults, saving a checkpoint at SAVE_AT."""
+def _trainer(kind, recorder, scaler_kwargs=(), **training_args):
+    """A TRL trainer of ``kind`` ("grpo" or "sft") over the example's tiny Qwen2, FP16, lossscale attached
+    (init_scale INIT_SCALE, then ``scaler_kwargs``); returns (model, trainer, scaler)."""
     from datasets import Dataset
 
-    start = 0 if resume is None else SAVE_AT
-    common = dict(output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, max_steps=STEPS, learning_rate=LR,
-                  lr_scheduler_type="linear", warmup_steps=WARMUP, logging_steps=2, save_strategy="steps",
-                  save_steps=SAVE_AT, report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
-    model, tokenizer, box = example.tiny_qwen2(), example.char_tokenizer(), {}
-    recorder = Recorder(box)
+    common = dict(fp16=True, use_cpu=True, learning_rate=LR, lr_scheduler_type="linear", report_to=[], seed=0,
+                  disable_tqdm=True, dataloader_num_workers=0, **training_args)
+    model, tokenizer = example.tiny_qwen2(), example.char_tokenizer()
     if kind == "grpo":
         args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, **common)
         data = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"] * 2})
@@ -123,8 +121,17 @@ def _train(tmp_path, kind, *, resume=None):
         data = Dataset.from_dict({"text": ["the cat sat", "a dog ran far", "birds sing", "fish swim deep"] * 4})
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                                  callbacks=[recorder])
-    box["trainer"] = trainer
-    scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE)
+    recorder.box["trainer"] = trainer
+    scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE, **dict(scaler_kwargs))
+    return model, trainer, scaler
+
+
+def _train(tmp_path, kind, *, resume=None):
+    """``kind`` for STEPS steps with the two faults, saving a checkpoint at SAVE_AT."""
+    start = 0 if resume is None else SAVE_AT
+    recorder = Recorder({})
+    model, trainer, scaler = _trainer(kind, recorder, output_dir=str(tmp_path / "out"), max_steps=STEPS,
+                                      warmup_steps=WARMUP, logging_steps=2, save_strategy="steps", save_steps=SAVE_AT)
     probe = DtypeProbe(model.model.layers[-1].mlp.down_proj)  # an nn.Linear in every forward
     InfAt(model.model.layers[0].mlp.up_proj.weight, [INF_AT], start=start)
     NanAt(model.model.embed_tokens, [NAN_AT], start=start)
@@ -199,27 +206,10 @@ class TimesAt:
 
 
 def _short_run(tmp_path, kind, scaler_kwargs, fault, steps=6, accumulation=1):
-    """A short run of ``kind`` with ``fault(model)`` installed; per step: skipped, scale, LR, moved."""
-    from datasets import Dataset
-
-    common = dict(output_dir=str(tmp_path), fp16=True, use_cpu=True, max_steps=steps, learning_rate=LR,
-                  lr_scheduler_type="linear", logging_steps=steps, save_strategy="no", report_to=[], seed=0,
-                  disable_tqdm=True, gradient_accumulation_steps=accumulation)
-    box = {}
-    recorder = Recorder(box)
-    model = example.tiny_qwen2()
-    if kind == "grpo":
-        args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, **common)
-        data = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"] * 2})
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=example.later_letters, args=args, train_dataset=data,
-                                  processing_class=example.char_tokenizer(), callbacks=[recorder])
-    else:
-        args = trl.SFTConfig(per_device_train_batch_size=2, max_length=16, **common)
-        data = Dataset.from_dict({"text": ["the cat sat", "a dog ran far", "birds sing", "fish swim deep"] * 4})
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=example.char_tokenizer(),
-                                 callbacks=[recorder])
-    box["trainer"] = trainer
-    scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE, **scaler_kwargs)
+    """A short run of ``kind`` with ``fault(model)`` installed; returns the scaler and the Recorder."""
+    recorder = Recorder({})
+    model, trainer, scaler = _trainer(kind, recorder, scaler_kwargs, output_dir=str(tmp_path), max_steps=steps,
+                                      logging_steps=steps, save_strategy="no", gradient_accumulation_steps=accumulation)
     fault(model)
     trainer.train()
     return scaler, recorder
