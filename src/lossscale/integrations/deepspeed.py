@@ -44,7 +44,8 @@ Checkpoints: DeepSpeed does not save a torch_autocast scaler (a resumed run rest
 `"lossscale_scaler"` in `engine.save_checkpoint` and loads it back in `engine.load_checkpoint`
 (removing it from the client state returned), in every mode and stage.
 
-Tested with deepspeed 0.19.8 on CPU (`DS_ACCELERATOR=cpu`, one rank on gloo).
+Tested with deepspeed 0.19.8 on CPU (`DS_ACCELERATOR=cpu`, one rank on gloo), and classic fp16 with
+0.19.6 too (the release OpenRLHF pins; ZeRO torch_autocast needs 0.19.8, see `ZERO_AUTOCAST_MIN`).
 """
 
 from __future__ import annotations
