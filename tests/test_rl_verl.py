@@ -22,18 +22,24 @@ INIT_SCALE = 2.0**10  # a scale at which this model's clean FP16 steps do not ov
 # Times the loss: the loss stays finite in FP16 (about 4e3), and times the scale the backward passes
 # 65504, FP16's largest value: an overflow of the scale's, not a bad batch.
 BLOW_UP = 1e3
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "verl_fp16.py")
 SEQ_LENS = [(7, 5), (6, 8)]  # per rank: two sequences each
 
 
 # --------------------------------------------------------------------------------- in the ranks
-def _worker(model_dir, strategy, checkpoint_dir=None):
-    """verl's TrainingWorker with an fp16 FSDP engine over the pool's process group, built (reset())."""
+def _on_cpu():
+    """verl on this rank's CPU, in the pool's process group."""
     import _verl_cpu
 
     _verl_cpu.use_cpu()
     os.environ.update(VERL_ENGINE_DEVICE="cuda",  # the engine registered for "cuda" (verl/workers/engine/base.py:404)
                       RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),  # what Worker.__init__ reads
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+
+
+def _worker(model_dir, strategy):
+    """verl's TrainingWorker with an fp16 FSDP engine over the pool's process group, built (reset())."""
+    _on_cpu()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.config.engine import TrainingWorkerConfig
@@ -135,6 +141,11 @@ def overflow(rank, world, model_dir, strategy, checkpoint_dir):
               "tracker": scaler._get_growth_tracker()}
     worker.save_checkpoint(checkpoint_dir, global_step=len(PLAN))
     result["files"] = sorted(os.listdir(checkpoint_dir))
+    saved_lr_epoch = worker.engine.lr_scheduler.last_epoch
+    worker.reset()  # initialize() again: a new engine state, verl's scaler and checkpoint manager with it
+    again = ls_verl.attach(worker.engine, init_scale=INIT_SCALE)
+    result["reattached"] = again is not scaler and worker.engine.scaler is again
+    result["after_reset"] = _train(worker, rank, world, 0)["metrics"]["scaler/steps"]
 
     fresh = _worker(model_dir, strategy)
     fresh_scaler = ls_verl.attach(fresh.engine, init_scale=INIT_SCALE)
@@ -142,7 +153,7 @@ def overflow(rank, world, model_dir, strategy, checkpoint_dir):
     fresh.load_checkpoint(checkpoint_dir)
     result["loaded_state"] = fresh_scaler.state_dict()
     result["loaded_tracker"] = fresh_scaler._get_growth_tracker()
-    result["lr_epochs"] = (fresh.engine.lr_scheduler.last_epoch, worker.engine.lr_scheduler.last_epoch)
+    result["lr_epochs"] = (fresh.engine.lr_scheduler.last_epoch, saved_lr_epoch)
     return result
 
 
@@ -155,7 +166,20 @@ def stock(rank, world, model_dir, strategy):
             "finite": step["finite"], "unchanged": step["unchanged"]}
 
 
-SCENARIOS = {"overflow": overflow, "stock": stock}
+def example(rank, world, model_dir, checkpoint_dir):
+    """examples/verl_fp16.py's demo."""
+    import importlib.util
+
+    _on_cpu()
+    spec = importlib.util.spec_from_file_location("verl_fp16_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lines = []
+    out = module.main(model_dir, checkpoint_dir, attn_implementation="eager", log=lines.append)
+    return {**out, "lines": lines, "classes": [module.FP16ActorRolloutRefWorker.__name__, module.FP16SFTTrainer.__name__]}
+
+
+SCENARIOS = {"overflow": overflow, "stock": stock, "example": example}
 
 
 # --------------------------------------------------------------------------------- the tests
@@ -188,6 +212,7 @@ def test_overflow_is_skipped_lr_held_metrics_logged_scaler_checkpointed(pool, mo
                        checkpoint_dir=str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
         assert r["attached_twice"] and r["engine_scaler"] and r["scaler_device"] == "cpu"
+        assert r["reattached"] and r["after_reset"] == [1.0, 1.0]  # a new scaler after reset(), in training
         steps = r["steps"]
         skipped = [s["metrics"]["scaler/last_step_skipped"] for s in steps]
         assert skipped == [[float(f != 1.0)] * 2 for f in PLAN]       # as verl logs it: a value per dp rank
@@ -217,3 +242,13 @@ def test_stock_verl_applies_the_nan_step(pool, model_dir):
         assert r["scaler"] == "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
         assert not r["enabled"]
         assert not r["unchanged"] and not r["finite"]
+
+
+def test_the_example_trains_skips_and_resumes(pool, model_dir, tmp_path):
+    r0, r1 = pool.run("example", timeout_s=300, model_dir=model_dir, checkpoint_dir=str(tmp_path / "ckpt"))
+    for r in (r0, r1):
+        assert [rec["scaler/last_step_skipped"] for rec in r["records"]] == [[float(s == 2)] * 2 for s in range(4)]
+        assert [rec["scaler/loss_scale"][0] for rec in r["records"]] == [1024.0, 1024.0, 512.0, 512.0]
+        assert r["resumed"] == r["saved"]
+        assert r["classes"] == ["FP16ActorRolloutRefWorker", "FP16SFTTrainer"]
+    assert len(r0["lines"]) == 5 and not r1["lines"]               # rank 0 logs

@@ -15,7 +15,7 @@ changes there (line numbers are verl 0.9.1's):
 * The scaler. verl builds torch's ``ShardedGradScaler(growth_interval=400)``
   (workers/engine/fsdp/transformer_impl.py:406-411), whose numbers cannot be configured, and which
   disables itself when its default device "cuda" is absent. Because a scaler object exists, verl also
-  skips its own non-finite guard (transformer_impl.py:817-825), so an overflow step is applied there
+  skips its own non-finite guard (transformer_impl.py:817-826), so an overflow step is applied there
   and the weights become NaN. ``attach`` puts a ``lossscale.ShardedGradScaler`` in its place, on the
   engine's device: verl's growth interval of 400 unless you give another, any other
   ``lossscale.GradScaler`` keyword. Its skip decision is all-reduced over the default group, which is
@@ -28,7 +28,7 @@ changes there (line numbers are verl 0.9.1's):
   advance was taken: a schedule that advances on skipped steps drifts ahead of the weights. A held
   call returns the LR in force, which verl logs as ``lr``.
 * Checkpoints. verl's ``FSDPCheckpointManager`` saves the model, the optimizer, the LR scheduler and
-  the RNG, not the scaler (utils/checkpoint/fsdp_checkpoint_manager.py:355-361): a resumed run
+  the RNG, not the scaler (utils/checkpoint/fsdp_checkpoint_manager.py:355-362): a resumed run
   restarts at the initial scale. With ``attach`` each rank also writes
   ``lossscale_scaler_world_size_{W}_rank_{R}.pt`` beside its ``extra_state_*`` file, and loads it back,
   whenever the manager saves and loads its extra state (``checkpoint.save_contents`` /
@@ -83,7 +83,9 @@ def attach(engine, **scaler_kwargs):
             verl trains on.
 
     Called again on the same engine without keywords, it returns the scaler installed first; with
-    keywords it raises ValueError (a second scaler would leave the first out of training).
+    keywords it raises ValueError (a second scaler would leave the first out of training). After
+    ``engine.initialize()`` ran again (``TrainingWorker.reset()`` rebuilds the engine, verl's scaler and
+    checkpoint manager with it), it installs a new scaler.
     """
     _require("verl")
     import torch
@@ -96,7 +98,7 @@ def attach(engine, **scaler_kwargs):
         raise ValueError(f"engine={type(engine).__name__}(...) must be a verl FSDPEngine (a worker's .engine with "
                          "strategy 'fsdp2', 'fsdp' or 'fsdp_turbo').")
     attached = engine.__dict__.get(_ATTR)
-    if attached is not None:
+    if attached is not None and engine.scaler is attached.scaler:
         if not scaler_kwargs:
             return attached.scaler
         raise ValueError("a lossscale scaler is already attached to this engine (attach(engine) returns it); a "
@@ -114,15 +116,17 @@ def attach(engine, **scaler_kwargs):
     scaler_kwargs.setdefault("device", get_device_name())
     # The default process group: verl's FSDP mesh spans the world (transformer_impl.py:241).
     scaler = ShardedGradScaler(**scaler_kwargs)
-    state = _Attached(scaler)
     # forward_backward_batch and optimizer_step read engine.scaler at each call (transformer_impl.py:747, 798).
     engine.scaler = scaler
-    engine.train_batch = _reporting(engine, engine.train_batch, state)
-    engine.lr_scheduler_step = _holding(engine, engine.lr_scheduler_step, state)
+    if attached is None:
+        state = engine.__dict__[_ATTR] = _Attached(scaler)
+        engine.train_batch = _reporting(engine, engine.train_batch, state)
+        engine.lr_scheduler_step = _holding(engine, engine.lr_scheduler_step, state)
+    else:  # initialize() ran again (TrainingWorker.reset()): a new verl scaler and checkpoint manager
+        attached.scaler, attached.stepped_since_lr_step = scaler, False
     manager = engine.checkpoint_manager
     manager.save_checkpoint = _saving(manager, manager.save_checkpoint, scaler)
     manager.load_checkpoint = _loading(manager, manager.load_checkpoint, scaler)
-    engine.__dict__[_ATTR] = state
     return scaler
 
 
@@ -168,7 +172,7 @@ def _path(manager, local_path: str) -> str:
 
 def _saving(manager, save_checkpoint, scaler):
     """``FSDPCheckpointManager.save_checkpoint`` that also writes the scaler's state, per rank, when the
-    manager writes its extra state (fsdp_checkpoint_manager.py:355-361)."""
+    manager writes its extra state (fsdp_checkpoint_manager.py:355-362)."""
     import torch
 
     def wrapped(local_path, *args: Any, **kwargs: Any):
