@@ -37,8 +37,8 @@ def _on_cpu():
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 
 
-def _worker(model_dir, strategy):
-    """verl's TrainingWorker with an fp16 FSDP engine over the pool's process group, built (reset())."""
+def _worker(model_dir, strategy, param_dtype="fp16", build=True):
+    """verl's TrainingWorker with an FSDP engine over the pool's process group, built (reset()) if ``build``."""
     _on_cpu()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -49,14 +49,15 @@ def _worker(model_dir, strategy):
                           enable_gradient_checkpointing=False,
                           override_config={"attn_implementation": "eager"})  # verl's default: flash_attention_2
     engine = FSDPEngineConfig(strategy=strategy, forward_only=False, use_torch_compile=False,
-                              mixed_precision={"param_dtype": "fp16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+                              mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
     # A warm-up schedule: the LR changes at every scheduler step, so a held step shows.
     optim = FSDPOptimizerConfig(lr=1e-3, lr_warmup_steps=10, total_training_steps=20)
     config = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                   optimizer_config=optim, checkpoint_config=CheckpointConfig())
     worker = TrainingWorker(config=config)
     worker.set_loss_fn(_Loss())
-    worker.reset()  # engine.initialize()
+    if build:
+        worker.reset()  # engine.initialize()
     return worker
 
 
@@ -179,7 +180,23 @@ def example(rank, world, model_dir, checkpoint_dir):
     return {**out, "lines": lines, "classes": [module.FP16ActorRolloutRefWorker.__name__, module.FP16SFTTrainer.__name__]}
 
 
-SCENARIOS = {"overflow": overflow, "stock": stock, "example": example}
+def refusals(rank, world, model_dir):
+    """attach() on an engine not built yet and on a bf16 engine: the error, and the engine as it was."""
+    from lossscale.integrations import verl as ls_verl
+
+    out = {}
+    for name, worker in (("unbuilt", _worker(model_dir, "fsdp2", build=False)),
+                         ("bf16", _worker(model_dir, "fsdp2", param_dtype="bf16"))):
+        engine, before = worker.engine, dict(vars(worker.engine))
+        try:
+            ls_verl.attach(engine)
+        except (RuntimeError, ValueError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+        out[name + "_untouched"] = vars(engine) == before
+    return out
+
+
+SCENARIOS = {"overflow": overflow, "stock": stock, "example": example, "refusals": refusals}
 
 
 # --------------------------------------------------------------------------------- the tests
@@ -252,3 +269,37 @@ def test_the_example_trains_skips_and_resumes(pool, model_dir, tmp_path):
         assert r["resumed"] == r["saved"]
         assert r["classes"] == ["FP16ActorRolloutRefWorker", "FP16SFTTrainer"]
     assert len(r0["lines"]) == 5 and not r1["lines"]               # rank 0 logs
+
+
+def test_attach_refuses_an_unbuilt_or_bf16_engine_and_changes_nothing(pool, model_dir):
+    for r in pool.run("refusals", timeout_s=300, model_dir=model_dir):
+        assert r["unbuilt"].startswith("RuntimeError: attach(engine) was called before the engine was built")
+        assert r["bf16"].startswith("ValueError: the engine trains in torch.bfloat16")
+        assert r["unbuilt_untouched"] and r["bf16_untouched"]
+
+
+def test_attach_refuses_what_is_not_a_verl_fsdp_engine():
+    from lossscale.integrations import verl as ls_verl
+
+    with pytest.raises(ValueError, match="must be a verl FSDPEngine"):
+        ls_verl.attach(torch.nn.Linear(2, 2))
+
+
+def test_importing_the_integration_imports_no_verl():
+    import subprocess
+    import sys
+
+    code = "import sys, lossscale.integrations.verl\nprint('verl' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_a_missing_verl_is_named_with_how_to_install_it(monkeypatch):
+    import sys
+
+    from lossscale.integrations import verl as ls_verl
+
+    for name in {"verl"} | {m for m in sys.modules if m.startswith("verl.")}:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"needs verl, which is not installed: pip install verl"):
+        ls_verl.attach(object())

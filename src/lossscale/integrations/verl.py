@@ -49,8 +49,6 @@ import os
 import warnings
 from typing import Any
 
-from . import _require
-
 __all__ = ["attach", "CHECKPOINT_FILE"]
 
 #: The scaler's file in a verl checkpoint directory, per rank (beside verl's ``extra_state_*`` files).
@@ -87,7 +85,7 @@ def attach(engine, **scaler_kwargs):
     ``engine.initialize()`` ran again (``TrainingWorker.reset()`` rebuilds the engine, verl's scaler and
     checkpoint manager with it), it installs a new scaler.
     """
-    _require("verl")
+    _require_verl()
     import torch
     from verl.utils.device import get_device_name
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
@@ -128,6 +126,18 @@ def attach(engine, **scaler_kwargs):
     manager.save_checkpoint = _saving(manager, manager.save_checkpoint, scaler)
     manager.load_checkpoint = _loading(manager, manager.load_checkpoint, scaler)
     return scaler
+
+
+def _require_verl() -> None:
+    """Import verl, or raise ``ModuleNotFoundError`` naming how to install it. verl is in no lossscale
+    extra: its pins (transformers<5.11) clash with the other frameworks'."""
+    try:
+        import verl  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name != "verl":
+            raise  # verl is there but something it imports is not: its own message says what
+        raise ModuleNotFoundError("lossscale.integrations.verl needs verl, which is not installed: pip install verl "
+                                  "(tested: verl==0.9.1).", name="verl") from error
 
 
 def _reporting(engine, train_batch, state: _Attached):
