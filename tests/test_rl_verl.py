@@ -158,13 +158,27 @@ def overflow(rank, world, model_dir, strategy, checkpoint_dir):
     return result
 
 
-def stock(rank, world, model_dir, strategy):
-    """The PLAN's NaN batch on verl's own fp16 path, without lossscale."""
+def stock(rank, world, model_dir, strategy, checkpoint_dir):
+    """The PLAN's NaN batch on verl's own fp16 path, without lossscale; then its checkpoint loaded by an
+    engine with lossscale attached."""
+    import warnings
+
+    from lossscale.integrations import verl as ls_verl
+
     worker = _worker(model_dir, strategy)
     scaler = worker.engine.scaler
     step = _train(worker, rank, world, 4, factor=PLAN[4])
-    return {"scaler": type(scaler).__module__ + "." + type(scaler).__name__, "enabled": scaler.is_enabled(),
-            "finite": step["finite"], "unchanged": step["unchanged"]}
+    result = {"scaler": type(scaler).__module__ + "." + type(scaler).__name__, "enabled": scaler.is_enabled(),
+              "finite": step["finite"], "unchanged": step["unchanged"]}
+    worker.save_checkpoint(checkpoint_dir, global_step=1)
+    attached = ls_verl.attach(worker.engine, init_scale=INIT_SCALE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker.load_checkpoint(checkpoint_dir)
+    result["warnings"] = [(str(w.message), os.path.basename(w.filename)) for w in caught
+                          if issubclass(w.category, RuntimeWarning)]
+    result["scale"] = attached.get_scale()
+    return result
 
 
 def example(rank, world, model_dir, checkpoint_dir):
@@ -252,13 +266,18 @@ def test_overflow_is_skipped_lr_held_metrics_logged_scaler_checkpointed(pool, mo
         assert r["lr_epochs"][0] == r["lr_epochs"][1] == PLAN.count(1.0)
 
 
-def test_stock_verl_applies_the_nan_step(pool, model_dir):
+def test_stock_verl_applies_the_nan_step_and_its_checkpoint_loads_with_a_warning(pool, model_dir, tmp_path):
     """What attach() fixes: verl's ShardedGradScaler disables itself off CUDA, and because it exists verl
-    skips its own non-finite guard, so the NaN batch's step is applied."""
-    for r in pool.run("stock", timeout_s=300, model_dir=model_dir, strategy="fsdp2"):
+    skips its own non-finite guard, so the NaN batch's step is applied. Its checkpoint has no scaler:
+    loading it with lossscale attached warns and keeps the scaler's state."""
+    for r in pool.run("stock", timeout_s=300, model_dir=model_dir, strategy="fsdp2",
+                      checkpoint_dir=str(tmp_path / "ckpt")):
         assert r["scaler"] == "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
         assert not r["enabled"]
         assert not r["unchanged"] and not r["finite"]
+        [(message, where)] = r["warnings"]
+        assert "saved without lossscale attached" in message and where == "test_rl_verl.py"  # the user's line
+        assert r["scale"] == INIT_SCALE
 
 
 def test_the_example_trains_skips_and_resumes(pool, model_dir, tmp_path):

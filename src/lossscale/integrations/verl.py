@@ -8,9 +8,11 @@
     # training is unchanged: worker.train_batch(data) / train_mini_batch(data),
     # worker.save_checkpoint(dir) / load_checkpoint(dir) carry the scaler
 
-verl's FSDP engines (``strategy`` "fsdp2", "fsdp", and the ``fsdp_turbo`` engine, which subclasses them)
-scale the loss when the parameters are fp16 (``mixed_precision.param_dtype: fp16``). What ``attach``
-changes there (line numbers are verl 0.9.1's):
+verl's FSDP engines (``strategy`` "fsdp2" and "fsdp") scale the loss when the parameters are fp16
+(``mixed_precision.param_dtype: fp16``). The ``fsdp_turbo`` engine subclasses them, but its
+``_build_fsdp_module`` (fsdp_turbo_impl.py:50-63) builds no scaler and leaves the forward's autocast
+at bf16 (transformer_impl.py:169, 1559), whatever the config says, so ``attach`` refuses it. What
+``attach`` changes (line numbers are verl 0.9.1's):
 
 * The scaler. verl builds torch's ``ShardedGradScaler(growth_interval=400)``
   (workers/engine/fsdp/transformer_impl.py:406-411), whose numbers cannot be configured, and which
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -74,8 +77,8 @@ def attach(engine, **scaler_kwargs):
     workers' ``init_model()`` run) and before training. The module docstring says what it changes.
 
     Args:
-        engine: a verl ``FSDPEngine`` (``worker.engine``; strategy "fsdp2" or "fsdp", or the turbo
-            engine) whose parameters train in fp16 (``engine.mixed_precision.param_dtype: fp16``).
+        engine: a verl ``FSDPEngine`` (``worker.engine``; strategy "fsdp2" or "fsdp") whose parameters
+            train in fp16 (``engine.mixed_precision.param_dtype: fp16``).
         **scaler_kwargs: ``lossscale.GradScaler`` keywords (``init_scale``, ``growth_interval``,
             ``policy``, ``skip_if``, ...). Defaults: ``growth_interval=400`` (verl's), the device
             verl trains on.
@@ -94,7 +97,7 @@ def attach(engine, **scaler_kwargs):
 
     if not isinstance(engine, FSDPEngine):
         raise ValueError(f"engine={type(engine).__name__}(...) must be a verl FSDPEngine (a worker's .engine with "
-                         "strategy 'fsdp2', 'fsdp' or 'fsdp_turbo').")
+                         "strategy 'fsdp2' or 'fsdp').")
     attached = engine.__dict__.get(_ATTR)
     if attached is not None and engine.scaler is attached.scaler:
         if not scaler_kwargs:
@@ -107,6 +110,9 @@ def attach(engine, **scaler_kwargs):
     if engine.optimizer is None:  # forward_only engines (a reference policy) build none (transformer_impl.py:622)
         raise ValueError("the engine is forward_only (it has no optimizer): there is nothing to scale.")
     if engine._autocast_dtype != torch.float16:  # the param_dtype verl read from the config (transformer_impl.py:400)
+        if engine.engine_config.strategy == "fsdp_turbo":  # its _build_fsdp_module sets neither (fsdp_turbo_impl.py:50-63)
+            raise ValueError("verl's fsdp_turbo engine autocasts to bf16 whatever the config says (it builds no "
+                             "scaler and no fp16 autocast): use strategy 'fsdp2' to train in FP16.")
         raise ValueError(f"the engine trains in {engine._autocast_dtype} (engine.mixed_precision.param_dtype), not "
                          "fp16: bf16 and fp32 need no loss scaler. Set param_dtype: fp16 to train in FP16.")
 
@@ -211,8 +217,17 @@ def _loading(manager, load_checkpoint, scaler):
         else:
             warnings.warn(f"lossscale.integrations.verl: {path} is missing (the checkpoint was saved without "
                           "lossscale attached); the scaler keeps its state, starting at its initial scale.",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=_user_stacklevel())
         return out
 
     wrapped.__doc__ = load_checkpoint.__doc__
     return wrapped
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at the first frame outside
+    lossscale and verl: the user's line that led there through verl's worker and engine."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("lossscale", "verl"):
+        frame, level = frame.f_back, level + 1
+    return level
