@@ -89,7 +89,8 @@ def _batch(rank, world, step):
                 micro_batch_size_per_gpu=len(lens), temperature=1.0, global_batch_size=len(lens) * world,
                 pad_mode=DatasetPadMode.NO_PADDING, pad_token_id=0)
     td = tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
-    tu.assign_non_tensor(td, update_lr_scheduler=True, global_token_num=NonTensorData(list(lens) * world))
+    every_rank = [n for r in range(world) for n in SEQ_LENS[r % len(SEQ_LENS)]]  # the batch's lengths, all ranks
+    tu.assign_non_tensor(td, update_lr_scheduler=True, global_token_num=NonTensorData(every_rank))
     return td
 
 
