@@ -6,14 +6,15 @@
 What to copy:
 
 * ``FP16ActorRolloutRefWorker``: verl's PPO/GRPO actor worker, its engine attached after
-  ``init_model()``. Use it where your task runner puts ``ActorRolloutRefWorker`` in
-  ``role_worker_mapping`` (verl/trainer/main_ppo_v0.py, ``add_actor_rollout_worker``).
+  ``init_model()``. verl's PPO trainers put ``ActorRolloutRefWorker`` in ``role_worker_mapping`` in
+  code (verl/trainer/ppo/v1/trainer_base.py:805; the legacy main_ppo_v0.py, ``add_actor_rollout_worker``):
+  map the role to this class in a subclass of yours, and run verl's ``main_ppo`` with it.
 * ``FP16SFTTrainer``: verl's SFT trainer (verl/trainer/sft_trainer.py), its engine attached once built.
 * The keys. FP16 itself is verl's: the engine's ``mixed_precision.param_dtype=fp16``. lossscale's
   keywords go under a ``lossscale`` node that verl does not read (verl's typed configs refuse keys
   they do not know, so it sits beside them, added with Hydra's ``+``)::
 
-      python -m verl.trainer.main_ppo ... \\
+      python my_main_ppo.py ... \\
         actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp16 \\
         +actor_rollout_ref.lossscale.init_scale=65536 \\
         +actor_rollout_ref.lossscale.growth_interval=400 \\
