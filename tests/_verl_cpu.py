@@ -12,20 +12,15 @@ verl/utils/distributed.py:90).
 from __future__ import annotations
 
 import types
-from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import _init_utils as _fsdp1_init
 from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_cuda import PlatformCUDA
 
-# torch.cuda's calls a step makes, answered for the CPU: torch.cpu's where it has them, else no-ops.
+# The torch.cuda calls a training step, a checkpoint save and a load make, answered for the CPU.
 CPU_DEVICE_MODULE = types.SimpleNamespace(
-    **{name: getattr(torch.cpu, name) for name in ("current_device", "device_count", "synchronize", "is_available")},
-    get_rng_state=torch.get_rng_state,              # torch.cuda.get_rng_state: the CPU generator's
-    set_rng_state=torch.set_rng_state,              # torch.cuda.set_rng_state
-    manual_seed=torch.manual_seed,                  # torch.cuda.manual_seed
-    manual_seed_all=torch.manual_seed,              # torch.cuda.manual_seed_all
+    set_rng_state=torch.set_rng_state,              # torch.cuda.set_rng_state (checkpoint load): the CPU generator's
     empty_cache=lambda: None,                       # torch.cuda.empty_cache: no cache allocator on CPU
     max_memory_allocated=lambda *a, **k: 0,         # torch.cuda.max_memory_allocated (worker's perf/ metrics)
     max_memory_reserved=lambda *a, **k: 0,          # torch.cuda.max_memory_reserved (worker's perf/ metrics)
@@ -49,7 +44,8 @@ _CPU_INDEX = _CPUIndex("cpu")
 
 
 class CPUPlatform(PlatformCUDA):
-    """verl's CUDA platform, answering for the CPU."""
+    """verl's CUDA platform, answering for the CPU what a training step, a checkpoint save and a load ask
+    (the calls of these tests, recorded; the other methods are never reached)."""
 
     device_name = "cpu"                              # "cuda": tensors, autocast and the mesh go to the CPU
     device_module = CPU_DEVICE_MODULE               # torch.cuda
@@ -60,27 +56,8 @@ class CPUPlatform(PlatformCUDA):
     def current_device(self) -> str:                # torch.cuda.current_device(): the device's index
         return _CPU_INDEX
 
-    def set_device(self, device_index: int) -> None:  # torch.cuda.set_device
-        pass
-
-    def synchronize(self, device_index=None) -> None:  # torch.cuda.synchronize: CPU work is synchronous
-        pass
-
-    def manual_seed(self, seed: int) -> None:       # torch.cuda.manual_seed
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> None:   # torch.cuda.manual_seed_all
-        torch.manual_seed(seed)
-
-    def empty_cache(self) -> None:                  # torch.cuda.empty_cache
-        pass
-
     def communication_backend_name(self) -> str:    # "nccl"
         return "gloo"
-
-    @contextmanager
-    def nvtx_range(self, msg: str):                 # torch.cuda.nvtx.range
-        yield
 
 
 def use_cpu() -> None:
