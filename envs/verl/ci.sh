@@ -4,7 +4,7 @@
 # tests/test_rl_verl.py. Fails on any failure, on a missing verl (the tests would skip) and on no tests run.
 set -euo pipefail
 if [ $# -ne 1 ]; then
-  echo "usage: bash envs/verl/ci.sh DIR   (DIR: where to make the venv; it must not exist yet)" >&2
+  echo "usage: bash envs/verl/ci.sh DIR   (DIR: where to make the venv)" >&2
   exit 2
 fi
 here=$(cd "$(dirname "$0")" && pwd)
