@@ -372,8 +372,8 @@ class GradScaler:
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
         self._keep(optimizer, rec, OptState.UNSCALED)
 
-    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
-                        ) -> torch.Tensor:
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None,
+                        expert_parallel: Any = None) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
@@ -382,6 +382,8 @@ class GradScaler:
         the gradients are only unscaled. Once per optimizer per iteration, instead of :meth:`unscale_`.
         The norm is over every rank's part of the parameters: DTensor gradients (FSDP2, tensor parallel)
         over their mesh, pipeline stages over ``norm_group``, in one all-reduce. Syncs like :meth:`unscale_`.
+        Mixture-of-experts: ``expert_parallel=(this rank's expert parameters, the expert-parallel group)``
+        (:func:`lossscale.distributed.norm_reduction`).
         """
         from ._check import clip_scaled_, largest_magnitudes, validate_clip
         from .distributed import norm_reduction
@@ -398,7 +400,8 @@ class GradScaler:
         with torch.no_grad():
             gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(),
                                           coalesce=True)
-            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
+            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group,
+                                                  expert_parallel)
             if not self._enabled:  # torch's clip, or the same reduced norm as when enabled, at scale 1
                 if reduce_norm is None:
                     return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
