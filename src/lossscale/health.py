@@ -154,6 +154,8 @@ class HealthReport:
             which counts the steps the scale answered or the loss spoiled); else None.
         dropped_microbatches: with ``bad_microbatch="drop"`` (or "zero"), the micro-batches whose loss
             was non-finite and that were left out of their step; else None.
+        dropped_weight: their weight (``scale(loss, weight=...)``: tokens, with token counts; without
+            weights, equal to ``dropped_microbatches``); else None.
         upcasts, upcast_modules: with ``on_forward_overflow="upcast"``, how many modules and which ones
             the scaler kept in FP32 after repeated forward overflows; else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
@@ -179,6 +181,7 @@ class HealthReport:
     fp16_flushed: Optional[int] = None
     spike_steps: Optional[int] = None
     dropped_microbatches: Optional[int] = None
+    dropped_weight: Optional[float] = None
     upcasts: Optional[int] = None
     upcast_modules: Optional[Tuple[str, ...]] = None
     causes: Tuple[Tuple[int, str], ...] = ()
@@ -381,7 +384,8 @@ class Health:
     def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
                flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
                fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None,
-               dropped_microbatches: Optional[int] = None, upcasts: Optional[int] = None,
+               dropped_microbatches: Optional[int] = None, dropped_weight: Optional[float] = None,
+               upcasts: Optional[int] = None,
                upcast_modules: Optional[Tuple[str, ...]] = None) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
@@ -417,7 +421,8 @@ class Health:
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
             scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
             settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
-            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, upcasts=upcasts,
+            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, dropped_weight=dropped_weight,
+            upcasts=upcasts,
             upcast_modules=upcast_modules,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
         text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
@@ -468,7 +473,9 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
         one = r.dropped_microbatches == 1
         parts.append(f"{r.dropped_microbatches} micro-batch{'' if one else 'es'} with a non-finite loss "
                      f"{'was' if one else 'were'} left out of {'its step' if one else 'their steps'} "
-                     "(bad_microbatch); the other micro-batches stepped.")
+                     "(bad_microbatch); the other micro-batches stepped"
+                     + ("." if r.dropped_weight in (None, r.dropped_microbatches) else
+                        f", renormalised by their weights ({r.dropped_weight:g} of it dropped)."))
     if r.fp16_flushed:
         parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:

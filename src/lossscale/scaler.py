@@ -258,13 +258,22 @@ class GradScaler:
         return self._init_state if self._t is None else self._t.read()[0]
 
     # ------------------------------------------------------------------ torch's training-loop API
-    def scale(self, outputs):
+    def scale(self, outputs, weight=None):
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
-        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast."""
+        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast.
+        ``weight`` (with ``bad_microbatch``): this micro-batch's share of the step, e.g. its token count;
+        a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`)."""
         if not self._enabled:
             return outputs
         if not isinstance(outputs, torch.Tensor) or outputs.device.type == "meta":
             _refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
+        if weight is not None:
+            if self._microbatches is None:
+                raise ValueError("scale(weight=...) gives a micro-batch's share for dropping bad micro-batches; build "
+                                 "the scaler with bad_microbatch='drop' (or leave weight out).")
+            weight = _opt_in("microbatches").valid_weight(weight, outputs)
+        if self._microbatches is not None:
+            self._microbatches.expect(weight)
         if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
             self._hint_checks -= 1
             _hints.warn_if_bf16(outputs, self._passthrough())
@@ -272,12 +281,12 @@ class GradScaler:
             self._tracer.end_forward()  # the forward that produced these outputs is over
         self._began = True
         if isinstance(outputs, torch.Tensor):  # the usual case, a loss
-            return self._scale_tensor(outputs)
+            return self._scale_tensor(outputs, weight)
         return _map_tensors(self._scale_tensor, outputs)
 
-    def _scale_tensor(self, x: torch.Tensor) -> torch.Tensor:
+    def _scale_tensor(self, x: torch.Tensor, weight=None) -> torch.Tensor:
         t = self._t if self._t is not None else self._start(x.device)
-        if self._microbatches is not None and not self._microbatches.admit(x):  # one host read (opt-in)
+        if self._microbatches is not None and not self._microbatches.admit(x, weight):  # one host read (opt-in)
             return torch.zeros_like(x).requires_grad_()  # its backward reaches no parameter: dropped
         if self._loss_check or self._spikes is not None:
             self._losses.append(x.detach())  # for the loss check (and a loss rule): no kernel now
