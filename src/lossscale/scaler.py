@@ -99,6 +99,9 @@ class GradScaler:
         on_forward_overflow, upcast_after: "upcast" (with ``trace=True``): a module the trace names as the
             first forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
             (:mod:`lossscale.upcast`). "skip": such steps are skipped, the scale kept.
+        on_backward_overflow: "upcast" (with ``trace=True``): a module the trace names as the first backward
+            overflow on ``upcast_after`` steps skipped at the scale's floor (``min_scale``) is kept in FP32,
+            widened to its enclosing module if that does not end it (:mod:`lossscale.upcast`). "skip": no.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -124,7 +127,8 @@ class GradScaler:
                  enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
                  process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
                  trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, bad_microbatch: str = "skip",
-                 on_forward_overflow: str = "skip", upcast_after: int = 2, **policy_keywords: Any) -> None:
+                 on_forward_overflow: str = "skip", upcast_after: int = 2, on_backward_overflow: str = "skip",
+                 **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -147,8 +151,8 @@ class GradScaler:
         self._flushed = _opt_in("_features").Fp16Flushed() if allow_fp16 else None  # the values it flushed
         self._spikes = None if skip_if is None else _opt_in("spikes").SpikeSkipper.of(skip_if)
         self._microbatches = None if bad_microbatch == "skip" else _opt_in("microbatches").MicroBatches(bad_microbatch)
-        self._upcast = None if (on_forward_overflow, upcast_after) == ("skip", 2) else \
-            _opt_in("upcast").Upcast.of(on_forward_overflow, upcast_after, trace, model)
+        self._upcast = None if (on_forward_overflow, upcast_after, on_backward_overflow) == ("skip", 2, "skip") else \
+            _opt_in("upcast").Upcast.of(on_forward_overflow, upcast_after, trace, model, on_backward_overflow)
         # Those with an account (lossscale._features): counts(), state(), loadable() and load().
         self._features = [f for f in (self._telemetry, self._flushed, self._spikes, self._microbatches, self._upcast)
                           if f is not None]
@@ -184,7 +188,7 @@ class GradScaler:
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
                                            "allow_fp16", "skip_if", "bad_microbatch", "on_forward_overflow",
-                                           "upcast_after"})
+                                           "upcast_after", "on_backward_overflow"})
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
@@ -575,7 +579,9 @@ class GradScaler:
             state, scale_before = snap.read()
             self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
             if self._upcast is not None:  # a skipped step's first forward overflow: one read, on skips only
-                self._upcast.learn(state, snap.evidence, self._tracer)
+                floor = self._policy.scale_bounds()[0]
+                self._upcast.learn(state, snap.evidence, self._tracer,
+                                   at_floor=floor is not None and scale_before <= floor)
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
 
@@ -626,6 +632,8 @@ class GradScaler:
                                    self._telemetry.overall.flushed_frac if sampled else None,
                                    self._telemetry.step_collected if sampled else None, self._describe,
                                    upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
+                                   backward_upcasts=None if self._upcast is None or not self._upcast.backward
+                                   else tuple(self._upcast.kept_backward),
                                    **self._opt_in_counts())
 
     def overflow_report(self) -> Dict[str, Any]:
