@@ -12,12 +12,16 @@ Runs (AdamW, FP16 autocast on CPU, the same data and initial weights):
 * ``lossscale``: ``lossscale.GradScaler()``: the default floor ``min_scale=1`` holds it; it reports stuck.
 * ``lossscale_upcast``: ``lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")``.
 * ``lossscale_min_scale_none``: ``lossscale.GradScaler(min_scale=None)``: torch's unbounded backoff.
+* ``lossscale_min_scale_2**-8``: ``lossscale.GradScaler(min_scale=2**-8)``: a lower floor.
 * ``fp32_by_hand``: ``lossscale.keep_fp32(model, ["block"])`` before training, ``lossscale.GradScaler()``.
 * ``fp32``: no autocast, no scaler (the reference loss curve).
 
 Usage::
 
     python benchmarks/bench_backward_overflow.py            # 40 steps, 6 runs, about 10 s on one core
+
+Also, for the choice of the default floor: how many skipped steps a persistent NaN gradient takes to be
+reported stuck with ``min_scale`` 1, 2**-8 and None.
 
 Writes ``benchmarks/results/backward_overflow.json`` (every step's loss, skip and scale, per run) and
 ``backward_overflow.md`` (the table). Nothing is timed.
@@ -37,7 +41,10 @@ import torch
 
 import lossscale
 
-RUNS = ("torch", "lossscale", "lossscale_upcast", "lossscale_min_scale_none", "fp32_by_hand", "fp32")
+RUNS = ("torch", "lossscale", "lossscale_upcast", "lossscale_min_scale_none", "lossscale_min_scale_2**-8",
+        "fp32_by_hand", "fp32")
+#: The floors compared for the cost of a lower one: how long a persistent NaN takes to be reported stuck.
+FLOORS = {"1 (default)": 1.0, "2**-8": 2.0**-8, "None": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,7 @@ def train(cfg: Config, run: str) -> Dict[str, List]:
               "lossscale_upcast": lambda: lossscale.GradScaler(model=model, trace=True,
                                                                on_backward_overflow="upcast"),
               "lossscale_min_scale_none": lambda: lossscale.GradScaler(min_scale=None),
+              "lossscale_min_scale_2**-8": lambda: lossscale.GradScaler(min_scale=2.0**-8),
               "fp32_by_hand": lambda: lossscale.GradScaler(),
               "fp32": lambda: None}[run]()
     out = {"loss": [], "skipped": [], "scale": [], "events": []}
@@ -139,6 +147,24 @@ def train(cfg: Config, run: str) -> Dict[str, List]:
     return out
 
 
+def stuck_after(min_scale, limit: int = 400):
+    """Skipped steps until ``lossscale.GradScaler(min_scale=...)`` reports a persistent NaN gradient as
+    stuck (``on_stuck="raise"``), or None within ``limit``: the price of a lower floor."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = lossscale.GradScaler(min_scale=min_scale, on_stuck="raise")
+    for step in range(limit):
+        opt.zero_grad()
+        scaler.scale((p * p).sum()).backward()
+        p.grad[0] = float("nan")  # a NaN in the backward every step: no scale cures it
+        scaler.step(opt)
+        try:
+            scaler.update()
+        except RuntimeError:
+            return step + 1
+    return None
+
+
 def main(argv=None) -> Dict[str, Dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=Config.steps)
@@ -147,18 +173,20 @@ def main(argv=None) -> Dict[str, Dict]:
     torch.set_num_threads(1)
     cfg = Config(steps=args.steps)
     results = {run: train(cfg, run) for run in RUNS}
+    stuck = {label: stuck_after(floor) for label, floor in FLOORS.items()}
     os.makedirs(args.out, exist_ok=True)
     meta = {"config": dataclasses.asdict(cfg), "torch": torch.__version__, "python": platform.python_version(),
             "command": "python benchmarks/bench_backward_overflow.py"}
     with open(os.path.join(args.out, "backward_overflow.json"), "w") as f:
-        json.dump({"meta": meta, "runs": results}, f, indent=1)
+        json.dump({"meta": meta, "runs": results, "persistent_nan_stuck_after": stuck}, f, indent=1)
+    text = markdown(cfg, results, stuck)
     with open(os.path.join(args.out, "backward_overflow.md"), "w") as f:
-        f.write(markdown(cfg, results))
-    print(markdown(cfg, results))
+        f.write(text)
+    print(text)
     return results
 
 
-def markdown(cfg: Config, results: Dict[str, Dict]) -> str:
+def markdown(cfg: Config, results: Dict[str, Dict], stuck: Dict[str, int]) -> str:
     lines = [f"# A backward that overflows FP16 at any scale >= 1: {cfg.steps} steps, AdamW",
              "", "`python benchmarks/bench_backward_overflow.py` (torch " + torch.__version__ + ", CPU, FP16 autocast; "
              f"block gain 2**{int(torch.log2(torch.tensor(cfg.gain)).item())}, batch {cfg.batch}, loss summed over "
@@ -172,6 +200,10 @@ def markdown(cfg: Config, results: Dict[str, Dict]) -> str:
     events = results["lossscale_upcast"]["events"]
     if events:
         lines += ["", "What `on_backward_overflow=\"upcast\"` did:", ""] + [f"- {e}" for e in events]
+    lines += ["", "The price of a lower floor: a NaN gradient on every step (no scale cures it) is reported stuck "
+              "(`on_stuck`) after this many skipped steps, from the default initial scale 2**16:", "",
+              "| min_scale | skipped steps until reported stuck |", "|---|---|"]
+    lines += [f"| {label} | {n if n is not None else 'not within 400'} |" for label, n in stuck.items()]
     every = max(1, cfg.steps // 8)
     lines += ["", "Loss (before each step's update):", "",
               "| step | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
