@@ -37,6 +37,7 @@ values; on FSDP models it reads torch's FSDP state objects (private names, each 
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -324,9 +325,13 @@ def _checkpoint(scaler, framework) -> List[Finding]:
 
 def _second_scaler(scaler, optimizer) -> List[Finding]:
     # accelerate's AcceleratedOptimizer keeps the scaler its step() goes through as .scaler
-    # (accelerate/optimizer.py); any other optimizer has no such attribute.
-    theirs = getattr(optimizer, "scaler", None) if type(optimizer).__name__ == "AcceleratedOptimizer" else None
-    if scaler is None or theirs is None or theirs is scaler:
+    # (accelerate/optimizer.py). Without accelerate imported, the optimizer cannot be one.
+    accelerate_optimizer = sys.modules.get("accelerate.optimizer")
+    if scaler is None or accelerate_optimizer is None or \
+            not isinstance(optimizer, accelerate_optimizer.AcceleratedOptimizer):
+        return []
+    theirs = optimizer.scaler
+    if theirs is None or theirs is scaler:
         return []
     return [Finding(
         Kind.SECOND_SCALER, (type(theirs).__name__,),
