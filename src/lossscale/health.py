@@ -204,6 +204,11 @@ class HealthReport:
         return {prefix + k: v for k, v in out.items()}
 
 
+def _number(x) -> str:
+    """An int as it is (a token count of millions stays exact), a float short."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def disabled() -> HealthReport:
     """The report of a disabled scaler: nothing was counted."""
     return HealthReport("disabled", "lossscale health: loss scaling is disabled (GradScaler(enabled=False)); "
@@ -483,7 +488,7 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
                      f"{'was' if one else 'were'} left out of {'its step' if one else 'their steps'} "
                      "(bad_microbatch); the other micro-batches stepped"
                      + ("." if r.dropped_weight in (None, r.dropped_microbatches) else
-                        f", renormalised by their weights ({r.dropped_weight:g} of it dropped)."))
+                        f", renormalised by their weights ({_number(r.dropped_weight)} of it dropped)."))
     if r.fp16_flushed:
         parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:
