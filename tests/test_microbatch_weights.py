@@ -90,7 +90,7 @@ def test_the_dropped_weight_is_counted_reported_and_checkpointed():
     assert report.dropped_weight == 18 and "renormalised by their weights (18 of it dropped)" in report.text
     state = scaler.state_dict()
     assert state["dropped_weight"] == 18 and state["dropped_microbatches"] == 2
-    fresh = lossscale.GradScaler(bad_microbatch="drop")
+    fresh = lossscale.GradScaler(bad_microbatch="drop", init_scale=2.0**10)  # the saved run's settings
     fresh.load_state_dict(state)
     assert fresh.counters()["dropped_weight"] == 18
     del state["dropped_weight"]  # a checkpoint from before weights: its micro-batches are its weight
