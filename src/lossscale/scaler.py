@@ -291,7 +291,8 @@ class GradScaler:
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
         The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast.
         ``weight`` (with ``bad_microbatch``): this micro-batch's share of the step, e.g. its token count;
-        a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`)."""
+        a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`).
+        A tensor ``weight`` is read on the host (one sync)."""
         if not self._enabled:
             return outputs
         if not isinstance(outputs, torch.Tensor) or outputs.device.type == "meta":
@@ -603,7 +604,8 @@ class GradScaler:
             snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
             state, scale_before = snap.read()
             self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
-            if self._upcast is not None:  # a skipped step's first forward overflow: one read, on skips only
+            if self._upcast is not None:  # a skipped step's first forward (at the floor: backward) overflow:
+                # one read, on skipped steps only
                 floor = self._policy.scale_bounds()[0]
                 self._upcast.learn(state, snap.evidence, self._tracer,
                                    at_floor=floor is not None and scale_before <= floor)
