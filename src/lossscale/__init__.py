@@ -40,6 +40,7 @@ _LAZY = {
     "audit": "auditing",
     "AuditReport": "auditing",
     "keep_fp32": "fp32",
+    "check_setup": "setup_check",
 }
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "audit",
     "AuditReport",
     "keep_fp32",
+    "check_setup",
 ]
 
 

@@ -49,7 +49,7 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
         out.update(tracer.names_of(evidence["trace"]))
     out["scale"] = evidence["scale"] if evidence.get("scale") is not None else scale
     out["spike"] = any(bool(s.item()) for s in evidence.get("spikes") or [])
-    out["upcast"] = evidence.get("upcast")  # on_forward_overflow="upcast" kept this module in FP32 on this step
+    out["upcast"] = evidence.get("upcast")  # on_forward/backward_overflow="upcast" kept this module in FP32 on this step
     out["cause"] = explain(out)
     return out
 
@@ -69,6 +69,7 @@ def explain(rep: Dict[str, Any]) -> str:
         return (f"the loss itself was {rep['loss']} before scaling: a data or model problem (a bad batch, "
                 "log of 0, an overflowed fp16 activation), not the loss scale (kept).")
     if rep["backward"] is not None:
-        return f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: the loss scale (backed off)."
+        upcast = (f" `{rep['upcast']}` now runs in FP32 (on_backward_overflow='upcast')." if rep.get("upcast") else "")
+        return f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: the loss scale (backed off).{upcast}"
     where = ", ".join(rep["nan"] + rep["inf"])[:200] or "some gradient"
     return f"{kind} in the gradients ({where}) at scale {scale}: the loss scale (backed off)."

@@ -96,7 +96,8 @@ def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Opt
     return values[0], values[1], reduced_amax, reduced_bad
 
 
-def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], norm_type: float, norm_group: Any = None
+def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], norm_type: float, norm_group: Any = None,
+                   expert_parallel: Any = None
                    ) -> Tuple[Optional[Callable[[torch.Tensor], torch.Tensor]], Optional[List[bool]]]:
     """How ``clip_grad_norm_`` turns this rank's gradients into the total norm: ``(reduce, counted)``.
 
@@ -116,6 +117,14 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
                                                     each rank's plain gradients count as its own part
         a DTensor gradient is counted where this rank's mesh coordinate is 0 on every mesh dim
         where it is Replicate (one copy of each shard), and reduced over the dims where it is Shard
+        expert_parallel=(expert params, ep group) (mixture-of-experts), over norm_group or the world:
+            expert gradients                     -> each EP rank holds other experts: counted on the
+                                                    ranks of one EP group (the one holding the lowest
+                                                    rank of the reduction); the other EP groups hold
+                                                    copies (expert data parallel)
+            other plain gradients                -> copies on every rank (data parallel): counted once,
+                                                    on the lowest rank
+            DTensor gradients (FSDP2)            -> as above, on a mesh of every rank of the reduction
 
     torch's ``clip_grad_norm_`` on DTensors reduces with the same ``x**p``, SUM, ``**(1/p)``
     (``_NormPartial``), but the vector of per-tensor norms, one collective per mesh dim; here it is
@@ -145,6 +154,8 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
             "norm: for a pipeline of plain stages its pipeline group, for pipeline x FSDP/TP the world "
             "(torch.distributed.group.WORLD)."
         )
+    if expert_parallel is not None:
+        experts, ep_group = _expert_parallel(expert_parallel)
     if not _dist_ready():
         return None, None
     meshes, copies, plain = [], {}, False
@@ -162,6 +173,8 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
         if not any(grad.device_mesh is m for m in meshes):
             meshes.append(grad.device_mesh)
         copies[id(p)] = _is_copy(grad)
+    if expert_parallel is not None:
+        return _expert_reduction(params, experts, ep_group, meshes, copies, norm_type, norm_group)
     if norm_group is None:
         if not meshes:
             return None, None
@@ -199,6 +212,50 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
                 )
         group = norm_group
     counted = [not copies.get(id(p), False) for p in params]
+    return functools.partial(all_reduce_norm, norm_type=norm_type, group=group), counted
+
+
+def _expert_parallel(value) -> Tuple[set, "torch.distributed.ProcessGroup"]:
+    """``expert_parallel=(params, group)`` validated: the ids of the expert parameters, and the group."""
+    try:
+        params, group = value
+        ids = {id(p) for p in params}
+    except (TypeError, ValueError):
+        raise ValueError(f"expert_parallel={value!r} must be a pair (expert parameters, expert-parallel process "
+                         "group): the parameters of this rank's experts and the group over which the experts are "
+                         "split.") from None
+    if not (torch.distributed.is_available() and isinstance(group, torch.distributed.ProcessGroup)):
+        raise ValueError(f"expert_parallel: the group {group!r} must be a torch.distributed ProcessGroup (the "
+                         "expert-parallel group: the ranks that hold different experts); this rank must be in it.")
+    return ids, group
+
+
+def _expert_reduction(params, experts, ep_group, meshes, copies, norm_type, norm_group):
+    """:func:`norm_reduction` with expert parameters split over ``ep_group``: one SUM all-reduce over the
+    reduction group (``norm_group`` or the world), each gradient counted on exactly one rank per copy."""
+    group = norm_group if norm_group is not None else torch.distributed.group.WORLD
+    members = torch.distributed.get_process_group_ranks(group)
+    ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
+    rank = torch.distributed.get_rank()
+    if rank not in ep_ranks or not set(ep_ranks) <= set(members):
+        raise ValueError(f"clip_grad_norm_: expert_parallel's group holds ranks {ep_ranks[:8]}, which must include "
+                         f"this rank ({rank}) and lie within the reduction group (norm_group, else the world).")
+    for mesh in meshes:
+        if sorted(mesh.mesh.flatten().tolist()) != sorted(members):
+            raise ValueError(
+                f"clip_grad_norm_: with expert_parallel, DTensor gradients must lie on a mesh of every rank of the "
+                f"reduction group ({len(members)} ranks), not on {mesh}: lossscale cannot tell which other ranks "
+                "hold copies of their shards.")
+    first = min(members)
+    ep_first = first in ep_ranks  # this EP group's experts are the counted copy of every expert
+    counted = []
+    for p in params:
+        if id(p) in experts:
+            counted.append(ep_first and not copies.get(id(p), False))
+        elif id(p) in copies:  # a DTensor: its mesh says
+            counted.append(not copies[id(p)])
+        else:  # a data-parallel copy on every rank
+            counted.append(rank == first)
     return functools.partial(all_reduce_norm, norm_type=norm_type, group=group), counted
 
 

@@ -111,7 +111,7 @@ VERDICTS = ("healthy", "recovering", "stuck")
 #: A flushed share above this (1%) gets advice in the report.
 FLUSHED_WARN = 0.01
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
-_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules")
+_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules", "backward_upcasts")
 
 
 def settle_steps(policy) -> int:
@@ -154,8 +154,12 @@ class HealthReport:
             which counts the steps the scale answered or the loss spoiled); else None.
         dropped_microbatches: with ``bad_microbatch="drop"`` (or "zero"), the micro-batches whose loss
             was non-finite and that were left out of their step; else None.
-        upcasts, upcast_modules: with ``on_forward_overflow="upcast"``, how many modules and which ones
-            the scaler kept in FP32 after repeated forward overflows; else None.
+        dropped_weight: their weight (``scale(loss, weight=...)``: tokens, with token counts; without
+            weights, equal to ``dropped_microbatches``); else None.
+        upcasts, upcast_modules: with ``on_forward_overflow="upcast"`` (or ``on_backward_overflow``), how
+            many modules and which ones the scaler kept in FP32 after repeated overflows; else None.
+        backward_upcasts: with ``on_backward_overflow="upcast"``, those of them kept for a backward that
+            overflowed at the scale's floor; else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 
@@ -179,8 +183,10 @@ class HealthReport:
     fp16_flushed: Optional[int] = None
     spike_steps: Optional[int] = None
     dropped_microbatches: Optional[int] = None
+    dropped_weight: Optional[float] = None
     upcasts: Optional[int] = None
     upcast_modules: Optional[Tuple[str, ...]] = None
+    backward_upcasts: Optional[Tuple[str, ...]] = None
     causes: Tuple[Tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
@@ -196,6 +202,11 @@ class HealthReport:
             if f.name not in _TEXT_FIELDS and value is not None:
                 out[f.name] = value
         return {prefix + k: v for k, v in out.items()}
+
+
+def _number(x) -> str:
+    """An int as it is (a token count of millions stays exact), a float short."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def disabled() -> HealthReport:
@@ -381,8 +392,10 @@ class Health:
     def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
                flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
                fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None,
-               dropped_microbatches: Optional[int] = None, upcasts: Optional[int] = None,
-               upcast_modules: Optional[Tuple[str, ...]] = None) -> HealthReport:
+               dropped_microbatches: Optional[int] = None, dropped_weight: Optional[float] = None,
+               upcasts: Optional[int] = None,
+               upcast_modules: Optional[Tuple[str, ...]] = None,
+               backward_upcasts: Optional[Tuple[str, ...]] = None) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -417,8 +430,9 @@ class Health:
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
             scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
             settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
-            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, upcasts=upcasts,
-            upcast_modules=upcast_modules,
+            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, dropped_weight=dropped_weight,
+            upcasts=upcasts,
+            upcast_modules=upcast_modules, backward_upcasts=backward_upcasts,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
         text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)
@@ -461,14 +475,20 @@ def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuc
     if r.spike_steps:
         parts.append(f"{_plural(r.spike_steps, 'spike')} (a gradient norm or loss far above its recent run) "
                      "skipped by skip_if, the scale kept.")
-    if r.upcast_modules:
+    forward_upcasts = [m for m in r.upcast_modules or () if m not in (r.backward_upcasts or ())]
+    if forward_upcasts:
         parts.append(f"Kept in FP32 after repeated forward overflows (on_forward_overflow='upcast'): "
-                     f"{', '.join(r.upcast_modules)}.")
+                     f"{', '.join(forward_upcasts)}.")
+    if r.backward_upcasts:
+        parts.append(f"Kept in FP32 after their backward overflowed FP16 at the scale's floor "
+                     f"(on_backward_overflow='upcast'): {', '.join(r.backward_upcasts)}.")
     if r.dropped_microbatches:
         one = r.dropped_microbatches == 1
         parts.append(f"{r.dropped_microbatches} micro-batch{'' if one else 'es'} with a non-finite loss "
                      f"{'was' if one else 'were'} left out of {'its step' if one else 'their steps'} "
-                     "(bad_microbatch); the other micro-batches stepped.")
+                     "(bad_microbatch); the other micro-batches stepped"
+                     + ("." if r.dropped_weight in (None, r.dropped_microbatches) else
+                        f", renormalised by their weights ({_number(r.dropped_weight)} of it dropped)."))
     if r.fp16_flushed:
         parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:

@@ -109,6 +109,9 @@ class GradScaler:
         on_forward_overflow, upcast_after: "upcast" (with ``trace=True``): a module the trace names as the
             first forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
             (:mod:`lossscale.upcast`). "skip": such steps are skipped, the scale kept.
+        on_backward_overflow: "upcast" (with ``trace=True``): a module the trace names as the first backward
+            overflow on ``upcast_after`` steps skipped at the scale's floor (``min_scale``) is kept in FP32,
+            widened to its enclosing module if that does not end it (:mod:`lossscale.upcast`). "skip": no.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -134,7 +137,8 @@ class GradScaler:
                  enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
                  process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
                  trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, bad_microbatch: str = "skip",
-                 on_forward_overflow: str = "skip", upcast_after: int = 2, **policy_keywords: Any) -> None:
+                 on_forward_overflow: str = "skip", upcast_after: int = 2, on_backward_overflow: str = "skip",
+                 **policy_keywords: Any) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -157,8 +161,8 @@ class GradScaler:
         self._flushed = _opt_in("_features").Fp16Flushed() if allow_fp16 else None  # the values it flushed
         self._spikes = None if skip_if is None else _opt_in("spikes").SpikeSkipper.of(skip_if)
         self._microbatches = None if bad_microbatch == "skip" else _opt_in("microbatches").MicroBatches(bad_microbatch)
-        self._upcast = None if (on_forward_overflow, upcast_after) == ("skip", 2) else \
-            _opt_in("upcast").Upcast.of(on_forward_overflow, upcast_after, trace, model)
+        self._upcast = None if (on_forward_overflow, upcast_after, on_backward_overflow) == ("skip", 2, "skip") else \
+            _opt_in("upcast").Upcast.of(on_forward_overflow, upcast_after, trace, model, on_backward_overflow)
         # Those with an account (lossscale._features): counts(), state(), loadable() and load().
         self._features = [f for f in (self._telemetry, self._flushed, self._spikes, self._microbatches, self._upcast)
                           if f is not None]
@@ -197,7 +201,7 @@ class GradScaler:
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
                                            "allow_fp16", "skip_if", "bad_microbatch", "on_forward_overflow",
-                                           "upcast_after"})
+                                           "upcast_after", "on_backward_overflow"})
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
@@ -283,13 +287,23 @@ class GradScaler:
         return self._init_state if self._t is None else self._t.read()[0]
 
     # ------------------------------------------------------------------ torch's training-loop API
-    def scale(self, outputs):
+    def scale(self, outputs, weight=None):
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
-        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast."""
+        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast.
+        ``weight`` (with ``bad_microbatch``): this micro-batch's share of the step, e.g. its token count;
+        a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`).
+        A tensor ``weight`` is read on the host (one sync)."""
         if not self._enabled:
             return outputs
         if not isinstance(outputs, torch.Tensor) or outputs.device.type == "meta":
             _refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
+        if weight is not None:
+            if self._microbatches is None:
+                raise ValueError("scale(weight=...) gives a micro-batch's share for dropping bad micro-batches; build "
+                                 "the scaler with bad_microbatch='drop' (or leave weight out).")
+            weight = _opt_in("microbatches").valid_weight(weight, outputs)
+        if self._microbatches is not None:
+            self._microbatches.expect(weight)
         if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
             self._hint_checks -= 1
             _hints.warn_if_bf16(outputs, self._passthrough())
@@ -298,12 +312,12 @@ class GradScaler:
         self._began = True
         self._stale_gradients = False  # a new backward follows
         if isinstance(outputs, torch.Tensor):  # the usual case, a loss
-            return self._scale_tensor(outputs)
+            return self._scale_tensor(outputs, weight)
         return _map_tensors(self._scale_tensor, outputs)
 
-    def _scale_tensor(self, x: torch.Tensor) -> torch.Tensor:
+    def _scale_tensor(self, x: torch.Tensor, weight=None) -> torch.Tensor:
         t = self._t if self._t is not None else self._start(x.device)
-        if self._microbatches is not None and not self._microbatches.admit(x):  # one host read (opt-in)
+        if self._microbatches is not None and not self._microbatches.admit(x, weight):  # one host read (opt-in)
             return torch.zeros_like(x).requires_grad_()  # its backward reaches no parameter: dropped
         if self._loss_check or self._spikes is not None:
             self._losses.append(x.detach())  # for the loss check (and a loss rule): no kernel now
@@ -395,8 +409,8 @@ class GradScaler:
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
         self._keep(optimizer, rec, OptState.UNSCALED)
 
-    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
-                        ) -> torch.Tensor:
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None,
+                        expert_parallel: Any = None) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
@@ -405,6 +419,8 @@ class GradScaler:
         the gradients are only unscaled. Once per optimizer per iteration, instead of :meth:`unscale_`.
         The norm is over every rank's part of the parameters: DTensor gradients (FSDP2, tensor parallel)
         over their mesh, pipeline stages over ``norm_group``, in one all-reduce. Syncs like :meth:`unscale_`.
+        Mixture-of-experts: ``expert_parallel=(this rank's expert parameters, the expert-parallel group)``
+        (:func:`lossscale.distributed.norm_reduction`).
         """
         from ._check import clip_scaled_, largest_magnitudes, validate_clip
         from .distributed import norm_reduction
@@ -421,7 +437,8 @@ class GradScaler:
         with torch.no_grad():
             gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(),
                                           coalesce=True)
-            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
+            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group,
+                                                  expert_parallel)
             if not self._enabled:  # torch's clip, or the same reduced norm as when enabled, at scale 1
                 if reduce_norm is None:
                     return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
@@ -587,8 +604,11 @@ class GradScaler:
             snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
             state, scale_before = snap.read()
             self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
-            if self._upcast is not None:  # a skipped step's first forward overflow: one read, on skips only
-                self._upcast.learn(state, snap.evidence, self._tracer)
+            if self._upcast is not None:  # a skipped step's first forward (at the floor: backward) overflow:
+                # one read, on skipped steps only
+                floor = self._policy.scale_bounds()[0]
+                self._upcast.learn(state, snap.evidence, self._tracer,
+                                   at_floor=floor is not None and scale_before <= floor)
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
 
@@ -639,6 +659,8 @@ class GradScaler:
                                    self._telemetry.overall.flushed_frac if sampled else None,
                                    self._telemetry.step_collected if sampled else None, self._describe,
                                    upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
+                                   backward_upcasts=None if self._upcast is None or not self._upcast.backward
+                                   else tuple(self._upcast.kept_backward),
                                    **self._opt_in_counts())
 
     def overflow_report(self) -> Dict[str, Any]:
