@@ -8,6 +8,8 @@
   fp16, ZeRO-0 to 3) and `log_health(engine)`.
 - `lossscale.integrations.megatron`: `GradScaler(...)`, a Megatron-core `MegatronGradScaler`, and
   `attach(optimizer)`.
+- `lossscale.integrations.verl`: `attach(engine)` (verl's FSDP training engines; verl is in no extra:
+  `pip install verl`).
 - `lossscale.integrations.loggers`: `log_tensorboard(writer, scaler, step)`.
 
 Importing this package, or any of its modules, imports no framework: each framework is imported by
@@ -19,7 +21,7 @@ and the versions tested: the how-to guides and the Compatibility page of the doc
 
 import importlib
 
-__all__ = ["accelerate", "transformers", "lightning", "loggers", "deepspeed", "megatron"]
+__all__ = ["accelerate", "transformers", "lightning", "loggers", "deepspeed", "megatron", "verl"]
 
 
 def _require(framework: str) -> None:
