@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -80,7 +81,9 @@ class Finding:
 
     def __str__(self) -> str:
         shown = ", ".join(self.where[:SHOWN]) + (f", ... ({len(self.where)} in all)" if len(self.where) > SHOWN else "")
-        return f"[{self.kind.value}] {shown}\n    {self.message}\n    fix: {self.fix}"
+        message = textwrap.fill(self.message, 100, initial_indent="    ", subsequent_indent="    ")
+        fix = textwrap.fill(f"fix: {self.fix}", 100, initial_indent="    ", subsequent_indent="      ")
+        return f"[{self.kind.value}] {shown}\n{message}\n{fix}"
 
 
 @dataclass(frozen=True)
