@@ -171,13 +171,17 @@ def train(rank, world, folder: str, attach: bool = True):
     if not attach:
         return _run_unattached(trainer, step_now)
 
+    refusals = _refusals(trainer, ls_torchtitan)
     scaler = ls_torchtitan.attach(trainer, init_scale=2.0 ** 10, growth_interval=100)
+    refusals["same_scaler_again"] = ls_torchtitan.attach(trainer) is scaler
+    with pytest.raises(ValueError, match="already attached"):
+        ls_torchtitan.attach(trainer, init_scale=2.0)
     recorder = trainer.metrics_processor.logger = _Recorder()
     data = trainer.batch_generator(trainer.dataloader)
-    out = {"steps": []}
+    out = {"steps": [], "refusals": refusals}
     saved = None
     for _ in range(NAN_STEP + 1):
-        trainer.step += 1  # as Trainer.train() does (trainer.py:1032-1043)
+        trainer.step += 1  # as Trainer.train() does (trainer.py:1032-1044)
         step_now["n"] = trainer.step
         before, lr_before, scale_before = _snapshot(trainer), _schedule(trainer), scaler.get_scale()
         trainer.train_step(data)
@@ -204,6 +208,24 @@ def train(rank, world, folder: str, attach: bool = True):
     second.close()
     trainer.close()
     return out
+
+
+def _refusals(trainer, ls_torchtitan):
+    """attach() on what it cannot scale: a ValueError naming the fix, the trainer left as it was."""
+    chunk_loss = trainer.loss_fn.loss_fn  # ChunkedLossWrapper's per-chunk loss: the one attach() scales
+    loss_class, step = type(chunk_loss), trainer.optimizers.step
+    with pytest.raises(ValueError, match="torchtitan.trainer.Trainer"):
+        ls_torchtitan.attach(object())
+    trainer.config.training.mixed_precision_param = "bfloat16"
+    try:
+        with pytest.raises(ValueError, match='set it to "float16"'):
+            ls_torchtitan.attach(trainer)
+    finally:
+        trainer.config.training.mixed_precision_param = "float16"
+    with pytest.raises(ValueError, match="device="):
+        ls_torchtitan.attach(trainer, device="cpu")
+    return {"untouched": type(chunk_loss) is loss_class and trainer.optimizers.step == step
+            and ls_torchtitan._ATTACHED not in trainer.__dict__}
 
 
 def _run_unattached(trainer, step_now):
@@ -289,3 +311,9 @@ def test_scaler_restored_from_torchtitans_checkpoint(results):
         assert restored["step"] == CHECKPOINT_STEP
         assert restored["differed"] and restored["equal"]
         assert restored["scale"] == restored["saved_scale"] == 2.0 ** 9
+
+
+def test_attach_refuses_what_it_cannot_scale_and_returns_the_same_scaler_again(results):
+    attached, _ = results
+    for rank in attached:
+        assert rank["refusals"] == {"untouched": True, "same_scaler_again": True}

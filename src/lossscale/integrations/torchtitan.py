@@ -15,7 +15,7 @@ torchtitan has no loss scaler: in FP16 the first overflow writes inf/NaN into th
   (distributed/pipeline_parallel.py:327-329) call the trainer's one loss object; its loss keeps its
   value and carries the scale in its backward only, so the loss torchtitan logs and checks is the true
   one. Under ``ChunkedLossWrapper`` the per-chunk loss is the one scaled: the wrapper runs each chunk's
-  backward itself (components/loss.py:752-763).
+  backward itself (components/loss.py:754-762).
 * **The gradients are unscaled before torchtitan's clip** (trainer.py:940): right after the step's
   last forward-backward, every optimizer is unscaled and checked, its skip flag all-reduced over the
   default group, so every rank (pipeline stages, expert-parallel ranks) decides the same.
@@ -28,7 +28,7 @@ torchtitan has no loss scaler: in FP16 the first overflow writes inf/NaN into th
 * **Checkpoints** (DCP) hold the scaler under ``"lossscale"``, beside ``"train_state"``
   (trainer.py:596), saved and restored with the rest.
 * **Metrics**: ``scaler.metrics()`` (prefixed ``scaler/``) join every log torchtitan writes
-  (``MetricsProcessor.log``, components/metrics.py:470; TensorBoard, W&B); one host sync per
+  (``MetricsProcessor.log``, components/metrics.py:451-519; TensorBoard, W&B); one host sync per
   logging step.
 * **A batch whose loss is not finite** is skipped (the loss check: no backoff, counted in
   ``bad_loss_steps``). torchtitan would stop the run on it on a logging step only (trainer.py:994):
@@ -83,6 +83,7 @@ def attach(trainer, **scaler_kwargs):
             intends), unless a policy object is given.
     """
     _require("torchtitan")
+    from torchtitan.components.loss import BaseLoss
     from torchtitan.trainer import Trainer
 
     from ..scaler import GradScaler
@@ -101,6 +102,9 @@ def attach(trainer, **scaler_kwargs):
         raise ValueError(
             f"trainer.config.training.mixed_precision_param is {precision!r}; set it to \"float16\" on the "
             "Trainer.Config before Trainer(config) to train in FP16 (bfloat16 needs no loss scaler).")
+    if not isinstance(trainer.loss_fn, BaseLoss):
+        raise ValueError(f"trainer.loss_fn={trainer.loss_fn!r} is not a torchtitan BaseLoss; attach() scales the "
+                         "loss that a BaseLoss (config.loss) returns.")
     if "device" in scaler_kwargs:
         raise ValueError("device= is the trainer's (trainer.device); leave it out.")
     if isinstance(scaler_kwargs.get("policy", "dynamic"), str):
@@ -144,14 +148,14 @@ def _scale_backward(loss_fn, scaler) -> None:
     from torchtitan.components.loss import ChunkedLossWrapper
 
     if isinstance(loss_fn, ChunkedLossWrapper):
-        loss_fn = loss_fn.loss_fn  # components/loss.py:752-760: the per-chunk loss is the one backpropagated
+        loss_fn = loss_fn.loss_fn  # components/loss.py:754-762: the per-chunk loss is the one backpropagated
     base = type(loss_fn)
 
     class ScaledBackwardLoss(base):
         def __call__(self, *args, **kwargs):
             loss, metrics = super().__call__(*args, **kwargs)
             if not (torch.is_grad_enabled() and loss.requires_grad):
-                return loss, metrics  # validation (components/validate.py runs under no_grad): nothing to scale
+                return loss, metrics  # validation (components/validate.py:215 runs under no_grad): nothing to scale
             return _ScaledBackward.apply(loss, self._lossscale_scaler.scale(loss)), metrics
 
     ScaledBackwardLoss.__name__ = ScaledBackwardLoss.__qualname__ = f"ScaledBackward{base.__name__}"
@@ -160,14 +164,14 @@ def _scale_backward(loss_fn, scaler) -> None:
 
 
 def _unscaling_forward_backward(trainer, attachment: _Attachment):
-    """``trainer.forward_backward_step``, then, after the step's last one (trainer.py:904-920 calls it
+    """``trainer.forward_backward_step``, then, after the step's last one (trainer.py:907-925 calls it
     once per gradient-accumulation step), unscale and check every optimizer's gradients: the clip at
     trainer.py:940 comes next and must see true gradients. One all-reduce of the flags per optimizer;
     a host sync per optimizer unless it is fused."""
     forward_backward_step = trainer.forward_backward_step
 
-    def wrapped(**kwargs):
-        loss = forward_backward_step(**kwargs)
+    def wrapped(*args, **kwargs):
+        loss = forward_backward_step(*args, **kwargs)
         attachment.backward_passes += 1
         if attachment.backward_passes == trainer.gradient_accumulation_steps:
             for optimizer in trainer.optimizers.optimizers:
@@ -178,7 +182,7 @@ def _unscaling_forward_backward(trainer, attachment: _Attachment):
 
 
 def _scaled_step(optimizers, attachment: _Attachment):
-    """``OptimizersContainer.step`` (components/optimizer/optimizer.py:323-327) through the scaler: each
+    """``OptimizersContainer.step`` (components/optimizer/optimizer.py:296-300) through the scaler: each
     optimizer stepped or skipped by ``scaler.step``, then ``scaler.update()``. Wrapped as torch wraps
     every optimizer's step, so the container's step hooks (MoE load balancing) run as before."""
 
@@ -207,9 +211,10 @@ def _held_on_skip(step, scaler):
 
 class _ScalerState:
     """The scaler as a DCP ``Stateful``: its state dict travels as one serialised blob (as torchtitan's
-    dataloader state does, components/dataloader.py:147-152), so a checkpoint loads whatever the
+    dataloader state does, components/dataloader.py:140-146), so a checkpoint loads whatever the
     scaler's configuration was when it was saved (its policy wins, as in ``GradScaler.load_state_dict``).
-    Every rank holds the same state (the skip decision is all-reduced)."""
+    Every rank holds the same state (the skip decision is all-reduced). Saving syncs once, as
+    ``scaler.state_dict()`` does."""
 
     def __init__(self, scaler) -> None:
         self.scaler = scaler
@@ -225,7 +230,7 @@ class _ScalerState:
 
 def _logging_scaler_metrics(log, scaler):
     """``MetricsProcessor.log`` with ``scaler.metrics()`` (prefixed ``scaler/``) in its extra metrics, which
-    it writes to TensorBoard and W&B (components/metrics.py:530-533). One host sync per logging step."""
+    it writes to TensorBoard and W&B (components/metrics.py:517-519). One host sync per logging step."""
     from .loggers import scalars
 
     def wrapped(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
@@ -240,7 +245,8 @@ def _going_on_after_skipped_bad_loss(trainer, scaler):
     """``trainer.train_step``, going on where torchtitan stops the run on a non-finite loss
     (trainer.py:994-998, after the optimizer step) when the scaler skipped that step: the weights, the
     optimizer state and the LR are as before the batch. The scaler's figures go to torchtitan's metric
-    loggers and a warning to its console; torchtitan's loss figures for that step are not logged."""
+    loggers (one host sync) and a warning to its console; torchtitan's loss figures for that step are
+    not logged."""
     from torchtitan.tools.logging import logger
 
     from .loggers import scalars
