@@ -47,7 +47,7 @@ def install() -> None:
     if "torchtitan.trainer" in sys.modules:
         return
     found = torch._utils._get_available_device_type
-    # tools/utils.py:56 takes "cuda" when no accelerator is found; CPU here (device module torch.cpu).
+    # tools/utils.py:55 takes "cuda" when no accelerator is found; CPU here (device module torch.cpu).
     torch._utils._get_available_device_type = lambda: "cpu"
     # distributed/minimal_async_ep/kernels.py imports triton (CUDA builds only) for expert-parallel kernels.
     kernels = sys.modules[_MOE_KERNELS] = types.ModuleType(_MOE_KERNELS)

@@ -153,12 +153,15 @@ def train(rank, world, folder: str, attach: bool = True):
 
     trainer = Trainer(_config(folder))
     _torchtitan_cpu.gloo_reductions(trainer)
-    step_now = {"n": 0}
+    step_now, scaled_norm = {"n": 0}, []
 
     fwd_bwd = trainer.forward_backward_step
 
     def planting(**kwargs):  # an overflow in one rank's gradient, after the backward
         loss = fwd_bwd(**kwargs)
+        if step_now["n"] == 1:  # the norm of the scaled gradients, over both ranks' shards
+            grads = [p.grad for p in trainer.model_parts[0].parameters()]
+            scaled_norm.append(torch.nn.utils.get_total_norm(grads).full_tensor().item())
         if step_now["n"] == INFLOW_STEP and rank == 1:
             grad = next(trainer.model_parts[0].parameters()).grad.to_local()
             grad.view(-1)[0] = float("inf")
@@ -193,8 +196,8 @@ def train(rank, world, folder: str, attach: bool = True):
             step=trainer.step, skipped=scaler.last_step_skipped, unchanged=_same(before, after),
             lr_held=_schedule(trainer) == lr_before, scale_before=scale_before,
             scale_after=scaler.get_scale(), finite=all(torch.isfinite(p).all().item() for p in after[0])))
-    out["counters"] = scaler.counters()
-    out["logged"] = [(step, {k: v for k, v in m.items() if k.startswith("scaler/") or k.startswith("loss_metrics/")})
+    out["counters"], out["scaled_norm"] = scaler.counters(), scaled_norm
+    out["logged"] = [(step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
                      for step, m in recorder.logged]
 
     # torchtitan's own DCP checkpoint, into a fresh Trainer with another scaler configuration.
@@ -206,6 +209,15 @@ def train(rank, world, folder: str, attach: bool = True):
     out["restored"] = dict(step=second.step, equal=restored.state_dict() == saved, differed=fresh != saved,
                            scale=restored.get_scale(), saved_scale=saved["scale"])
     second.close()
+
+    # A scale too large for FP16: the scaled backward overflows by itself on the first step.
+    third = Trainer(_config(folder))
+    _torchtitan_cpu.gloo_reductions(third)
+    large = ls_torchtitan.attach(third, init_scale=2.0 ** 24)
+    third.step = 1
+    third.train_step(third.batch_generator(third.dataloader))
+    out["too_large"] = dict(skipped=large.last_step_skipped, counters=large.counters(), scale=large.get_scale())
+    third.close()
     trainer.close()
     return out
 
@@ -317,3 +329,21 @@ def test_attach_refuses_what_it_cannot_scale_and_returns_the_same_scaler_again(r
     attached, _ = results
     for rank in attached:
         assert rank["refusals"] == {"untouched": True, "same_scaler_again": True}
+
+
+def test_torchtitans_clip_sees_the_true_gradients(results):
+    """torchtitan logs the norm its clip_grad_norm_ computed: the scaled gradients' norm over the scale."""
+    attached, _ = results
+    for rank in attached:
+        logged = dict(rank["logged"])
+        assert logged[1]["scaler/loss_scale"] == 2.0 ** 10 and len(rank["scaled_norm"]) == 1
+        assert logged[1]["grad_norm"] == pytest.approx(rank["scaled_norm"][0] / 2.0 ** 10, rel=1e-5)
+
+
+def test_the_backward_is_scaled_a_too_large_scale_overflows_fp16(results):
+    """2**24 over 128 tokens puts 131072 into the FP16 logits' gradient: inf, so the step is skipped."""
+    attached, _ = results
+    for rank in attached:
+        too_large = rank["too_large"]
+        assert too_large["skipped"] and too_large["counters"]["skipped_steps"] == 1
+        assert too_large["counters"]["bad_loss_steps"] == 0 and too_large["scale"] == 2.0 ** 23
