@@ -210,13 +210,19 @@ def train(rank, world, folder: str, attach: bool = True):
                            scale=restored.get_scale(), saved_scale=saved["scale"])
     second.close()
 
-    # A scale too large for FP16: the scaled backward overflows by itself on the first step.
+    # A scale too large for FP16: the scaled backward overflows by itself on the first step, and with
+    # max_consecutive_skips=1 that one skip is a stuck run, which attach's on_stuck="raise" stops.
     third = Trainer(_config(folder))
     _torchtitan_cpu.gloo_reductions(third)
-    large = ls_torchtitan.attach(third, init_scale=2.0 ** 24)
+    large = ls_torchtitan.attach(third, init_scale=2.0 ** 24, max_consecutive_skips=1)
     third.step = 1
-    third.train_step(third.batch_generator(third.dataloader))
-    out["too_large"] = dict(skipped=large.last_step_skipped, counters=large.counters(), scale=large.get_scale())
+    try:
+        third.train_step(third.batch_generator(third.dataloader))
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    out["too_large"] = dict(skipped=large.last_step_skipped, counters=large.counters(), scale=large.get_scale(),
+                            raised=raised)
     third.close()
     trainer.close()
     return out
@@ -347,3 +353,10 @@ def test_the_backward_is_scaled_a_too_large_scale_overflows_fp16(results):
         too_large = rank["too_large"]
         assert too_large["skipped"] and too_large["counters"]["skipped_steps"] == 1
         assert too_large["counters"]["bad_loss_steps"] == 0 and too_large["scale"] == 2.0 ** 23
+
+
+def test_a_stuck_run_stops(results):
+    """attach's on_stuck="raise": the scaler's stuck check ends torchtitan's train_step with its diagnosis."""
+    attached, _ = results
+    for rank in attached:
+        assert rank["too_large"]["raised"] is not None and "consecutive skipped step" in rank["too_large"]["raised"]
