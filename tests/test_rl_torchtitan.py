@@ -1,0 +1,362 @@
+"""lossscale.integrations.torchtitan on torchtitan's own Trainer: FSDP2 over two gloo ranks, FP16.
+
+A 2-layer llama3 (torchtitan's debugmodel config, cut to two layers) trains on an in-memory dataset
+through torchtitan's ``Trainer.train_step``, checkpoints through its ``CheckpointManager`` (DCP) and
+logs through its ``MetricsProcessor``. torchtitan pins clash with the main test environment: these
+tests run in the venv envs/torchtitan/ci.sh builds (skipped elsewhere). CPU stand-ins for CUDA-only
+pieces: tests/_torchtitan_cpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+pytestmark = pytest.mark.distributed
+
+SEQ_LEN, BATCH, VOCAB = 32, 2, 2048
+INFLOW_STEP, NAN_STEP, CHECKPOINT_STEP = 2, 4, 3  # the overflow, the non-finite loss, the saved step
+
+
+# ------------------------------------------------------------------------------- torchtitan parts
+def _components():
+    """A tokenizer and a dataloader built by torchtitan's Configurable mechanism, in memory."""
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    class TinyTokenizer(BaseTokenizer):
+        """No files: the data are token ids already."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            pass
+
+        def __init__(self, config, *, tokenizer_path=None):
+            super().__init__()
+
+        def encode(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def decode(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def get_vocab_size(self) -> int:
+            return VOCAB
+
+    class TokenBatches(BaseDataLoader):
+        """Random token ids per data-parallel rank, one document per row (positions 0..L-1)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size,
+                     snapshot_every_n_steps=None):
+            self.rank, self.seq_len, self.batch, self.served = dp_rank, seq_len, local_batch_size, 0
+
+        def __iter__(self):
+            while True:
+                g = torch.Generator().manual_seed(1000 * self.rank + self.served)
+                tokens = torch.randint(0, VOCAB, (self.batch, self.seq_len + 1), generator=g)
+                self.served += 1
+                positions = torch.arange(self.seq_len).expand(self.batch, -1).contiguous()
+                yield {"input": tokens[:, :-1], "positions": positions}, tokens[:, 1:]
+
+        def state_dict(self):
+            return {f"served_{self.rank}": self.served}
+
+        def load_state_dict(self, state_dict):
+            self.served = state_dict.get(f"served_{self.rank}", self.served)
+
+    return TinyTokenizer, TokenBatches
+
+
+def _config(folder: str):
+    """torchtitan's llama3 debugmodel run (its config_registry.py), smaller, in FP16, checkpointing."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.trainer import Trainer
+
+    tokenizer, loader = _components()
+    spec = model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:2]
+    return Trainer.Config(
+        model_spec=spec,
+        tokenizer=tokenizer.Config(),
+        dataloader=loader.Config(),
+        loss=ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()),
+        optimizer=default_adamw(lr=8e-4),  # AdamW, implementation "fused" (torchtitan's default)
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear"),
+        training=TrainingConfig(local_batch_size=BATCH, seq_len=SEQ_LEN, steps=10, disable_cuda_graphs=True,
+                                mixed_precision_param="float16"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=2, spmd_backend="partial_dtensor"),  # FSDP2
+        metrics=MetricsProcessor.Config(log_freq=1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=CHECKPOINT_STEP, folder="checkpoint"),
+        dump_folder=folder,
+    )
+
+
+class _Recorder:
+    """Stands where torchtitan's TensorBoard/W&B loggers stand (MetricsProcessor.logger)."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+    def close(self):
+        pass
+
+
+def _snapshot(trainer):
+    """Every rank's parameter shards and optimizer state, copied."""
+    params = [p.detach().to_local().clone() for m in trainer.model_parts for p in m.parameters()]
+    state = [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
+             for opt in trainer.optimizers for s in opt.state.values()]
+    return params, state
+
+
+def _schedule(trainer):
+    """Where every LR schedule stands: its step count and its learning rates."""
+    return [(s.last_epoch, s.get_last_lr()) for s in trainer.lr_schedulers]
+
+
+def _same(a, b) -> bool:
+    return (len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+            and len(a[1]) == len(b[1]) and all(s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)
+                                               for s, t in zip(a[1], b[1])))
+
+
+# ------------------------------------------------------------------------------------ the scenario
+def train(rank, world, folder: str, attach: bool = True):
+    """On every rank: build torchtitan's Trainer, attach, run torchtitan's train_step as its train() loop
+    does, with an injected inf in rank 1's gradient at INFLOW_STEP and a NaN forward on rank 0 at
+    NAN_STEP; then a second Trainer loads the checkpoint of CHECKPOINT_STEP."""
+    import _torchtitan_cpu
+
+    _torchtitan_cpu.install()
+    os.environ["LOCAL_RANK"] = str(rank)  # tools/utils.py get_local_device(): torchrun sets it
+    from torchtitan.trainer import Trainer
+
+    import lossscale.integrations.torchtitan as ls_torchtitan
+
+    trainer = Trainer(_config(folder))
+    _torchtitan_cpu.gloo_reductions(trainer)
+    step_now, scaled_norm = {"n": 0}, []
+
+    fwd_bwd = trainer.forward_backward_step
+
+    def planting(**kwargs):  # an overflow in one rank's gradient, after the backward
+        loss = fwd_bwd(**kwargs)
+        if step_now["n"] == 1:  # the norm of the scaled gradients, over both ranks' shards
+            grads = [p.grad for p in trainer.model_parts[0].parameters()]
+            scaled_norm.append(torch.nn.utils.get_total_norm(grads).full_tensor().item())
+        if step_now["n"] == INFLOW_STEP and rank == 1:
+            grad = next(trainer.model_parts[0].parameters()).grad.to_local()
+            grad.view(-1)[0] = float("inf")
+        return loss
+
+    trainer.forward_backward_step = planting
+    model = trainer.model_parts[0]
+    model.tok_embeddings.register_forward_hook(  # a batch whose forward is NaN on one rank
+        lambda module, args, out: out * float("nan") if step_now["n"] == NAN_STEP and rank == 0 else None)
+    if not attach:
+        return _run_unattached(trainer, step_now)
+
+    refusals = _refusals(trainer, ls_torchtitan)
+    scaler = ls_torchtitan.attach(trainer, init_scale=2.0 ** 10, growth_interval=100)
+    refusals["same_scaler_again"] = ls_torchtitan.attach(trainer) is scaler
+    with pytest.raises(ValueError, match="already attached"):
+        ls_torchtitan.attach(trainer, init_scale=2.0)
+    recorder = trainer.metrics_processor.logger = _Recorder()
+    data = trainer.batch_generator(trainer.dataloader)
+    out = {"steps": [], "refusals": refusals}
+    saved = None
+    for _ in range(NAN_STEP + 1):
+        trainer.step += 1  # as Trainer.train() does (trainer.py:1032-1044)
+        step_now["n"] = trainer.step
+        before, lr_before, scale_before = _snapshot(trainer), _schedule(trainer), scaler.get_scale()
+        trainer.train_step(data)
+        trainer.checkpointer.save(trainer.step, last_step=False)
+        if trainer.step == CHECKPOINT_STEP:
+            saved = scaler.state_dict()
+        after = _snapshot(trainer)
+        out["steps"].append(dict(
+            step=trainer.step, skipped=scaler.last_step_skipped, unchanged=_same(before, after),
+            lr_held=_schedule(trainer) == lr_before, scale_before=scale_before,
+            scale_after=scaler.get_scale(), finite=all(torch.isfinite(p).all().item() for p in after[0])))
+    out["counters"], out["scaled_norm"] = scaler.counters(), scaled_norm
+    out["logged"] = [(step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
+                     for step, m in recorder.logged]
+
+    # torchtitan's own DCP checkpoint, into a fresh Trainer with another scaler configuration.
+    second = Trainer(_config(folder))
+    _torchtitan_cpu.gloo_reductions(second)
+    restored = ls_torchtitan.attach(second, init_scale=2.0 ** 3)
+    fresh = restored.state_dict()
+    second.checkpointer.load(step=CHECKPOINT_STEP)
+    out["restored"] = dict(step=second.step, equal=restored.state_dict() == saved, differed=fresh != saved,
+                           scale=restored.get_scale(), saved_scale=saved["scale"])
+    second.close()
+
+    # A scale too large for FP16: the scaled backward overflows by itself on the first step, and with
+    # max_consecutive_skips=1 that one skip is a stuck run, which attach's on_stuck="raise" stops.
+    third = Trainer(_config(folder))
+    _torchtitan_cpu.gloo_reductions(third)
+    large = ls_torchtitan.attach(third, init_scale=2.0 ** 24, max_consecutive_skips=1)
+    third.step = 1
+    try:
+        third.train_step(third.batch_generator(third.dataloader))
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    out["too_large"] = dict(skipped=large.last_step_skipped, counters=large.counters(), scale=large.get_scale(),
+                            raised=raised)
+    third.close()
+    trainer.close()
+    return out
+
+
+def _refusals(trainer, ls_torchtitan):
+    """attach() on what it cannot scale: a ValueError naming the fix, the trainer left as it was."""
+    chunk_loss = trainer.loss_fn.loss_fn  # ChunkedLossWrapper's per-chunk loss: the one attach() scales
+    loss_class, step = type(chunk_loss), trainer.optimizers.step
+    with pytest.raises(ValueError, match="torchtitan.trainer.Trainer"):
+        ls_torchtitan.attach(object())
+    trainer.config.training.mixed_precision_param = "bfloat16"
+    try:
+        with pytest.raises(ValueError, match='set it to "float16"'):
+            ls_torchtitan.attach(trainer)
+    finally:
+        trainer.config.training.mixed_precision_param = "float16"
+    with pytest.raises(ValueError, match="device="):
+        ls_torchtitan.attach(trainer, device="cpu")
+    return {"untouched": type(chunk_loss) is loss_class and trainer.optimizers.step == step
+            and ls_torchtitan._ATTACHED not in trainer.__dict__}
+
+
+def _run_unattached(trainer, step_now):
+    """torchtitan alone in FP16: the same injected overflow reaches the weights."""
+    data = trainer.batch_generator(trainer.dataloader)
+    for _ in range(INFLOW_STEP):
+        trainer.step += 1
+        step_now["n"] = trainer.step
+        trainer.train_step(data)
+    params = _snapshot(trainer)[0]
+    trainer.close()
+    return {"finite": all(torch.isfinite(p).all().item() for p in params)}
+
+
+SCENARIOS = {"train": train}
+
+
+# ----------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from _dist_workers import WorkerPool
+
+    pool = WorkerPool(world_size=2, scenarios=__name__)
+    try:
+        attached = pool.run("train", timeout_s=240, folder=str(tmp_path_factory.mktemp("titan")))
+        alone = pool.run("train", timeout_s=120, folder=str(tmp_path_factory.mktemp("alone")), attach=False)
+    finally:
+        pool.close()
+    return attached, alone
+
+
+def test_without_a_scaler_the_overflow_reaches_the_weights(results):
+    _, alone = results
+    # torchtitan clips by the global norm (inf): rank 0's shard is zeroed, rank 1's keeps the inf, then AdamW
+    assert [r["finite"] for r in alone] == [True, False]
+
+
+def test_overflow_step_is_skipped_bitwise_lr_held_scale_backed_off(results):
+    attached, _ = results
+    for rank in attached:
+        step = rank["steps"][INFLOW_STEP - 1]
+        assert step["skipped"] and step["unchanged"] and step["lr_held"]  # weights, AdamW state, LR
+        assert step["scale_after"] == step["scale_before"] / 2
+        assert all(s["finite"] for s in rank["steps"])
+
+
+def test_clean_steps_train(results):
+    attached, _ = results
+    for rank in attached:
+        clean = [s for s in rank["steps"] if s["step"] not in (INFLOW_STEP, NAN_STEP)]
+        assert clean and all(not s["skipped"] and not s["unchanged"] and not s["lr_held"] for s in clean)
+        assert all(s["scale_after"] == s["scale_before"] for s in clean)  # growth_interval=100
+
+
+def test_non_finite_loss_is_skipped_and_training_goes_on(results):
+    """torchtitan raises "Loss is not finite" on this logging step; the skipped step does not stop the run."""
+    attached, _ = results
+    for rank in attached:
+        step = rank["steps"][NAN_STEP - 1]
+        assert step["skipped"] and step["unchanged"] and step["lr_held"]
+        assert step["scale_after"] == step["scale_before"]  # the loss check: a bad batch, no backoff
+        assert rank["steps"][NAN_STEP]["step"] == NAN_STEP + 1 and not rank["steps"][NAN_STEP]["skipped"]
+        assert rank["counters"]["skipped_steps"] == 2 and rank["counters"]["bad_loss_steps"] == 1
+
+
+def test_scaler_metrics_reach_torchtitans_loggers(results):
+    attached, _ = results
+    for rank in attached:
+        logged = dict(rank["logged"])
+        assert sorted(logged) == list(range(1, NAN_STEP + 2))  # every step logs (log_freq=1), the NaN one too
+        assert logged[INFLOW_STEP]["scaler/last_step_skipped"] == 1.0
+        assert logged[INFLOW_STEP]["scaler/loss_scale"] == 2.0 ** 9
+        assert logged[INFLOW_STEP + 1]["scaler/last_step_skipped"] == 0.0
+        assert math.isfinite(logged[INFLOW_STEP + 1]["loss_metrics/global_avg_loss"])
+        assert logged[NAN_STEP]["scaler/bad_loss_steps"] == 1.0
+        assert "loss_metrics/global_avg_loss" not in logged[NAN_STEP]
+
+
+def test_scaler_restored_from_torchtitans_checkpoint(results):
+    attached, _ = results
+    for rank in attached:
+        restored = rank["restored"]
+        assert restored["step"] == CHECKPOINT_STEP
+        assert restored["differed"] and restored["equal"]
+        assert restored["scale"] == restored["saved_scale"] == 2.0 ** 9
+
+
+def test_attach_refuses_what_it_cannot_scale_and_returns_the_same_scaler_again(results):
+    attached, _ = results
+    for rank in attached:
+        assert rank["refusals"] == {"untouched": True, "same_scaler_again": True}
+
+
+def test_torchtitans_clip_sees_the_true_gradients(results):
+    """torchtitan logs the norm its clip_grad_norm_ computed: the scaled gradients' norm over the scale."""
+    attached, _ = results
+    for rank in attached:
+        logged = dict(rank["logged"])
+        assert logged[1]["scaler/loss_scale"] == 2.0 ** 10 and len(rank["scaled_norm"]) == 1
+        assert logged[1]["grad_norm"] == pytest.approx(rank["scaled_norm"][0] / 2.0 ** 10, rel=1e-5)
+
+
+def test_the_backward_is_scaled_a_too_large_scale_overflows_fp16(results):
+    """2**24 over 128 tokens puts 131072 into the FP16 logits' gradient: inf, so the step is skipped."""
+    attached, _ = results
+    for rank in attached:
+        too_large = rank["too_large"]
+        assert too_large["skipped"] and too_large["counters"]["skipped_steps"] == 1
+        assert too_large["counters"]["bad_loss_steps"] == 0 and too_large["scale"] == 2.0 ** 23
+
+
+def test_a_stuck_run_stops(results):
+    """attach's on_stuck="raise": the scaler's stuck check ends torchtitan's train_step with its diagnosis."""
+    attached, _ = results
+    for rank in attached:
+        assert rank["too_large"]["raised"] is not None and "consecutive skipped step" in rank["too_large"]["raised"]
