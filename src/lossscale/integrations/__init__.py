@@ -10,6 +10,8 @@
   `attach(optimizer)`.
 - `lossscale.integrations.verl`: `attach(engine)` (verl's FSDP training engines; verl is in no extra:
   `pip install verl`).
+- `lossscale.integrations.torchtitan`: `attach(trainer)` (a torchtitan `Trainer` in FP16; torchtitan is in
+  no extra: `pip install torchtitan`).
 - `lossscale.integrations.loggers`: `log_tensorboard(writer, scaler, step)`.
 
 Importing this package, or any of its modules, imports no framework: each framework is imported by
@@ -21,7 +23,7 @@ and the versions tested: the how-to guides and the Compatibility page of the doc
 
 import importlib
 
-__all__ = ["accelerate", "transformers", "lightning", "loggers", "deepspeed", "megatron", "verl"]
+__all__ = ["accelerate", "transformers", "lightning", "loggers", "deepspeed", "megatron", "verl", "torchtitan"]
 
 
 def _require(framework: str) -> None:
