@@ -8,7 +8,7 @@ is the whole integration: call it after building the trainer, before ``train()``
 character tokenizer are built in code (nothing is downloaded); each prompt gets 4 sampled completions
 of 4 characters, scored by a rule (letters late in the alphabet score higher), and the policy learns to
 prefer them. ``fp16=True`` trains in FP16 on a GPU, and on the CPU too once attached (the Trainer alone
-would train in FP32 there). Runs on the CPU in about a minute.
+would train in FP32 there). Runs on a CPU.
 
 The scaler's settings are the ones docs/how-to/rl-post-training.md explains: a shorter growth interval
 than torch's 2000 (RL runs are short and their gradient scale drifts), the scale kept within
