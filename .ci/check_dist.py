@@ -18,6 +18,7 @@ import sys
 import tarfile
 import zipfile
 
+
 def _tracked() -> set:
     out = subprocess.run(["git", "ls-files", "-z"], capture_output=True, check=True).stdout.decode()
     return {p for p in out.split("\0") if p}
@@ -64,8 +65,10 @@ def check(dist_dir: str) -> list:
     if _license(metadata) != "Apache-2.0":
         problems.append(f"{os.path.basename(wheel)}: License-Expression is {_license(metadata)!r}, not 'Apache-2.0'")
     if not problems:
-        print(f"check_dist: {os.path.basename(sdist)} ships all {len(_tracked())} tracked files; "
-              f"{os.path.basename(wheel)} has py.typed and LICENSE, no tests; License-Expression Apache-2.0 in both")
+        print(
+            f"check_dist: {os.path.basename(sdist)} ships all {len(_tracked())} tracked files; "
+            f"{os.path.basename(wheel)} has py.typed and LICENSE, no tests; License-Expression Apache-2.0 in both"
+        )
     return problems
 
 

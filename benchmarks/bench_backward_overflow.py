@@ -41,8 +41,15 @@ import torch
 
 import lossscale
 
-RUNS = ("torch", "lossscale", "lossscale_upcast", "lossscale_min_scale_none", "lossscale_min_scale_2**-8",
-        "fp32_by_hand", "fp32")
+RUNS = (
+    "torch",
+    "lossscale",
+    "lossscale_upcast",
+    "lossscale_min_scale_none",
+    "lossscale_min_scale_2**-8",
+    "fp32_by_hand",
+    "fp32",
+)
 #: The floors compared for the cost of a lower one: how long a persistent NaN takes to be reported stuck.
 FLOORS = {"1 (default)": 1.0, "2**-8": 2.0**-8, "None": None}
 
@@ -113,14 +120,15 @@ def train(cfg: Config, run: str) -> Dict[str, List]:
     if run == "fp32_by_hand":
         lossscale.keep_fp32(model, ["block"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    scaler = {"torch": lambda: torch.amp.GradScaler("cpu"),
-              "lossscale": lambda: lossscale.GradScaler(),
-              "lossscale_upcast": lambda: lossscale.GradScaler(model=model, trace=True,
-                                                               on_backward_overflow="upcast"),
-              "lossscale_min_scale_none": lambda: lossscale.GradScaler(min_scale=None),
-              "lossscale_min_scale_2**-8": lambda: lossscale.GradScaler(min_scale=2.0**-8),
-              "fp32_by_hand": lambda: lossscale.GradScaler(),
-              "fp32": lambda: None}[run]()
+    scaler = {
+        "torch": lambda: torch.amp.GradScaler("cpu"),
+        "lossscale": lambda: lossscale.GradScaler(),
+        "lossscale_upcast": lambda: lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast"),
+        "lossscale_min_scale_none": lambda: lossscale.GradScaler(min_scale=None),
+        "lossscale_min_scale_2**-8": lambda: lossscale.GradScaler(min_scale=2.0**-8),
+        "fp32_by_hand": lambda: lossscale.GradScaler(),
+        "fp32": lambda: None,
+    }[run]()
     out = {"loss": [], "skipped": [], "scale": [], "events": []}
     for step in range(cfg.steps):
         x, y = data(cfg, step)
@@ -175,8 +183,12 @@ def main(argv=None) -> Dict[str, Dict]:
     results = {run: train(cfg, run) for run in RUNS}
     stuck = {label: stuck_after(floor) for label, floor in FLOORS.items()}
     os.makedirs(args.out, exist_ok=True)
-    meta = {"config": dataclasses.asdict(cfg), "torch": torch.__version__, "python": platform.python_version(),
-            "command": "python benchmarks/bench_backward_overflow.py"}
+    meta = {
+        "config": dataclasses.asdict(cfg),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": "python benchmarks/bench_backward_overflow.py",
+    }
     with open(os.path.join(args.out, "backward_overflow.json"), "w") as f:
         json.dump({"meta": meta, "runs": results, "persistent_nan_stuck_after": stuck}, f, indent=1)
     text = markdown(cfg, results, stuck)
@@ -187,26 +199,42 @@ def main(argv=None) -> Dict[str, Dict]:
 
 
 def markdown(cfg: Config, results: Dict[str, Dict], stuck: Dict[str, int]) -> str:
-    lines = [f"# A backward that overflows FP16 at any scale >= 1: {cfg.steps} steps, AdamW",
-             "", "`python benchmarks/bench_backward_overflow.py` (torch " + torch.__version__ + ", CPU, FP16 autocast; "
-             f"block gain 2**{int(torch.log2(torch.tensor(cfg.gain)).item())}, batch {cfg.batch}, loss summed over "
-             "the batch).", "",
-             "| run | steps taken | first step taken | scale at the end | loss at step 0 | loss at the end |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# A backward that overflows FP16 at any scale >= 1: {cfg.steps} steps, AdamW",
+        "",
+        "`python benchmarks/bench_backward_overflow.py` (torch " + torch.__version__ + ", CPU, FP16 autocast; "
+        f"block gain 2**{int(torch.log2(torch.tensor(cfg.gain)).item())}, batch {cfg.batch}, loss summed over "
+        "the batch).",
+        "",
+        "| run | steps taken | first step taken | scale at the end | loss at step 0 | loss at the end |",
+        "|---|---|---|---|---|---|",
+    ]
     for run, r in results.items():
         taken = [i for i, s in enumerate(r["skipped"]) if not s]
-        lines.append(f"| {run} | {len(taken)} of {cfg.steps} | {taken[0] if taken else '-'} | {r['scale'][-1]:g} | "
-                     f"{r['loss'][0]:.4g} | {r['loss'][-1]:.4g} |")
+        lines.append(
+            f"| {run} | {len(taken)} of {cfg.steps} | {taken[0] if taken else '-'} | {r['scale'][-1]:g} | "
+            f"{r['loss'][0]:.4g} | {r['loss'][-1]:.4g} |"
+        )
     events = results["lossscale_upcast"]["events"]
     if events:
-        lines += ["", "What `on_backward_overflow=\"upcast\"` did:", ""] + [f"- {e}" for e in events]
-    lines += ["", "The price of a lower floor: a NaN gradient on every step (no scale cures it) is reported stuck "
-              "(`on_stuck`) after this many skipped steps, from the default initial scale 2**16:", "",
-              "| min_scale | skipped steps until reported stuck |", "|---|---|"]
+        lines += ["", 'What `on_backward_overflow="upcast"` did:', ""] + [f"- {e}" for e in events]
+    lines += [
+        "",
+        "The price of a lower floor: a NaN gradient on every step (no scale cures it) is reported stuck "
+        "(`on_stuck`) after this many skipped steps, from the default initial scale 2**16:",
+        "",
+        "| min_scale | skipped steps until reported stuck |",
+        "|---|---|",
+    ]
     lines += [f"| {label} | {n if n is not None else 'not within 400'} |" for label, n in stuck.items()]
     every = max(1, cfg.steps // 8)
-    lines += ["", "Loss (before each step's update):", "",
-              "| step | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
+    lines += [
+        "",
+        "Loss (before each step's update):",
+        "",
+        "| step | " + " | ".join(results) + " |",
+        "|---|" + "---|" * len(results),
+    ]
     for step in list(range(0, cfg.steps, every)) + [cfg.steps - 1]:
         lines.append(f"| {step} | " + " | ".join(f"{r['loss'][step]:.4g}" for r in results.values()) + " |")
     return "\n".join(lines) + "\n"

@@ -103,17 +103,27 @@ def row(name: str, pairs: int, quick: bool) -> dict:
         ratios.append(a / b)
         t_ours.append(a)
         t_base.append(b)
-    return dict(row=name, clip=clip, pairs=pairs, ratio=statistics.median(ratios),
-                feature_ms=1e3 * statistics.median(t_ours), default_ms=1e3 * statistics.median(t_base),
-                syncs=dict(feature=ours.syncs(), default=base.syncs()))
+    return dict(
+        row=name,
+        clip=clip,
+        pairs=pairs,
+        ratio=statistics.median(ratios),
+        feature_ms=1e3 * statistics.median(t_ours),
+        default_ms=1e3 * statistics.median(t_base),
+        syncs=dict(feature=ours.syncs(), default=base.syncs()),
+    )
 
 
 def table(rows) -> str:
-    lines = ["| feature (vs the same scaler without it) | ratio | feature ms | default ms | syncs (feature / default) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| feature (vs the same scaler without it) | ratio | feature ms | default ms | syncs (feature / default) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['row']}{' + clip' if r['clip'] else ''} | {r['ratio']:.3f} | {r['feature_ms']:.1f} | "
-                     f"{r['default_ms']:.1f} | {r['syncs']['feature']} / {r['syncs']['default']} |")
+        lines.append(
+            f"| {r['row']}{' + clip' if r['clip'] else ''} | {r['ratio']:.3f} | {r['feature_ms']:.1f} | "
+            f"{r['default_ms']:.1f} | {r['syncs']['feature']} / {r['syncs']['default']} |"
+        )
     return "\n".join(lines)
 
 
@@ -132,10 +142,19 @@ def main(argv=None) -> int:
     for name in ROWS:
         rows.append(row(name, pairs, args.quick))
         r = rows[-1]
-        print(f"{name:58s} {r['ratio']:.3f}  ({r['feature_ms']:.1f} vs {r['default_ms']:.1f} ms; syncs "
-              f"{r['syncs']['feature']} vs {r['syncs']['default']})", flush=True)
-    meta = dict(device=str(bench.DEVICE), torch=torch.__version__, python=platform.python_version(),
-                threads=torch.get_num_threads(), micro_batches=MICRO_BATCHES, quick=args.quick)
+        print(
+            f"{name:58s} {r['ratio']:.3f}  ({r['feature_ms']:.1f} vs {r['default_ms']:.1f} ms; syncs "
+            f"{r['syncs']['feature']} vs {r['syncs']['default']})",
+            flush=True,
+        )
+    meta = dict(
+        device=str(bench.DEVICE),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        micro_batches=MICRO_BATCHES,
+        quick=args.quick,
+    )
     os.makedirs(args.out, exist_ok=True)
     suffix = ("_quick" if args.quick else "") + ("" if bench.DEVICE.type == "cpu" else f"_{bench.DEVICE.type}")
     with open(os.path.join(args.out, f"bench_beyond{suffix}.json"), "w") as fh:

@@ -102,7 +102,8 @@ def one_injection(kind: str, rng: random.Random, seed: int) -> dict:
                 col = rng.randrange(target.out_features)
                 # prepend: the injection runs before the tracer's hook, as if the layer made the inf
                 handle = target.register_forward_hook(
-                    lambda m, a, o, c=col: o.index_fill(1, torch.tensor([c]), math.inf), prepend=True)
+                    lambda m, a, o, c=col: o.index_fill(1, torch.tensor([c]), math.inf), prepend=True
+                )
             elif kind == "backward_overflow":
                 # The gradient reaching this layer's output is amplified 2**20x on its way in (the
                 # forward is untouched), so this layer's backward is the first to overflow fp16.
@@ -136,9 +137,11 @@ def bad_batches(steps=1000, bad=100, seed=0) -> dict:
     """Scales after ``bad`` NaN-loss batches spread over ``steps``: a clean run, lossscale, torch."""
     out = {}
     bad_steps = set(random.Random(seed).sample(range(steps), bad))
-    for name, make, bads in (("clean", lambda: lossscale.GradScaler(growth_interval=2000), set()),
-                             ("lossscale", lambda: lossscale.GradScaler(growth_interval=2000), bad_steps),
-                             ("torch", lambda: torch.amp.GradScaler("cpu", growth_interval=2000), bad_steps)):
+    for name, make, bads in (
+        ("clean", lambda: lossscale.GradScaler(growth_interval=2000), set()),
+        ("lossscale", lambda: lossscale.GradScaler(growth_interval=2000), bad_steps),
+        ("torch", lambda: torch.amp.GradScaler("cpu", growth_interval=2000), bad_steps),
+    ):
         torch.manual_seed(seed)
         model = torch.nn.Linear(8, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -184,7 +187,7 @@ def overhead(make_model, make_batch, repeats: int) -> dict:
     ratios = []
     for r in range(repeats):
         this = {}
-        for trace in ((False, True) if r % 2 == 0 else (True, False)):
+        for trace in (False, True) if r % 2 == 0 else (True, False):
             model, opt, scaler = sides[trace]
             t0 = time.perf_counter()
             step(model, opt, scaler, x, y)
@@ -193,8 +196,11 @@ def overhead(make_model, make_batch, repeats: int) -> dict:
             for k, v in this.items():
                 times[k].append(v)
             ratios.append(this[True] / this[False])
-    return {"off_ms": statistics.median(times[False]) * 1e3, "on_ms": statistics.median(times[True]) * 1e3,
-            "ratio": statistics.median(ratios)}
+    return {
+        "off_ms": statistics.median(times[False]) * 1e3,
+        "on_ms": statistics.median(times[True]) * 1e3,
+        "ratio": statistics.median(ratios),
+    }
 
 
 def main(argv=None):
@@ -216,34 +222,53 @@ def main(argv=None):
             "skipped": sum(r["skipped"] for r in rs) / len(rs),
             "first_module_right": sum(r["found"] for r in rs) / len(rs),
             "scale_right": sum((r["kept"] if should_keep else r["backed_off"]) for r in rs) / len(rs),
-            "steps_to_diagnosis": statistics.median([r["steps_to_diagnosis"] for r in rs
-                                                     if r["steps_to_diagnosis"] is not None] or [math.nan]),
+            "steps_to_diagnosis": statistics.median(
+                [r["steps_to_diagnosis"] for r in rs if r["steps_to_diagnosis"] is not None] or [math.nan]
+            ),
             "example": rs[0]["cause"],
         }
     batches = bad_batches(steps=200 if args.quick else 1000, bad=20 if args.quick else 100)
     reps = 10 if args.quick else 60
     cost = {
-        "mlp (digits-sized, 6 Linear)": overhead(lambda: make_mlp(0), lambda: (torch.randn(64, WIDTH),
-                                                                            torch.randint(0, 10, (64,))), reps),
-        "transformer block (d=64, 16 tokens)": overhead(lambda: Block(), lambda: (torch.randn(16, 16, 64),
-                                                                               torch.randint(0, 10, (16,))), reps),
+        "mlp (digits-sized, 6 Linear)": overhead(
+            lambda: make_mlp(0), lambda: (torch.randn(64, WIDTH), torch.randint(0, 10, (64,))), reps
+        ),
+        "transformer block (d=64, 16 tokens)": overhead(
+            lambda: Block(), lambda: (torch.randn(16, 16, 64), torch.randint(0, 10, (16,))), reps
+        ),
     }
-    results = {"classes": table, "bad_batches": batches, "tracing_overhead": cost,
-               "runs": runs, "seconds": round(time.perf_counter() - t0, 1),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread",
-               "command": "python benchmarks/bench_diagnosis.py" + (" --quick" if args.quick else "")}
-    lines = [f"Measured on {results['machine']}. Command: `{results['command']}` ({results['seconds']} s).", "",
-             "| fault | n | skipped | first module right | scale right (kept a,b,d / backed off c) | steps to diagnosis |",
-             "|---|---|---|---|---|---|"]
+    results = {
+        "classes": table,
+        "bad_batches": batches,
+        "tracing_overhead": cost,
+        "runs": runs,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread",
+        "command": "python benchmarks/bench_diagnosis.py" + (" --quick" if args.quick else ""),
+    }
+    lines = [
+        f"Measured on {results['machine']}. Command: `{results['command']}` ({results['seconds']} s).",
+        "",
+        "| fault | n | skipped | first module right | scale right (kept a,b,d / backed off c) | steps to diagnosis |",
+        "|---|---|---|---|---|---|",
+    ]
     for kind, r in table.items():
-        lines.append(f"| {kind} | {r['n']} | {r['skipped']:.0%} | {r['first_module_right']:.0%} | "
-                     f"{r['scale_right']:.0%} | {r['steps_to_diagnosis']:g} |")
+        lines.append(
+            f"| {kind} | {r['n']} | {r['skipped']:.0%} | {r['first_module_right']:.0%} | "
+            f"{r['scale_right']:.0%} | {r['steps_to_diagnosis']:g} |"
+        )
     lines += ["", "Examples of the diagnosis:", ""] + [f"- {k}: {r['example']}" for k, r in table.items()]
-    lines += ["", f"NaN-loss batches ({'20 of 200' if args.quick else '100 of 1000'}), final scale: clean run "
-              f"{batches['clean']:g}, lossscale {batches['lossscale']:g}, torch {batches['torch']:g} "
-              f"(2^{math.log2(batches['torch']):.0f}).", "",
-              "Tracing cost (iteration time, fused Adam, median of interleaved repeats):", "",
-              "| model | off ms | on ms | on / off |", "|---|---|---|---|"]
+    lines += [
+        "",
+        f"NaN-loss batches ({'20 of 200' if args.quick else '100 of 1000'}), final scale: clean run "
+        f"{batches['clean']:g}, lossscale {batches['lossscale']:g}, torch {batches['torch']:g} "
+        f"(2^{math.log2(batches['torch']):.0f}).",
+        "",
+        "Tracing cost (iteration time, fused Adam, median of interleaved repeats):",
+        "",
+        "| model | off ms | on ms | on / off |",
+        "|---|---|---|---|",
+    ]
     for k, r in cost.items():
         lines.append(f"| {k} | {r['off_ms']:.2f} | {r['on_ms']:.2f} | {r['ratio']:.2f} |")
     os.makedirs(args.out, exist_ok=True)

@@ -56,8 +56,7 @@ def main(argv=None) -> None:
     loss = torch.ones(())
     n = args.sweep_mb * 2**20 // 8  # two float32 buffers of half the size each
     src, dst = torch.ones(n), torch.zeros(n)
-    settings = [("warm", lambda: None)] + ([(f"after a {args.sweep_mb} MB sweep", lambda: dst.copy_(src))]
-                                           if n else [])
+    settings = [("warm", lambda: None)] + ([(f"after a {args.sweep_mb} MB sweep", lambda: dst.copy_(src))] if n else [])
     print("| update() | torch (us) | lossscale default (us) | ratio |")
     print("|---|---|---|---|")
     gc.disable()
@@ -66,8 +65,11 @@ def main(argv=None) -> None:
             medians = {"torch": [], "lossscale": []}
             for _ in range(2):
                 for name in medians:
-                    scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**16) if name == "torch"
-                              else lossscale.GradScaler("cpu", init_scale=2.0**16))
+                    scaler = (
+                        torch.amp.GradScaler("cpu", init_scale=2.0**16)
+                        if name == "torch"
+                        else lossscale.GradScaler("cpu", init_scale=2.0**16)
+                    )
                     opt = NoopOptimizer(params)
                     measure(scaler, opt, loss, sweep, 20)  # state made, caches of the code path filled
                     medians[name].append(measure(scaler, opt, loss, sweep, args.repeats))

@@ -59,6 +59,8 @@ def clock() -> float:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
 CLIPS = ("none", "torch recipe", "own clip")
 
 
@@ -67,10 +69,14 @@ def gpt2(quick: bool):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    size = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=256) if quick else \
-        dict(n_layer=4, n_embd=256, n_head=4, vocab_size=16384)
-    config = transformers.GPT2Config(n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=0, eos_token_id=0, **size)
+    size = (
+        dict(n_layer=1, n_embd=32, n_head=2, vocab_size=256)
+        if quick
+        else dict(n_layer=4, n_embd=256, n_head=4, vocab_size=16384)
+    )
+    config = transformers.GPT2Config(
+        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **size
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).to(DEVICE)
     ids = torch.randint(0, config.vocab_size, (1, 8 if quick else 32), generator=torch.Generator().manual_seed(1))
@@ -162,28 +168,42 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
     (syncs_ours, launches_ours), (syncs_theirs, launches_theirs) = ours.counted(), theirs.counted()
     ratio = statistics.median(ratios)
     target = TARGETS["own clip"] if clip == "own clip" else TARGETS[model_name]
-    return dict(model=model_name, optimizer=kind, clip=clip, pairs=pairs, ratio=ratio, target=target,
-                meets=(ratio < target) if clip == "own clip" else (ratio <= target),
-                lossscale_ms=1e3 * statistics.median(t[0] for t in t_ours),
-                torch_ms=1e3 * statistics.median(t[0] for t in t_theirs),
-                optimizer_side_ratio=statistics.median(tail_ratios),
-                optimizer_side_ms=dict(lossscale=1e3 * statistics.median(t[1] for t in t_ours),
-                                       torch=1e3 * statistics.median(t[1] for t in t_theirs)),
-                syncs=dict(lossscale=syncs_ours, torch=syncs_theirs),
-                launches=dict(lossscale=launches_ours, torch=launches_theirs))
+    return dict(
+        model=model_name,
+        optimizer=kind,
+        clip=clip,
+        pairs=pairs,
+        ratio=ratio,
+        target=target,
+        meets=(ratio < target) if clip == "own clip" else (ratio <= target),
+        lossscale_ms=1e3 * statistics.median(t[0] for t in t_ours),
+        torch_ms=1e3 * statistics.median(t[0] for t in t_theirs),
+        optimizer_side_ratio=statistics.median(tail_ratios),
+        optimizer_side_ms=dict(
+            lossscale=1e3 * statistics.median(t[1] for t in t_ours),
+            torch=1e3 * statistics.median(t[1] for t in t_theirs),
+        ),
+        syncs=dict(lossscale=syncs_ours, torch=syncs_theirs),
+        launches=dict(lossscale=launches_ours, torch=launches_theirs),
+    )
 
 
 def table(rows) -> str:
-    out = ["| model | optimizer | clip | ratio | target | lossscale ms | torch ms | optimizer side: ratio, ms "
-           "(ls/torch) | syncs (ls/torch) | launches (ls/torch) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | optimizer | clip | ratio | target | lossscale ms | torch ms | optimizer side: ratio, ms "
+        "(ls/torch) | syncs (ls/torch) | launches (ls/torch) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mark = "" if r["meets"] else " **missed**"
         side = r["optimizer_side_ms"]
-        out.append(f"| {r['model']} | {r['optimizer']} | {r['clip']} | {r['ratio']:.3f}{mark} | "
-                   f"{'<' if r['clip'] == 'own clip' else '<='} {r['target']} | {r['lossscale_ms']:.2f} | "
-                   f"{r['torch_ms']:.2f} | {r['optimizer_side_ratio']:.3f}: {side['lossscale']:.2f}/{side['torch']:.2f} | "
-                   f"{r['syncs']['lossscale']}/{r['syncs']['torch']} | "
-                   f"{r['launches']['lossscale']}/{r['launches']['torch']} |")
+        out.append(
+            f"| {r['model']} | {r['optimizer']} | {r['clip']} | {r['ratio']:.3f}{mark} | "
+            f"{'<' if r['clip'] == 'own clip' else '<='} {r['target']} | {r['lossscale_ms']:.2f} | "
+            f"{r['torch_ms']:.2f} | {r['optimizer_side_ratio']:.3f}: {side['lossscale']:.2f}/{side['torch']:.2f} | "
+            f"{r['syncs']['lossscale']}/{r['syncs']['torch']} | "
+            f"{r['launches']['lossscale']}/{r['launches']['torch']} |"
+        )
     return "\n".join(out)
 
 
@@ -209,19 +229,32 @@ def main(argv=None) -> int:
             for clip in CLIPS:
                 r = row(model_name, kind, clip, pairs, args.quick)
                 rows.append(r)
-                print(f"{model_name:5s} {kind:13s} {clip:12s} ratio {r['ratio']:.3f} "
-                      f"({r['lossscale_ms']:.1f} vs {r['torch_ms']:.1f} ms)", flush=True)
-    name = ("bench_iteration_quick" if args.quick else "bench_iteration") + ("" if DEVICE.type == "cpu" else "_" + DEVICE.type)
+                print(
+                    f"{model_name:5s} {kind:13s} {clip:12s} ratio {r['ratio']:.3f} "
+                    f"({r['lossscale_ms']:.1f} vs {r['torch_ms']:.1f} ms)",
+                    flush=True,
+                )
+    name = ("bench_iteration_quick" if args.quick else "bench_iteration") + (
+        "" if DEVICE.type == "cpu" else "_" + DEVICE.type
+    )
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(torch=torch.__version__, python=platform.python_version(), threads=args.threads,
-                machine=platform.machine(), device=str(DEVICE), date=time.strftime("%Y-%m-%d"),
-                gpu=torch.cuda.get_device_name() if DEVICE.type == "cuda" else None)
+    meta = dict(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=args.threads,
+        machine=platform.machine(),
+        device=str(DEVICE),
+        date=time.strftime("%Y-%m-%d"),
+        gpu=torch.cuda.get_device_name() if DEVICE.type == "cuda" else None,
+    )
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     text = table(rows)
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(f"# bench_iteration ({meta['date']}, torch {meta['torch']}, {meta['gpu'] or 'CPU'}, {args.threads} "
-                f"thread)\n\n{text}\n")
+        f.write(
+            f"# bench_iteration ({meta['date']}, torch {meta['torch']}, {meta['gpu'] or 'CPU'}, {args.threads} "
+            f"thread)\n\n{text}\n"
+        )
     print(text)
     return 0
 

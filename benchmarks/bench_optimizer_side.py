@@ -66,8 +66,9 @@ def measure(kind: str, iterations: int, quick: bool = False) -> dict:
         order = ("lossscale", "torch") if i % 2 else ("torch", "lossscale")
         for name in order:
             iteration(*sides[name], times[name])
-    return {name: {part: statistics.median(t[k] for t in times[name]) for k, part in enumerate(PARTS)}
-            for name in sides}
+    return {
+        name: {part: statistics.median(t[k] for t in times[name]) for k, part in enumerate(PARTS)} for name in sides
+    }
 
 
 def main(argv=None) -> int:
@@ -82,14 +83,22 @@ def main(argv=None) -> int:
     for kind in ("adamw_foreach", "adamw_fused", "sgd"):
         result = measure(kind, iterations, args.quick)
         for name, parts in result.items():
-            row = f"| {kind} | {name} | " + " | ".join(f"{parts[p]:.2f}" for p in PARTS) + f" | {sum(parts.values()):.2f} |"
+            row = (
+                f"| {kind} | {name} | "
+                + " | ".join(f"{parts[p]:.2f}" for p in PARTS)
+                + f" | {sum(parts.values()):.2f} |"
+            )
             lines.append(row)
             print(row, flush=True)
     os.makedirs(args.out, exist_ok=True)
     name = "optimizer_side_quick.md" if args.quick else "optimizer_side.md"
     with open(os.path.join(args.out, name), "w") as f:
-        f.write(f"# optimizer side, part by part ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, CPU, 1 thread, "
-                f"GPT-2 {'tiny' if args.quick else '7.4M'}, {iterations} interleaved iterations, medians)\n\n" + "\n".join(lines) + "\n")
+        f.write(
+            f"# optimizer side, part by part ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, CPU, 1 thread, "
+            f"GPT-2 {'tiny' if args.quick else '7.4M'}, {iterations} interleaved iterations, medians)\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
     return 0
 
 

@@ -77,17 +77,22 @@ def load_data(seed: int):
     from sklearn.model_selection import train_test_split
 
     d = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(d.data, d.target, test_size=0.25, random_state=seed,
-                                              stratify=d.target)
+    x_tr, x_te, y_tr, y_te = train_test_split(d.data, d.target, test_size=0.25, random_state=seed, stratify=d.target)
     to_x = lambda a: torch.tensor(a, dtype=torch.float32) / 16.0  # noqa: E731  pixels 0..16 -> [0, 1]
     return to_x(x_tr), torch.tensor(y_tr), to_x(x_te), torch.tensor(y_te)
 
 
 def make_mlp(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(OrderedDict(
-        fc1=torch.nn.Linear(64, 64), relu1=torch.nn.ReLU(), fc2=torch.nn.Linear(64, 64), relu2=torch.nn.ReLU(),
-        fc3=torch.nn.Linear(64, 10)))
+    return torch.nn.Sequential(
+        OrderedDict(
+            fc1=torch.nn.Linear(64, 64),
+            relu1=torch.nn.ReLU(),
+            fc2=torch.nn.Linear(64, 64),
+            relu2=torch.nn.ReLU(),
+            fc3=torch.nn.Linear(64, 10),
+        )
+    )
 
 
 # ------------------------------------------------------------------------------ activation probe
@@ -147,7 +152,7 @@ def _make_scaler(config: str):
     if config.startswith("adaptive_m"):
         from lossscale.adaptive import AdaptivePolicy
 
-        return lossscale.GradScaler(policy=AdaptivePolicy(margin_bits=int(config[len("adaptive_m"):])))
+        return lossscale.GradScaler(policy=AdaptivePolicy(margin_bits=int(config[len("adaptive_m") :])))
     return None
 
 
@@ -155,12 +160,23 @@ def _label(config: str) -> str:
     if config == "logmax":
         return lossscale.GradScaler(policy="logmax")
     if config.startswith("adaptive_m"):
-        return f"lossscale adaptive, margin_bits={config[len('adaptive_m'):]}"
+        return f"lossscale adaptive, margin_bits={config[len('adaptive_m') :]}"
     return LABELS[config]
 
 
-def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_size: int, lr: float,
-              momentum: float, probe, probe_every: int) -> Dict:
+def train_one(
+    config: str,
+    log2_c: int,
+    seed: int,
+    data,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    momentum: float,
+    probe,
+    probe_every: int,
+) -> Dict:
     """One run; returns its figures."""
     t0 = time.perf_counter()
     x_tr, y_tr, x_te, y_te = data
@@ -177,7 +193,7 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
     for _ in range(epochs):
         perm = torch.randperm(len(x_tr), generator=gen)
         for i in range(0, len(x_tr), batch_size):
-            idx = perm[i:i + batch_size]
+            idx = perm[i : i + batch_size]
             x, y = x_tr[idx], y_tr[idx]
             if scaler is not None:
                 scale = scaler.get_scale()
@@ -216,12 +232,17 @@ def train_one(config: str, log2_c: int, seed: int, data, *, epochs: int, batch_s
         acc = float((model(x_te).argmax(1) == y_te).float().mean())
     final_scale = scaler.get_scale() if scaler is not None else 1.0
     out = {
-        "config": config, "log2_c": log2_c, "seed": seed, "steps": step, "skipped": skipped,
+        "config": config,
+        "log2_c": log2_c,
+        "seed": seed,
+        "steps": step,
+        "skipped": skipped,
         "flushed_frac": statistics.fmean(flushed_all) if flushed_all else None,
         "flushed_frac_nonzero": statistics.fmean(flushed_nz) if flushed_nz else None,
         "final_log2_scale": math.log2(final_scale),
         "log2_scale_trace": [round(math.log2(s), 3) for s in scales[::5]],
-        "test_acc": acc, "wall_s": round(time.perf_counter() - t0, 2),
+        "test_acc": acc,
+        "wall_s": round(time.perf_counter() - t0, 2),
         "params_digest": float(sum(p.detach().double().sum() for p in params)),
     }
     if proxy:
@@ -272,10 +293,14 @@ def summarise(runs: List[Dict], seeds: List[int]) -> Dict:
             a = w.get(cfg)
             if a and t:
                 a["goals"] = {
-                    "skipped_le_torch_every_seed": all(x <= y for x, y in zip(a["skipped_per_seed"], t["skipped_per_seed"])),
+                    "skipped_le_torch_every_seed": all(
+                        x <= y for x, y in zip(a["skipped_per_seed"], t["skipped_per_seed"])
+                    ),
                     "flushed_le_half_torch": a["flushed_frac"] <= 0.5 * t["flushed_frac"],
                     "flushed_ratio_to_torch": a["flushed_frac"] / t["flushed_frac"] if t["flushed_frac"] else None,
-                    "acc_within_noise": abs(a["delta_acc_vs_fp32"]) <= noise if "fp32" in w and noise == noise else None,
+                    "acc_within_noise": abs(a["delta_acc_vs_fp32"]) <= noise
+                    if "fp32" in w and noise == noise
+                    else None,
                 }
         summary[wname] = w
     return summary
@@ -312,12 +337,20 @@ def to_markdown(summary: Dict, meta: Dict) -> str:
             lines.append(
                 f"| {wname} | {_label(cfg)} | {skipped} | {_fmt_pct(r['flushed_frac'])} | "
                 f"{_fmt_pct(r['flushed_frac_nonzero'])} | {scales} | {100 * r['test_acc']:.2f}% | "
-                + ("n/a |" if r["delta_acc_vs_fp32"] != r["delta_acc_vs_fp32"] else f"{100 * r['delta_acc_vs_fp32']:+.2f} |")
+                + (
+                    "n/a |"
+                    if r["delta_acc_vs_fp32"] != r["delta_acc_vs_fp32"]
+                    else f"{100 * r['delta_acc_vs_fp32']:+.2f} |"
+                )
             )
-    lines += ["", "Goals (adaptive against torch, per workload): skipped steps <= torch's on every seed; "
-              "mean flushed fraction <= 0.5x torch's; |mean Δ accuracy| <= the seed-to-seed SD of FP32 accuracy.",
-              "", "| workload | policy | skipped <= torch | flushed / torch | acc within noise (FP32 SD) |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Goals (adaptive against torch, per workload): skipped steps <= torch's on every seed; "
+        "mean flushed fraction <= 0.5x torch's; |mean Δ accuracy| <= the seed-to-seed SD of FP32 accuracy.",
+        "",
+        "| workload | policy | skipped <= torch | flushed / torch | acc within noise (FP32 SD) |",
+        "|---|---|---|---|---|",
+    ]
     for wname, w in summary.items():
         for cfg in w:
             if "goals" in w[cfg]:
@@ -326,22 +359,31 @@ def to_markdown(summary: Dict, meta: Dict) -> str:
                 lines.append(
                     f"| {wname} | {_label(cfg)} | {'yes' if g['skipped_le_torch_every_seed'] else 'NO'} | "
                     f"{'n/a' if ratio is None else f'{ratio:.2f}'} {'(yes)' if g['flushed_le_half_torch'] else '(NO)'} | "
-                    + ("n/a |" if g["acc_within_noise"] is None else
-                       f"{'yes' if g['acc_within_noise'] else 'NO'} ({100 * w['fp32']['fp32_acc_sd_over_seeds']:.2f} pts) |")
+                    + (
+                        "n/a |"
+                        if g["acc_within_noise"] is None
+                        else f"{'yes' if g['acc_within_noise'] else 'NO'} ({100 * w['fp32']['fp32_acc_sd_over_seeds']:.2f} pts) |"
+                    )
                 )
     proxies = [w["fp32"] for w in summary.values() if "proxy_log2_act_over_param_max" in w.get("fp32", {})]
     if proxies:
-        lines += ["", "The proxy, along the FP32 trajectory (the same for every c: FP32 is bitwise independent of c): "
-                  "log2(activation-gradient amax / parameter-gradient amax) over the probed steps of every seed: "
-                  f"max {max(f['proxy_log2_act_over_param_max'] for f in proxies):+.2f}, mean "
-                  f"{statistics.fmean(f['proxy_log2_act_over_param_mean'] for f in proxies):+.2f} binades. Positive "
-                  "means an activation gradient was larger than every parameter gradient: it would overflow first, "
-                  "unseen by the scaler's amax; the margin has to cover it."]
+        lines += [
+            "",
+            "The proxy, along the FP32 trajectory (the same for every c: FP32 is bitwise independent of c): "
+            "log2(activation-gradient amax / parameter-gradient amax) over the probed steps of every seed: "
+            f"max {max(f['proxy_log2_act_over_param_max'] for f in proxies):+.2f}, mean "
+            f"{statistics.fmean(f['proxy_log2_act_over_param_mean'] for f in proxies):+.2f} binades. Positive "
+            "means an activation gradient was larger than every parameter gradient: it would overflow first, "
+            "unseen by the scaler's amax; the margin has to cover it.",
+        ]
         rises = [x for f in proxies for x in f.get("rise_log2_over_first_step_per_seed", []) if x is not None]
         if rises:
-            lines += ["", "The rise, along the FP32 trajectory: the largest parameter-gradient amax of the run over "
-                      f"the first step's, per seed: {', '.join(f'{x:+.2f}' for x in rises[:len(proxies[0]['rise_log2_over_first_step_per_seed'])])} "
-                      "binades (what a calibration on the first step must leave room for)."]
+            lines += [
+                "",
+                "The rise, along the FP32 trajectory: the largest parameter-gradient amax of the run over "
+                f"the first step's, per seed: {', '.join(f'{x:+.2f}' for x in rises[: len(proxies[0]['rise_log2_over_first_step_per_seed'])])} "
+                "binades (what a calibration on the first step must leave room for).",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -375,12 +417,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         data = load_data(seed)
         for wname, log2_c in WORKLOADS:
             for cfg in configs:
-                r = train_one(cfg, log2_c, seed, data, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                              momentum=args.momentum, probe=probe, probe_every=args.probe_every)
+                r = train_one(
+                    cfg,
+                    log2_c,
+                    seed,
+                    data,
+                    epochs=args.epochs,
+                    batch_size=args.batch_size,
+                    lr=args.lr,
+                    momentum=args.momentum,
+                    probe=probe,
+                    probe_every=args.probe_every,
+                )
                 runs.append(r)
-                print(f"seed {seed} {wname:13s} {cfg:18s} skipped {r['skipped']:3d}  flushed "
-                      f"{_fmt_pct(r['flushed_frac']):>7s}  log2 scale {r['final_log2_scale']:6.2f}  "
-                      f"acc {r['test_acc']:.4f}  ({r['wall_s']:.1f} s)", flush=True)
+                print(
+                    f"seed {seed} {wname:13s} {cfg:18s} skipped {r['skipped']:3d}  flushed "
+                    f"{_fmt_pct(r['flushed_frac']):>7s}  log2 scale {r['final_log2_scale']:6.2f}  "
+                    f"acc {r['test_acc']:.4f}  ({r['wall_s']:.1f} s)",
+                    flush=True,
+                )
     # FP32 is bitwise independent of c (power-of-two c): check it, it is what makes the comparison fair.
     for seed in seeds:
         digests = {r["params_digest"] for r in runs if r["config"] == "fp32" and r["seed"] == seed}
@@ -389,15 +444,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     wall = time.perf_counter() - t0
     n_train = len(load_data(0)[0])
     meta = {
-        "command": "python benchmarks/bench_policies.py" + (" " + " ".join(argv) if argv else
-                                                           (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")),
-        "seeds": args.seeds, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
-        "momentum": args.momentum, "probe_every": args.probe_every, "probe": probe.source,
+        "command": "python benchmarks/bench_policies.py"
+        + (" " + " ".join(argv) if argv else (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")),
+        "seeds": args.seeds,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "probe_every": args.probe_every,
+        "probe": probe.source,
         "steps_per_run": args.epochs * math.ceil(n_train / args.batch_size),
-        "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
-        "wall_s": wall, "workloads": WORKLOADS, "configs": configs,
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
+        "wall_s": wall,
+        "workloads": WORKLOADS,
+        "configs": configs,
         "fp32_bitwise_same_across_c": all(
-            len({r["params_digest"] for r in runs if r["config"] == "fp32" and r["seed"] == s}) <= 1 for s in seeds),
+            len({r["params_digest"] for r in runs if r["config"] == "fp32" and r["seed"] == s}) <= 1 for s in seeds
+        ),
     }
     summary = summarise(runs, seeds)
     os.makedirs(args.out, exist_ok=True)

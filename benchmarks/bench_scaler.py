@@ -60,11 +60,19 @@ def clock() -> float:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
     return time.perf_counter()
+
+
 TORCH_LIKE = dict(hysteresis=1, min_scale=None, max_scale=None, loss_check=False)
 SETTINGS = {"torch-like": TORCH_LIKE, "default": {}}  # --settings: lossscale's keywords beside torch's
 OURS = TORCH_LIKE
-FULL_SIZES = [(1_000_000, 16), (1_000_000, 200), (10_000_000, 16), (10_000_000, 200), (50_000_000, 16),
-              (50_000_000, 200)]
+FULL_SIZES = [
+    (1_000_000, 16),
+    (1_000_000, 200),
+    (10_000_000, 16),
+    (10_000_000, 200),
+    (50_000_000, 16),
+    (50_000_000, 200),
+]
 QUICK_SIZES = [(20_000, 16), (20_000, 200)]
 
 
@@ -220,7 +228,9 @@ def read_only_kernels(grads0, repeats):
     grads = [g.clone() for g in grads0]
     flag, one = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
     candidates = {
-        "torch check+unscale (1.0), read+write": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one),
+        "torch check+unscale (1.0), read+write": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, flag, one
+        ),
         "aminmax per tensor (lossscale)": lambda: [torch.aminmax(g) for g in grads],
         "_foreach_norm(inf)": lambda: torch._foreach_norm(grads, float("inf")),
         "_foreach_norm(2)": lambda: torch._foreach_norm(grads, 2),
@@ -296,11 +306,18 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
         telemetry.observe(tel.params, tel.grads, lambda p: None, scale)
         obs.append(clock() - t0)
     tel_ms = statistics.median(obs) * 1e3
-    rows["telemetry (a sampled iteration)"] = {"torch_ms": None, "lossscale_ms": tel_ms, "memcpy_ms": memcpy_ms,
-                                                "ratio": tel_ms / memcpy_ms}
+    rows["telemetry (a sampled iteration)"] = {
+        "torch_ms": None,
+        "lossscale_ms": tel_ms,
+        "memcpy_ms": memcpy_ms,
+        "ratio": tel_ms / memcpy_ms,
+    }
     rows[f"telemetry (per iteration, every={telemetry_every})"] = {
-        "torch_ms": None, "lossscale_ms": tel_ms / telemetry_every, "memcpy_ms": memcpy_ms,
-        "ratio": tel_ms / telemetry_every / memcpy_ms}
+        "torch_ms": None,
+        "lossscale_ms": tel_ms / telemetry_every,
+        "memcpy_ms": memcpy_ms,
+        "ratio": tel_ms / telemetry_every / memcpy_ms,
+    }
 
     kernels = read_only_kernels(grads0, max(3, cheap // 4))
 
@@ -310,11 +327,22 @@ def bench_size(n_params, n_tensors, repeats, seed=0, telemetry_every=100):
         for mode in ("plain", "unscale_", "unscale_+clip", "clip"):
             syncs[f"{kind} {mode}"] = {s.name: count_syncs(s, kind, mode, grads0) for s in (t, ours)}
         syncs[f"{kind} telemetry"] = {"torch": None, "lossscale": count_syncs(tel, kind, "plain", grads0)}
-        syncs[f"{kind} optimizer alone"] = {"torch": None, "lossscale": None, "optimizer": optimizer_syncs(t, kind, grads0)}
+        syncs[f"{kind} optimizer alone"] = {
+            "torch": None,
+            "lossscale": None,
+            "optimizer": optimizer_syncs(t, kind, grads0),
+        }
         for s in (t, ours, tel):
             s.opt(kind).state.clear()
-    return {"n_params": per * n_tensors, "n_tensors": n_tensors, "repeats": list(repeats), "memcpy_ms": memcpy_ms,
-            "rows": rows, "syncs": syncs, "read_only_kernels": kernels}
+    return {
+        "n_params": per * n_tensors,
+        "n_tensors": n_tensors,
+        "repeats": list(repeats),
+        "memcpy_ms": memcpy_ms,
+        "rows": rows,
+        "syncs": syncs,
+        "read_only_kernels": kernels,
+    }
 
 
 GOALS = {
@@ -339,8 +367,11 @@ def markdown(results) -> str:
         "",
     ]
     keys = list(results["sizes"][0]["rows"])
-    head = "| measurement | goal | " + " | ".join(
-        f"{s['n_params'] / 1e6:g}M / {s['n_tensors']}" for s in results["sizes"]) + " |"
+    head = (
+        "| measurement | goal | "
+        + " | ".join(f"{s['n_params'] / 1e6:g}M / {s['n_tensors']}" for s in results["sizes"])
+        + " |"
+    )
     lines += [head, "|" + "---|" * (2 + len(results["sizes"]))]
     for key in keys:
         goal = GOALS.get(key)
@@ -357,14 +388,24 @@ def markdown(results) -> str:
         cells = []
         for s in results["sizes"]:
             r = s["rows"][key]
-            cells.append(f"{r['lossscale_ms']:.2f}" if r["torch_ms"] is None else f"{r['torch_ms']:.2f} / {r['lossscale_ms']:.2f}")
+            cells.append(
+                f"{r['lossscale_ms']:.2f}"
+                if r["torch_ms"] is None
+                else f"{r['torch_ms']:.2f} / {r['lossscale_ms']:.2f}"
+            )
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines += ["", "Read-only check candidates, time over torch's check+unscale kernel (the fused path's pass):", ""]
     lines += [head.replace("| goal ", ""), "|" + "---|" * (1 + len(results["sizes"]))]
     for key in results["sizes"][0]["read_only_kernels"]:
         lines.append(f"| {key} | " + " | ".join(f"{s['read_only_kernels'][key]:.2f}" for s in results["sizes"]) + " |")
-    lines += ["", "Host syncs per iteration, torch / lossscale (the optimizer's own step included; "
-              "'optimizer alone' is that share):", "", "| optimizer, path | syncs |", "|---|---|"]
+    lines += [
+        "",
+        "Host syncs per iteration, torch / lossscale (the optimizer's own step included; "
+        "'optimizer alone' is that share):",
+        "",
+        "| optimizer, path | syncs |",
+        "|---|---|",
+    ]
     for key, v in results["sizes"][0]["syncs"].items():
         if "optimizer" in v:
             lines.append(f"| {key} | {v['optimizer']} |")
@@ -380,11 +421,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sizes", default=None, help="comma list of PARAMSxTENSORS, e.g. 1000000x16,1000000x200")
-    ap.add_argument("--settings", choices=sorted(SETTINGS) + ["both"], default="both",
-                    help="lossscale's settings: default (what users run), torch-like (hysteresis=1, no bounds, no "
-                         "loss check), or both (the default: one table each); the outputs of 'default' end in _default")
+    ap.add_argument(
+        "--settings",
+        choices=sorted(SETTINGS) + ["both"],
+        default="both",
+        help="lossscale's settings: default (what users run), torch-like (hysteresis=1, no bounds, no "
+        "loss check), or both (the default: one table each); the outputs of 'default' end in _default",
+    )
     args = ap.parse_args(argv)
-    for settings in (["default", "torch-like"] if args.settings == "both" else [args.settings]):
+    for settings in ["default", "torch-like"] if args.settings == "both" else [args.settings]:
         run(args, settings)
 
 
@@ -410,17 +455,22 @@ def run(args, settings: str) -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": args.threads,
-        "command": "python benchmarks/bench_scaler.py" + (" --quick" if args.quick else "")
+        "command": "python benchmarks/bench_scaler.py"
+        + (" --quick" if args.quick else "")
         + (f" --device {args.device}" if args.device != "cpu" else "")
-        + (f" --threads {args.threads}" if args.threads != 1 else "") + (f" --sizes {args.sizes}" if args.sizes else "")
+        + (f" --threads {args.threads}" if args.threads != 1 else "")
+        + (f" --sizes {args.sizes}" if args.sizes else "")
         + f" --settings {settings}",
         "settings": settings,
         "wall_s": time.time() - start,
         "goals": GOALS,
     }
     os.makedirs(args.out, exist_ok=True)
-    stem = (("bench_scaler_quick" if args.quick else "bench_scaler") + ("" if DEVICE.type == "cpu" else f"_{DEVICE.type}")
-            + ("" if settings == "torch-like" else "_default"))
+    stem = (
+        ("bench_scaler_quick" if args.quick else "bench_scaler")
+        + ("" if DEVICE.type == "cpu" else f"_{DEVICE.type}")
+        + ("" if settings == "torch-like" else "_default")
+    )
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     table = markdown(results)

@@ -49,6 +49,7 @@ def clock() -> float:
         torch.cuda.synchronize(DEVICE)
     return time.perf_counter()
 
+
 WHY = """\
 ## Why it is not <= 1.0x a memcpy on CPU
 

@@ -36,13 +36,26 @@ BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 # The tests that drive each framework (run from the checkout, in the framework's venv).
 TESTS = {
     # (test_integrations_deepspeed.py drives accelerate's DeepSpeed plugin and the Trainer on DeepSpeed too)
-    "accelerate": ["tests/test_integrations_accelerate.py", "tests/test_integrations_skip.py",
-                   "tests/test_health.py", "tests/test_integrations_examples.py", "tests/test_integrations_deepspeed.py"],
-    "transformers": ["tests/test_integrations_transformers.py", "tests/test_integrations_skip.py",
-                     "tests/test_health.py", "tests/test_integrations_examples.py",
-                     "tests/test_integrations_deepspeed.py"],
-    "lightning": ["tests/test_integrations_lightning.py", "tests/test_integrations_skip.py",
-                  "tests/test_health.py", "tests/test_integrations_examples.py"],
+    "accelerate": [
+        "tests/test_integrations_accelerate.py",
+        "tests/test_integrations_skip.py",
+        "tests/test_health.py",
+        "tests/test_integrations_examples.py",
+        "tests/test_integrations_deepspeed.py",
+    ],
+    "transformers": [
+        "tests/test_integrations_transformers.py",
+        "tests/test_integrations_skip.py",
+        "tests/test_health.py",
+        "tests/test_integrations_examples.py",
+        "tests/test_integrations_deepspeed.py",
+    ],
+    "lightning": [
+        "tests/test_integrations_lightning.py",
+        "tests/test_integrations_skip.py",
+        "tests/test_health.py",
+        "tests/test_integrations_examples.py",
+    ],
     "tensorboard": ["tests/test_integrations_loggers.py"],
     "deepspeed": ["tests/test_integrations_deepspeed.py"],
     "megatron-core": ["tests/test_integrations_megatron.py"],
@@ -65,8 +78,9 @@ def torch_pin() -> str:
 
 def released(name: str) -> list:
     """The final releases of ``name`` that pip would install on this Python, oldest first."""
-    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", name], capture_output=True, text=True, check=True
+    ).stdout
     found = re.search(r"Available versions: (.*)", out)
     if found is None:
         raise RuntimeError(f"pip index versions {name} listed no versions:\n{out}")
@@ -116,8 +130,9 @@ def check(name: str, version: Version, keep: bool) -> tuple:
     tests = [t for t in TESTS.get(name, []) if os.path.exists(os.path.join(ROOT, t))]
     if not tests:
         return False, "no tests for it in TESTS"
-    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, capture_output=True, text=True
+    )
     summary = _last_line(done.stdout)
     if not keep:
         subprocess.run(["rm", "-rf", work])
@@ -170,7 +185,7 @@ def main(argv=None) -> int:
             started = datetime.datetime.now()
             passed, summary = check(name, version, args.keep)
             if summary.startswith("install failed") and version == releases[-1]:
-                note = f"{version} does not install here ({summary[len('install failed: '):]})"
+                note = f"{version} does not install here ({summary[len('install failed: ') :]})"
                 for older in list(reversed(releases[:-1]))[:FALLBACKS]:
                     passed, summary = check(name, older, args.keep)
                     if not summary.startswith("install failed"):
@@ -183,9 +198,11 @@ def main(argv=None) -> int:
             rows.append((name, version, known[name].specifier, passed, summary))
     if args.dry_run:
         return 0
-    text = (f"Run on {datetime.date.today().isoformat()} with `python benchmarks/compat.py` (Python "
-            f"{sys.version.split()[0]}, {torch_pin()} CPU; each row a fresh venv with only torch and that "
-            "version pinned):\n\n" + table(rows))
+    text = (
+        f"Run on {datetime.date.today().isoformat()} with `python benchmarks/compat.py` (Python "
+        f"{sys.version.split()[0]}, {torch_pin()} CPU; each row a fresh venv with only torch and that "
+        "version pinned):\n\n" + table(rows)
+    )
     print(text)
     if not args.no_doc:
         write_doc(text)

@@ -42,11 +42,16 @@ import lossscale  # noqa: E402
 
 CUDA = torch.device("cuda")
 #: (name, optimizer, lossscale keywords, clip)
-PATHS = [("sgd", "sgd", {}, False), ("adam foreach", "adam", {}, False), ("adamw fused", "adamw_fused", {}, False),
-         ("sgd + clip", "sgd", {}, True), ("adamw fused + clip", "adamw_fused", {}, True),
-         ("hysteresis=2", "adamw_fused", {"hysteresis": 2}, False),
-         ("adaptive", "adamw_fused", {"policy": "adaptive"}, False),
-         ("logmax", "adamw_fused", {"policy": "logmax"}, False)]
+PATHS = [
+    ("sgd", "sgd", {}, False),
+    ("adam foreach", "adam", {}, False),
+    ("adamw fused", "adamw_fused", {}, False),
+    ("sgd + clip", "sgd", {}, True),
+    ("adamw fused + clip", "adamw_fused", {}, True),
+    ("hysteresis=2", "adamw_fused", {"hysteresis": 2}, False),
+    ("adaptive", "adamw_fused", {"policy": "adaptive"}, False),
+    ("logmax", "adamw_fused", {"policy": "logmax"}, False),
+]
 
 
 def _model(seed=0):
@@ -86,7 +91,7 @@ def _sides(kind, keywords, clip):
         model = _model()
         opt = _optimizer(kind, model.parameters())
         scaler = lossscale.GradScaler(**keywords) if ours else torch.amp.GradScaler("cuda")
-        run = (lambda m=model, o=opt, s=scaler, ours=ours: _iteration(m, o, s, clip, x, y, ours))
+        run = lambda m=model, o=opt, s=scaler, ours=ours: _iteration(m, o, s, clip, x, y, ours)
         for _ in range(3):
             run()
         torch.cuda.synchronize()
@@ -95,8 +100,12 @@ def _sides(kind, keywords, clip):
 
 
 def step_tests(quick):
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     return dict(ok=done.returncode == 0, tail=done.stdout[-3000:] + done.stderr[-1000:])
 
 
@@ -115,8 +124,9 @@ def step_syncs(quick):
                 torch.cuda.synchronize()
             row[side] = sum("synchroniz" in str(w.message) for w in caught)
         rows[name] = row
-    ok = all(r["lossscale"] <= r["torch"] for r in rows.values()) and \
-        all(rows[n]["lossscale"] == 0 for n, k, _, _ in PATHS if k == "adamw_fused")
+    ok = all(r["lossscale"] <= r["torch"] for r in rows.values()) and all(
+        rows[n]["lossscale"] == 0 for n, k, _, _ in PATHS if k == "adamw_fused"
+    )
     return dict(ok=ok, rows=rows)
 
 
@@ -150,9 +160,13 @@ def step_nan_batch(quick):
     _iteration(model, opt, scaler, False, bad, y, True)
     same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     same_state = all(torch.equal(a, b) for a, b in zip(state, [v for s in opt.state.values() for v in s.values()]))
-    return dict(ok=same and same_state and scaler.get_scale() == scale and scaler.last_step_skipped,
-                weights_unchanged=same, optimizer_state_unchanged=same_state, scale_kept=scaler.get_scale() == scale,
-                counters=scaler.counters())
+    return dict(
+        ok=same and same_state and scaler.get_scale() == scale and scaler.last_step_skipped,
+        weights_unchanged=same,
+        optimizer_state_unchanged=same_state,
+        scale_kept=scaler.get_scale() == scale,
+        counters=scaler.counters(),
+    )
 
 
 def _bench(script: str, quick: bool, *extra: str):
@@ -173,8 +187,14 @@ def step_bench_beyond(quick):
     return _bench("bench_beyond.py", quick, "--pairs", "8")
 
 
-STEPS = [("tests", step_tests), ("syncs", step_syncs), ("kernels", step_kernels), ("nan_batch", step_nan_batch),
-         ("bench_iteration", step_bench_iteration), ("bench_beyond", step_bench_beyond)]
+STEPS = [
+    ("tests", step_tests),
+    ("syncs", step_syncs),
+    ("kernels", step_kernels),
+    ("nan_batch", step_nan_batch),
+    ("bench_iteration", step_bench_iteration),
+    ("bench_beyond", step_bench_beyond),
+]
 
 
 def main(argv=None) -> int:
@@ -202,8 +222,11 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
         r = results["steps"][name]
-        print(f"gpu_check {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s)"
-              + (f" {r['rows']}" if "rows" in r else ""), flush=True)
+        print(
+            f"gpu_check {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s)"
+            + (f" {r['rows']}" if "rows" in r else ""),
+            flush=True,
+        )
     return 0 if all(r["ok"] for r in results["steps"].values()) else 1
 
 

@@ -32,8 +32,12 @@ LOOPS = {
     "SGD momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}, False, 1),
     "AdamW fused, scaler.clip_grad_norm_": (lambda ps: torch.optim.AdamW(ps, fused=True), {}, True, 1),
     "AdamW foreach, trace=True": (lambda ps: torch.optim.AdamW(ps, foreach=True), "trace", False, 1),
-    "SGD, bad_microbatch='drop', 3 micro-batches": (lambda ps: torch.optim.SGD(ps, lr=0.1),
-                                                    {"bad_microbatch": "drop"}, False, 3),
+    "SGD, bad_microbatch='drop', 3 micro-batches": (
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        {"bad_microbatch": "drop"},
+        False,
+        3,
+    ),
 }
 
 
@@ -79,8 +83,10 @@ def main(argv=None) -> int:
         a, b = base[name], this[name]
         equal = a == b
         same &= equal
-        print(f"{name}: ops {len(a['ops'])} -> {len(b['ops'])}, syncs {a['syncs']} -> {b['syncs']}, "
-              f"{'identical' if equal else 'DIFFERENT'}")
+        print(
+            f"{name}: ops {len(a['ops'])} -> {len(b['ops'])}, syncs {a['syncs']} -> {b['syncs']}, "
+            f"{'identical' if equal else 'DIFFERENT'}"
+        )
     return 0 if same else 1
 
 

@@ -36,7 +36,7 @@ def data(steps: int, batch: int = 64, seed: int = 0):
 def main(steps: int = 300, logdir: str = "") -> dict:
     """Train; return the loss, the scale, skipped steps and scheduler steps."""
     torch.manual_seed(0)
-    accelerator = Accelerator(mixed_precision="fp16")              # FP16 needs no GPU here
+    accelerator = Accelerator(mixed_precision="fp16")  # FP16 needs no GPU here
     scaler = ls_accelerate.attach(accelerator, init_scale=2.0**24)  # before prepare()
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
@@ -46,22 +46,31 @@ def main(steps: int = 300, logdir: str = "") -> dict:
     skipped = 0
     for step, (x, y) in enumerate(data(steps)):
         x, y = x.to(accelerator.device), y.to(accelerator.device)
-        loss = torch.nn.functional.cross_entropy(model(x), y)      # the forward runs under FP16 autocast
-        accelerator.backward(loss)                                 # scaled
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)       # unscaled first: the true norm
-        optimizer.step()                                           # skipped on inf/NaN
-        scheduler.step()                                           # not on skipped steps
+        loss = torch.nn.functional.cross_entropy(model(x), y)  # the forward runs under FP16 autocast
+        accelerator.backward(loss)  # scaled
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unscaled first: the true norm
+        optimizer.step()  # skipped on inf/NaN
+        scheduler.step()  # not on skipped steps
         optimizer.zero_grad()
         skipped += accelerator.optimizer_step_was_skipped
         if step % 50 == 0 or step == steps - 1:
-            log_tensorboard(writer, scaler, step)                  # every scaler metric, one call
-            print(f"step {step:4d}  loss {loss.item():.4f}  scale {scaler.get_scale():10.0f}  "
-                  f"lr {scheduler.get_last_lr()[0]:.2e}  skipped {skipped}")
+            log_tensorboard(writer, scaler, step)  # every scaler metric, one call
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  scale {scaler.get_scale():10.0f}  "
+                f"lr {scheduler.get_last_lr()[0]:.2e}  skipped {skipped}"
+            )
     writer.close()
-    result = {"loss": loss.item(), "scale": scaler.get_scale(), "skipped": skipped,
-              "scheduler_steps": scheduler.scheduler.last_epoch, "logdir": writer.log_dir}
-    print(f"{skipped} of {steps} steps skipped; the LR schedule advanced {result['scheduler_steps']} times. "
-          f"TensorBoard: tensorboard --logdir {writer.log_dir}")
+    result = {
+        "loss": loss.item(),
+        "scale": scaler.get_scale(),
+        "skipped": skipped,
+        "scheduler_steps": scheduler.scheduler.last_epoch,
+        "logdir": writer.log_dir,
+    }
+    print(
+        f"{skipped} of {steps} steps skipped; the LR schedule advanced {result['scheduler_steps']} times. "
+        f"TensorBoard: tensorboard --logdir {writer.log_dir}"
+    )
     return result
 
 

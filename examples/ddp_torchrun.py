@@ -52,8 +52,10 @@ def train(steps: int = 20, inject_at: int = -1, log=print) -> lossscale.GradScal
         if step % 5 == 0 or scaler.last_step_skipped:
             state = lsd.check_consistency(scaler)  # debug check: raises if the ranks disagree
             if rank == 0:
-                log(f"step {step:3d}  loss {loss.item():.4f}  scale {state.scale:g}  "
-                    f"skipped {scaler.last_step_skipped}  (skipped so far: {state.skipped_steps})")
+                log(
+                    f"step {step:3d}  loss {loss.item():.4f}  scale {state.scale:g}  "
+                    f"skipped {scaler.last_step_skipped}  (skipped so far: {state.skipped_steps})"
+                )
     return scaler
 
 
@@ -69,8 +71,11 @@ def main() -> int:
     missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
     if missing:  # run directly: torch would fail with "environment variable RANK expected, but not set"
         cmd = " ".join(["torchrun --standalone --nproc_per_node=2", sys.argv[0], *sys.argv[1:]])
-        print(f"{sys.argv[0]} runs one process per rank and must be started by torchrun (not set: "
-              f"{', '.join(missing)}). Run:\n    {cmd}", file=sys.stderr)
+        print(
+            f"{sys.argv[0]} runs one process per rank and must be started by torchrun (not set: "
+            f"{', '.join(missing)}). Run:\n    {cmd}",
+            file=sys.stderr,
+        )
         return 2
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -36,8 +36,9 @@ import lossscale
 def build(device: torch.device, seed: int = 0):
     """The model, sharded with FP16 compute and FP32 gradient reduction, and its optimizer."""
     torch.manual_seed(seed)  # the same initial weights on every rank, before sharding
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    ).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -72,8 +73,7 @@ def load(path: str, model, optimizer, scaler) -> None:
     scaler.load_state_dict(state["scaler"])
 
 
-def train(steps: int = 20, nan_at: int = -1, checkpoint: str = "", save_at: int = -1, resume: bool = False,
-          log=print):
+def train(steps: int = 20, nan_at: int = -1, checkpoint: str = "", save_at: int = -1, resume: bool = False, log=print):
     """Train on the current default process group. With ``checkpoint``: save there after step
     ``save_at``, or (``resume``) load it first and continue from ``save_at + 1``. Returns
     ``(model, scaler, records)``, a record per step: the loss scale used, skipped, the global norm."""
@@ -97,8 +97,10 @@ def train(steps: int = 20, nan_at: int = -1, checkpoint: str = "", save_at: int 
         scaler.update()
         records.append({"scale": scale, "skipped": scaler.last_step_skipped, "norm": float(norm)})
         if rank == 0 and (step % 5 == 0 or scaler.last_step_skipped):
-            log(f"step {step:3d}  loss {loss.item():.4f}  scale {scale:g}  norm {float(norm):.4f}  "
-                f"skipped {scaler.last_step_skipped}")
+            log(
+                f"step {step:3d}  loss {loss.item():.4f}  scale {scale:g}  norm {float(norm):.4f}  "
+                f"skipped {scaler.last_step_skipped}"
+            )
         if checkpoint and step == save_at and not resume:
             save(checkpoint, model, optimizer, scaler)
     if rank == 0:
@@ -119,8 +121,11 @@ def main() -> int:
     missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
     if missing:
         cmd = " ".join(["torchrun --standalone --nproc_per_node=2", sys.argv[0], *sys.argv[1:]])
-        print(f"{sys.argv[0]} runs one process per rank and must be started by torchrun (not set: "
-              f"{', '.join(missing)}). Run:\n    {cmd}", file=sys.stderr)
+        print(
+            f"{sys.argv[0]} runs one process per rank and must be started by torchrun (not set: "
+            f"{', '.join(missing)}). Run:\n    {cmd}",
+            file=sys.stderr,
+        )
         return 2
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -58,14 +58,25 @@ class Classifier(L.LightningModule):
 
 def with_trainer(steps: int, logdir: str) -> dict:
     plugin = MixedPrecision(init_scale=2.0**24)  # FP16 autocast on this machine's device, CPU included
-    trainer = L.Trainer(max_steps=steps, plugins=[plugin], logger=TensorBoardLogger(logdir, name="trainer"),
-                        gradient_clip_val=1.0, log_every_n_steps=25, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=steps,
+        plugins=[plugin],
+        logger=TensorBoardLogger(logdir, name="trainer"),
+        gradient_clip_val=1.0,
+        log_every_n_steps=25,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = Classifier(steps)
     trainer.fit(model, torch.utils.data.DataLoader(dataset(), batch_size=64))
     sched = trainer.lr_scheduler_configs[0].scheduler
-    return {"loss": float(trainer.callback_metrics["loss"]), "skipped": plugin.scaler.counters()["skipped_steps"],
-            "scheduler_steps": sched.last_epoch, "logdir": trainer.logger.log_dir}
+    return {
+        "loss": float(trainer.callback_metrics["loss"]),
+        "skipped": plugin.scaler.counters()["skipped_steps"],
+        "scheduler_steps": sched.last_epoch,
+        "logdir": trainer.logger.log_dir,
+    }
 
 
 def with_fabric(steps: int, logdir: str) -> dict:
@@ -78,24 +89,30 @@ def with_fabric(steps: int, logdir: str) -> dict:
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=64))
     for step, (x, y) in zip(range(steps), loader):
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        fabric.backward(loss)                                                   # scaled
+        fabric.backward(loss)  # scaled
         fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)  # unscaled first
-        opt.step()                                                              # skipped on inf/NaN
-        sched.step()                                                            # not on skipped steps
+        opt.step()  # skipped on inf/NaN
+        sched.step()  # not on skipped steps
         opt.zero_grad()
         if step % 25 == 0:
             fabric.log_dict({"loss": loss.item(), **plugin.scaler.metrics()}, step=step)
     fabric.logger.finalize("success")
-    return {"loss": loss.item(), "skipped": plugin.scaler.counters()["skipped_steps"],
-            "scheduler_steps": sched.last_epoch, "logdir": fabric.logger.log_dir}
+    return {
+        "loss": loss.item(),
+        "skipped": plugin.scaler.counters()["skipped_steps"],
+        "scheduler_steps": sched.last_epoch,
+        "logdir": fabric.logger.log_dir,
+    }
 
 
 def main(steps: int = 300, fabric: bool = False, logdir: str = "") -> dict:
     """Train with the Trainer (or Fabric); return loss, skipped steps and scheduler steps."""
     logdir = logdir or tempfile.mkdtemp(prefix="lossscale-lightning-")
     result = (with_fabric if fabric else with_trainer)(steps, logdir)
-    print(f"loss {result['loss']:.3f}; {result['skipped']} of {steps} steps skipped; the LR schedule advanced "
-          f"{result['scheduler_steps']} times. TensorBoard: tensorboard --logdir {result['logdir']}")
+    print(
+        f"loss {result['loss']:.3f}; {result['skipped']} of {steps} steps skipped; the LR schedule advanced "
+        f"{result['scheduler_steps']} times. TensorBoard: tensorboard --logdir {result['logdir']}"
+    )
     return result
 
 

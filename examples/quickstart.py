@@ -41,8 +41,10 @@ def main(epochs: int = 8, seed: int = 0) -> float:
             total += loss.item()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
             acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
-        print(f"epoch {epoch + 1}: loss {total / len(batches):.4f}  test acc {acc:.3f}  "
-              f"scale {scaler.get_scale():g}  skipped {scaler.skipped_steps}")
+        print(
+            f"epoch {epoch + 1}: loss {total / len(batches):.4f}  test acc {acc:.3f}  "
+            f"scale {scaler.get_scale():g}  skipped {scaler.skipped_steps}"
+        )
     return acc
 
 

@@ -38,24 +38,35 @@ class Counting(torch.utils.data.Dataset):
 
 def main(steps: int = 60, output_dir: str = "") -> dict:
     """Train; return the last training log (loss, learning rate and the scaler's metrics)."""
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
-                        eos_token_id=0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
         output_dir=output_dir or tempfile.mkdtemp(prefix="lossscale-trainer-"),
-        fp16=True, use_cpu=not torch.cuda.is_available(),
-        max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=steps // 10,
-        logging_steps=steps // 4, save_strategy="no", report_to=["tensorboard"], disable_tqdm=True)
+        fp16=True,
+        use_cpu=not torch.cuda.is_available(),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=steps // 10,
+        logging_steps=steps // 4,
+        save_strategy="no",
+        report_to=["tensorboard"],
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Counting(8 * steps))
     scaler = ls_transformers.attach(trainer, init_scale=2.0**20)  # after Trainer(...), before train()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     for h in logs:
-        print(f"step {h['step']:3d}  loss {h['loss']:.3f}  lr {h['learning_rate']:.2e}  "
-              f"scale {h['scaler/loss_scale']:.0f}  skipped {h['scaler/skipped_steps']}")
-    print(f"{scaler.counters()['skipped_steps']} of {steps} steps skipped; the LR schedule advanced "
-          f"{trainer.lr_scheduler.last_epoch} times. TensorBoard: tensorboard --logdir {args.output_dir}")
+        print(
+            f"step {h['step']:3d}  loss {h['loss']:.3f}  lr {h['learning_rate']:.2e}  "
+            f"scale {h['scaler/loss_scale']:.0f}  skipped {h['scaler/skipped_steps']}"
+        )
+    print(
+        f"{scaler.counters()['skipped_steps']} of {steps} steps skipped; the LR schedule advanced "
+        f"{trainer.lr_scheduler.last_epoch} times. TensorBoard: tensorboard --logdir {args.output_dir}"
+    )
     return logs[-1]
 
 

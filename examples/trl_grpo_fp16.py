@@ -43,9 +43,19 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
     """A 2-layer Qwen2 (hidden 32, 2 heads, 1 KV head) over the character vocabulary."""
-    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=1, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -61,23 +71,41 @@ def main(steps: int = 40, output_dir: str = "") -> dict:
     prompts = [a + b for a, b in zip(LETTERS[:-1], LETTERS[1:-1] + "a")]  # "ab", "bc", ..., "za"
     args = GRPOConfig(
         output_dir=output_dir or tempfile.mkdtemp(prefix="lossscale-grpo-"),
-        fp16=True, use_cpu=not torch.cuda.is_available(),
-        max_steps=steps, per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
-        learning_rate=1e-2, warmup_steps=steps // 10, logging_steps=max(steps // 4, 1), save_strategy="no",
-        report_to=[], disable_tqdm=True, seed=0)
-    trainer = GRPOTrainer(model=tiny_qwen2(), reward_funcs=later_letters, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=char_tokenizer())
-    scaler = ls_transformers.attach(                         # after GRPOTrainer(...), before train()
+        fp16=True,
+        use_cpu=not torch.cuda.is_available(),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        warmup_steps=steps // 10,
+        logging_steps=max(steps // 4, 1),
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_qwen2(),
+        reward_funcs=later_letters,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=char_tokenizer(),
+    )
+    scaler = ls_transformers.attach(  # after GRPOTrainer(...), before train()
         trainer,
-        growth_interval=200,                                 # regrow within a short run (torch: 2000)
-        min_scale=1.0, max_scale=2.0**24,                    # the defaults, spelled out
+        growth_interval=200,  # regrow within a short run (torch: 2000)
+        min_scale=1.0,
+        max_scale=2.0**24,  # the defaults, spelled out
         skip_if=lossscale.SkipIf(grad_norm_zscore=6.0, min_steps=16),  # finite spikes skipped, not applied
     )
     trainer.train()
     history = trainer.state.log_history
     for h in (h for h in history if "loss" in h):
-        print(f"step {h['step']:3d}  reward {h['reward']:.3f}  lr {h['learning_rate']:.2e}  "
-              f"scale {h['scaler/loss_scale']:.0f}  skipped {h['scaler/skipped_steps']}")
+        print(
+            f"step {h['step']:3d}  reward {h['reward']:.3f}  lr {h['learning_rate']:.2e}  "
+            f"scale {h['scaler/loss_scale']:.0f}  skipped {h['scaler/skipped_steps']}"
+        )
     print(scaler.health())
     print(f"The LR schedule advanced {trainer.lr_scheduler.last_epoch} times in {steps} steps.")
     return {**history[-1], "lr_steps": trainer.lr_scheduler.last_epoch}

@@ -85,9 +85,16 @@ def tiny_qwen2(path: str) -> str:
     """A 2-layer Qwen2 built from a config and saved where verl loads models from (nothing downloaded)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
@@ -101,14 +108,27 @@ def training_worker(model_dir: str, attn_implementation: str = "sdpa"):
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import sft_loss
 
-    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
-                          override_config={"attn_implementation": attn_implementation})
-    engine = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False,
-                              mixed_precision={"param_dtype": "fp16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    model = HFModelConfig(
+        path=model_dir,
+        load_tokenizer=False,
+        use_remove_padding=False,
+        override_config={"attn_implementation": attn_implementation},
+    )
+    engine = FSDPEngineConfig(
+        strategy="fsdp2",
+        use_torch_compile=False,
+        mixed_precision={"param_dtype": "fp16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+    )
     optim = FSDPOptimizerConfig(lr=1e-3, lr_warmup_steps=10, total_training_steps=100)
-    worker = TrainingWorker(config=TrainingWorkerConfig(model_type="language_model", model_config=model,
-                                                        engine_config=engine, optimizer_config=optim,
-                                                        checkpoint_config=CheckpointConfig()))
+    worker = TrainingWorker(
+        config=TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=model,
+            engine_config=engine,
+            optimizer_config=optim,
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
     loss = _TimesLoss(sft_loss)
     worker.set_loss_fn(loss)
     worker.reset()
@@ -136,18 +156,35 @@ def batch(step: int, world: int, rank: int):
     lens = [6, 8]
     nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
     data = tu.get_tensordict(
-        tensor_dict={"input_ids": nested([torch.randint(1, 64, (n,), generator=g) for n in lens]),
-                     "position_ids": nested([torch.arange(n) for n in lens]),
-                     "loss_mask": nested([torch.ones(n, dtype=torch.long) for n in lens])},
-        non_tensor_dict=dict(use_remove_padding=False, use_dynamic_bsz=False, max_token_len_per_gpu=64,
-                             micro_batch_size_per_gpu=len(lens), temperature=1.0, global_batch_size=len(lens) * world,
-                             pad_mode=DatasetPadMode.NO_PADDING, pad_token_id=0))
+        tensor_dict={
+            "input_ids": nested([torch.randint(1, 64, (n,), generator=g) for n in lens]),
+            "position_ids": nested([torch.arange(n) for n in lens]),
+            "loss_mask": nested([torch.ones(n, dtype=torch.long) for n in lens]),
+        },
+        non_tensor_dict=dict(
+            use_remove_padding=False,
+            use_dynamic_bsz=False,
+            max_token_len_per_gpu=64,
+            micro_batch_size_per_gpu=len(lens),
+            temperature=1.0,
+            global_batch_size=len(lens) * world,
+            pad_mode=DatasetPadMode.NO_PADDING,
+            pad_token_id=0,
+        ),
+    )
     tu.assign_non_tensor(data, update_lr_scheduler=True, global_token_num=NonTensorData(lens * world))
     return data
 
 
-def main(model_dir: str, checkpoint_dir: str, overrides=("lossscale.init_scale=1024",), steps: int = 4,
-         overflow_at: int = 2, attn_implementation: str = "sdpa", log=print):
+def main(
+    model_dir: str,
+    checkpoint_dir: str,
+    overrides=("lossscale.init_scale=1024",),
+    steps: int = 4,
+    overflow_at: int = 2,
+    attn_implementation: str = "sdpa",
+    log=print,
+):
     """Train ``steps`` steps (the loss times 1e3 at ``overflow_at``), save, resume in a new worker.
     Returns the ``scaler/*`` and ``lr`` metrics verl returned at each step, and the resumed scaler's
     state beside the saved one. Run on every rank of an initialised process group."""
@@ -161,8 +198,10 @@ def main(model_dir: str, checkpoint_dir: str, overrides=("lossscale.init_scale=1
         metrics = worker.train_batch(batch(step, world, rank))["metrics"]
         records.append({k: v for k, v in metrics.items() if k.startswith("scaler/") or k == "lr"})
         if rank == 0:
-            log(f"step {step}: scale {metrics['scaler/loss_scale']}, skipped {metrics['scaler/last_step_skipped']}, "
-                f"lr {metrics['lr']:.2e}")
+            log(
+                f"step {step}: scale {metrics['scaler/loss_scale']}, skipped {metrics['scaler/last_step_skipped']}, "
+                f"lr {metrics['lr']:.2e}"
+            )
     worker.save_checkpoint(checkpoint_dir, global_step=steps)
     resumed, _ = training_worker(model_dir, attn_implementation)
     resumed_scaler = ls_verl.attach(resumed.engine, **scaler_kwargs(config))

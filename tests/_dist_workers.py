@@ -52,13 +52,18 @@ class WorkerPool:
         ctx = multiprocessing.get_context("spawn")
         self.world_size = world_size
         # The parent serves the rendezvous store on an OS-chosen port: no race for a free port.
-        self._store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        self._store = dist.TCPStore(
+            HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)
+        )
         self._results = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
-            ctx.Process(target=_serve, name=f"lossscale-test-rank{rank}", daemon=True,
-                        args=(rank, world_size, self._store.port, self._inboxes[rank], self._results, scenarios))
+            ctx.Process(
+                target=_serve,
+                name=f"lossscale-test-rank{rank}",
+                daemon=True,
+                args=(rank, world_size, self._store.port, self._inboxes[rank], self._results, scenarios),
+            )
             for rank in range(world_size)
         ]
         for p in self._procs:
@@ -154,7 +159,7 @@ def _consistency(scaler):
 
 
 def _planted(rank: int, step: int, rate: float, seed: int = 0) -> str:
-    """"", "inf" or "nan": what ``rank`` plants at ``step`` (any rank can compute any rank's plan)."""
+    """ "", "inf" or "nan": what ``rank`` plants at ``step`` (any rank can compute any rank's plan)."""
     g = torch.Generator().manual_seed(seed * 1000003 + step * 101 + rank)
     if torch.rand((), generator=g).item() >= rate:
         return ""
@@ -191,8 +196,9 @@ def ddp(rank, world, kind: str, reduce: bool, steps: int = 6):
         opts = [make_optimizer("sgd", net[0].parameters()), make_optimizer("sgd", net[2].parameters())]
     else:
         opts = [make_optimizer("fused_adam" if kind == "fused_adam" else "sgd", model.parameters())]
-    scaler = lossscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=3,
-                                  process_group="default" if reduce else None)
+    scaler = lossscale.GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=3, process_group="default" if reduce else None
+    )
     record = []
     calls = []
     real_all_reduce = dist.all_reduce
@@ -224,21 +230,32 @@ def ddp(rank, world, kind: str, reduce: bool, steps: int = 6):
         finally:
             dist.all_reduce = real_all_reduce
         changed = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
-        record.append(dict(skipped=scaler.last_step_skipped, scale=scaler.get_scale(), changed=changed,
-                           collectives=len(calls)))
-    return dict(record=record, params=_flat(model.parameters()), counters=scaler.counters(),
-                consistency=_consistency(scaler))
+        record.append(
+            dict(skipped=scaler.last_step_skipped, scale=scaler.get_scale(), changed=changed, collectives=len(calls))
+        )
+    return dict(
+        record=record, params=_flat(model.parameters()), counters=scaler.counters(), consistency=_consistency(scaler)
+    )
 
 
 def _fsdp_net(seed: int) -> torch.nn.Module:
     # The last layer has one output: its bias has one row, so rank 1's local shard of it is empty.
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.ReLU(),
-                               torch.nn.Linear(8, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
 
 
-def fsdp(rank, world, steps: int, rate: float, optimizer: str = "adam", clip: bool = True, seed: int = 0,
-         telemetry: bool = True):
+def fsdp(
+    rank,
+    world,
+    steps: int,
+    rate: float,
+    optimizer: str = "adam",
+    clip: bool = True,
+    seed: int = 0,
+    telemetry: bool = True,
+):
     """FSDP2 (fully_shard, DTensor gradients) against a single-process reference.
 
     Every rank trains on the same batches, so the reference is the same model unsharded, trained
@@ -287,16 +304,31 @@ def fsdp(rank, world, steps: int, rate: float, optimizer: str = "adam", clip: bo
             s.update()
         if step == 0 and telemetry:  # the scaler's own telemetry: local shards reduced when read
             scaler_figures = (scaler.metrics(), ref_scaler.metrics())
-        record.append(dict(skipped=scaler.last_step_skipped, ref_skipped=ref_scaler.last_step_skipped,
-                           scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(), planted=plants))
+        record.append(
+            dict(
+                skipped=scaler.last_step_skipped,
+                ref_skipped=ref_scaler.last_step_skipped,
+                scale=scaler.get_scale(),
+                ref_scale=ref_scaler.get_scale(),
+                planted=plants,
+            )
+        )
     full = [p.full_tensor() for p in model.parameters()]  # a collective: every rank gathers
     diff = max((a - b).abs().max().item() for a, b in zip(full, ref.parameters()))
-    return dict(record=record, max_param_diff=diff, counters=scaler.counters(), ref_counters=ref_scaler.counters(),
-                params=_flat(full), finite=all(torch.isfinite(p).all().item() for p in full),
-                grads_are_dtensors=all(type(p.grad).__name__ == "DTensor" for p in model.parameters()),
-                empty_local_shards=empty_shards, consistency=_consistency(scaler),
-                telemetry=figures[0] if telemetry else None, ref_telemetry=figures[1] if telemetry else None,
-                scaler_telemetry=scaler_figures if telemetry else None)
+    return dict(
+        record=record,
+        max_param_diff=diff,
+        counters=scaler.counters(),
+        ref_counters=ref_scaler.counters(),
+        params=_flat(full),
+        finite=all(torch.isfinite(p).all().item() for p in full),
+        grads_are_dtensors=all(type(p.grad).__name__ == "DTensor" for p in model.parameters()),
+        empty_local_shards=empty_shards,
+        consistency=_consistency(scaler),
+        telemetry=figures[0] if telemetry else None,
+        ref_telemetry=figures[1] if telemetry else None,
+        scaler_telemetry=scaler_figures if telemetry else None,
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -371,12 +403,25 @@ def pipeline(rank, world, steps: int, rate: float, seed: int = 0):
         torch.nn.utils.clip_grad_norm_(ref[2:], 5.0)
         ref_scaler.step(ref_opt)
         ref_scaler.update()
-        record.append(dict(skipped=scaler.last_step_skipped, ref_skipped=ref_scaler.last_step_skipped,
-                           scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(), planted=plants))
+        record.append(
+            dict(
+                skipped=scaler.last_step_skipped,
+                ref_skipped=ref_scaler.last_step_skipped,
+                scale=scaler.get_scale(),
+                ref_scale=ref_scaler.get_scale(),
+                planted=plants,
+            )
+        )
     own = ref[:2] if rank == 0 else ref[2:]
     diff = max((a - b).abs().max().item() for a, b in zip(mine, own))
-    return dict(record=record, max_param_diff=diff, counters=scaler.counters(), ref_counters=ref_scaler.counters(),
-                unused_untouched=rank != 0 or bool((mine[2] == 0).all()), consistency=_consistency(scaler))
+    return dict(
+        record=record,
+        max_param_diff=diff,
+        counters=scaler.counters(),
+        ref_counters=ref_scaler.counters(),
+        unused_untouched=rank != 0 or bool((mine[2] == 0).all()),
+        consistency=_consistency(scaler),
+    )
 
 
 ADAPTIVE_SHAPES = ([(8, 16), (16,)], [(16, 4), (4,)])  # rank -> the shapes of the parameters it owns
@@ -429,8 +474,10 @@ def adaptive(rank, world, steps: int, rate: float, reduce: bool = True, optimize
         plants = [("inf" if r == 1 else "") if step == 1 else _planted(r, step, rate, seed) for r in range(world)]
         grads = [_adaptive_grads(r, step, seed) for r in range(world)]
         local_amax = [max(t.abs().max().item() for t in gs) for gs in grads]
-        for params, o, s, gs, bad in ((mine, opt, scaler, grads[rank], plants[rank]),
-                                      (ref, ref_opt, ref_scaler, [t for ts in grads for t in ts], _worst(plants))):
+        for params, o, s, gs, bad in (
+            (mine, opt, scaler, grads[rank], plants[rank]),
+            (ref, ref_opt, ref_scaler, [t for ts in grads for t in ts], _worst(plants)),
+        ):
             o.zero_grad(set_to_none=True)
             s.scale(sum((p * t).sum() for p, t in zip(params, gs))).backward()
             if bad:
@@ -450,16 +497,35 @@ def adaptive(rank, world, steps: int, rate: float, reduce: bool = True, optimize
         worst = _worst(plants)
         amax = float(worst) if worst else state.scale * max(local_amax)
         state = policy.update(state, found_inf=bool(worst), found_nan=worst == "nan", amax=amax)
-        record.append(dict(skipped=scaler.last_step_skipped, ref_skipped=ref_scaler.last_step_skipped,
-                           scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(), pure_scale=state.scale,
-                           planted=plants, local_amax=local_amax, collectives=collectives,
-                           sent_finite=sent_finite))
+        record.append(
+            dict(
+                skipped=scaler.last_step_skipped,
+                ref_skipped=ref_scaler.last_step_skipped,
+                scale=scaler.get_scale(),
+                ref_scale=ref_scaler.get_scale(),
+                pure_scale=state.scale,
+                planted=plants,
+                local_amax=local_amax,
+                collectives=collectives,
+                sent_finite=sent_finite,
+            )
+        )
     own = ref[:2] if rank == 0 else ref[2:]
-    return dict(record=record, counters=scaler.counters(), ref_counters=ref_scaler.counters(),
-                pure_counters=dict(steps=state.steps, skipped_steps=state.skipped_steps, inf_steps=state.inf_steps,
-                                   nan_steps=state.nan_steps, bad_loss_steps=state.bad_loss_steps,
-                                   overflow_streak=state.overflow_streak),
-                params_equal=all(torch.equal(a, b) for a, b in zip(mine, own)), consistency=_consistency(scaler))
+    return dict(
+        record=record,
+        counters=scaler.counters(),
+        ref_counters=ref_scaler.counters(),
+        pure_counters=dict(
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            inf_steps=state.inf_steps,
+            nan_steps=state.nan_steps,
+            bad_loss_steps=state.bad_loss_steps,
+            overflow_streak=state.overflow_streak,
+        ),
+        params_equal=all(torch.equal(a, b) for a, b in zip(mine, own)),
+        consistency=_consistency(scaler),
+    )
 
 
 def no_grads(rank, world, passthrough: bool, optimizer: str = "sgd"):
@@ -485,8 +551,7 @@ def no_grads(rank, world, passthrough: bool, optimizer: str = "sgd"):
         scaler.step(opt)
         scaler.update()
         record.append(dict(skipped=scaler.last_step_skipped, scale=scaler.get_scale()))
-    return dict(record=record, counters=scaler.counters(), params=p.detach().tolist(),
-                consistency=_consistency(scaler))
+    return dict(record=record, counters=scaler.counters(), params=p.detach().tolist(), consistency=_consistency(scaler))
 
 
 def groups(rank, world):
@@ -511,8 +576,12 @@ def groups(rank, world):
         scaler.step(opt)
         scaler.update()
         skipped.append(scaler.last_step_skipped)
-    return dict(resolved=resolved, skipped=skipped, scale=scaler.get_scale(),
-                consistency_on_group=_consistency_on(scaler, everyone))
+    return dict(
+        resolved=resolved,
+        skipped=skipped,
+        scale=scaler.get_scale(),
+        consistency_on_group=_consistency_on(scaler, everyone),
+    )
 
 
 def _consistency_on(scaler, group):
@@ -546,8 +615,10 @@ def stats(rank, world):
     # A dict (per-parameter telemetry): one pair of collectives for all entries; rank 1 has nothing.
     per = {"a": grad_stats(chunks[0] if rank == 0 else [], scale=1.0, device="cpu"), "b": grad_stats(mine, scale=1.0)}
     reduced = lsd.reduce_stats(per)
-    out["dict"] = ({k: v.to_dict() for k, v in reduced.items()},
-                   {"a": grad_stats(chunks[0], scale=1.0).to_dict(), "b": grad_stats(chunks, scale=1.0).to_dict()})
+    out["dict"] = (
+        {k: v.to_dict() for k, v in reduced.items()},
+        {"a": grad_stats(chunks[0], scale=1.0).to_dict(), "b": grad_stats(chunks, scale=1.0).to_dict()},
+    )
     out["at"] = (lsd.reduce_stats([grad_stats(mine)])[0].at(2.0**12).flushed, grad_stats(chunks).at(2.0**12).flushed)
     try:
         lsd.reduce_stats(grad_stats(mine, fmt="fp16" if rank == 0 else "bf16"))
@@ -595,9 +666,15 @@ def fsdp_empty_rank(rank, world, per):
         scaler.step(opt)
         scaler.update()
         m = scaler.metrics()  # a collective on both ranks
-        figures.append(dict(numel=m["grad/numel"], zeros=m["grad/zeros"], whole_numel=whole.numel,
-                            keys=sorted(k for k in m if k.startswith("grad/")),
-                            per_group={k: v for k, v in m.items() if k.endswith("/numel") and k != "grad/numel"}))
+        figures.append(
+            dict(
+                numel=m["grad/numel"],
+                zeros=m["grad/zeros"],
+                whole_numel=whole.numel,
+                keys=sorted(k for k in m if k.startswith("grad/")),
+                per_group={k: v for k, v in m.items() if k.endswith("/numel") and k != "grad/numel"},
+            )
+        )
     return dict(local_numel=local_numel, figures=figures)
 
 
@@ -625,5 +702,19 @@ def bad_loss_elsewhere(rank, world, optimizer: str):
     return dict(record=record, counters=scaler.counters())
 
 
-SCENARIOS = {f.__name__: f for f in (ddp, fsdp, pipeline, adaptive, no_grads, groups, diverged, stats, example,
-                                     fsdp_empty_rank, bad_loss_elsewhere)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        ddp,
+        fsdp,
+        pipeline,
+        adaptive,
+        no_grads,
+        groups,
+        diverged,
+        stats,
+        example,
+        fsdp_empty_rank,
+        bad_loss_elsewhere,
+    )
+}

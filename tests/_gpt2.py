@@ -43,8 +43,9 @@ def tiny_gpt2(seed: int = 0, **config_overrides) -> torch.nn.Module:
     return model.train()
 
 
-def overflowing_gpt2(seed: int = 0, *, module: str = "transformer.h.0.mlp.c_proj",
-                     factor: float = OVERFLOW_FACTOR, **config_overrides):
+def overflowing_gpt2(
+    seed: int = 0, *, module: str = "transformer.h.0.mlp.c_proj", factor: float = OVERFLOW_FACTOR, **config_overrides
+):
     """``(model, name)``: :func:`tiny_gpt2` with ``name``'s weight multiplied by ``factor``, so its own
     FP16 output overflows while its input and the FP32 forward stay finite."""
     model = tiny_gpt2(seed, **config_overrides)

@@ -121,8 +121,18 @@ def tiny_gpt2(seed: int = 0, vocab: int = 64, n_positions: int = 16):
     """A 2-layer GPT-2 (n_embd=32, 2 heads) built in code, dropout off (resumed runs must match)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab, n_positions=n_positions,
-                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=n_positions,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(cfg)
 

@@ -28,8 +28,9 @@ CFG = dict(init_scale=2.0**10, growth_interval=2)  # torch's keywords: both scal
 def _net(seed: int = 0) -> torch.nn.Sequential:
     """8 -> 16 -> 8 -> 4: every Linear splits over two tensor-parallel ranks, then over two FSDP ranks."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.ReLU(),
-                               torch.nn.Linear(8, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    )
 
 
 def _mesh(layout: str, world: int, shape=None):
@@ -53,8 +54,11 @@ def _shard(model: torch.nn.Module, layout: str, mesh) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if "tp" in layout:
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
-                                               "4": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(
+            model,
+            mesh["tp"],
+            {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())},
+        )
     if "fsdp" in layout or layout == "hsdp":
         dp = mesh if layout == "hsdp" else mesh["dp"]  # HSDP: Replicate over one dim, Shard over the other
         for layer in model:
@@ -121,8 +125,9 @@ def _plant_fault(model, step: int, rank: int, world: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- scenarios
-def clip_vs_torch(rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimizer: str = "sgd", steps: int = 6,
-                  faults: bool = True):
+def clip_vs_torch(
+    rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimizer: str = "sgd", steps: int = 6, faults: bool = True
+):
     """``scaler.clip_grad_norm_`` against torch's recipe on the same sharded gradients.
 
     Per norm type, two copies of the model sharded alike: one trained with ``torch.amp.GradScaler``,
@@ -139,8 +144,11 @@ def clip_vs_torch(rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimize
     for norm_type in norm_types:
         base = _net(0)
         ref, mine = _shard(copy.deepcopy(base), layout, mesh), _shard(copy.deepcopy(base), layout, mesh)
-        make = (lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)) if optimizer == "fused_adam" else (
-            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        make = (
+            (lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True))
+            if optimizer == "fused_adam"
+            else (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        )
         ref_opt, opt = make(ref.parameters()), make(mine.parameters())
         ref_scaler, scaler = torch.amp.GradScaler("cpu", **CFG), lossscale.GradScaler("cpu", **CFG, **TORCH_LIKE)
         record = []
@@ -154,18 +162,30 @@ def clip_vs_torch(rank, world, layout: str, norm_types=(2.0, 1.0, INF), optimize
             ref_scaler.unscale_(ref_opt)
             ref_norm = _full(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0, norm_type))
             norm = scaler.clip_grad_norm_(opt, 1.0, norm_type)
-            grad_diff = _max_rel_diff([_local(p.grad) for p in ref.parameters()],
-                                      [_local(p.grad) for p in mine.parameters()])
+            grad_diff = _max_rel_diff(
+                [_local(p.grad) for p in ref.parameters()], [_local(p.grad) for p in mine.parameters()]
+            )
             ref_skipped = _torch_skipped(ref_scaler, ref_opt)
             for o, s in ((ref_opt, ref_scaler), (opt, scaler)):
                 s.step(o)
                 s.update()
-            record.append(dict(
-                planted=planted, whole=whole, ref_norm=ref_norm.item(), norm=norm.item(),
-                norm_is_plain=type(norm) is torch.Tensor, grad_diff=grad_diff,
-                param_diff=_max_rel_diff([_local(p) for p in ref.parameters()], [_local(p) for p in mine.parameters()]),
-                skipped=scaler.last_step_skipped, ref_skipped=ref_skipped, scale=scaler.get_scale(),
-                ref_scale=ref_scaler.get_scale()))
+            record.append(
+                dict(
+                    planted=planted,
+                    whole=whole,
+                    ref_norm=ref_norm.item(),
+                    norm=norm.item(),
+                    norm_is_plain=type(norm) is torch.Tensor,
+                    grad_diff=grad_diff,
+                    param_diff=_max_rel_diff(
+                        [_local(p) for p in ref.parameters()], [_local(p) for p in mine.parameters()]
+                    ),
+                    skipped=scaler.last_step_skipped,
+                    ref_skipped=ref_skipped,
+                    scale=scaler.get_scale(),
+                    ref_scale=ref_scaler.get_scale(),
+                )
+            )
         out[str(norm_type)] = dict(record=record, counters=scaler.counters(), consistency=_consistency(scaler))
     return out
 
@@ -245,9 +265,18 @@ def pipelining(rank, world, norm_type: float = 2.0, steps: int = 5, microbatches
             ref_scaler.step(ref_opt)
             ref_scaler.update()
             diff = max((a - b).abs().max().item() for a, b in zip(stage_module.parameters(), own))
-            record.append(dict(norm=norm.item(), ref_norm=ref_norm.item(), skipped=scaler.last_step_skipped,
-                               ref_skipped=ref_skipped, scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(),
-                               param_diff=diff, planted=planted))
+            record.append(
+                dict(
+                    norm=norm.item(),
+                    ref_norm=ref_norm.item(),
+                    skipped=scaler.last_step_skipped,
+                    ref_skipped=ref_skipped,
+                    scale=scaler.get_scale(),
+                    ref_scale=ref_scaler.get_scale(),
+                    param_diff=diff,
+                    planted=planted,
+                )
+            )
         out[str(norm_group)] = dict(record=record, counters=scaler.counters(), consistency=_consistency(scaler))
     return out
 
@@ -270,8 +299,9 @@ def fsdp1_parity(rank, world, steps: int = 24, rate: float = 0.15):
     for kind in ("torch", "drop_in", "one_call"):
         model = FSDP(copy.deepcopy(base), device_id=torch.device("cpu"), use_orig_params=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        scaler = (ShardedGradScaler("cpu", **CFG) if kind == "torch"
-                  else lossscale.GradScaler("cpu", **CFG, **TORCH_LIKE))
+        scaler = (
+            ShardedGradScaler("cpu", **CFG) if kind == "torch" else lossscale.GradScaler("cpu", **CFG, **TORCH_LIKE)
+        )
         runs[kind] = (model, opt, scaler)
     record = []
     for step in range(steps):
@@ -291,16 +321,22 @@ def fsdp1_parity(rank, world, steps: int = 24, rate: float = 0.15):
             skipped = _torch_skipped(scaler, opt) if kind == "torch" else None
             scaler.step(opt)
             scaler.update()
-            entry[kind] = dict(norm=norm.item(), scale=scaler.get_scale(),
-                               skipped=skipped if kind == "torch" else scaler.last_step_skipped)
+            entry[kind] = dict(
+                norm=norm.item(),
+                scale=scaler.get_scale(),
+                skipped=skipped if kind == "torch" else scaler.last_step_skipped,
+            )
         record.append(entry)
     params = {kind: [p.detach().clone() for p in model.parameters()] for kind, (model, _, _) in runs.items()}
     return dict(
         record=record,
         drop_in_params_equal=all(torch.equal(a, b) for a, b in zip(params["torch"], params["drop_in"])),
-        one_call_param_diff=max((a - b).abs().max().item() for a, b in zip(params["torch"], params["one_call"])
-                                if a.numel()),
-        counters=runs["drop_in"][2].counters(), consistency=_consistency(runs["drop_in"][2]))
+        one_call_param_diff=max(
+            (a - b).abs().max().item() for a, b in zip(params["torch"], params["one_call"]) if a.numel()
+        ),
+        counters=runs["drop_in"][2].counters(),
+        consistency=_consistency(runs["drop_in"][2]),
+    )
 
 
 def _error(call) -> str:
@@ -337,7 +373,8 @@ def layouts(rank, world):
     partial.grad = DTensor.from_local(torch.ones(4), line, [Partial()])
     only_rank0 = dist.new_group([0])  # every rank calls new_group; rank 1 gets a sentinel
     out = dict(
-        counted=counted, group_is_mesh=reduce.keywords["group"] is line.get_group(),
+        counted=counted,
+        group_is_mesh=reduce.keywords["group"] is line.get_group(),
         copies=lsd.replica_copies([sharded, replicated, plain]),
         several_meshes=_error(lambda: lsd.norm_reduction([sharded, param(grid, [Replicate(), Shard(1)], 3)], [], 2.0)),
         mixed=_error(lambda: lsd.norm_reduction([sharded, plain], [], 2.0)),
@@ -384,13 +421,31 @@ def _train_2d(rank, world, mesh, steps: int, nan_loss_at: int):
             s.step(o)
             s.update()
         m, ref_m = scaler.metrics(), ref_scaler.metrics()  # the first: a collective (sharded figures summed)
-        record.append(dict(skipped=scaler.last_step_skipped, ref_skipped=ref_scaler.last_step_skipped,
-                           scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(),
-                           figures={k: m.get(k) for k in GRAD_FIGURES}, ref_figures={k: ref_m.get(k) for k in GRAD_FIGURES},
-                           amax=m.get("grad/amax"), ref_amax=ref_m.get("grad/amax")))
+        record.append(
+            dict(
+                skipped=scaler.last_step_skipped,
+                ref_skipped=ref_scaler.last_step_skipped,
+                scale=scaler.get_scale(),
+                ref_scale=ref_scaler.get_scale(),
+                figures={k: m.get(k) for k in GRAD_FIGURES},
+                ref_figures={k: ref_m.get(k) for k in GRAD_FIGURES},
+                amax=m.get("grad/amax"),
+                ref_amax=ref_m.get("grad/amax"),
+            )
+        )
     diff = max((_full(a) - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    return model, opt, scaler, dict(record=record, counters=scaler.counters(), ref_counters=ref_scaler.counters(),
-                                    max_param_diff=diff, consistency=_consistency(scaler))
+    return (
+        model,
+        opt,
+        scaler,
+        dict(
+            record=record,
+            counters=scaler.counters(),
+            ref_counters=ref_scaler.counters(),
+            max_param_diff=diff,
+            consistency=_consistency(scaler),
+        ),
+    )
 
 
 def _one_step(model, opt, scaler, step: int):
@@ -439,9 +494,13 @@ def mesh2d(rank, world, checkpoint_dir: str, steps: int = 6, nan_loss_at: int = 
     out["checkpoint"] = dict(
         params_equal=all(torch.equal(a, b) for a, b in zip(saved, loaded)),
         moments_equal=all(torch.equal(a, b) for a, b in moments),
-        scaler_state=tuple({k: s.state_dict()[k] for k in ("policy_type", "policy", "state")}
-                           for s in (scaler, other_scaler)), norms=norms, param_diff_after=after,
-        placements=[str(p.placements) for p in other.parameters()][:1])
+        scaler_state=tuple(
+            {k: s.state_dict()[k] for k in ("policy_type", "policy", "state")} for s in (scaler, other_scaler)
+        ),
+        norms=norms,
+        param_diff_after=after,
+        placements=[str(p.placements) for p in other.parameters()][:1],
+    )
     return out
 
 

@@ -31,8 +31,13 @@ def tiny_mlp(seed: int = 0, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> 
 def five_layer_mlp(inplace_relu: bool = False) -> torch.nn.Sequential:
     """Linear, ReLU, Linear, Tanh, Linear (6 -> 8 -> 8 -> 3), seed 0: the tracing tests' model."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(inplace=inplace_relu), torch.nn.Linear(8, 8),
-                               torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8),
+        torch.nn.ReLU(inplace=inplace_relu),
+        torch.nn.Linear(8, 8),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 3),
+    )
 
 
 def batch(step: int, n: int = 8, d_in: int = 8, d_out: int = 4):

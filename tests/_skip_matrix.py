@@ -171,8 +171,11 @@ def backward(model, scaler: lossscale.GradScaler, step: int, fault: Optional[str
 def make_scaler(policy: str, model, trace: bool) -> lossscale.GradScaler:
     """A scaler with ``policy`` at its defaults (passthrough: ``GradScaler.passthrough``)."""
     if policy == "passthrough":
-        return lossscale.GradScaler.passthrough(model=model) if not trace else lossscale.GradScaler(
-            policy=lossscale.StaticPolicy(scale=1.0), model=model, trace=True)
+        return (
+            lossscale.GradScaler.passthrough(model=model)
+            if not trace
+            else lossscale.GradScaler(policy=lossscale.StaticPolicy(scale=1.0), model=model, trace=True)
+        )
     return lossscale.GradScaler(policy=policy, model=model, trace=trace)
 
 

@@ -82,16 +82,34 @@ def _packets(*names: str) -> frozenset:
 
 
 # Operators that read values on the host to size their output.
-_READS_VALUES = _packets("nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim",
-                         "unique_dim_consecutive", "equal")
+_READS_VALUES = _packets(
+    "nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim", "unique_dim_consecutive", "equal"
+)
 # Operators whose CUDA implementation reads values on the host (not their CPU one, which a CPU run
 # standing for the device picks for that reason: lossscale.stats).
 _READS_VALUES_ON_DEVICE = _packets("bincount")
 _COPIES = _packets("_to_copy", "copy_")
 # Operators that allocate or describe memory without running a kernel (besides views, found by schema).
-_NO_KERNEL = _packets("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted",
-                      "resize_", "resize_as_", "_unsafe_view", "is_pinned", "record_stream", "set_", "sym_size",
-                      "sym_numel", "sym_stride", "sym_storage_offset", "is_same_size", "_has_same_storage_numel")
+_NO_KERNEL = _packets(
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "empty_permuted",
+    "resize_",
+    "resize_as_",
+    "_unsafe_view",
+    "is_pinned",
+    "record_stream",
+    "set_",
+    "sym_size",
+    "sym_numel",
+    "sym_stride",
+    "sym_storage_offset",
+    "is_same_size",
+    "_has_same_storage_numel",
+)
 _INDEXING = _packets("index", "index_put_", "index_put", "_index_put_impl_")
 # Operators that launch more kernels than one, as torch's implementations read. Out-of-place
 # masked_fill is a clone and a masked_fill_ on every device (CompositeExplicitAutograd).
@@ -156,8 +174,13 @@ def _pinned(t: torch.Tensor) -> bool:
         return False
 
 
-def _copy(src: torch.Tensor, dst_device: torch.device, dst_pinned: Callable[[], bool], non_blocking: bool,
-          on_device: Callable[[torch.device], bool]) -> Work:
+def _copy(
+    src: torch.Tensor,
+    dst_device: torch.device,
+    dst_pinned: Callable[[], bool],
+    non_blocking: bool,
+    on_device: Callable[[torch.device], bool],
+) -> Work:
     from_dev, to_dev = on_device(src.device), on_device(dst_device)
     if from_dev and to_dev:
         return (1, 0, 0, 0)  # a cast or a copy on the device (or between two devices)
@@ -172,8 +195,9 @@ def _foreach_launches(packet, args) -> int:
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
     tensors = [t for lst in lists for t in lst]
     scalars = [a for a in args if isinstance(a, torch.Tensor)]  # a Tensor scalar operand
-    fast = (len({(t.device, t.dtype) for t in tensors}) <= 1
-            and all(s.device == tensors[0].device for s in scalars if tensors))
+    fast = len({(t.device, t.dtype) for t in tensors}) <= 1 and all(
+        s.device == tensors[0].device for s in scalars if tensors
+    )
     return 1 + _MORE_ON_FAST_ROUTE.get(packet, 0) if fast else max(len(lst) for lst in lists)
 
 
@@ -196,18 +220,30 @@ def classify(func, args: tuple, kwargs: dict, on_device: Callable[[torch.device]
             return _copy(src, dst.device, lambda: _pinned(dst), nb, on_device)
         src = args[0]
         dst_device = torch.device(kwargs.get("device") or src.device)
-        if (kwargs.get("device") is not None and dst_device.type == "cpu" and kwargs.get("dtype") in (None, src.dtype)
-                and not kwargs.get("non_blocking")):
+        if (
+            kwargs.get("device") is not None
+            and dst_device.type == "cpu"
+            and kwargs.get("dtype") in (None, src.dtype)
+            and not kwargs.get("non_blocking")
+        ):
             # An explicit, blocking move to the host (t.to("cpu", copy=True)): it leaves the device even
             # where the CPU stands for it. A cast names no device, or another dtype (autograd's casts name
             # both); a copy between devices is non_blocking (torch's GradScaler replicates its scale so).
-            return _copy(src, dst_device, lambda: bool(kwargs.get("pin_memory")),
-                         bool(kwargs.get("non_blocking", False)), lambda d: d is not dst_device and on_device(d))
-        return _copy(src, dst_device, lambda: bool(kwargs.get("pin_memory")),
-                     bool(kwargs.get("non_blocking", False)), on_device)
+            return _copy(
+                src,
+                dst_device,
+                lambda: bool(kwargs.get("pin_memory")),
+                bool(kwargs.get("non_blocking", False)),
+                lambda d: d is not dst_device and on_device(d),
+            )
+        return _copy(
+            src, dst_device, lambda: bool(kwargs.get("pin_memory")), bool(kwargs.get("non_blocking", False)), on_device
+        )
     tensors = _tensors((args, kwargs))
     device_kw = kwargs.get("device")
-    touches = any(on_device(t.device) for t in tensors) or (device_kw is not None and on_device(torch.device(device_kw)))
+    touches = any(on_device(t.device) for t in tensors) or (
+        device_kw is not None and on_device(torch.device(device_kw))
+    )
     if packet is _aten._local_scalar_dense:
         return (0, 1, 0, 1) if touches else _NOTHING
     if not touches:
@@ -264,7 +300,7 @@ class _CountingMode(TorchDispatchMode):
 def count_device_work() -> Iterator[DeviceWork]:
     """Context manager: count the launches, syncs and copies of the torch operations run inside it.
 
-    Yields a :class:`DeviceWork`, final when the block exits. 
+    Yields a :class:`DeviceWork`, final when the block exits.
     """
     work = DeviceWork()
     lift = torch._C._only_lift_cpu_tensors()

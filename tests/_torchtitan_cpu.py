@@ -51,9 +51,16 @@ def install() -> None:
     torch._utils._get_available_device_type = lambda: "cpu"
     # distributed/minimal_async_ep/kernels.py imports triton (CUDA builds only) for expert-parallel kernels.
     kernels = sys.modules[_MOE_KERNELS] = types.ModuleType(_MOE_KERNELS)
-    for name in ("copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
-                 "fill_combine_metadata_kernel", "fill_dispatch_metadata_kernel", "invert_flat_indices_kernel",
-                 "reduce_topk_slots_kernel", "topk_scores_grad_kernel"):
+    for name in (
+        "copy_full_counts_to_peers_kernel",
+        "copy_rows_to_peers_kernel",
+        "expand_topk_grad_kernel",
+        "fill_combine_metadata_kernel",
+        "fill_dispatch_metadata_kernel",
+        "invert_flat_indices_kernel",
+        "reduce_topk_slots_kernel",
+        "topk_scores_grad_kernel",
+    ):
         setattr(kernels, name, _cuda_only)
     try:
         import torchtitan.trainer  # noqa: F401

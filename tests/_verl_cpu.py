@@ -20,14 +20,14 @@ from verl.plugin.platform.platform_cuda import PlatformCUDA
 
 # The torch.cuda calls a training step, a checkpoint save and a load make, answered for the CPU.
 CPU_DEVICE_MODULE = types.SimpleNamespace(
-    set_rng_state=torch.set_rng_state,              # torch.cuda.set_rng_state (checkpoint load): the CPU generator's
-    empty_cache=lambda: None,                       # torch.cuda.empty_cache: no cache allocator on CPU
-    max_memory_allocated=lambda *a, **k: 0,         # torch.cuda.max_memory_allocated (worker's perf/ metrics)
-    max_memory_reserved=lambda *a, **k: 0,          # torch.cuda.max_memory_reserved (worker's perf/ metrics)
-    memory_allocated=lambda *a, **k: 0,             # torch.cuda.memory_allocated (verl's memory logging)
-    memory_reserved=lambda *a, **k: 0,              # torch.cuda.memory_reserved (verl's memory logging)
-    mem_get_info=lambda *a, **k: (0, 0),            # torch.cuda.mem_get_info (verl's memory logging)
-    get_device_name=lambda *a: "CPU",               # torch.cuda.get_device_name (the worker's mfu metric)
+    set_rng_state=torch.set_rng_state,  # torch.cuda.set_rng_state (checkpoint load): the CPU generator's
+    empty_cache=lambda: None,  # torch.cuda.empty_cache: no cache allocator on CPU
+    max_memory_allocated=lambda *a, **k: 0,  # torch.cuda.max_memory_allocated (worker's perf/ metrics)
+    max_memory_reserved=lambda *a, **k: 0,  # torch.cuda.max_memory_reserved (worker's perf/ metrics)
+    memory_allocated=lambda *a, **k: 0,  # torch.cuda.memory_allocated (verl's memory logging)
+    memory_reserved=lambda *a, **k: 0,  # torch.cuda.memory_reserved (verl's memory logging)
+    mem_get_info=lambda *a, **k: (0, 0),  # torch.cuda.mem_get_info (verl's memory logging)
+    get_device_name=lambda *a: "CPU",  # torch.cuda.get_device_name (the worker's mfu metric)
 )
 
 
@@ -47,16 +47,16 @@ class CPUPlatform(PlatformCUDA):
     """verl's CUDA platform, answering for the CPU what a training step, a checkpoint save and a load ask
     (the calls of these tests, recorded; the other methods are never reached)."""
 
-    device_name = "cpu"                              # "cuda": tensors, autocast and the mesh go to the CPU
-    device_module = CPU_DEVICE_MODULE               # torch.cuda
+    device_name = "cpu"  # "cuda": tensors, autocast and the mesh go to the CPU
+    device_module = CPU_DEVICE_MODULE  # torch.cuda
 
-    def is_available(self) -> bool:                 # torch.cuda.is_available()
+    def is_available(self) -> bool:  # torch.cuda.is_available()
         return True
 
-    def current_device(self) -> str:                # torch.cuda.current_device(): the device's index
+    def current_device(self) -> str:  # torch.cuda.current_device(): the device's index
         return _CPU_INDEX
 
-    def communication_backend_name(self) -> str:    # "nccl"
+    def communication_backend_name(self) -> str:  # "nccl"
         return "gloo"
 
 

@@ -75,19 +75,37 @@ pow2 = powers_of_two(-10, 40)
 
 def _adaptive(init, margin, interval, search, bf, h, ch, lo, hi):
     """An AdaptivePolicy with its bounds around ``init`` (a non-power-of-two config warns by design)."""
-    return quiet(lambda: AdaptivePolicy(init_scale=init, margin_bits=margin, growth_interval=interval,
-                                        search_bits=search, backoff_factor=bf, hysteresis=h, consecutive_hysteresis=ch,
-                                        min_scale=None if lo is None else min(lo, init),
-                                        max_scale=None if hi is None else max(hi, init)))
+    return quiet(
+        lambda: AdaptivePolicy(
+            init_scale=init,
+            margin_bits=margin,
+            growth_interval=interval,
+            search_bits=search,
+            backoff_factor=bf,
+            hysteresis=h,
+            consecutive_hysteresis=ch,
+            min_scale=None if lo is None else min(lo, init),
+            max_scale=None if hi is None else max(hi, init),
+        )
+    )
 
 
 adaptive_configs = st.builds(
-    _adaptive, pow2, st.integers(1, 8), st.integers(1, 5), st.sampled_from([1, 4, 16, 30]),
-    st.sampled_from([0.5, 0.25]), st.integers(1, 3), st.booleans(), st.one_of(st.none(), pow2),
+    _adaptive,
+    pow2,
+    st.integers(1, 8),
+    st.integers(1, 5),
+    st.sampled_from([1, 4, 16, 30]),
+    st.sampled_from([0.5, 0.25]),
+    st.integers(1, 3),
+    st.booleans(),
+    st.one_of(st.none(), pow2),
     st.one_of(st.none(), pow2),
 )
 # float32 amax values across the whole range (subnormals included), plus the special ones.
-f32_values = st.builds(lambda m, k: f32(math.ldexp(m, k)), st.floats(0.5, 1.0, exclude_max=True), st.integers(-148, 128))
+f32_values = st.builds(
+    lambda m, k: f32(math.ldexp(m, k)), st.floats(0.5, 1.0, exclude_max=True), st.integers(-148, 128)
+)
 amaxes = st.one_of(st.none(), st.just(0.0), f32_values, st.sampled_from([math.inf, math.nan, 2.0**-149, 65504.0]))
 # (found_inf, found_nan, amax); an overflow usually comes with a non-finite amax, but any mix must work.
 events = st.lists(
@@ -139,15 +157,25 @@ def test_device_form_agrees_with_pure_form(policy, seq):
         dev.step(found_inf, found_nan, amax)
         got = dev.to_state()
         assert got == s.replace(streak_start_scale=got.streak_start_scale) and (
-            s.overflow_streak == 0 or got.streak_start_scale == s.streak_start_scale)
+            s.overflow_streak == 0 or got.streak_start_scale == s.streak_start_scale
+        )
 
 
 # ------------------------------------------------------------------ properties every policy shares
 dynamic_configs = st.builds(
-    lambda init, gi, h, lo, hi: DynamicPolicy(init_scale=init, growth_interval=gi, hysteresis=h,
-                                              min_scale=None if lo is None else min(lo, init),
-                                              max_scale=None if hi is None else max(hi, init)),
-    pow2, st.integers(1, 5), st.integers(1, 3), st.one_of(st.none(), pow2), st.one_of(st.none(), pow2))
+    lambda init, gi, h, lo, hi: DynamicPolicy(
+        init_scale=init,
+        growth_interval=gi,
+        hysteresis=h,
+        min_scale=None if lo is None else min(lo, init),
+        max_scale=None if hi is None else max(hi, init),
+    ),
+    pow2,
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.one_of(st.none(), pow2),
+    st.one_of(st.none(), pow2),
+)
 static_configs = st.builds(StaticPolicy, pow2)
 any_policy = st.one_of(adaptive_configs, dynamic_configs, static_configs)
 
@@ -185,10 +213,12 @@ def test_properties_shared_by_every_policy(policy, seq):
 def test_calibrates_from_the_first_step_up_or_down_without_skipping():
     p = AdaptivePolicy(margin_bits=5, max_scale=None)
     s = p.update(p.init_state(), found_inf=False, amax=2.0**-11 * 1.5)  # 2**-11 <= amax < 2**-10: binade -10
-    assert s.scale == 2.0**16 * 2.0**(16 - 5 + 10) and s.skipped_steps == 0 and s.window_exp == NO_AMAX and s.calibrated
+    assert (
+        s.scale == 2.0**16 * 2.0 ** (16 - 5 + 10) and s.skipped_steps == 0 and s.window_exp == NO_AMAX and s.calibrated
+    )
     s = p.update(p.init_state(), found_inf=False, amax=40000.0)  # only 0.7 binade of headroom at 2**16
-    assert s.scale == 2.0**16 * 2.0**(16 - 5 - 16)  # calibration may lower the scale, no overflow needed
-    assert 40000.0 * s.scale / 2.0**16 < 2.0**(16 - 5)
+    assert s.scale == 2.0**16 * 2.0 ** (16 - 5 - 16)  # calibration may lower the scale, no overflow needed
+    assert 40000.0 * s.scale / 2.0**16 < 2.0 ** (16 - 5)
 
 
 def test_overflow_before_calibration_searches_down_then_calibrates():
@@ -196,7 +226,7 @@ def test_overflow_before_calibration_searches_down_then_calibrates():
     s = p.update(p.init_state(), found_inf=True, amax=math.inf)
     assert s.scale == 1.0 and s.skipped_steps == 1 and not s.calibrated  # 2**16 / 2**16
     s = p.update(s, found_inf=False, amax=300.0)  # binade 9
-    assert s.scale == 2.0**(16 - 5 - 9) and s.skipped_steps == 1
+    assert s.scale == 2.0 ** (16 - 5 - 9) and s.skipped_steps == 1
 
 
 def test_zero_gradients_search_up_before_calibration_and_hold_after():
@@ -254,20 +284,23 @@ def test_stuck_at_the_floor():
     assert not p.is_stuck(p.update(s, False, amax=1.0), scale_before=1.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(margin_bits=0), "margin_bits"),
-    (dict(margin_bits=2.5), "margin_bits"),
-    (dict(growth_interval=0), "growth_interval"),
-    (dict(search_bits=0), "search_bits"),
-    (dict(search_bits=100), "search_bits"),
-    (dict(backoff_factor=1.0), "backoff_factor"),
-    (dict(hysteresis=0), "hysteresis"),
-    (dict(init_scale=float("nan")), "init_scale"),
-    (dict(init_scale=2.0**30), "init_scale"),
-    (dict(min_scale=4.0, max_scale=2.0, init_scale=4.0), "min_scale"),
-    (dict(max_scale=2.0**200), "max_scale"),
-    (dict(on_stuck="panic"), "on_stuck"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(margin_bits=0), "margin_bits"),
+        (dict(margin_bits=2.5), "margin_bits"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(search_bits=0), "search_bits"),
+        (dict(search_bits=100), "search_bits"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(hysteresis=0), "hysteresis"),
+        (dict(init_scale=float("nan")), "init_scale"),
+        (dict(init_scale=2.0**30), "init_scale"),
+        (dict(min_scale=4.0, max_scale=2.0, init_scale=4.0), "min_scale"),
+        (dict(max_scale=2.0**200), "max_scale"),
+        (dict(on_stuck="panic"), "on_stuck"),
+    ],
+)
 def test_bad_config_raises_value_error_naming_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdaptivePolicy(**kwargs)
@@ -287,17 +320,34 @@ def test_defaults_bounds_when_none():
 # Their strategies draw what the ones above do not: non-power-of-two scales and backoffs (every product
 # rounds to float32), and amax exactly at a binade boundary.
 rounding_configs = st.builds(
-    _adaptive, st.one_of(powers_of_two(-10, 30), st.sampled_from([844422.0, 1000.0])), st.integers(1, 8),
-    st.integers(1, 4), st.just(AdaptivePolicy.search_bits), backoffs, st.integers(1, 3), st.booleans(),
-    st.one_of(st.none(), powers_of_two(-10, 30)), st.one_of(st.none(), powers_of_two(-10, 30)))
+    _adaptive,
+    st.one_of(powers_of_two(-10, 30), st.sampled_from([844422.0, 1000.0])),
+    st.integers(1, 8),
+    st.integers(1, 4),
+    st.just(AdaptivePolicy.search_bits),
+    backoffs,
+    st.integers(1, 3),
+    st.booleans(),
+    st.one_of(st.none(), powers_of_two(-10, 30)),
+    st.one_of(st.none(), powers_of_two(-10, 30)),
+)
 # amax exactly at a power of two (the binade boundary), one float32 step either side, and fp16's max.
-tie_amaxes = st.builds(lambda k, d: float(np.nextafter(np.float32(2.0**k), np.float32(d * math.inf)))
-                       if d else 2.0**k, st.integers(-40, 30), st.sampled_from([0, 1, -1]))
+tie_amaxes = st.builds(
+    lambda k, d: float(np.nextafter(np.float32(2.0**k), np.float32(d * math.inf))) if d else 2.0**k,
+    st.integers(-40, 30),
+    st.sampled_from([0, 1, -1]),
+)
 tie_events = st.lists(
-    st.one_of(st.tuples(st.just(False), st.just(False),
-                        st.one_of(tie_amaxes, st.just(0.0), st.none(), st.sampled_from([65504.0, 65536.0]))),
-              st.tuples(st.just(True), st.booleans(), st.sampled_from([None, math.inf, math.nan]))),
-    max_size=60)
+    st.one_of(
+        st.tuples(
+            st.just(False),
+            st.just(False),
+            st.one_of(tie_amaxes, st.just(0.0), st.none(), st.sampled_from([65504.0, 65536.0])),
+        ),
+        st.tuples(st.just(True), st.booleans(), st.sampled_from([None, math.inf, math.nan])),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -322,7 +372,7 @@ def test_adaptive_binade_of_an_exact_power_of_two():
     p = AdaptivePolicy(margin_bits=4, max_scale=None)
     at = p.update(p.init_state(), found_inf=False, amax=2.0**-10)
     below = p.update(p.init_state(), found_inf=False, amax=float(np.nextafter(np.float32(2.0**-10), np.float32(0))))
-    assert at.scale == 2.0**16 * 2.0**(16 - 4 + 9) and below.scale == 2.0 * at.scale
+    assert at.scale == 2.0**16 * 2.0 ** (16 - 4 + 9) and below.scale == 2.0 * at.scale
 
 
 def test_adaptive_grows_by_a_single_binade_of_headroom():
@@ -340,10 +390,12 @@ def adaptive_states(draw, policy):
     """Any state an AdaptivePolicy could load from a checkpoint (not only the ones its updates reach)."""
     calibrated = draw(st.booleans())
     return policy.init_state().replace(
-        scale=2.0 ** draw(st.integers(0, 24)), calibrated=calibrated,
+        scale=2.0 ** draw(st.integers(0, 24)),
+        calibrated=calibrated,
         growth_tracker=draw(st.integers(0, policy.growth_interval - 1)) if calibrated else 0,
         hysteresis_tracker=draw(st.integers(1, policy.hysteresis)),
-        window_exp=draw(st.one_of(st.just(NO_AMAX), st.integers(-140, 130))) if calibrated else NO_AMAX)
+        window_exp=draw(st.one_of(st.just(NO_AMAX), st.integers(-140, 130))) if calibrated else NO_AMAX,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -413,8 +465,11 @@ def _iteration(model, opt, scaler, step, mult=1.0, clip=False):
 @pytest.mark.parametrize("kind", ["sgd", "sgd_clip", "fused_adam"])
 def test_scaler_feeds_the_policy_the_scaled_amax(kind):
     model = _mlp()
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if kind == "fused_adam"
-           else torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        if kind == "fused_adam"
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     policy = AdaptivePolicy(growth_interval=2, max_scale=None)
     scaler = lossscale.GradScaler(policy=policy)
     expected = policy.init_state()
@@ -462,10 +517,12 @@ def test_large_gradients_cost_one_skip_not_one_per_halving():
 def test_gradscaler_policy_name_maps_the_keywords():
     s = lossscale.GradScaler(policy="adaptive")
     assert s.policy == AdaptivePolicy()
-    s = lossscale.GradScaler(policy="adaptive", growth_interval=7, init_scale=2.0**10, min_scale=None,
-                             max_scale=None, hysteresis=2)
-    assert s.policy == AdaptivePolicy(growth_interval=7, init_scale=2.0**10, min_scale=None, max_scale=None,
-                                      hysteresis=2)
+    s = lossscale.GradScaler(
+        policy="adaptive", growth_interval=7, init_scale=2.0**10, min_scale=None, max_scale=None, hysteresis=2
+    )
+    assert s.policy == AdaptivePolicy(
+        growth_interval=7, init_scale=2.0**10, min_scale=None, max_scale=None, hysteresis=2
+    )
     # growth_factor is not the adaptive policy's (it grows by measured headroom): validated, warned about.
     with pytest.warns(UserWarning, match="growth_factor=4.0 do\\(es\\) not apply"):
         s = lossscale.GradScaler(policy="adaptive", growth_factor=4.0)
@@ -477,15 +534,27 @@ def test_gradscaler_policy_name_maps_the_keywords():
 
 @pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_state_dict_round_trip_covers_every_field():
-    policy = AdaptivePolicy(init_scale=2.0**5, margin_bits=3, growth_interval=4, search_bits=7,
-                            backoff_factor=0.25, hysteresis=3, consecutive_hysteresis=True, min_scale=2.0**-3,
-                            max_scale=2.0**40, on_stuck="ignore", max_consecutive_skips=7)
+    policy = AdaptivePolicy(
+        init_scale=2.0**5,
+        margin_bits=3,
+        growth_interval=4,
+        search_bits=7,
+        backoff_factor=0.25,
+        hysteresis=3,
+        consecutive_hysteresis=True,
+        min_scale=2.0**-3,
+        max_scale=2.0**40,
+        on_stuck="ignore",
+        max_consecutive_skips=7,
+    )
     scaler = lossscale.GradScaler(policy=policy)
     drive(scaler, (False, True, False, True, True, False))
     sd = scaler.state_dict()
     defaults = AdaptiveState(scale=1.0)
-    assert all(sd["state"][k] != getattr(defaults, k) for k in ("window_exp", "growth_tracker", "hysteresis_tracker",
-                                                                "nan_steps", "streak_start_scale"))
+    assert all(
+        sd["state"][k] != getattr(defaults, k)
+        for k in ("window_exp", "growth_tracker", "hysteresis_tracker", "nan_steps", "streak_start_scale")
+    )
     other = lossscale.GradScaler()
     other.load_state_dict(sd)
     assert other.state_dict() == sd and other.policy == policy
@@ -500,8 +569,11 @@ def test_state_dict_round_trip_covers_every_field():
 def _flushed_frac(model, x, y, c, scale):
     """Share of the nonzero exact activation gradients (Linear outputs) FP16 flushes at ``scale``."""
     grads = []
-    hooks = [m.register_full_backward_hook(lambda mod, gi, go: grads.append(go[0].detach()))
-             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [
+        m.register_full_backward_hook(lambda mod, gi, go: grads.append(go[0].detach()))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     x = x.clone().requires_grad_(True)
     loss = torch.nn.functional.cross_entropy(model(x), y) * c
     torch.autograd.grad(loss, [x, *model.parameters()])
@@ -519,8 +591,10 @@ def test_direction_on_digits_adaptive_skips_no_more_and_flushes_less_than_torch(
     y = torch.tensor(digits.target[:512])
     c = 2.0**-20
     results = {}
-    for name, make in (("torch", lambda: torch.amp.GradScaler("cpu")),
-                       ("adaptive", lambda: lossscale.GradScaler(policy="adaptive"))):
+    for name, make in (
+        ("torch", lambda: torch.amp.GradScaler("cpu")),
+        ("adaptive", lambda: lossscale.GradScaler(policy="adaptive")),
+    ):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.2 / c, momentum=0.9)

@@ -91,6 +91,7 @@ def _reference_pass(model, batch, *, autocast):
             for x in ts:
                 if x.requires_grad and not autocast:
                     x.register_hook(lambda g, name=name: grads.setdefault(name, []).append(g.detach().clone()))
+
         return fn
 
     for name, m in model.named_modules():
@@ -161,6 +162,7 @@ def test_a_too_large_scale_is_reported_as_a_backward_overflow_exactly_where_it_o
     S = 2.0**30
     report = lossscale.audit(model, gpt2_loss, gpt2_batch(1), scale=S)
     _, grads = _reference_pass(model, gpt2_batch(1), autocast=False)
+
     def overflows(gs):
         return bool(torch.isinf((torch.cat([g.flatten() for g in gs]).double() * S).float().half()).any())
 
@@ -176,8 +178,10 @@ def test_scale_from_a_grad_scaler():
     report = lossscale.audit(model, gpt2_loss, gpt2_batch(0), scale=scaler)
     assert report.scale == 2.0**10 and report.scale_source == "scaler"
     torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    assert lossscale.audit(torch.nn.Linear(2, 2), lambda m, b: m(b).sum(), torch.ones(1, 2),
-                           scale=torch_scaler).scale == 2.0**8
+    assert (
+        lossscale.audit(torch.nn.Linear(2, 2), lambda m, b: m(b).sum(), torch.ones(1, 2), scale=torch_scaler).scale
+        == 2.0**8
+    )
 
 
 # ------------------------------------------------------------------ the model is left as it was
@@ -187,9 +191,19 @@ def _snapshot(model):
         "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
         "modes": {n: m.training for n, m in model.named_modules()},
         "types": {n: type(m) for n, m in model.named_modules()},
-        "hooks": {n: [len(getattr(m, a)) for a in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")]
-                  for n, m in model.named_modules()},
+        "hooks": {
+            n: [
+                len(getattr(m, a))
+                for a in (
+                    "_forward_hooks",
+                    "_forward_pre_hooks",
+                    "_backward_hooks",
+                    "_forward_hooks_with_kwargs",
+                    "_forward_pre_hooks_with_kwargs",
+                )
+            ]
+            for n, m in model.named_modules()
+        },
         "rng": torch.get_rng_state(),
     }
 
@@ -220,8 +234,9 @@ def test_a_gpt2_is_left_exactly_as_it_was():
 
 def test_batchnorm_statistics_and_a_half_precision_model_are_left_as_they_were():
     torch.manual_seed(0)
-    cnn = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                              torch.nn.Flatten(), torch.nn.LazyLinear(4))
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4)
+    )
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
     cnn(x)  # materialise the lazy layer
     loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731

@@ -76,8 +76,11 @@ def test_stuck_without_it_trains_after_it():
     health = scaler.health()
     assert health.upcast_modules == ("block.up", "block") and health.backward_upcasts == ("block.up", "block")
     assert health.upcasts == 2 and scaler.counters()["upcasts"] == 2
-    assert "after their backward overflowed FP16 at the scale's floor (on_backward_overflow='upcast'): " \
-           "block.up, block." in health.text and "forward overflows" not in health.text
+    assert (
+        "after their backward overflowed FP16 at the scale's floor (on_backward_overflow='upcast'): block.up, block."
+        in health.text
+        and "forward overflows" not in health.text
+    )
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
     # Kept in the checkpoint: a fresh model and scaler loading it keep the block in FP32 and train at once.
@@ -113,8 +116,9 @@ def test_a_top_level_module_that_still_overflows_says_to_lower_the_floor():
     torch.manual_seed(0)
     head = torch.nn.Linear(cfg.d, cfg.d_out)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast", upcast_after=1,
-                                  init_scale=1.0)
+    scaler = lossscale.GradScaler(
+        model=model, trace=True, on_backward_overflow="upcast", upcast_after=1, init_scale=1.0
+    )
     x = torch.randn(cfg.batch, cfg.d) * 4
     caught = []
     for _ in range(4):
@@ -141,8 +145,7 @@ def test_the_option_is_validated():
     with pytest.raises(ValueError, match="upcast_after=3 applies only"):
         lossscale.GradScaler(upcast_after=3)
     scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")
-    bad = {"upcast_modules": ["block"], "upcast_seen": {}, "upcast_backward": ["block.up"],
-            "upcast_backward_seen": {}}
+    bad = {"upcast_modules": ["block"], "upcast_seen": {}, "upcast_backward": ["block.up"], "upcast_backward_seen": {}}
     base = scaler.state_dict()
     with pytest.raises(ValueError, match="must be among 'upcast_modules'"):
         scaler.load_state_dict({**base, **bad})

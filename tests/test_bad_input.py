@@ -68,8 +68,12 @@ def test_the_telemetry_sampling_phase_survives_a_checkpoint():
 
 # ---------------------------------------------------------------------------------------- numbers
 def test_numpy_numbers_are_stored_as_python_numbers_so_weights_only_loading_works():
-    scaler = lossscale.GradScaler(init_scale=np.float32(1024.0), growth_factor=np.float64(2.0),
-                                  growth_interval=np.int64(100), min_scale=np.float32(1.0))
+    scaler = lossscale.GradScaler(
+        init_scale=np.float32(1024.0),
+        growth_factor=np.float64(2.0),
+        growth_interval=np.int64(100),
+        min_scale=np.float32(1.0),
+    )
     scaler.set_backoff_factor(np.float32(0.25))
     scaler.set_growth_interval(np.int32(50))
     sd = scaler.state_dict()
@@ -107,8 +111,9 @@ def test_an_int_beyond_float_range_in_setters_updates_loads_and_clips_is_a_value
     with pytest.raises(ValueError, match="scale"):
         scaler.load_state_dict(dict(sd, state=dict(sd["state"], scale=HUGE)))
     with pytest.raises(ValueError, match="scale"):
-        scaler.load_state_dict({"scale": HUGE, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                "growth_interval": 2000, "_growth_tracker": 0})
+        scaler.load_state_dict(
+            {"scale": HUGE, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0}
+        )
     opt.zero_grad()
     _backward(model, scaler)
     with pytest.raises(ValueError, match="max_norm"):
@@ -234,8 +239,9 @@ def test_telemetry_reducing_on_a_rank_with_only_empty_parameters_reads_its_metri
     try:
         p = torch.nn.Parameter(torch.zeros(0))
         opt = torch.optim.SGD([p], lr=0.1)
-        scaler = lossscale.GradScaler(telemetry={"every": 1, "reduce": "sum"},
-                                      process_group=torch.distributed.group.WORLD)
+        scaler = lossscale.GradScaler(
+            telemetry={"every": 1, "reduce": "sum"}, process_group=torch.distributed.group.WORLD
+        )
         scaler.scale((p.sum() + 1.0) * torch.ones(())).backward()
         scaler.step(opt)
         scaler.update()

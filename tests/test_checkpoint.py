@@ -36,8 +36,11 @@ def train(scaler, steps=3, model=None, first=0, fused=False):
     """A few real iterations of the tiny MLP under fp16 autocast (CPU); returns the model. ``fused``:
     Adam(fused=True), whose flags stay on device (the tensor rule); else SGD (the host runs the rule)."""
     model = model if model is not None else tiny_mlp()
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused
-           else torch.optim.SGD(model.parameters(), lr=0.05))
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.05)
+    )
     for step in range(first, first + steps):
         opt.zero_grad()
         backward(model, scaler, step)
@@ -78,21 +81,24 @@ def test_bad_state_scale_is_refused(value):
     refuses(scaler, sd, r"state\.scale")
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("steps", -1, r"state\.steps"),
-    ("steps", 1.5, r"state\.steps"),
-    ("steps", True, r"state\.steps"),
-    ("steps", 2**70, r"state\.steps"),
-    ("skipped_steps", 99, "skipped_steps"),
-    ("nan_steps", 1, "nan_steps"),
-    ("overflow_streak", 5, "overflow_streak"),
-    ("streak_start_scale", NAN, r"state\.streak_start_scale"),
-    ("streak_start_scale", 1e39, r"state\.streak_start_scale"),  # inf in the float32 device vector
-    ("growth_tracker", 7, r"state\.growth_tracker.*growth_interval"),
-    ("growth_tracker", "x", r"state\.growth_tracker"),
-    ("hysteresis_tracker", 4, r"state\.hysteresis_tracker.*hysteresis=3"),
-    ("hysteresis_tracker", -1, r"state\.hysteresis_tracker"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("steps", -1, r"state\.steps"),
+        ("steps", 1.5, r"state\.steps"),
+        ("steps", True, r"state\.steps"),
+        ("steps", 2**70, r"state\.steps"),
+        ("skipped_steps", 99, "skipped_steps"),
+        ("nan_steps", 1, "nan_steps"),
+        ("overflow_streak", 5, "overflow_streak"),
+        ("streak_start_scale", NAN, r"state\.streak_start_scale"),
+        ("streak_start_scale", 1e39, r"state\.streak_start_scale"),  # inf in the float32 device vector
+        ("growth_tracker", 7, r"state\.growth_tracker.*growth_interval"),
+        ("growth_tracker", "x", r"state\.growth_tracker"),
+        ("hysteresis_tracker", 4, r"state\.hysteresis_tracker.*hysteresis=3"),
+        ("hysteresis_tracker", -1, r"state\.hysteresis_tracker"),
+    ],
+)
 def test_every_dynamic_state_field_is_validated(field, value, match):
     scaler = lossscale.GradScaler(growth_interval=7, hysteresis=3)
     drive(scaler, (True, False, True))
@@ -128,14 +134,17 @@ def test_lossscale_dict_without_its_version_is_not_read_as_a_torch_dict():
     refuses(lossscale.GradScaler(), sd, "lossscale_version")
 
 
-@pytest.mark.parametrize("policy, field, value, match", [
-    ("adaptive", "window_exp", 500, r"state\.window_exp"),
-    ("adaptive", "calibrated", 1, r"state\.calibrated"),
-    ("logmax", "b1_correction", 0.0, r"state\.b1_correction"),
-    ("logmax", "x_hat", 1e300, r"state\.x_hat"),            # squared to inf - inf = NaN in the rule
-    ("logmax", "xsquared_hat", -1.0, r"state\.xsquared_hat"),
-    ("logmax", "scale", 3.0, r"state\.scale.*power of two"),
-])
+@pytest.mark.parametrize(
+    "policy, field, value, match",
+    [
+        ("adaptive", "window_exp", 500, r"state\.window_exp"),
+        ("adaptive", "calibrated", 1, r"state\.calibrated"),
+        ("logmax", "b1_correction", 0.0, r"state\.b1_correction"),
+        ("logmax", "x_hat", 1e300, r"state\.x_hat"),  # squared to inf - inf = NaN in the rule
+        ("logmax", "xsquared_hat", -1.0, r"state\.xsquared_hat"),
+        ("logmax", "scale", 3.0, r"state\.scale.*power of two"),
+    ],
+)
 def test_measuring_policies_validate_their_own_fields(policy, field, value, match):
     scaler = lossscale.GradScaler(policy=policy)
     train(scaler, 2)
@@ -153,14 +162,17 @@ def test_adaptive_window_needs_calibration():
     refuses(scaler, sd, r"state\.window_exp")
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("init_scale", NAN, "init_scale"),
-    ("growth_interval", 0, "growth_interval"),
-    ("growth_interval", 2**70, "growth_interval"),  # would overflow the int64 device comparison
-    ("hysteresis", True, "hysteresis"),
-    ("on_stuck", "maybe", "on_stuck"),
-    ("bogus", 1, "bogus"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("init_scale", NAN, "init_scale"),
+        ("growth_interval", 0, "growth_interval"),
+        ("growth_interval", 2**70, "growth_interval"),  # would overflow the int64 device comparison
+        ("hysteresis", True, "hysteresis"),
+        ("on_stuck", "maybe", "on_stuck"),
+        ("bogus", 1, "bogus"),
+    ],
+)
 def test_every_policy_config_field_is_validated(key, value, match):
     scaler = lossscale.GradScaler()
     sd = scaler.state_dict()
@@ -185,8 +197,17 @@ def test_torch_keys_of_a_lossscale_dict_must_agree_with_its_state(key, value):
     refuses(scaler, sd, f"'{key}'.*disagrees")
 
 
-@pytest.mark.parametrize("key, value", [("scale", "abc"), ("_growth_tracker", None), ("growth_factor", NAN),
-                                        ("growth_interval", 2.5), ("backoff_factor", True), ("scale", -2.0)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("scale", "abc"),
+        ("_growth_tracker", None),
+        ("growth_factor", NAN),
+        ("growth_interval", 2.5),
+        ("backoff_factor", True),
+        ("scale", -2.0),
+    ],
+)
 def test_torch_dict_errors_name_the_key(key, value):
     sd = torch.amp.GradScaler("cpu").state_dict()
     sd[key] = value
@@ -324,7 +345,7 @@ def test_passthrough_says_what_it_does_with_a_scale():
     with pytest.raises(ValueError, match="passthrough.*fixes the scale at 1") as e:
         lossscale.GradScaler.passthrough(init_scale=1024)
     assert "policy object" not in str(e.value)  # the user passed no policy
-    assert "policy='static'" in str(e.value)     # and it says how to get a fixed scale
+    assert "policy='static'" in str(e.value)  # and it says how to get a fixed scale
 
 
 # ------------------------------------------------------------------------------------------ bug 8
@@ -375,12 +396,16 @@ def _overflow_names(model, scaler):
     return {k: v for k, v in scaler.overflow_report().items() if k in ("inf", "nan")}
 
 
-@pytest.mark.parametrize("round_trip", [
-    lambda m, s: pickle.loads(pickle.dumps((m, s))),
-    lambda m, s: pickle.loads(pickle.dumps((s, m)))[::-1],
-    lambda m, s: copy.deepcopy((m, s)),
-    lambda m, s: copy.deepcopy({"model": m, "scaler": s}).values(),
-], ids=["pickle", "pickle-scaler-first", "deepcopy", "deepcopy-dict"])
+@pytest.mark.parametrize(
+    "round_trip",
+    [
+        lambda m, s: pickle.loads(pickle.dumps((m, s))),
+        lambda m, s: pickle.loads(pickle.dumps((s, m)))[::-1],
+        lambda m, s: copy.deepcopy((m, s)),
+        lambda m, s: copy.deepcopy({"model": m, "scaler": s}).values(),
+    ],
+    ids=["pickle", "pickle-scaler-first", "deepcopy", "deepcopy-dict"],
+)
 def test_overflow_report_names_survive_a_round_trip(round_trip):
     model = tiny_mlp()
     scaler = lossscale.GradScaler(model=model, on_stuck="ignore")
@@ -430,22 +455,39 @@ def test_torch_dict_of_one_element_tensors_loads(shape):
 # The tests from here to the property test are mutation-killing tests: "Kills: ..." names the one-line
 # change to the library each was seen to fail on (docs/testing.md).
 #: A value off its default for every shared field (a consistent state: check_state accepts it).
-_SHARED = dict(scale=2.0**10, steps=9, skipped_steps=5, inf_steps=3, nan_steps=2, bad_loss_steps=2, overflow_streak=2,
-               streak_nan_steps=1, streak_bad_loss_steps=1, streak_start_scale=2.0**12)
+_SHARED = dict(
+    scale=2.0**10,
+    steps=9,
+    skipped_steps=5,
+    inf_steps=3,
+    nan_steps=2,
+    bad_loss_steps=2,
+    overflow_streak=2,
+    streak_nan_steps=1,
+    streak_bad_loss_steps=1,
+    streak_start_scale=2.0**12,
+)
 
 
 def _every_field_set():
     """A policy of each kind and a state in which every field differs from its default."""
     shared = {f.name: _SHARED[f.name] for f in dataclasses.fields(ScaleState)}  # a new field must be added
     return [
-        (DynamicPolicy(init_scale=2.0**14, growth_interval=10, hysteresis=3, max_consecutive_skips=9),
-         DynamicState(**shared, growth_tracker=4, hysteresis_tracker=2)),
+        (
+            DynamicPolicy(init_scale=2.0**14, growth_interval=10, hysteresis=3, max_consecutive_skips=9),
+            DynamicState(**shared, growth_tracker=4, hysteresis_tracker=2),
+        ),
         (StaticPolicy(scale=2.0**10, max_consecutive_skips=9), StaticState(**shared, growth_tracker=7)),
-        (AdaptivePolicy(growth_interval=10, hysteresis=3, max_scale=None),
-         AdaptiveState(**shared, growth_tracker=3, hysteresis_tracker=2, calibrated=True, window_exp=-7)),
-        (LogMaxPolicy(init_scale=2.0**3, min_scale=1.0, max_scale=2.0**20),
-         LogMaxState(**shared, x_hat=-3.25, slow_x_hat=-1.5, xsquared_hat=4.75, b1_correction=0.9801,
-                     b2_correction=0.998001)),
+        (
+            AdaptivePolicy(growth_interval=10, hysteresis=3, max_scale=None),
+            AdaptiveState(**shared, growth_tracker=3, hysteresis_tracker=2, calibrated=True, window_exp=-7),
+        ),
+        (
+            LogMaxPolicy(init_scale=2.0**3, min_scale=1.0, max_scale=2.0**20),
+            LogMaxState(
+                **shared, x_hat=-3.25, slow_x_hat=-1.5, xsquared_hat=4.75, b1_correction=0.9801, b2_correction=0.998001
+            ),
+        ),
     ]
 
 
@@ -591,8 +633,7 @@ def test_torch_dict_edges():
     tiny.load_state_dict({**torch_sd, "scale": 2.0**-126})
     assert tiny.get_scale() == 2.0**-126
     refuses(lossscale.GradScaler(growth_interval=5), {**torch_sd, "_growth_tracker": 5}, "'_growth_tracker'")
-    refuses(lossscale.GradScaler(growth_interval=5), {**torch_sd, "growth_factor": 0.5},
-            "^state dict 'growth_factor'")
+    refuses(lossscale.GradScaler(growth_interval=5), {**torch_sd, "growth_factor": 0.5}, "^state dict 'growth_factor'")
     s = lossscale.GradScaler(growth_interval=5)
     s.load_state_dict({**torch_sd, "scale": np.float32(8.0), "_growth_tracker": np.int64(3)})
     assert s.get_scale() == 8.0 and s._get_growth_tracker() == 3
@@ -627,8 +668,12 @@ _CONFIGS = {
     "adaptive": dict(policy="adaptive", growth_interval=3, hysteresis=2, max_scale=None),
     "logmax": dict(policy="logmax"),
 }
-_POLICY_TYPES = {"dynamic": "DynamicPolicy", "static": "StaticPolicy", "adaptive": "AdaptivePolicy",
-                 "logmax": "LogMaxPolicy"}
+_POLICY_TYPES = {
+    "dynamic": "DynamicPolicy",
+    "static": "StaticPolicy",
+    "adaptive": "AdaptivePolicy",
+    "logmax": "LogMaxPolicy",
+}
 
 
 def _real_run(config):
@@ -683,16 +728,57 @@ def _corrupt(value, how):
     if how in ("to-float", "to-int", "plus-one", "times-two", "half", "tensor"):
         if not number or abs(value) > 2**60:
             return {"tensor": torch.tensor([1.0, 2.0])}.get(how, 1.5)
-        return {"to-float": float(value), "to-int": int(value), "plus-one": value + 1, "times-two": value * 2,
-                "half": value / 2, "tensor": torch.tensor(value)}[how]
-    return {"nan": NAN, "inf": INF, "-inf": -INF, "zero": 0, "huge": 1e300, "huge-int": 2**70,
-            "int64-edge": 2**63 - 1, "tiny": 1e-300, "subnormal": 1e-40, "true": True, "false": False, "none": None,
-            "list": [value], "dict": {}}[how]
+        return {
+            "to-float": float(value),
+            "to-int": int(value),
+            "plus-one": value + 1,
+            "times-two": value * 2,
+            "half": value / 2,
+            "tensor": torch.tensor(value),
+        }[how]
+    return {
+        "nan": NAN,
+        "inf": INF,
+        "-inf": -INF,
+        "zero": 0,
+        "huge": 1e300,
+        "huge-int": 2**70,
+        "int64-edge": 2**63 - 1,
+        "tiny": 1e-300,
+        "subnormal": 1e-40,
+        "true": True,
+        "false": False,
+        "none": None,
+        "list": [value],
+        "dict": {},
+    }[how]
 
 
-_HOWS = ("drop", "nan", "inf", "-inf", "zero", "negative", "huge", "huge-int", "int64-edge", "tiny", "subnormal",
-         "true", "false", "none", "str", "list", "dict", "to-float", "to-int", "plus-one", "times-two", "half",
-         "tensor")
+_HOWS = (
+    "drop",
+    "nan",
+    "inf",
+    "-inf",
+    "zero",
+    "negative",
+    "huge",
+    "huge-int",
+    "int64-edge",
+    "tiny",
+    "subnormal",
+    "true",
+    "false",
+    "none",
+    "str",
+    "list",
+    "dict",
+    "to-float",
+    "to-int",
+    "plus-one",
+    "times-two",
+    "half",
+    "tensor",
+)
 
 
 @st.composite

@@ -16,8 +16,17 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
 CLAIMS = ("C1", "C2", "C3", "C4", "C5", "C6")
-PNGS = ("curves.png", "fp16_number_line.png", "gradients_unscaled.png", "gradients_scaled.png", "layer_flush.png", "clip_order.png", "static_sweep.png",
-        "scale_trajectory.png", "telemetry_dynamic.png")
+PNGS = (
+    "curves.png",
+    "fp16_number_line.png",
+    "gradients_unscaled.png",
+    "gradients_scaled.png",
+    "layer_flush.png",
+    "clip_order.png",
+    "static_sweep.png",
+    "scale_trajectory.png",
+    "telemetry_dynamic.png",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +98,9 @@ def test_a_closed_pipe_ends_quietly(argv, unbuffered):
     failed write, so the help may still end with 0).
     """
     flags = ["-u"] if unbuffered else []  # -u: every print is a write, as when the output outgrows the pipe
-    proc = subprocess.Popen([sys.executable, *flags, "-m", "lossscale", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, *flags, "-m", "lossscale", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.stderr.close()
@@ -101,9 +111,11 @@ def test_a_closed_pipe_ends_quietly(argv, unbuffered):
 
 def test_import_stays_light():
     # (tqdm is not checked: torch itself imports it.)
-    code = ("import sys, lossscale, lossscale.cli, lossscale.demo, lossscale.report; "
-            "heavy = [m for m in ('matplotlib', 'sklearn') if m in sys.modules]; "
-            "print(heavy); sys.exit(1 if heavy else 0)")
+    code = (
+        "import sys, lossscale, lossscale.cli, lossscale.demo, lossscale.report; "
+        "heavy = [m for m in ('matplotlib', 'sklearn') if m in sys.modules]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -156,6 +168,8 @@ def test_quick_demo_terminal_output_reads_well(quick_run):
     assert len({line.index("  acc ") for line in rows}) == 1, rows  # the adaptive label overran the column
     assert "dynamic: uncapped (max_scale=None)" in printed
     assert "GradScaler's default cap of 2^24" in printed
+
+
 def test_quick_demo_writes_the_report(quick_report):
     rc, out, summary = quick_report
     assert rc == 0
@@ -198,7 +212,11 @@ def test_quick_demo_figures_are_in_range(quick_report):
     assert runs["static"]["final_acc"] > runs["fp32"]["final_acc"] - 0.05
     c1 = s["claims"]["C1"]["figures"]
     assert (c1["max"], c1["smallest_normal"], c1["smallest_subnormal"], c1["flush_threshold"]) == (
-        65504.0, 2.0**-14, 2.0**-24, 2.0**-25)
+        65504.0,
+        2.0**-14,
+        2.0**-24,
+        2.0**-25,
+    )
     c2 = s["claims"]["C2"]["figures"]
     assert 0.0 <= c2["band_frac"] <= 1.0 and c2["band_lost_frac"] == 1.0
     c3 = s["claims"]["C3"]["figures"]
@@ -230,8 +248,11 @@ def test_the_demo_outputs_name_no_tracker_issue(quick_run):
     import re
 
     _, out, summary, printed = quick_run
-    for name, text in (("summary.json", json.dumps(summary)), ("index.html", (out / "index.html").read_text()),
-                       ("stdout", printed)):
+    for name, text in (
+        ("summary.json", json.dumps(summary)),
+        ("index.html", (out / "index.html").read_text()),
+        ("stdout", printed),
+    ):
         found = re.findall(r".{0,40}\bissue \d+.{0,40}", text, flags=re.IGNORECASE)
         assert not found, (name, found)
 
@@ -242,6 +263,11 @@ def test_readme_explains_the_demo_shift_where_it_first_describes_the_demo():
     text = open(os.path.join(root, "README.md"), encoding="utf-8").read()
     first = next(p for p in text.split("\n\n") if "`lossscale demo`" in p)
     flat = " ".join(first.split())
-    for words in ("On purpose", "multiplies the loss by 2^-20", "learning rate by 2^20", "underflow cliff",
-                  "FP32 is unaffected"):
+    for words in (
+        "On purpose",
+        "multiplies the loss by 2^-20",
+        "learning rate by 2^20",
+        "underflow cliff",
+        "FP32 is unaffected",
+    ):
         assert words in flat, words

@@ -77,11 +77,17 @@ def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
         scaler.clip_grad_norm_(opt, 1.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_norm=-1.0), "max_norm"), (dict(max_norm=float("nan")), "max_norm"), (dict(max_norm=True), "max_norm"),
-    (dict(max_norm=1.0, norm_type=0), "norm_type"), (dict(max_norm=1.0, norm_type=-2.0), "norm_type"),
-    (dict(max_norm=1.0, norm_type=-math.inf), "norm_type"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_norm=-1.0), "max_norm"),
+        (dict(max_norm=float("nan")), "max_norm"),
+        (dict(max_norm=True), "max_norm"),
+        (dict(max_norm=1.0, norm_type=0), "norm_type"),
+        (dict(max_norm=1.0, norm_type=-2.0), "norm_type"),
+        (dict(max_norm=1.0, norm_type=-math.inf), "norm_type"),
+    ],
+)
 def test_bad_arguments_raise_value_error(kwargs, match):
     model = tiny_mlp()
     opt = make_optimizer("sgd", model.parameters())
@@ -154,7 +160,7 @@ def _both(values, max_norm=1.0, scale=S, norm_type=2.0):
 def test_planted_normal_range_values_are_bitwise_equal():
     # Every unscaled value, square and clipped product stays normal: equal bit for bit, whatever the
     # mix of magnitudes (the tiny one's square, 1.5e-40... is not: see the next test; 1e-15 is fine).
-    for values in ([1e3 * S, 1.2345e-15 * S, -7.5 * S], [3.0 * S] * 5, [0.0, -2.0**-100 * S, 1e-3 * S]):
+    for values in ([1e3 * S, 1.2345e-15 * S, -7.5 * S], [3.0 * S] * 5, [0.0, -(2.0**-100) * S, 1e-3 * S]):
         for norm_type in (2.0, 1.0, math.inf, 3.0):
             n_t, n_l, g_t, g_l = _both(values, norm_type=norm_type)
             assert torch.equal(n_t, n_l) and torch.equal(g_t, g_l), (values, norm_type)
@@ -289,16 +295,18 @@ def test_a_copy_another_rank_counts_is_left_out_of_the_norm_and_clipped_alike(no
     pair = [a.clone(), b.clone()]
     scale = torch.tensor(S)
     seen = []
-    norm, total, _, _ = clip_scaled_(grads, scale, inverse(scale), 1.0, norm_type, [True, True, False],
-                                     lambda local: seen.append(local) or local)
+    norm, total, _, _ = clip_scaled_(
+        grads, scale, inverse(scale), 1.0, norm_type, [True, True, False], lambda local: seen.append(local) or local
+    )
     ref_norm, ref_total, _, _ = clip_scaled_(pair, scale, inverse(scale), 1.0, norm_type)
     assert len(seen) == 1 and torch.equal(norm, ref_norm) and torch.equal(total, ref_total)
     assert torch.isfinite(total)  # the check: no overflow
     assert torch.equal(grads[0], pair[0]) and torch.equal(grads[1], pair[1]) and torch.equal(grads[2], pair[0])
     # Every tensor counted: the reduction sees this rank's whole norm, the unsharded path's bits.
     again = [a.clone(), b.clone()]
-    assert torch.equal(clip_scaled_(again, scale, inverse(scale), 1.0, norm_type, [True, True], lambda t: t)[0],
-                       ref_norm)
+    assert torch.equal(
+        clip_scaled_(again, scale, inverse(scale), 1.0, norm_type, [True, True], lambda t: t)[0], ref_norm
+    )
     assert all(torch.equal(x, y) for x, y in zip(again, pair))
 
 
@@ -314,6 +322,6 @@ def test_a_non_finite_value_in_an_uncounted_copy_still_reaches_the_norm(bad):
     grads = [a.clone(), b.clone(), copy]
     scale = torch.tensor(S)
     norm, total, _, _ = clip_scaled_(grads, scale, inverse(scale), 1.0, 2.0, [True, True, False], lambda t: t)
-    assert (math.isnan(norm.item()) if bad == "nan" else math.isinf(norm.item()))
+    assert math.isnan(norm.item()) if bad == "nan" else math.isinf(norm.item())
     assert math.isnan(total.item()) == (bad == "nan") and not math.isfinite(total.item())  # the check's flags
     assert torch.equal(grads[0], a / S) and torch.equal(grads[1], b / S)  # unscaled, not clipped

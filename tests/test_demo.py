@@ -39,8 +39,13 @@ def test_the_shift_moves_fp16_gradients_off_the_cliff(data):
     assert C.lost_fraction(ref, fp16) > 0.99
     assert C.lost_fraction(ref, scaled) < 0.01
     # Unshifted, FP16 keeps nearly everything even without scaling.
-    assert C.lost_fraction(reference_grads(TrainConfig(shift_log2=0), data),
-                           reference_grads(TrainConfig(shift_log2=0), data, fp16=True)) < 0.05
+    assert (
+        C.lost_fraction(
+            reference_grads(TrainConfig(shift_log2=0), data),
+            reference_grads(TrainConfig(shift_log2=0), data, fp16=True),
+        )
+        < 0.05
+    )
 
 
 def test_runspec_validates_clip_order():
@@ -53,8 +58,13 @@ def test_runspec_validates_clip_order():
 def test_clip_runs_record_norms(data):
     import lossscale
 
-    spec = RunSpec("w", "w", make_scaler=lambda model: lossscale.GradScaler("cpu", policy="static", init_scale=2.0**10),
-                   clip="clip_scaled", epochs=1)
+    spec = RunSpec(
+        "w",
+        "w",
+        make_scaler=lambda model: lossscale.GradScaler("cpu", policy="static", init_scale=2.0**10),
+        clip="clip_scaled",
+        epochs=1,
+    )
     run = train(spec, TrainConfig(epochs=1), data)
     assert all(s["clip_fired"] for s in run.steps)
     ratios = [s["applied_norm"] / s["true_norm"] for s in run.steps]
@@ -110,8 +120,14 @@ def _fake_run(name, acc, steps=4, **step_fields):
 
 def test_c2_is_not_held_when_fp16_learns_anyway():
     ref = {"w": torch.tensor([1e-9, 1e-3])}
-    r = C.c2_underflow_stalls(TrainConfig(), _fake_run("fp32", 0.97), _fake_run("noscale", 0.96), ref,
-                              {"w": torch.tensor([0.0, 1e-3])}, chance=0.1)
+    r = C.c2_underflow_stalls(
+        TrainConfig(),
+        _fake_run("fp32", 0.97),
+        _fake_run("noscale", 0.96),
+        ref,
+        {"w": torch.tensor([0.0, 1e-3])},
+        chance=0.1,
+    )
     assert r.verdict == C.NOT_HELD
     assert [c.passed for c in r.checks] == [True, False, False]
 
@@ -132,8 +148,9 @@ def test_c6_fails_without_the_measurements_its_checks_need():
         s["loss_scale"] = scale
     for i in (3, 5):
         dynamic.steps[i - 1]["skipped"] = True  # the step before each backoff overflowed
-    r = C.c6_dynamic_scaling(_fake_run("fp32", 0.95), dynamic, _fake_run("torch", 0.95),
-                             _fake_run("adaptive", 0.95), growth_interval=1)
+    r = C.c6_dynamic_scaling(
+        _fake_run("fp32", 0.95), dynamic, _fake_run("torch", 0.95), _fake_run("adaptive", 0.95), growth_interval=1
+    )
     checks = {c.name: c for c in r.checks}
     assert checks["the scale finds the overflow line by itself"].passed
     hover = checks["and hovers just below it"]
@@ -152,8 +169,16 @@ def test_demo_scalers_record_telemetry_every_step():
     from lossscale.demo import run
 
     main, sweep = run.plan(run.DemoConfig.quick_preset(), observe=None)
-    assert [spec.name for spec in main] == ["fp32", "fp16_noscale", "static", "dynamic", "torch_default", "adaptive",
-                                            "clip_right", "clip_wrong"]
+    assert [spec.name for spec in main] == [
+        "fp32",
+        "fp16_noscale",
+        "static",
+        "dynamic",
+        "torch_default",
+        "adaptive",
+        "clip_right",
+        "clip_wrong",
+    ]
     for spec in main + [spec for _, spec in sweep]:
         if spec.make_scaler is None or spec.name == "torch_default":
             continue
@@ -209,8 +234,13 @@ def test_header_says_what_the_shift_is_for_in_plain_words():
 
     text = "\n".join(run.header(run.DemoConfig.quick_preset(), 22))
     assert "lr / 2^-" not in text
-    for words in ("On purpose", "multiplies the loss by 2^-20", "learning rate by 2^20", "underflow cliff",
-                  "FP32 is unaffected"):
+    for words in (
+        "On purpose",
+        "multiplies the loss by 2^-20",
+        "learning rate by 2^20",
+        "underflow cliff",
+        "FP32 is unaffected",
+    ):
         assert words in text, words
     assert max(len(line) for line in text.splitlines()) <= 110
 
@@ -298,16 +328,28 @@ def test_bad_batch_section_summary_and_terminal_lines(bad, tmp_path):
     assert sec.anchor == "bad-batches" and sec.verdict is None  # a section, not a claim
     assert sec.images == [("bad_batches.png", "caption")]
     page = unescape(html._section(sec))
-    for words in (f"{f['n_bad']} of the {f['n_steps']} batches", f"{p2(2.0**16)} -> {p2(r['bad_torch']['final_scale'])}",
-                  f"{p2(2.0**16)} throughout", pct(r["bad_torch"]["final_acc"]), pct(r["bad_lossscale"]["final_acc"]),
-                  pct(r["bad_clean"]["final_acc"]), "the clean run's scale at every step", "exactly the",
-                  f["first_diagnosis"]["cause"]):
+    for words in (
+        f"{f['n_bad']} of the {f['n_steps']} batches",
+        f"{p2(2.0**16)} -> {p2(r['bad_torch']['final_scale'])}",
+        f"{p2(2.0**16)} throughout",
+        pct(r["bad_torch"]["final_acc"]),
+        pct(r["bad_lossscale"]["final_acc"]),
+        pct(r["bad_clean"]["final_acc"]),
+        "the clean run's scale at every step",
+        "exactly the",
+        f["first_diagnosis"]["cause"],
+    ):
         assert words in page, words
     header, rows = sec.grid
     assert [row[0] for row in rows] == [bad.runs[n].label for n in ("bad_clean", "bad_torch", "bad_lossscale")]
 
-    summary = {"claims": {}, "runs": {}, "config": {}, "timings": {"total": 1.0},
-               "bad_batches": render.bad_batch_summary(bad)}
+    summary = {
+        "claims": {},
+        "runs": {},
+        "config": {},
+        "timings": {"total": 1.0},
+        "bad_batches": render.bad_batch_summary(bad),
+    }
     render.write_summary(summary, str(tmp_path))
     got = json.loads((tmp_path / "summary.json").read_text())["bad_batches"]
     assert got["figures"]["runs"]["bad_torch"]["final_scale"] == r["bad_torch"]["final_scale"]
@@ -318,10 +360,12 @@ def test_bad_batch_section_summary_and_terminal_lines(bad, tmp_path):
     lines = render.terminal_summary(summary, str(tmp_path)).splitlines()
     text = " ".join(line.strip() for line in lines)
     assert f"bad batches ({f['n_bad']} of {f['n_steps']} with a NaN input row)" in text
-    assert f"torch's scale 2^16 -> {p2(r['bad_torch']['final_scale'])}" in text and "lossscale's 2^16 throughout" in text
+    assert (
+        f"torch's scale 2^16 -> {p2(r['bad_torch']['final_scale'])}" in text and "lossscale's 2^16 throughout" in text
+    )
     assert "forward output of `fc1`" in text
     start = next(i for i, line in enumerate(lines) if line.startswith("bad batches ("))
-    ours = lines[start:lines.index("", start)]
+    ours = lines[start : lines.index("", start)]
     assert 2 <= len(ours) <= 4 and max(len(line) for line in ours) <= 110, ours
 
 
@@ -329,10 +373,18 @@ def test_bad_batch_plot_is_a_png(bad, tmp_path):
     pytest.importorskip("matplotlib")
     from lossscale.report import plots
 
-    runs = {n: {"label": r.label, "step": r.series("step"), "loss_scale": r.series("loss_scale"),
-                "skipped": r.series("skipped"), "final_scale": r.final_scale,
-                "epoch": [e["epoch"] for e in r.epochs], "test_acc": [e["test_acc"] for e in r.epochs]}
-            for n, r in bad.runs.items()}
+    runs = {
+        n: {
+            "label": r.label,
+            "step": r.series("step"),
+            "loss_scale": r.series("loss_scale"),
+            "skipped": r.series("skipped"),
+            "final_scale": r.final_scale,
+            "epoch": [e["epoch"] for e in r.epochs],
+            "test_acc": [e["test_acc"] for e in r.epochs],
+        }
+        for n, r in bad.runs.items()
+    }
     path = plots.plot_bad_batches(str(tmp_path / "bad.png"), runs, chance=0.1)
     with open(path, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"

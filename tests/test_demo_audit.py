@@ -57,8 +57,14 @@ def test_the_report_has_its_page_plots_and_summary(quick_run):
         with open(out / png, "rb") as fh:
             assert fh.read(8) == PNG
     page = (out / "index.html").read_text(encoding="utf-8")
-    for piece in ("fp32_fallback_loss.png", "fp32_fallback_amax.png", "lossscale.keep_fp32", demo.INJECTED, "HELD",
-                  "on_forward_overflow"):
+    for piece in (
+        "fp32_fallback_loss.png",
+        "fp32_fallback_amax.png",
+        "lossscale.keep_fp32",
+        demo.INJECTED,
+        "HELD",
+        "on_forward_overflow",
+    ):
         assert piece in page
     modules = {m["name"]: m for m in summary["audit"]["modules"]}
     assert modules[demo.INJECTED]["fp32_amax"] > lossscale.formats.FP16.max

@@ -17,8 +17,9 @@ from lossscale import distributed as lsd
 
 pytestmark = pytest.mark.distributed
 
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 HAVE_STATS = importlib.util.find_spec("lossscale.stats") is not None  # reduce_stats needs it
 needs_stats = pytest.mark.skipif(not HAVE_STATS, reason="lossscale.stats is not in this tree")
 

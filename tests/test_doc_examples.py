@@ -29,13 +29,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "# compile-only:"
 NOT_SITE = {"docs/architecture.md", "docs/testing.md"}
 # ```python / ```py fences at the start of a line (indented fences inside lists count too).
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?:python|py)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
-                   re.MULTILINE | re.DOTALL)
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?:python|py)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL
+)
 
 
 def pages() -> list:
-    found = ["README.md"] + sorted(os.path.relpath(p, ROOT).replace(os.sep, "/")
-                                   for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    found = ["README.md"] + sorted(
+        os.path.relpath(p, ROOT).replace(os.sep, "/")
+        for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+    )
     return [p for p in found if p not in NOT_SITE]
 
 
@@ -59,8 +62,12 @@ def runnable_pages() -> list:
 
 
 def marked_blocks() -> list:
-    return [pytest.param(page, line, src, id=f"{page}:{line}")
-            for page in pages() for line, src in blocks(page) if compile_only(src)]
+    return [
+        pytest.param(page, line, src, id=f"{page}:{line}")
+        for page in pages()
+        for line, src in blocks(page)
+        if compile_only(src)
+    ]
 
 
 # The child: read the page's blocks as JSON from stdin, run each in one namespace, with the page and the
@@ -78,16 +85,29 @@ for line, source in todo:
 @pytest.mark.parametrize("page", runnable_pages())
 def test_the_page_examples_run_on_cpu(page, tmp_path):
     todo = [(line, src) for line, src in blocks(page) if not compile_only(src)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", MPLBACKEND="Agg")
-    done = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps([page, todo]), text=True,
-                          capture_output=True, cwd=tmp_path, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        MPLBACKEND="Agg",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER],
+        input=json.dumps([page, todo]),
+        text=True,
+        capture_output=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, f"{page}: an example failed\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
 @pytest.mark.parametrize("page,line,source", marked_blocks())
 def test_compile_only_blocks_say_why_and_compile(page, line, source):
-    reason = source.lstrip().splitlines()[0][len(MARKER):].strip()
+    reason = source.lstrip().splitlines()[0][len(MARKER) :].strip()
     assert len(reason) >= 10, f"{page}:{line}: say why the block cannot run, after {MARKER!r}"
     compile("\n" * (line - 1) + source, page, "exec")
 

@@ -62,11 +62,23 @@ class Reference:
 pow2 = powers_of_two(-10, 30)
 configs = st.builds(
     lambda init, gf, bf, gi, h, ch, lo, hi: DynamicPolicy(
-        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=gi, hysteresis=h,
-        consecutive_hysteresis=ch, min_scale=None if lo is None else min(lo, init),
-        max_scale=None if hi is None else max(hi, init)),
-    pow2, st.sampled_from([2.0, 4.0]), st.sampled_from([0.5, 0.25]), st.integers(1, 5), st.integers(1, 4),
-    st.booleans(), st.one_of(st.none(), pow2), st.one_of(st.none(), pow2),
+        init_scale=init,
+        growth_factor=gf,
+        backoff_factor=bf,
+        growth_interval=gi,
+        hysteresis=h,
+        consecutive_hysteresis=ch,
+        min_scale=None if lo is None else min(lo, init),
+        max_scale=None if hi is None else max(hi, init),
+    ),
+    pow2,
+    st.sampled_from([2.0, 4.0]),
+    st.sampled_from([0.5, 0.25]),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.booleans(),
+    st.one_of(st.none(), pow2),
+    st.one_of(st.none(), pow2),
 )
 
 flags = flag_lists(120)
@@ -81,7 +93,12 @@ def test_matches_reference_and_invariants(policy, seq):
         ref.step(overflow, nan)
         assert (s.scale, s.growth_tracker, s.hysteresis_tracker) == (ref.scale, ref.good, ref.hyst)
         assert (s.steps, s.skipped_steps, s.inf_steps, s.nan_steps, s.overflow_streak) == (
-            ref.steps, ref.skipped, ref.infs, ref.nans, ref.streak)
+            ref.steps,
+            ref.skipped,
+            ref.infs,
+            ref.nans,
+            ref.streak,
+        )
         assert math.isfinite(s.scale) and s.scale > 0
         assert is_power_of_two(s.scale)  # power-of-two config stays on the powers of two
         if policy.min_scale is not None:
@@ -90,7 +107,6 @@ def test_matches_reference_and_invariants(policy, seq):
             assert s.scale <= policy.max_scale
         assert s.skipped_steps == s.inf_steps + s.nan_steps <= s.steps
         assert 1 <= s.hysteresis_tracker <= policy.hysteresis  # never below 1: hysteresis=1 never moves it
-
 
 
 @settings(max_examples=200, deadline=None)
@@ -103,8 +119,8 @@ def test_device_form_agrees_with_pure_form(policy, seq):
         dev.step(overflow, nan)
         got = dev.to_state()
         assert got == s.replace(streak_start_scale=got.streak_start_scale) and (
-            s.overflow_streak == 0 or got.streak_start_scale == s.streak_start_scale)
-
+            s.overflow_streak == 0 or got.streak_start_scale == s.streak_start_scale
+        )
 
 
 def test_torch_rule_growth_refused_when_not_finite():
@@ -113,14 +129,12 @@ def test_torch_rule_growth_refused_when_not_finite():
     assert s.scale == 2.0**127 and s.growth_tracker == 0
 
 
-
 def test_cap_clamps_growth_to_max_scale():
     with pytest.warns(UserWarning, match="power of two"):
         p = DynamicPolicy(init_scale=2.0**10, growth_factor=4.0, growth_interval=1, max_scale=3000.0)
     s = p.update(p.init_state(), found_inf=False)
     assert s.scale == 3000.0
     assert p.update(s, found_inf=False).scale == 3000.0
-
 
 
 def test_megatron_hysteresis_backs_off_every_overflow_once_spent():
@@ -135,7 +149,6 @@ def test_megatron_hysteresis_backs_off_every_overflow_once_spent():
     assert s.scale == 2.0**8  # every further overflow backs off
 
 
-
 def test_deepspeed_consecutive_hysteresis_refills_on_clean_steps():
     p = DynamicPolicy(init_scale=2.0**10, hysteresis=2, consecutive_hysteresis=True, growth_interval=100)
     s = p.init_state()
@@ -146,35 +159,35 @@ def test_deepspeed_consecutive_hysteresis_refills_on_clean_steps():
     assert s.scale == 2.0**9
 
 
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(growth_factor=1.0), "growth_factor"),
-    (dict(growth_factor=float("inf")), "growth_factor"),
-    (dict(backoff_factor=1.0), "backoff_factor"),
-    (dict(backoff_factor=0.0), "backoff_factor"),
-    (dict(growth_interval=0), "growth_interval"),
-    (dict(growth_interval=2.5), "growth_interval"),
-    (dict(hysteresis=0), "hysteresis"),
-    (dict(init_scale=0.0), "init_scale"),
-    (dict(init_scale=float("nan")), "init_scale"),
-    (dict(min_scale=-1.0), "min_scale"),
-    (dict(min_scale=4.0, max_scale=2.0, init_scale=4.0), "min_scale"),
-    (dict(init_scale=2.0**30), "max_scale"),
-    (dict(init_scale=0.5), "min_scale"),
-    (dict(on_stuck="panic"), "on_stuck"),
-    (dict(max_consecutive_skips=0), "max_consecutive_skips"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(growth_factor=float("inf")), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(growth_interval=2.5), "growth_interval"),
+        (dict(hysteresis=0), "hysteresis"),
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(init_scale=float("nan")), "init_scale"),
+        (dict(min_scale=-1.0), "min_scale"),
+        (dict(min_scale=4.0, max_scale=2.0, init_scale=4.0), "min_scale"),
+        (dict(init_scale=2.0**30), "max_scale"),
+        (dict(init_scale=0.5), "min_scale"),
+        (dict(on_stuck="panic"), "on_stuck"),
+        (dict(max_consecutive_skips=0), "max_consecutive_skips"),
+    ],
+)
 def test_bad_config_raises_value_error_naming_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DynamicPolicy(**kwargs)
-
 
 
 def test_non_power_of_two_warns_once_per_config_and_why():
     with pytest.warns(UserWarning, match="exact") as record:
         DynamicPolicy(init_scale=1000.0, min_scale=None)
     assert len(record) == 1
-
 
 
 def test_stuck_detection():
@@ -207,16 +220,30 @@ def _chain(x, factor, n):
 def dynamic_configs(draw):
     """A DynamicPolicy; bounds None, anywhere, or exactly where a chain of backoffs/growths lands (a tie)."""
     init, bf, gf = draw(any_scale), draw(backoffs), draw(growths)
-    lo = draw(st.one_of(st.none(), any_scale.map(lambda v: min(v, init)),
-                        st.integers(1, 4).map(lambda n: _chain(f32(init), bf, n))))
-    hi = draw(st.one_of(st.none(), any_scale.map(lambda v: max(v, init)),
-                        st.integers(1, 4).map(lambda n: _chain(f32(init), gf, n))))
+    lo = draw(
+        st.one_of(
+            st.none(), any_scale.map(lambda v: min(v, init)), st.integers(1, 4).map(lambda n: _chain(f32(init), bf, n))
+        )
+    )
+    hi = draw(
+        st.one_of(
+            st.none(), any_scale.map(lambda v: max(v, init)), st.integers(1, 4).map(lambda n: _chain(f32(init), gf, n))
+        )
+    )
     if hi is not None and not math.isfinite(hi):
         hi = None
-    return quiet(lambda: DynamicPolicy(
-        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=draw(st.integers(1, 4)),
-        hysteresis=draw(st.integers(1, 4)), consecutive_hysteresis=draw(st.booleans()),
-        min_scale=lo, max_scale=hi))
+    return quiet(
+        lambda: DynamicPolicy(
+            init_scale=init,
+            growth_factor=gf,
+            backoff_factor=bf,
+            growth_interval=draw(st.integers(1, 4)),
+            hysteresis=draw(st.integers(1, 4)),
+            consecutive_hysteresis=draw(st.booleans()),
+            min_scale=lo,
+            max_scale=hi,
+        )
+    )
 
 
 def test_pure_dynamic_rule_rounds_a_non_power_of_two_backoff_to_float32():
@@ -229,7 +256,6 @@ def test_pure_dynamic_rule_rounds_a_non_power_of_two_backoff_to_float32():
         s = p.update(s, found_inf=True)
         scales.append(s.scale)
     assert scales == [844422.0, 759979.8125, 683981.8125]
-
 
 
 def test_tensor_dynamic_rule_multiplies_in_float64_then_rounds_with_hysteresis():
@@ -245,17 +271,16 @@ def test_tensor_dynamic_rule_multiplies_in_float64_then_rounds_with_hysteresis()
     assert scales == [844422.0, 759979.8125, 683981.8125]
 
 
-
 def test_tensor_dynamic_rule_rounds_a_non_power_of_two_growth_like_the_pure_rule():
     """The growth side of the same rounding (``(t.scale.double() * growth_factor).float()``)."""
-    p = quiet(lambda: DynamicPolicy(init_scale=844422.0, growth_factor=1.1, growth_interval=1, hysteresis=2,
-                                    max_scale=None))
+    p = quiet(
+        lambda: DynamicPolicy(init_scale=844422.0, growth_factor=1.1, growth_interval=1, hysteresis=2, max_scale=None)
+    )
     s, dev = p.init_state(), TensorForm(p)
     for _ in range(4):
         s = p.update(s, found_inf=False)
         dev.step(False)
         assert dev.t.scale.item() == s.scale == _chain(844422.0, 1.1, s.steps)
-
 
 
 @settings(max_examples=150, deadline=None)
@@ -284,10 +309,13 @@ def test_dynamic_pure_and_device_rules_agree_for_any_factor_and_bound(policy, se
         assert s.scale >= lo and (hi is None or s.scale <= hi)
 
 
-
 #: One iteration: (overflow, nan, bad loss); a bad loss comes with or without NaN gradients.
-_WITH_BAD_LOSSES = st.lists(st.sampled_from([(False, False, False), (True, False, False), (True, True, False),
-                                             (False, False, True), (True, True, True)]), max_size=60)
+_WITH_BAD_LOSSES = st.lists(
+    st.sampled_from(
+        [(False, False, False), (True, False, False), (True, True, False), (False, False, True), (True, True, True)]
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -305,15 +333,21 @@ def test_a_bad_loss_moves_nothing_in_either_form_whatever_the_hysteresis(policy,
         assert dev.to_state() == s
         if bad:
             assert (s.scale, s.growth_tracker, s.hysteresis_tracker) == (
-                before.scale, before.growth_tracker, before.hysteresis_tracker)
+                before.scale,
+                before.growth_tracker,
+                before.hysteresis_tracker,
+            )
 
 
 @settings(max_examples=100, deadline=None)
 @given(any_scale, backoffs, growths, st.integers(1, 4), st.lists(st.booleans(), max_size=60))
 def test_hysteresis_one_is_torchs_kernel_for_any_factor(init, bf, gf, interval, seq):
     """The pure rule against torch's own ``_amp_update_scale_`` with non-power-of-two factors."""
-    p = quiet(lambda: DynamicPolicy(init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval,
-                                    **TORCH_RULE))
+    p = quiet(
+        lambda: DynamicPolicy(
+            init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval, **TORCH_RULE
+        )
+    )
     s = p.init_state()
     scale, tracker = torch.tensor(f32(init)), torch.zeros((), dtype=torch.int32)
     for overflow in seq:
@@ -325,10 +359,11 @@ def test_hysteresis_one_is_torchs_kernel_for_any_factor(init, bf, gf, interval, 
         assert (s.scale, s.growth_tracker) == (scale.item(), tracker.item())
 
 
-
 # ----------------------------------------------------------------- torch's kernel path (hysteresis 1)
-@pytest.mark.parametrize("max_scale, scale, interval", [(2.0**127, 2.0**127, 1), (2.0**24, 2.0**24, 1),
-                                                      (2.0**24, 2.0**23, 1), (2.0**24, 2.0**24, 3)])
+@pytest.mark.parametrize(
+    "max_scale, scale, interval",
+    [(2.0**127, 2.0**127, 1), (2.0**24, 2.0**24, 1), (2.0**24, 2.0**23, 1), (2.0**24, 2.0**24, 3)],
+)
 def test_torchs_kernel_path_holds_the_scale_at_max_scale_like_the_pure_rule(max_scale, scale, interval):
     """Kills: the cap of the hysteresis-1 path (torch's kernel plus one clamp) dropped, moved to the
     backoff, or applied before the kernel: a growth from max_scale stays there (refused as inf at
@@ -339,7 +374,6 @@ def test_torchs_kernel_path_holds_the_scale_at_max_scale_like_the_pure_rule(max_
         s = p.update(s, found_inf=overflow)
         dev.step(overflow)
         assert dev.to_state() == s and s.scale <= max_scale
-
 
 
 def test_the_tensor_rules_domain_is_every_scale_a_policy_accepts():
@@ -367,7 +401,6 @@ def test_the_tensor_rules_domain_is_every_scale_a_policy_accepts():
         assert scaler.get_scale() == kept
 
 
-
 def test_the_dynamic_growth_interval_fits_torchs_int32_tracker():
     """Kills: the int32 bound of ``growth_interval`` dropped or moved."""
     assert DynamicPolicy(growth_interval=2**31 - 1).growth_interval == 2**31 - 1
@@ -381,6 +414,7 @@ def test_a_growth_at_the_edge_of_float32_is_refused_alike_in_both_forms(growth_f
     hysteresis > 1 and its clamp to the scale before) refuses it where ``f32(scale * growth_factor)`` is
     inf, as the pure rule does. Tried on the largest float32 scale that still grows and the next one.
     Kills: the edge off by one float32 in either form."""
+
     def step(x, k):  # the k-th float32 after x (x > 0)
         return struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", x))[0] + k))[0]
 
@@ -392,8 +426,16 @@ def test_a_growth_at_the_edge_of_float32_is_refused_alike_in_both_forms(growth_f
     above = step(edge, 1)
     assert math.isfinite(f32(edge * growth_factor)) and math.isinf(f32(above * growth_factor))
     for scale in (edge, above):
-        p = quiet(lambda: DynamicPolicy(init_scale=scale, growth_factor=growth_factor, growth_interval=1,
-                                        hysteresis=2, min_scale=None, max_scale=None))
+        p = quiet(
+            lambda: DynamicPolicy(
+                init_scale=scale,
+                growth_factor=growth_factor,
+                growth_interval=1,
+                hysteresis=2,
+                min_scale=None,
+                max_scale=None,
+            )
+        )
         s, dev = p.init_state(), TensorForm(p)
         s = p.update(s, found_inf=False)
         dev.step(False)
@@ -404,8 +446,11 @@ def test_a_growth_past_float32_is_refused_under_a_max_scale_it_could_reach():
     """A ``max_scale`` so high that ``max_scale * growth_factor`` leaves float32 (here 1.5 * 2**127):
     a growth from 2**127 is refused (inf), not clamped to ``max_scale``, in both forms. Kills: the
     rule's test for such a growth skipped for a bounded policy."""
-    p = quiet(lambda: DynamicPolicy(init_scale=2.0**127, growth_interval=1, hysteresis=2, min_scale=None,
-                                    max_scale=1.5 * 2.0**127))
+    p = quiet(
+        lambda: DynamicPolicy(
+            init_scale=2.0**127, growth_interval=1, hysteresis=2, min_scale=None, max_scale=1.5 * 2.0**127
+        )
+    )
     s, dev = p.init_state(), TensorForm(p)
     s = p.update(s, found_inf=False)
     dev.step(False)

@@ -14,8 +14,14 @@ import pickle
 
 import pytest
 import torch
-from torch.optim.swa_utils import (SWALR, AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn, get_swa_avg_fn,
-                                   get_swa_multi_avg_fn)
+from torch.optim.swa_utils import (
+    SWALR,
+    AveragedModel,
+    get_ema_avg_fn,
+    get_ema_multi_avg_fn,
+    get_swa_avg_fn,
+    get_swa_multi_avg_fn,
+)
 
 import lossscale
 from _sync import count_host_syncs
@@ -129,8 +135,7 @@ def test_fused_optimizers_gate_on_device_without_a_sync(opt_kind, averaging, whe
 
 @pytest.mark.parametrize("averaging", ["swa_default", "ema_multi_avg_fn"])
 @pytest.mark.parametrize("opt_kind", ["adam_foreach", "adam_fused"])
-def test_a_skipped_first_update_is_held_and_the_first_taken_one_copies_the_model(opt_kind, averaging,
-                                                                               monkeypatch):
+def test_a_skipped_first_update_is_held_and_the_first_taken_one_copies_the_model(opt_kind, averaging, monkeypatch):
     monkeypatch.setitem(FAULTS, 0, "inf_grad")
     run = train(opt_kind, averaging, True, "before_update", steps=3)
     assert run["skipped"] == [True, True, False]

@@ -19,15 +19,19 @@ from lossscale.policy import BAD_LOSS_STREAK
 
 
 # ------------------------------------------------------------------ the rules: pure and tensor agree
-policies = st.sampled_from([
-    DynamicPolicy(init_scale=2.0**8, growth_interval=2, hysteresis=2),
-    DynamicPolicy(init_scale=2.0**8, growth_interval=3, consecutive_hysteresis=True, hysteresis=2, min_scale=None),
-    StaticPolicy(scale=2.0**4),
-    AdaptivePolicy(growth_interval=2, max_scale=None),
-    LogMaxPolicy(max_scale=2.0**30),
-])
-events = st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from([None, 0.0, 2.0**-7, 3.0, math.inf]),
-                            st.booleans()), max_size=40)
+policies = st.sampled_from(
+    [
+        DynamicPolicy(init_scale=2.0**8, growth_interval=2, hysteresis=2),
+        DynamicPolicy(init_scale=2.0**8, growth_interval=3, consecutive_hysteresis=True, hysteresis=2, min_scale=None),
+        StaticPolicy(scale=2.0**4),
+        AdaptivePolicy(growth_interval=2, max_scale=None),
+        LogMaxPolicy(max_scale=2.0**30),
+    ]
+)
+events = st.lists(
+    st.tuples(st.booleans(), st.booleans(), st.sampled_from([None, 0.0, 2.0**-7, 3.0, math.inf]), st.booleans()),
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -85,7 +89,9 @@ def _run(scaler, steps, bad_steps, kind="nan", second_loss=False, seed=0):
 def test_loss_check_off_is_bitwise_torch_and_on_keeps_the_scale(kind):
     bad = {2, 3, 7}
     ref_scales, ref_params = _run(torch.amp.GradScaler("cpu", growth_interval=3), 12, bad, kind)
-    off_scales, off_params = _run(lossscale.GradScaler(growth_interval=3, loss_check=False, **TORCH_RULE), 12, bad, kind)
+    off_scales, off_params = _run(
+        lossscale.GradScaler(growth_interval=3, loss_check=False, **TORCH_RULE), 12, bad, kind
+    )
     assert off_scales == ref_scales and all(torch.equal(a, b) for a, b in zip(ref_params, off_params))
     on = lossscale.GradScaler(growth_interval=3, **TORCH_RULE)
     on_scales, on_params = _run(on, 12, bad, kind)

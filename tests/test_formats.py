@@ -105,12 +105,27 @@ def test_torch_e4m3_cast_behaviour_is_what_we_document():
 @pytest.mark.parametrize(
     "name, fmt",
     [
-        ("fp16", FP16), ("float16", FP16), ("half", FP16), ("FP16", FP16), (" Half ", FP16),
-        ("bf16", BF16), ("bfloat16", BF16), ("fp32", FP32), ("float32", FP32),
-        ("fp8_e4m3", FP8_E4M3), ("e4m3", FP8_E4M3), ("float8_e4m3fn", FP8_E4M3),
-        ("fp8_e4m3fn", FP8_E4M3), ("fp8_e5m2", FP8_E5M2), ("e5m2", FP8_E5M2),
-        (torch.float16, FP16), (torch.bfloat16, BF16), (torch.float32, FP32),
-        (torch.float8_e4m3fn, FP8_E4M3), (torch.float8_e5m2, FP8_E5M2), (FP16, FP16),
+        ("fp16", FP16),
+        ("float16", FP16),
+        ("half", FP16),
+        ("FP16", FP16),
+        (" Half ", FP16),
+        ("bf16", BF16),
+        ("bfloat16", BF16),
+        ("fp32", FP32),
+        ("float32", FP32),
+        ("fp8_e4m3", FP8_E4M3),
+        ("e4m3", FP8_E4M3),
+        ("float8_e4m3fn", FP8_E4M3),
+        ("fp8_e4m3fn", FP8_E4M3),
+        ("fp8_e5m2", FP8_E5M2),
+        ("e5m2", FP8_E5M2),
+        (torch.float16, FP16),
+        (torch.bfloat16, BF16),
+        (torch.float32, FP32),
+        (torch.float8_e4m3fn, FP8_E4M3),
+        (torch.float8_e5m2, FP8_E5M2),
+        (FP16, FP16),
     ],
 )
 def test_get_accepts_names_aliases_and_dtypes(name, fmt):
@@ -174,8 +189,13 @@ EDGE_CASES = [
     ("fp16 tie 2.5*2^-24 -> 2^-23 (even)", FP16, 2.5 * 2.0**-24, 2.0**-23, "subnormal"),
     ("fp16 largest subnormal", FP16, 2.0**-14 - 2.0**-24, 2.0**-14 - 2.0**-24, "subnormal"),
     ("fp16 normal tie 2^-14 - 2^-25 -> 2^-14", FP16, 2.0**-14 - 2.0**-25, 2.0**-14, "normal"),
-    ("fp16 just below the normal tie -> largest subnormal", FP16, _F32_ULP_DOWN(2.0**-14 - 2.0**-25),
-     2.0**-14 - 2.0**-24, "subnormal"),
+    (
+        "fp16 just below the normal tie -> largest subnormal",
+        FP16,
+        _F32_ULP_DOWN(2.0**-14 - 2.0**-25),
+        2.0**-14 - 2.0**-24,
+        "subnormal",
+    ),
     ("fp16 smallest normal", FP16, 2.0**-14, 2.0**-14, "normal"),
     ("fp16 tie 1 + 2^-11 -> 1 (even)", FP16, 1.0 + 2.0**-11, 1.0, "normal"),
     ("fp16 largest finite", FP16, 65504.0, 65504.0, "normal"),
@@ -250,9 +270,17 @@ def _sample(fmt, rng: random.Random, n: int):
     lo = math.log2(fmt.smallest_subnormal) - 3
     hi = math.log2(fmt.max) + 2
     values = [rng.choice((-1.0, 1.0)) * 2.0 ** rng.uniform(lo, hi) for _ in range(n)]
-    for b in (fmt.smallest_subnormal, fmt.flush_threshold, 1.5 * fmt.smallest_subnormal,
-              fmt.smallest_normal, fmt.normal_threshold, fmt.max, fmt.overflow_threshold, 1.0,
-              1.0 + fmt.eps / 2):
+    for b in (
+        fmt.smallest_subnormal,
+        fmt.flush_threshold,
+        1.5 * fmt.smallest_subnormal,
+        fmt.smallest_normal,
+        fmt.normal_threshold,
+        fmt.max,
+        fmt.overflow_threshold,
+        1.0,
+        1.0 + fmt.eps / 2,
+    ):
         values += _f32_neighbours(b, 3) if fmt is not FP32 else [b, b * (1 + 2.0**-52), b * (1 - 2.0**-53)]
     values += [0.0, -0.0, math.inf, -math.inf, math.nan]
     return values
@@ -265,8 +293,11 @@ def test_round_to_matches_torch_casts(fmt):
     values = torch.tensor(_sample(fmt, rng, 4000), dtype=torch.float64).to(source).double().tolist()
     stored = _torch_cast(fmt, values, source)
     sat = _saturates(fmt)
-    bad = [(v, s, formats.round_to(fmt, v, saturate=sat)) for v, s in zip(values, stored)
-           if not _same(s, formats.round_to(fmt, v, saturate=sat))]
+    bad = [
+        (v, s, formats.round_to(fmt, v, saturate=sat))
+        for v, s in zip(values, stored)
+        if not _same(s, formats.round_to(fmt, v, saturate=sat))
+    ]
     assert not bad, bad[:5]
 
 
@@ -277,8 +308,7 @@ def test_float64_casts_round_via_float32(fmt):
     rng = random.Random(99)
     ties = [fmt.flush_threshold, 1.5 * fmt.smallest_subnormal, fmt.overflow_threshold, 1.0 + fmt.eps / 2]
     values = [t * (1 + s * 2.0**-40) for t in ties for s in (-1, 1)]
-    values += [2.0 ** rng.uniform(math.log2(fmt.smallest_subnormal) - 2, math.log2(fmt.max) + 1)
-               for _ in range(2000)]
+    values += [2.0 ** rng.uniform(math.log2(fmt.smallest_subnormal) - 2, math.log2(fmt.max) + 1) for _ in range(2000)]
     stored = _torch_cast(fmt, values, torch.float64)
     assert all(_same(s, formats.round_like_torch(fmt, v)) for v, s in zip(values, stored))
     # ...and the double rounding really differs from a single rounding at the flush tie:

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.distributed
 
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "fsdp2_fp16.py")
 STEPS, NAN_AT, SAVE_AT = 8, 3, 4
@@ -38,8 +39,16 @@ def recipe(rank, world, checkpoint):
     mine = [p.to_local().detach().clone() for p in model.parameters()]
     model2, scaler2, resumed = example.train(STEPS, NAN_AT, checkpoint, save_at=SAVE_AT, resume=True, log=lines.append)
     same = all(torch.equal(a, b.to_local()) for a, b in zip(mine, model2.parameters()))
-    return dict(whole=whole, resumed=resumed, same=same, counters=scaler.counters(), counters2=scaler2.counters(),
-                dtypes=dtypes, lines=lines, health=scaler.health().verdict)
+    return dict(
+        whole=whole,
+        resumed=resumed,
+        same=same,
+        counters=scaler.counters(),
+        counters2=scaler2.counters(),
+        dtypes=dtypes,
+        lines=lines,
+        health=scaler.health().verdict,
+    )
 
 
 SCENARIOS = {"recipe": recipe}
@@ -56,14 +65,14 @@ def test_fsdp2_fp16_recipe_on_two_ranks(tmp_path):
         pool.close()
     for r in (r0, r1):
         skipped = [rec["skipped"] for rec in r["whole"]]
-        assert skipped == [s == NAN_AT for s in range(STEPS)]           # the NaN batch: every rank skips
+        assert skipped == [s == NAN_AT for s in range(STEPS)]  # the NaN batch: every rank skips
         scales = [rec["scale"] for rec in r["whole"]]
-        assert scales == [2.0**12] * STEPS                              # a bad batch keeps the scale
+        assert scales == [2.0**12] * STEPS  # a bad batch keeps the scale
         assert r["counters"]["bad_loss_steps"] == 1 and r["counters"]["skipped_steps"] == 1
-        assert r["dtypes"] == ["torch.float32"]                         # FP32 shards, FP16 compute
-        assert r["resumed"] == r["whole"][SAVE_AT + 1:]                 # the DCP round trip: same scales, norms
-        assert r["same"]                                                # and the same weights, bitwise
+        assert r["dtypes"] == ["torch.float32"]  # FP32 shards, FP16 compute
+        assert r["resumed"] == r["whole"][SAVE_AT + 1 :]  # the DCP round trip: same scales, norms
+        assert r["same"]  # and the same weights, bitwise
         assert r["counters2"] == r["counters"]
         assert r["health"] == "healthy"
     assert repr(r0["whole"]) == repr(r1["whole"])  # norms (NaN at the bad batch) and decisions agree across ranks
-    assert r0["lines"] and not r1["lines"]                              # rank 0 logs
+    assert r0["lines"] and not r1["lines"]  # rank 0 logs

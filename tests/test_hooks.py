@@ -92,10 +92,13 @@ def test_bad_arguments():
         ActivationGradRecorder(model, modules=["nope"])
 
 
-@pytest.mark.parametrize("args, kwargs, match", [
-    ((), dict(fmt="fp17"), r"fmt='fp17'.*fp16"),
-    ((), dict(fmt=None), r"fmt=None"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((), dict(fmt="fp17"), r"fmt='fp17'.*fp16"),
+        ((), dict(fmt=None), r"fmt=None"),
+    ],
+)
 def test_bad_format_fails_at_construction(args, kwargs, match):
     """Issue 12, bug 5: fmt="fp17" was accepted and failed only inside the hooked backward."""
     model = tiny_mlp()
@@ -191,8 +194,9 @@ def test_activation_metrics_are_the_keys_the_report_reads():
     tel = schema.parse_records([{"step": 0, "loss_scale": 1.0, **figures}])
     assert set(tel.layer_series("act", "flushed_frac")) == {"0", "2"}
     assert tel.metrics["act/flushed_frac"] == [figures["act/flushed_frac"]]
-    assert {k for k in figures if k.count("/") == 2} == {f"act/{n}/{m}" for n in ("0", "2")
-                                                          for m in schema.LAYER_METRICS}
+    assert {k for k in figures if k.count("/") == 2} == {
+        f"act/{n}/{m}" for n in ("0", "2") for m in schema.LAYER_METRICS
+    }
     assert activation_metrics({}) == {}
 
 

@@ -48,8 +48,14 @@ def ds_cpu():
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-    env = dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0")
+    env = dict(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     assert get_accelerator().device_name() == "cpu"
@@ -85,14 +91,26 @@ def _fresh_autocast_state():
 
 
 def _config(stage, mode, **fp16):
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
-           "wall_clock_breakdown": False}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "wall_clock_breakdown": False,
+    }
     if mode == "autocast":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.float16"}
     else:
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": INIT_POWER, "loss_scale_window": 4, "hysteresis": 1,
-                       "min_loss_scale": 1, **fp16}
+        cfg["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": INIT_POWER,
+            "loss_scale_window": 4,
+            "hysteresis": 1,
+            "min_loss_scale": 1,
+            **fp16,
+        }
     return cfg
 
 
@@ -103,10 +121,15 @@ def _model(seed=0):
 
 def _engine(stage, mode, optimizer="adam", scheduler=False, seed=0, **fp16):
     model = _model(seed)
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if optimizer == "adam"
-           else torch.optim.SGD(model.parameters(), lr=1.0))
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-2)
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=1.0)
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if scheduler else None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=_config(stage, mode, **fp16))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=_config(stage, mode, **fp16)
+    )
     return engine
 
 
@@ -177,7 +200,7 @@ def test_autocast_mode_skips_bitwise_and_backs_off(stage):
     scales = [r[0] for r in run] + [scaler.get_scale()]
     # skipped at 0 and 4: the scale halves there and grows after 3 clean steps
     assert scales == [1024, 512, 512, 512, 1024, 512, 512, 512, 1024]
-    assert [r[1] for r in run] == [1, 0, 0, 0, 1, 0, 0, 0]          # engine.skipped_steps counts them
+    assert [r[1] for r in run] == [1, 0, 0, 0, 1, 0, 0, 0]  # engine.skipped_steps counts them
     assert _equal(run[0][2], first) and _equal(run[4][2], run[3][2])  # weights and optimizer state bitwise
     assert not _equal(run[1][2], run[0][2])
     assert scaler.counters()["skipped_steps"] == 2 and scaler.counters()["inf_steps"] == 2
@@ -191,7 +214,7 @@ def test_autocast_zero_stock_scaler_never_backs_off_lossscale_does(stage):
     stock = _engine(stage, "autocast")
     run = _train(stock, 4, inf_at=(1, 2))
     assert [r[1] for r in run] == [0, 1, 1, 0]
-    assert [r[0] for r in run] + [_scale(stock)] == [65536.0] * 5        # never backed off
+    assert [r[0] for r in run] + [_scale(stock)] == [65536.0] * 5  # never backed off
     engine = _engine(stage, "autocast")
     scaler = ls_ds.attach(engine)
     _train(engine, 4, inf_at=(1, 2), scaler=scaler)
@@ -203,8 +226,15 @@ def test_autocast_zero0_is_bitwise_torch_and_holds_the_lr_on_skips():
     ref.torch_autocast_z0_gradscaler = torch.amp.GradScaler("cpu", init_scale=2.0**INIT_POWER, growth_interval=3)
     ref_run = _train(ref, 6, inf_at=(2,))
     engine = _engine(0, "autocast", scheduler=True)
-    scaler = ls_ds.attach(engine, init_scale=2.0**INIT_POWER, growth_interval=3, hysteresis=1, min_scale=None,
-                          max_scale=None, loss_check=False)
+    scaler = ls_ds.attach(
+        engine,
+        init_scale=2.0**INIT_POWER,
+        growth_interval=3,
+        hysteresis=1,
+        min_scale=None,
+        max_scale=None,
+        loss_check=False,
+    )
     run = _train(engine, 6, inf_at=(2,), scaler=scaler)
     assert [r[0] for r in run] == [r[0] for r in ref_run]
     assert all(_equal(a[2], b[2]) for a, b in zip(run[:3], ref_run[:3]))  # the same until the skip
@@ -271,8 +301,14 @@ def test_autocast_zero_two_groups_keep_their_skip_if_windows_from_step_to_step()
 def _ds_scaler(init, window, min_scale, hysteresis, consecutive):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    return DynamicLossScaler(init_scale=init, scale_window=window, min_scale=min_scale, delayed_shift=hysteresis,
-                             consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
+    return DynamicLossScaler(
+        init_scale=init,
+        scale_window=window,
+        min_scale=min_scale,
+        delayed_shift=hysteresis,
+        consecutive_hysteresis=consecutive,
+        raise_error_at_min_scale=False,
+    )
 
 
 def test_loss_scaler_is_deepspeeds_dynamic_loss_scaler_over_random_fault_sequences():
@@ -284,9 +320,17 @@ def test_loss_scaler_is_deepspeeds_dynamic_loss_scaler_over_random_fault_sequenc
         init, window = 2.0 ** rng.randint(0, 10), rng.randint(2, 6)
         min_scale, hysteresis, consecutive = min(init, 2.0 ** rng.randint(-2, 2)), rng.randint(1, 4), rng.random() < 0.5
         ref = _ds_scaler(init, window, min_scale, hysteresis, consecutive)
-        mine = cls(lossscale.DynamicPolicy(init_scale=init, growth_interval=window, min_scale=min_scale,
-                                           hysteresis=hysteresis, consecutive_hysteresis=consecutive, max_scale=None,
-                                           on_stuck="ignore"))
+        mine = cls(
+            lossscale.DynamicPolicy(
+                init_scale=init,
+                growth_interval=window,
+                min_scale=min_scale,
+                hysteresis=hysteresis,
+                consecutive_hysteresis=consecutive,
+                max_scale=None,
+                on_stuck="ignore",
+            )
+        )
         rate = rng.choice([0.05, 0.3, 0.7])
         for i in range(150):
             overflow = rng.random() < rate
@@ -300,8 +344,9 @@ def test_loss_scaler_is_deepspeeds_dynamic_loss_scaler_over_random_fault_sequenc
 def test_loss_scaler_diagnoses_instead_of_already_at_minimum():
     ref = _ds_scaler(2.0, 10, 1.0, 1, False)
     ref.raise_error_at_min_scale = True
-    mine = ls_ds.LossScaler(lossscale.DynamicPolicy(init_scale=2.0, growth_interval=10, min_scale=1.0, max_scale=None,
-                                                    on_stuck="raise"))
+    mine = ls_ds.LossScaler(
+        lossscale.DynamicPolicy(init_scale=2.0, growth_interval=10, min_scale=1.0, max_scale=None, on_stuck="raise")
+    )
     ref.update_scale(True)
     mine.scale_loss(torch.ones(()))
     mine.update_scale(True)
@@ -327,7 +372,7 @@ def test_classic_fp16_skips_bitwise_and_follows_deepspeeds_scale(stage):
         assert ref_scales == [1024, 1024, 512, 256, 256, 128]
     else:
         assert ref_scales == [1024, 1024, 1024, 512, 512, 256]
-    assert [r[0] for r in run] == [1024, 1024, 1024, 512, 512, 256]   # the config's hysteresis, every stage
+    assert [r[0] for r in run] == [1024, 1024, 1024, 512, 512, 256]  # the config's hysteresis, every stage
     assert [r[1] for r in run] == [0, 1, 1, 0, 1, 0] == [r[1] for r in ref_run]
     for k in (1, 2, 4):
         assert _equal(run[k][2], run[k - 1][2])
@@ -405,8 +450,11 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="engine=.*DeepSpeedEngine"):
         ls_ds.attach(torch.nn.Linear(1, 1))
     model = _model()
-    bf16, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()),
-                                    config={"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}})
+    bf16, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters()),
+        config={"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}},
+    )
     with pytest.raises(ValueError, match="bf16 and fp32 need no loss scaler"):
         ls_ds.attach(bf16)
     with pytest.raises(ValueError, match="has no lossscale scaler"):
@@ -426,10 +474,13 @@ def _deepspeed_accelerator(monkeypatch):
     from accelerate.utils import DeepSpeedPlugin
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0))
+    accelerator = Accelerator(
+        mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0)
+    )
     model = _model()
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 2)),
-                                       batch_size=4)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 2)), batch_size=4
+    )
     return accelerator, model, data
 
 
@@ -458,8 +509,9 @@ def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accel
 
 
 @pytest.mark.parametrize("when", ["before prepare", "after prepare"])
-def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_engine(fresh_accelerate_state,
-                                                                                    monkeypatch, when):
+def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_engine(
+    fresh_accelerate_state, monkeypatch, when
+):
     """ls_accelerate.attach(accelerator) on accelerate's DeepSpeed plugin: the scaler lands in the engine
     prepare() builds (classic fp16 for mixed_precision="fp16", ZeRO-2), with the same steps as attaching
     to the engine by hand; log_health(accelerator) reads it."""
@@ -490,8 +542,13 @@ def _trainer_run(tmp_path, mode, use_lossscale, resume=None, steps=12, inf_step=
     from _integration_models import TokenData, tiny_gpt2
     from lossscale.integrations import transformers as ls_transformers
 
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     if mode == "autocast":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.float16"}
     else:
@@ -505,11 +562,24 @@ def _trainer_run(tmp_path, mode, use_lossscale, resume=None, steps=12, inf_step=
             out["scales"].append(box["scaler"].get_scale() if use_lossscale else _scale(trainer.model_wrapped))
 
     model = tiny_gpt2()
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, per_device_train_batch_size=2,
-                             max_steps=steps, learning_rate=1e-3, logging_steps=4, save_strategy="steps", save_steps=6,
-                             report_to=[], seed=0, disable_tqdm=True, deepspeed=cfg)
-    trainer = box["trainer"] = Trainer(model=model, args=args, train_dataset=TokenData(2 * steps, length=8),
-                                       callbacks=[Recorder()])
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        fp16=True,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=4,
+        save_strategy="steps",
+        save_steps=6,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        deepspeed=cfg,
+    )
+    trainer = box["trainer"] = Trainer(
+        model=model, args=args, train_dataset=TokenData(2 * steps, length=8), callbacks=[Recorder()]
+    )
     if use_lossscale:
         box["scaler"] = ls_transformers.attach(trainer, init_scale=2.0**INIT_POWER, growth_interval=4)
     InfAt(model.transformer.h[0].mlp.c_fc.weight, [inf_step], start=0 if resume is None else 6)
@@ -531,8 +601,9 @@ def trainer_deepspeed_globals(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["fp16", "autocast"])
-def test_trainer_with_deepspeed_goes_through_attach_and_resumes(tmp_path, fresh_accelerate_state,
-                                                                trainer_deepspeed_globals, mode):
+def test_trainer_with_deepspeed_goes_through_attach_and_resumes(
+    tmp_path, fresh_accelerate_state, trainer_deepspeed_globals, mode
+):
     """ls_transformers.attach(trainer) on TrainingArguments(deepspeed=...): the scaler lands in the engine
     train() builds. Classic fp16: DeepSpeed's own skips and scale (its DynamicLossScaler's arithmetic);
     torch_autocast: the scale halves on the skip and grows once per 4 clean steps, though ZeRO steps the

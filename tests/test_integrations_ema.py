@@ -17,8 +17,10 @@ from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, batch, dataset, mlp
 
 # Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
-pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
-              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"),
+]
 
 SKIPS = [3, 4, 9]  # steps whose gradient gets an inf (a lone skip and two in a row)
 STEPS = 14
@@ -78,9 +80,17 @@ def test_lightning_ema_callback_holds_on_skipped_steps(tmp_path, fused):
     module = Module(fused)
     InfAt(module.net[2].weight, SKIPS)
     ema, ref = SkipAwareEMA(decay=DECAY), Reference()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        plugins=[MixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE)], callbacks=[ema, ref])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[MixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE)],
+        callbacks=[ema, ref],
+    )
     trainer.fit(module, torch.utils.data.DataLoader(dataset(STEPS), batch_size=8))
     assert ref.skipped == [s in SKIPS for s in range(STEPS)]
     averaged = ema._average_model

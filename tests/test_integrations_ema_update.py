@@ -50,8 +50,11 @@ def _timm_model_ema():
 
 
 TIMM = _timm_model_ema()
-needs_timm = pytest.mark.skipif(TIMM is None, reason="timm is not installed: pip install -c constraints.txt --no-deps "
-                                "timm (its wheel requires torchvision, whose PyPI build is CUDA)")
+needs_timm = pytest.mark.skipif(
+    TIMM is None,
+    reason="timm is not installed: pip install -c constraints.txt --no-deps "
+    "timm (its wheel requires torchvision, whose PyPI build is CUDA)",
+)
 
 
 class UltralyticsShapedEMA:
@@ -154,7 +157,7 @@ def test_bitwise_an_ema_updated_only_on_taken_steps(opt_kind, ema_kind):
     if opt_kind == "adam_fused":
         if ema_kind == "ultralytics":  # its decay reads `updates` on the host: one sync per update
             assert run["syncs"] == [1] * STEPS
-        else:                          # gated on the device flag
+        else:  # gated on the device flag
             assert run["syncs"] == [0] * STEPS
     else:
         assert run["syncs"] == [0] * STEPS  # the host decided the step

@@ -8,8 +8,10 @@ import pytest
 
 from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
-              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"),
+]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -19,7 +21,6 @@ def _load(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
 
 
 @pytest.fixture(autouse=True)

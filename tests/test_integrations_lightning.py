@@ -10,14 +10,28 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 import lossscale
 from lossscale.integrations.lightning import FabricMixedPrecision, MixedPrecision
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, all_equal, batch, dataset,
-                                 lr_reference, mlp, read_tensorboard, snapshot, warmup_decay)
+from _integration_models import (
+    INIT_SCALE,
+    TORCH_LIKE,
+    DtypeProbe,
+    InfAt,
+    all_equal,
+    batch,
+    dataset,
+    lr_reference,
+    mlp,
+    read_tensorboard,
+    snapshot,
+    warmup_decay,
+)
 
 # Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
-pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
-              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"),
+]
 
-K = 9        # the step whose gradient gets an inf
+K = 9  # the step whose gradient gets an inf
 STEPS = 24
 LR = 1e-2
 
@@ -42,8 +56,9 @@ class Module(L.LightningModule):
             return opt
         configs = [{"scheduler": _warmup(opt), "interval": "step"}]
         if self.epoch_scheduler:  # multiplies the LR by 1.0 at each epoch end: present, harmless
-            configs.append({"scheduler": torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda e: 1.0),
-                            "interval": "epoch"})
+            configs.append(
+                {"scheduler": torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda e: 1.0), "interval": "epoch"}
+            )
         return [opt], configs
 
 
@@ -66,10 +81,20 @@ def _fit(plugin, module, *, steps=STEPS, epochs=None, logger=False, ckpt_path=No
     probe = DtypeProbe(module.net[0])
     InfAt(module.net[2].weight, [K], start=start)
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=-1 if epochs else steps, max_epochs=epochs,
-                        plugins=[plugin], logger=logger, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, log_every_n_steps=5, gradient_clip_val=clip,
-                        callbacks=[recorder])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=-1 if epochs else steps,
+        max_epochs=epochs,
+        plugins=[plugin],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=5,
+        gradient_clip_val=clip,
+        callbacks=[recorder],
+    )
     loader = torch.utils.data.DataLoader(dataset(12 if epochs else steps), batch_size=8)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return dict(trainer=trainer, rec=recorder, params=snapshot(module.parameters()), dtypes=set(probe.dtypes))
@@ -87,8 +112,11 @@ def test_trainer_matches_lightnings_torch_scaler_plugin():
     # No scheduler (Lightning with torch's scaler would advance it on the skipped step), gradient
     # clipping on: Lightning unscales before clipping (amp.py:88).
     ours = _fit(MixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), Module(schedule=False), clip=1.0)
-    ref = _fit(LightningMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)),
-               Module(schedule=False), clip=1.0)
+    ref = _fit(
+        LightningMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)),
+        Module(schedule=False),
+        clip=1.0,
+    )
     _check_skip_at_k(ours)
     assert ours["rec"].scales == ref["rec"].scales
     assert all_equal(ours["params"], ref["params"])
@@ -97,8 +125,9 @@ def test_trainer_matches_lightnings_torch_scaler_plugin():
 @pytest.mark.parametrize("fused", [False, True])
 def test_trainer_step_schedulers_hold_the_lr_and_metrics_reach_the_logger(tmp_path, fused):
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    run = _fit(MixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), Module(fused=fused, epoch_scheduler=True),
-               logger=logger)
+    run = _fit(
+        MixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), Module(fused=fused, epoch_scheduler=True), logger=logger
+    )
     _check_skip_at_k(run)
     rec = run["rec"]
     assert rec.lrs == lr_reference(_warmup, [not s for s in rec.skipped], LR)
@@ -178,15 +207,23 @@ def _fabric_run(plugin, schedule, *, steps=range(STEPS), save=None, load=None, c
         if save is not None and step == save[0]:
             fabric.save(save[1], state)
             out["saved"] = plugin.scaler.state_dict()
-    out.update(params=snapshot(model.parameters()), dtypes=set(probe.dtypes), scaler=plugin.scaler,
-               fabric=fabric, model=model, opt=opt)
+    out.update(
+        params=snapshot(model.parameters()),
+        dtypes=set(probe.dtypes),
+        scaler=plugin.scaler,
+        fabric=fabric,
+        model=model,
+        opt=opt,
+    )
     return out
 
 
 def test_fabric_matches_torch_holds_the_lr_and_round_trips(tmp_path):
     ours = _fabric_run(FabricMixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), schedule=False)
-    ref = _fabric_run(LightningFabricMixedPrecision(
-        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)), schedule=False)
+    ref = _fabric_run(
+        LightningFabricMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)),
+        schedule=False,
+    )
     assert ours["moved"] == [s != K for s in range(STEPS)]
     assert ours["scales"][K] == ours["scales"][K - 1] / 2
     assert ours["dtypes"] == {torch.float16}
@@ -194,13 +231,18 @@ def test_fabric_matches_torch_holds_the_lr_and_round_trips(tmp_path):
     assert torch.equal(torch.stack(ours["norms"]), torch.stack(ref["norms"]))
     assert all_equal(ours["params"], ref["params"])
 
-    sched_run = _fabric_run(FabricMixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), schedule=True,
-                            save=(12, tmp_path / "fabric.ckpt"))
+    sched_run = _fabric_run(
+        FabricMixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), schedule=True, save=(12, tmp_path / "fabric.ckpt")
+    )
     taken = [s != K for s in range(STEPS)]
     assert sched_run["lrs"] == lr_reference(_warmup, taken, LR)
     assert sched_run["lrs"][K + 1] == sched_run["lrs"][K]
-    resumed = _fabric_run(FabricMixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE), schedule=True,
-                          steps=range(13, STEPS), load=tmp_path / "fabric.ckpt")
+    resumed = _fabric_run(
+        FabricMixedPrecision(init_scale=INIT_SCALE, **TORCH_LIKE),
+        schedule=True,
+        steps=range(13, STEPS),
+        load=tmp_path / "fabric.ckpt",
+    )
     assert resumed["scales"] == sched_run["scales"][13:]
     assert resumed["lrs"] == sched_run["lrs"][13:]
     assert all_equal(resumed["params"], sched_run["params"])

@@ -14,8 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one th
 def _train_and_log(logdir, steps=6, inject=(3,)):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = lossscale.GradScaler("cpu", init_scale=INIT_SCALE, model=model,
-                                  telemetry=dict(every=1, per="module"))
+    scaler = lossscale.GradScaler("cpu", init_scale=INIT_SCALE, model=model, telemetry=dict(every=1, per="module"))
     InfAt(model[2].weight, inject)
     written = []
     with SummaryWriter(str(logdir)) as writer:

@@ -57,8 +57,14 @@ def test_bitwise_megatrons_dynamic_grad_scaler_over_random_fault_sequences():
     for seed in range(80):
         rng = random.Random(seed)
         init = 2.0 ** rng.randint(0, 24)
-        kw = dict(initial_scale=init, min_scale=min(init, 2.0 ** rng.randint(-3, 3)), growth_factor=2.0,
-                  backoff_factor=0.5, growth_interval=rng.randint(2, 6), hysteresis=rng.randint(1, 4))
+        kw = dict(
+            initial_scale=init,
+            min_scale=min(init, 2.0 ** rng.randint(-3, 3)),
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=rng.randint(2, 6),
+            hysteresis=rng.randint(1, 4),
+        )
         ref, mine = _megatron(**kw), ls_megatron.GradScaler(**kw, device="cpu", on_stuck="ignore")
         rate = rng.choice([0.05, 0.3, 0.7])
         for i in range(150):
@@ -71,9 +77,17 @@ def test_bitwise_megatrons_dynamic_grad_scaler_over_random_fault_sequences():
 
 
 def test_growth_past_float32_is_refused_where_megatron_reaches_inf():
-    ref, mine = _megatron(initial_scale=2.0**126, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
-                          growth_interval=1, hysteresis=1), ls_megatron.GradScaler(2.0**126, 1.0, 2.0, 0.5, 1, 1,
-                                                                                    device="cpu")
+    ref, mine = (
+        _megatron(
+            initial_scale=2.0**126,
+            min_scale=1.0,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1,
+            hysteresis=1,
+        ),
+        ls_megatron.GradScaler(2.0**126, 1.0, 2.0, 0.5, 1, 1, device="cpu"),
+    )
     for _ in range(2):
         ref.update(False)
         mine.update(False)
@@ -88,8 +102,9 @@ def _fp16_optimizer(scaler_factory, seed=0):
     with OnCpu():
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
         inner = torch.optim.Adam(model.parameters(), lr=1e-2)
-        opt = Float16OptimizerWithFloat16Params(inner, OptimizerConfig(fp16=True, lr=1e-2, clip_grad=0.0),
-                                                scaler_factory(), lambda o, c=None: None)
+        opt = Float16OptimizerWithFloat16Params(
+            inner, OptimizerConfig(fp16=True, lr=1e-2, clip_grad=0.0), scaler_factory(), lambda o, c=None: None
+        )
     return model, opt
 
 
@@ -132,8 +147,9 @@ def _train(model, opt, faults, steps=8):
 
 
 def test_a_real_megatron_fp16_optimizer_steps_as_with_megatrons_scaler(gloo):
-    kw = dict(initial_scale=2.0**10, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3,
-              hysteresis=2)
+    kw = dict(
+        initial_scale=2.0**10, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2
+    )
     faults = {1: float("nan"), 2: float("inf"), 5: float("inf")}
     ref = _train(*_fp16_optimizer(lambda: DynamicGradScaler(**kw)), faults)
     model, opt = _fp16_optimizer(lambda: DynamicGradScaler(**kw))
@@ -145,8 +161,14 @@ def test_a_real_megatron_fp16_optimizer_steps_as_with_megatrons_scaler(gloo):
     assert all(torch.equal(a, b) for r, q in zip(mine, ref) for a, b in zip(r[2], q[2]))  # weights bitwise
     assert torch.equal(mine[2][2][0], mine[0][2][0])  # skipped steps left the weights as they were
     # Megatron only says found_inf; the scaler looked at the main gradients: one NaN, two inf
-    assert scaler.counters() == {"steps": 8, "skipped_steps": 3, "inf_steps": 2, "nan_steps": 1,
-                                 "bad_loss_steps": 0, "overflow_streak": 0}
+    assert scaler.counters() == {
+        "steps": 8,
+        "skipped_steps": 3,
+        "inf_steps": 2,
+        "nan_steps": 1,
+        "bad_loss_steps": 0,
+        "overflow_streak": 0,
+    }
     report = ls_megatron.log_health(opt)
     assert report.steps == 8 and report.skipped == 3
     saved = opt.state_dict()["grad_scaler"]

@@ -19,10 +19,12 @@ from lossscale.integrations.lightning import MixedPrecision
 from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import all_equal, batch, mlp, snapshot, tiny_gpt2
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
-              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")]
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"),
+]
 
-BAD = 3     # the sample with a NaN input
+BAD = 3  # the sample with a NaN input
 STEPS = 6
 
 
@@ -64,13 +66,24 @@ class Moves(TrainerCallback):
 
 def test_trainer_default_fused_adamw_with_attach_skips_a_nan_batch(tmp_path):
     model = tiny_gpt2()
-    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, per_device_train_batch_size=1,
-                             max_steps=STEPS, learning_rate=1e-3, report_to=[], seed=0, disable_tqdm=True,
-                             save_strategy="no", dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        fp16=True,
+        use_cpu=True,
+        per_device_train_batch_size=1,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+    )
     box = {}
     moves = Moves(box)
-    trainer = box["trainer"] = Trainer(model=model, args=args, train_dataset=NaNEmbeddingAt(STEPS, BAD),
-                                       callbacks=[moves])
+    trainer = box["trainer"] = Trainer(
+        model=model, args=args, train_dataset=NaNEmbeddingAt(STEPS, BAD), callbacks=[moves]
+    )
     ls_transformers.attach(trainer)  # lossscale's defaults
     trainer.train()
     assert trainer.optimizer.optimizer.defaults["fused"]  # the Trainer's default: fused AdamW
@@ -121,9 +134,16 @@ class FusedModule(L.LightningModule):
 
 def test_lightning_plugin_with_fused_adam_skips_a_nan_batch():
     module = FusedModule()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, plugins=[MixedPrecision()],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        plugins=[MixedPrecision()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(NaNRowAt(STEPS, BAD), batch_size=1))
     assert module.skipped == [s == BAD for s in range(STEPS)]
     assert module.moved == [s != BAD for s in range(STEPS)]

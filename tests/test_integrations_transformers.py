@@ -8,8 +8,18 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, get_linear
 import lossscale
 from lossscale.integrations import transformers as ls_transformers
 from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
-from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, TokenData, all_equal, lr_reference,
-                                 read_tensorboard, snapshot, tiny_gpt2)
+from _integration_models import (
+    INIT_SCALE,
+    TORCH_LIKE,
+    DtypeProbe,
+    InfAt,
+    TokenData,
+    all_equal,
+    lr_reference,
+    read_tensorboard,
+    snapshot,
+    tiny_gpt2,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
@@ -19,7 +29,7 @@ def _fresh(fresh_accelerate_state):
     """accelerate's process-wide state, reset around every test (see _integration_models)."""
 
 
-K = 7        # the step whose gradient gets an inf
+K = 7  # the step whose gradient gets an inf
 STEPS = 20
 LR = 1e-3
 WARMUP = 4
@@ -50,14 +60,28 @@ class Recorder(TrainerCallback):
 def _train(tmp_path, scaler_kind, schedule, *, save=False, resume=None, report_tb=False):
     model = tiny_gpt2()
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, per_device_train_batch_size=2,
-        max_steps=STEPS, learning_rate=LR, lr_scheduler_type=schedule, warmup_steps=WARMUP,
-        max_grad_norm=1.0, logging_steps=5, save_strategy="steps" if save else "no", save_steps=10,
-        report_to=["tensorboard"] if report_tb else [], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(tmp_path / "out"),
+        fp16=True,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type=schedule,
+        warmup_steps=WARMUP,
+        max_grad_norm=1.0,
+        logging_steps=5,
+        save_strategy="steps" if save else "no",
+        save_steps=10,
+        report_to=["tensorboard"] if report_tb else [],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     box = {}
     recorder = Recorder(box)
-    trainer = box["trainer"] = Trainer(model=model, args=args, train_dataset=TokenData(2 * STEPS, length=8),
-                                       callbacks=[recorder])
+    trainer = box["trainer"] = Trainer(
+        model=model, args=args, train_dataset=TokenData(2 * STEPS, length=8), callbacks=[recorder]
+    )
     if scaler_kind == "lossscale":
         scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE, **TORCH_LIKE)
     else:  # torch's GradScaler by hand, the way accelerate would install it on CUDA
@@ -66,8 +90,9 @@ def _train(tmp_path, scaler_kind, schedule, *, save=False, resume=None, report_t
     probe = DtypeProbe(model.lm_head)  # an nn.Linear (GPT-2's blocks use Conv1D)
     InfAt(model.transformer.h[0].mlp.c_fc.weight, [K], start=0 if resume is None else 10)
     trainer.train(resume_from_checkpoint=resume)
-    return dict(trainer=trainer, scaler=scaler, rec=recorder, params=snapshot(model.parameters()),
-                dtypes=set(probe.dtypes))
+    return dict(
+        trainer=trainer, scaler=scaler, rec=recorder, params=snapshot(model.parameters()), dtypes=set(probe.dtypes)
+    )
 
 
 def _check_skip_at_k(run):
@@ -77,7 +102,7 @@ def _check_skip_at_k(run):
     assert rec.scales[K] == rec.scales[K - 1] / 2
     assert run["dtypes"] == {torch.float16}  # FP16 autocast really on, on CPU
     assert type(run["trainer"].optimizer.optimizer) is torch.optim.AdamW  # the Trainer's default...
-    assert run["trainer"].optimizer.optimizer.defaults["fused"]           # ...fused AdamW
+    assert run["trainer"].optimizer.optimizer.defaults["fused"]  # ...fused AdamW
 
 
 def test_matches_torch_gradscaler_where_torch_works(tmp_path):
@@ -104,7 +129,7 @@ def test_skipped_step_holds_the_lr_logs_metrics_and_resumes(tmp_path):
     for h in logged:
         assert h["scaler/loss_scale"] == rec.scales[h["step"] - 1]
         assert h["scaler/skipped_steps"] == (1 if h["step"] > K else 0)
-    assert set(run["scaler"].metrics()) == {k[len("scaler/"):] for k in logged[-1] if k.startswith("scaler/")}
+    assert set(run["scaler"].metrics()) == {k[len("scaler/") :] for k in logged[-1] if k.startswith("scaler/")}
     # ... and through report_to's real SummaryWriter, read back by tensorboard.
     tb = read_tensorboard(next((tmp_path / "out").rglob("events.out.tfevents*")).parent)
     assert tb["train/scaler/loss_scale"] == [(h["step"], h["scaler/loss_scale"]) for h in logged]
@@ -145,8 +170,15 @@ def test_validation_and_rebuilt_accelerator(tmp_path):
 # ------------------------------------------------------------------ misuse is named (issue 19)
 def test_attach_twice_returns_the_same_scaler_and_after_train_names_the_trainer_fix(tmp_path):
     def trainer():
-        args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, report_to=[], max_steps=1,
-                                 per_device_train_batch_size=2, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            fp16=True,
+            use_cpu=True,
+            report_to=[],
+            max_steps=1,
+            per_device_train_batch_size=2,
+            disable_tqdm=True,
+        )
         return Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(2, length=8))
 
     first = trainer()

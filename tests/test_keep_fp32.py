@@ -79,24 +79,44 @@ def test_cast_back_returns_autocasts_dtype():
 def test_nested_keyword_and_non_float_inputs_follow_the_cast_rule():
     class Takes(torch.nn.Module):
         def forward(self, x, *, extra):
-            return {"x": x.dtype, "h": extra["h"][0].dtype, "b": extra["h"][1].dtype, "d": extra["d"].dtype,
-                    "i": extra["i"].dtype, "n": extra["n"]}
+            return {
+                "x": x.dtype,
+                "h": extra["h"][0].dtype,
+                "b": extra["h"][1].dtype,
+                "d": extra["d"].dtype,
+                "i": extra["i"].dtype,
+                "n": extra["n"],
+            }
 
     mod = torch.nn.Sequential(Takes())
     lossscale.keep_fp32(mod, [mod[0]])  # a module object works as well as a name
-    extra = {"h": [torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)],
-             "d": torch.ones(2, dtype=torch.float64), "i": torch.ones(2, dtype=torch.int64), "n": 3}
+    extra = {
+        "h": [torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)],
+        "d": torch.ones(2, dtype=torch.float64),
+        "i": torch.ones(2, dtype=torch.int64),
+        "n": 3,
+    }
     with torch.autocast(**AUTOCAST):
         got = mod[0](torch.ones(2, dtype=torch.float16), extra=extra)
-    assert got == {"x": torch.float32, "h": torch.float32, "b": torch.float32, "d": torch.float64,
-                   "i": torch.int64, "n": 3}
+    assert got == {
+        "x": torch.float32,
+        "h": torch.float32,
+        "b": torch.float32,
+        "d": torch.float64,
+        "i": torch.int64,
+        "n": 3,
+    }
 
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.bool]
 _leaf = st.one_of(st.sampled_from(_DTYPES).map(lambda d: torch.zeros(2, dtype=d)), st.integers(), st.none())
-_nested = st.recursive(_leaf, lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner),
-                                                       st.dictionaries(st.text(max_size=2), inner, max_size=3)),
-                       max_leaves=8)
+_nested = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner, inner), st.dictionaries(st.text(max_size=2), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,14 +12,17 @@ from lossscale import StaticPolicy
 from lossscale.policy import policy_class
 
 
-@pytest.mark.parametrize("policy, kwargs", [
-    ("static", dict(growth_factor=4)),
-    ("static", dict(min_scale=2**20)),
-    ("static", dict(max_scale=None)),
-    ("logmax", dict(hysteresis=2)),
-    ("dynamic", dict(margin_bits=3)),
-    ("dynamic", dict(scale=8.0)),
-])
+@pytest.mark.parametrize(
+    "policy, kwargs",
+    [
+        ("static", dict(growth_factor=4)),
+        ("static", dict(min_scale=2**20)),
+        ("static", dict(max_scale=None)),
+        ("logmax", dict(hysteresis=2)),
+        ("dynamic", dict(margin_bits=3)),
+        ("dynamic", dict(scale=8.0)),
+    ],
+)
 def test_keywords_of_another_policy_are_warned_about(policy, kwargs):
     with pytest.warns(UserWarning, match=f"{next(iter(kwargs))}=.*not apply to policy='{policy}'") as record:
         scaler = lossscale.GradScaler(policy=policy, **kwargs)
@@ -27,20 +30,25 @@ def test_keywords_of_another_policy_are_warned_about(policy, kwargs):
     assert scaler.policy == policy_class(policy)()  # and changes nothing
 
 
-@pytest.mark.parametrize("policy, kwargs, match", [
-    ("static", dict(hysteresis=0), "hysteresis"),
-    ("static", dict(growth_factor=0.5), "growth_factor"),
-    ("static", dict(min_scale=-1.0), "min_scale"),
-    ("dynamic", dict(margin_bits=0), "margin_bits"),
-    ("dynamic", dict(fmt="fp17"), "fmt"),
-    ("static", dict(bogus=1), "bogus"),
-])
+@pytest.mark.parametrize(
+    "policy, kwargs, match",
+    [
+        ("static", dict(hysteresis=0), "hysteresis"),
+        ("static", dict(growth_factor=0.5), "growth_factor"),
+        ("static", dict(min_scale=-1.0), "min_scale"),
+        ("dynamic", dict(margin_bits=0), "margin_bits"),
+        ("dynamic", dict(fmt="fp17"), "fmt"),
+        ("static", dict(bogus=1), "bogus"),
+    ],
+)
 def test_keywords_of_another_policy_are_validated_as_that_policy_would(policy, kwargs, match):
     with pytest.raises(ValueError, match=match):
         quiet(lambda: lossscale.GradScaler(policy=policy, **kwargs))
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_scale=2.0**20), dict(max_scale=2.0), dict(min_scale=None), dict(max_scale=None)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(min_scale=2.0**20), dict(max_scale=2.0), dict(min_scale=None), dict(max_scale=None)]
+)
 def test_a_bound_for_another_policy_is_checked_alone_and_only_warned_about(kwargs):
     """Kills: the bound names missing from _validate_elsewhere's list (then DynamicPolicy(min_scale=2**20)
     is built and refuses, with its own init_scale, a value that was never wrong)."""

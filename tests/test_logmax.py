@@ -19,18 +19,27 @@ pow2 = powers_of_two(-10, 30)
 def logmax_configs(lowest):
     """LogMax configs starting at their ``min_scale``, drawn from ``lowest``, with a span of 0 to 40 binades."""
     return st.builds(
-        lambda lo, span, b1, b2, k: LogMaxPolicy(init_scale=lo, min_scale=lo, max_scale=lo * 2.0**span, beta1=b1,
-                                                 beta2=b2, overflow_std_dev=k),
-        lowest, st.integers(0, 40), st.sampled_from([0.9, 0.99, 0.5]), st.sampled_from([0.999, 0.99, 0.7]),
-        st.sampled_from([0.0, 1.0, 3.09]))
+        lambda lo, span, b1, b2, k: LogMaxPolicy(
+            init_scale=lo, min_scale=lo, max_scale=lo * 2.0**span, beta1=b1, beta2=b2, overflow_std_dev=k
+        ),
+        lowest,
+        st.integers(0, 40),
+        st.sampled_from([0.9, 0.99, 0.5]),
+        st.sampled_from([0.999, 0.99, 0.7]),
+        st.sampled_from([0.0, 1.0, 3.09]),
+    )
 
 
 configs = logmax_configs(pow2)
 # Scaled amax values: ordinary float32 values, exact powers of two (log2 exact), zero, and non-finite.
 amaxes = st.one_of(st.floats(2.0**-100, 2.0**100, width=32), pow2, st.just(0.0), st.sampled_from([math.inf, math.nan]))
-events = st.lists(st.one_of(st.tuples(st.just(False), st.just(False), amaxes),
-                            st.tuples(st.just(True), st.booleans(), st.sampled_from([None, math.inf, 1.0]))),
-                  max_size=60)
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just(False), st.just(False), amaxes),
+        st.tuples(st.just(True), st.booleans(), st.sampled_from([None, math.inf, 1.0])),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -138,17 +147,20 @@ def test_logmax_constant_amax_sets_the_scale_at_the_mean():
     assert s.scale == 2.0**14
 
 
-@pytest.mark.parametrize("changes, name", [
-    (dict(x_hat=1024.0, slow_x_hat=-1024.0, xsquared_hat=1024.0**2), None),
-    (dict(xsquared_hat=0.0), None),
-    (dict(x_hat=1024.5), "x_hat"),
-    (dict(slow_x_hat=-1024.5), "slow_x_hat"),
-    (dict(xsquared_hat=1024.0**2 + 1), "xsquared_hat"),
-    (dict(xsquared_hat=-1.0), "xsquared_hat"),
-    (dict(b1_correction=1.5), "b1_correction"),
-    (dict(x_hat=None), "x_hat"),            # a corrupted checkpoint (found by test_checkpoint's hypothesis run)
-    (dict(slow_x_hat="-1.0"), "slow_x_hat"),
-])
+@pytest.mark.parametrize(
+    "changes, name",
+    [
+        (dict(x_hat=1024.0, slow_x_hat=-1024.0, xsquared_hat=1024.0**2), None),
+        (dict(xsquared_hat=0.0), None),
+        (dict(x_hat=1024.5), "x_hat"),
+        (dict(slow_x_hat=-1024.5), "slow_x_hat"),
+        (dict(xsquared_hat=1024.0**2 + 1), "xsquared_hat"),
+        (dict(xsquared_hat=-1.0), "xsquared_hat"),
+        (dict(b1_correction=1.5), "b1_correction"),
+        (dict(x_hat=None), "x_hat"),  # a corrupted checkpoint (found by test_checkpoint's hypothesis run)
+        (dict(slow_x_hat="-1.0"), "slow_x_hat"),
+    ],
+)
 def test_logmax_state_bounds(changes, name):
     """Kills: LogMax's bounds on its averages moved or swapped (x*x is bounded by the square)."""
     p = LogMaxPolicy()
@@ -196,9 +208,13 @@ class LogMaxReference:
         self.scale = 2.0 ** min(max(k, round(math.log2(p.min_scale))), round(math.log2(p.max_scale)))
 
 
-logmax_events = st.lists(st.one_of(
-    st.tuples(st.just(False), st.one_of(st.floats(2.0**-60, 2.0**60, width=32), st.just(0.0), st.none())),
-    st.tuples(st.just(True), st.sampled_from([None, math.inf]))), max_size=40)
+logmax_events = st.lists(
+    st.one_of(
+        st.tuples(st.just(False), st.one_of(st.floats(2.0**-60, 2.0**60, width=32), st.just(0.0), st.none())),
+        st.tuples(st.just(True), st.sampled_from([None, math.inf])),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=100, deadline=None)

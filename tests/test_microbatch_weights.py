@@ -22,7 +22,7 @@ OPTIMIZERS = {
 }
 
 TOKENS = [3, 9, 1, 6]  # tokens per micro-batch: they differ, so a mean over micro-batches is not the token-mean
-BAD = 1                # the micro-batch with a NaN (9 of the 19 tokens)
+BAD = 1  # the micro-batch with a NaN (9 of the 19 tokens)
 
 
 def _model():

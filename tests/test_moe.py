@@ -22,8 +22,9 @@ import lossscale
 
 pytestmark = pytest.mark.distributed
 
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 WORLD, EP, D, HIDDEN, E, TOKENS = 4, 2, 8, 16, 4, 6
 SCALE = 2.0**10
@@ -37,8 +38,10 @@ class MoE(torch.nn.Module):
         torch.manual_seed(0)
         self.embed = torch.nn.Linear(D, D)
         self.router = torch.nn.Linear(D, E)
-        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, HIDDEN), torch.nn.Tanh(),
-                                                               torch.nn.Linear(HIDDEN, D)) for _ in range(E))
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(D, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, D))
+            for _ in range(E)
+        )
         self.head = torch.nn.Linear(D, 2)
 
     def expert_params(self, experts):
@@ -100,10 +103,10 @@ def _ep_combine(model, local, ep, rank):
         padded = padded.index_copy(0, torch.arange(slot * TOKENS, (slot + 1) * TOKENS), h)
         every_h = all_reduce(padded, group=ep)
         every_assign = torch.zeros(EP * TOKENS, dtype=torch.int64)
-        every_assign[slot * TOKENS:(slot + 1) * TOKENS] = assign
+        every_assign[slot * TOKENS : (slot + 1) * TOKENS] = assign
         dist.all_reduce(every_assign, group=ep)
         partial = _apply_experts(model.experts, local, every_h, every_assign)
-        return all_reduce(partial.float(), group=ep)[slot * TOKENS:(slot + 1) * TOKENS]
+        return all_reduce(partial.float(), group=ep)[slot * TOKENS : (slot + 1) * TOKENS]
 
     return combine
 
@@ -184,8 +187,10 @@ def moe(rank, world, fsdp: bool = False, optimizer: str = "sgd", clip: bool = Tr
             fully_shard(m, mesh=mesh)  # gradients reduce-scattered as the mean over the world
     # This rank's parameters: the dense ones and its experts (the others are not its to train).
     mine = [p for n, p in model.named_parameters() if not n.startswith("experts.")] + model.expert_params(local)
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-            "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)}[optimizer]
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+        "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    }[optimizer]
     opt, ref_opt = make(mine), make(list(ref.parameters()))
     scaler = lossscale.GradScaler("cpu", init_scale=SCALE)
     ref_scaler = lossscale.GradScaler("cpu", init_scale=SCALE, process_group=None)
@@ -194,17 +199,33 @@ def moe(rank, world, fsdp: bool = False, optimizer: str = "sgd", clip: bool = Tr
         plant = (1, local[0]) if step == PLANT_AT else None  # rank 1's expert 2: one expert, one rank
         norm = _step(model, opt, scaler, rank, step, parts, plant=plant, clip=clip, fsdp=fsdp)
         ref_norm = _reference_step(ref, ref_opt, ref_scaler, step, plant=(1, 2) if plant else None, clip=clip)
-        record.append(dict(norm=norm, ref_norm=ref_norm, skipped=scaler.last_step_skipped,
-                           ref_skipped=ref_scaler.last_step_skipped, scale=scaler.get_scale()))
+        record.append(
+            dict(
+                norm=norm,
+                ref_norm=ref_norm,
+                skipped=scaler.last_step_skipped,
+                ref_skipped=ref_scaler.last_step_skipped,
+                scale=scaler.get_scale(),
+            )
+        )
     full = {n: (p.full_tensor() if type(p).__name__ == "DTensor" else p).detach() for n, p in model.named_parameters()}
     names = [n for n in full if not n.startswith("experts.") or int(n.split(".")[1]) in local]
     ref_params = dict(ref.named_parameters())
     diff = max(((full[n] - ref_params[n]).abs().max() / ref_params[n].abs().max()).item() for n in names)
-    no_grad = sorted(n for n, p in model.named_parameters() if n.startswith("experts.") and p.grad is None
-                     and int(n.split(".")[1]) in local)
-    return dict(record=record, param_diff=diff, counters=scaler.counters(), no_grad=no_grad,
-                expert3_untouched=all(torch.equal(p, q) for p, q in zip(model.experts[3].parameters(),
-                                                                         MoE().experts[3].parameters())))
+    no_grad = sorted(
+        n
+        for n, p in model.named_parameters()
+        if n.startswith("experts.") and p.grad is None and int(n.split(".")[1]) in local
+    )
+    return dict(
+        record=record,
+        param_diff=diff,
+        counters=scaler.counters(),
+        no_grad=no_grad,
+        expert3_untouched=all(
+            torch.equal(p, q) for p, q in zip(model.experts[3].parameters(), MoE().experts[3].parameters())
+        ),
+    )
 
 
 SCENARIOS = {"moe": moe}
@@ -233,8 +254,11 @@ def _check(results, tolerance=1e-5):
         assert r["counters"]["skipped_steps"] == 1 and r["counters"]["inf_steps"] == 1
         assert r["param_diff"] < tolerance, rank  # the same training as one process over every token
     # Expert 3 (ranks 1, 3) never got a token: no gradient, never moved; every rank agrees on the norm.
-    assert results[1]["no_grad"] == results[3]["no_grad"] == ["experts.3.0.bias", "experts.3.0.weight",
-                                                              "experts.3.2.bias", "experts.3.2.weight"]
+    assert (
+        results[1]["no_grad"]
+        == results[3]["no_grad"]
+        == ["experts.3.0.bias", "experts.3.0.weight", "experts.3.2.bias", "experts.3.2.weight"]
+    )
     assert results[1]["expert3_untouched"] and results[0]["no_grad"] == []
     assert len({repr(r["record"]) for r in results}) == 1
 

@@ -59,12 +59,15 @@ def test_scale_bounds_of_every_policy():
     assert AdaptivePolicy(min_scale=None, max_scale=None).scale_bounds() == (2.0**-126, 2.0**127)
 
 
-@pytest.mark.parametrize("policy, want", [
-    (DynamicPolicy(growth_factor=4.0, backoff_factor=0.25, growth_interval=7), (4.0, 0.25, 7)),
-    (StaticPolicy(scale=2.0**10), (1.0, 1.0, 2**31 - 1)),
-    (AdaptivePolicy(backoff_factor=0.25, growth_interval=9), (2.0, 0.25, 9)),
-    (LogMaxPolicy(), (2.0, 0.5, 2000)),
-])
+@pytest.mark.parametrize(
+    "policy, want",
+    [
+        (DynamicPolicy(growth_factor=4.0, backoff_factor=0.25, growth_interval=7), (4.0, 0.25, 7)),
+        (StaticPolicy(scale=2.0**10), (1.0, 1.0, 2**31 - 1)),
+        (AdaptivePolicy(backoff_factor=0.25, growth_interval=9), (2.0, 0.25, 9)),
+        (LogMaxPolicy(), (2.0, 0.5, 2000)),
+    ],
+)
 def test_torch_state_gives_torch_a_scaler_it_can_run(policy, want):
     """Kills: any of torch's five keys renamed, or given another value (growth_factor 3.0, tracker 1)."""
     state = policy.init_state()
@@ -72,8 +75,13 @@ def test_torch_state_gives_torch_a_scaler_it_can_run(policy, want):
         state = state.replace(growth_tracker=3)
     got = policy.torch_state(state)
     tracker = 3 if hasattr(state, "growth_tracker") and not isinstance(policy, StaticPolicy) else 0
-    assert got == {"scale": state.scale, "growth_factor": want[0], "backoff_factor": want[1],
-                   "growth_interval": want[2], "_growth_tracker": tracker}
+    assert got == {
+        "scale": state.scale,
+        "growth_factor": want[0],
+        "backoff_factor": want[1],
+        "growth_interval": want[2],
+        "_growth_tracker": tracker,
+    }
     assert all(type(got[k]) is float for k in ("scale", "growth_factor", "backoff_factor"))
 
 
@@ -89,47 +97,53 @@ def _ad():
 _COUNTS = dict(steps=5, skipped_steps=3, inf_steps=2, nan_steps=1, overflow_streak=2, streak_nan_steps=1)
 
 
-@pytest.mark.parametrize("policy, changes", [
-    (_dyn(), dict(growth_tracker=4, hysteresis_tracker=3)),
-    (_dyn(), dict(scale=2.0)),                       # on min_scale
-    (_dyn(), dict(scale=2.0**20)),                   # on max_scale
-    (_dyn(), dict(steps=2**53 - 1)),
-    (_dyn(), _COUNTS),
-    (StaticPolicy(scale=1.0), dict(scale=1.0)),
-    (_ad(), dict(calibrated=True, window_exp=-160)),
-    (_ad(), dict(calibrated=True, window_exp=140)),
-    (_ad(), dict(calibrated=True, window_exp=-5, growth_tracker=4)),
-    (LogMaxPolicy(), dict(b1_correction=1.0, b2_correction=1e-300)),
-])
+@pytest.mark.parametrize(
+    "policy, changes",
+    [
+        (_dyn(), dict(growth_tracker=4, hysteresis_tracker=3)),
+        (_dyn(), dict(scale=2.0)),  # on min_scale
+        (_dyn(), dict(scale=2.0**20)),  # on max_scale
+        (_dyn(), dict(steps=2**53 - 1)),
+        (_dyn(), _COUNTS),
+        (StaticPolicy(scale=1.0), dict(scale=1.0)),
+        (_ad(), dict(calibrated=True, window_exp=-160)),
+        (_ad(), dict(calibrated=True, window_exp=140)),
+        (_ad(), dict(calibrated=True, window_exp=-5, growth_tracker=4)),
+        (LogMaxPolicy(), dict(b1_correction=1.0, b2_correction=1e-300)),
+    ],
+)
 def test_check_state_accepts_states_on_the_edge(policy, changes):
     """Kills every bound of check_state moved inward (``>=`` for ``>``, 140 to 139, ``<= 1``)."""
     policy.check_state(policy.init_state().replace(**changes))
 
 
-@pytest.mark.parametrize("policy, changes, name", [
-    (_dyn(), dict(growth_tracker=5), "growth_tracker"),
-    (_dyn(), dict(hysteresis_tracker=4), "hysteresis_tracker"),
-    (_dyn(), dict(growth_tracker=-1), "growth_tracker"),
-    (_dyn(), dict(steps=2**53), "steps"),
-    (_dyn(), dict(steps=True), "steps"),
-    (_dyn(), dict(steps=1.0), "steps"),
-    (_dyn(), dict(streak_start_scale=True), "streak_start_scale"),
-    (_dyn(), dict(streak_start_scale="1.0"), "streak_start_scale"),
-    (_dyn(), dict(streak_start_scale=math.inf), "streak_start_scale"),
-    (_dyn(), dict(scale=f32(2.0 * (1 - 2**-23))), "scale"),          # one float32 step under min_scale
-    (_dyn(), dict(scale=2.0**20 * (1 + 2**-23)), "scale"),           # one step over max_scale
-    (StaticPolicy(scale=1.0), dict(scale=0.0), "scale"),
-    (_dyn(), dict(steps=2, skipped_steps=3, inf_steps=3), "counters"),
-    (_dyn(), dict(steps=5, skipped_steps=3, inf_steps=1), "counters"),
-    (_dyn(), dict(steps=5, skipped_steps=1, inf_steps=1, overflow_streak=2), "overflow_streak"),
-    (_dyn(), dict(steps=5, skipped_steps=2, inf_steps=2, overflow_streak=1, streak_nan_steps=2), "overflow_streak"),
-    (_ad(), dict(growth_tracker=5), "growth_tracker"),
-    (_ad(), dict(calibrated=True, window_exp=-161), "window_exp"),
-    (_ad(), dict(calibrated=True, window_exp=141), "window_exp"),
-    (_ad(), dict(calibrated=False, window_exp=-5), "window_exp"),
-    (LogMaxPolicy(), dict(b1_correction=0.0), "b1_correction"),
-    (LogMaxPolicy(), dict(b2_correction=1.5), "b2_correction"),
-])
+@pytest.mark.parametrize(
+    "policy, changes, name",
+    [
+        (_dyn(), dict(growth_tracker=5), "growth_tracker"),
+        (_dyn(), dict(hysteresis_tracker=4), "hysteresis_tracker"),
+        (_dyn(), dict(growth_tracker=-1), "growth_tracker"),
+        (_dyn(), dict(steps=2**53), "steps"),
+        (_dyn(), dict(steps=True), "steps"),
+        (_dyn(), dict(steps=1.0), "steps"),
+        (_dyn(), dict(streak_start_scale=True), "streak_start_scale"),
+        (_dyn(), dict(streak_start_scale="1.0"), "streak_start_scale"),
+        (_dyn(), dict(streak_start_scale=math.inf), "streak_start_scale"),
+        (_dyn(), dict(scale=f32(2.0 * (1 - 2**-23))), "scale"),  # one float32 step under min_scale
+        (_dyn(), dict(scale=2.0**20 * (1 + 2**-23)), "scale"),  # one step over max_scale
+        (StaticPolicy(scale=1.0), dict(scale=0.0), "scale"),
+        (_dyn(), dict(steps=2, skipped_steps=3, inf_steps=3), "counters"),
+        (_dyn(), dict(steps=5, skipped_steps=3, inf_steps=1), "counters"),
+        (_dyn(), dict(steps=5, skipped_steps=1, inf_steps=1, overflow_streak=2), "overflow_streak"),
+        (_dyn(), dict(steps=5, skipped_steps=2, inf_steps=2, overflow_streak=1, streak_nan_steps=2), "overflow_streak"),
+        (_ad(), dict(growth_tracker=5), "growth_tracker"),
+        (_ad(), dict(calibrated=True, window_exp=-161), "window_exp"),
+        (_ad(), dict(calibrated=True, window_exp=141), "window_exp"),
+        (_ad(), dict(calibrated=False, window_exp=-5), "window_exp"),
+        (LogMaxPolicy(), dict(b1_correction=0.0), "b1_correction"),
+        (LogMaxPolicy(), dict(b2_correction=1.5), "b2_correction"),
+    ],
+)
 def test_check_state_refuses_naming_the_field(policy, changes, name):
     """Kills: a check of check_state weakened (``and`` for ``or``, a bound moved outward, a type test
     that lets a bool or a string through to a comparison)."""
@@ -145,11 +159,14 @@ def test_check_state_keeps_the_scale_within_float32s_normal_range():
         p.check_state(p.init_state().replace(scale=2.0**-127))
 
 
-@pytest.mark.parametrize("changes", [
-    dict(bad_loss_steps=4, streak_bad_loss_steps=1),   # more bad losses than skipped steps
-    dict(bad_loss_steps=3, streak_bad_loss_steps=3),   # a streak of them longer than the streak
-    dict(bad_loss_steps=1, streak_bad_loss_steps=2),   # more in the streak than in all
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(bad_loss_steps=4, streak_bad_loss_steps=1),  # more bad losses than skipped steps
+        dict(bad_loss_steps=3, streak_bad_loss_steps=3),  # a streak of them longer than the streak
+        dict(bad_loss_steps=1, streak_bad_loss_steps=2),  # more in the streak than in all
+    ],
+)
 def test_check_state_refuses_bad_loss_counters_that_disagree(changes):
     """Kills: ``or`` turned ``and`` between the three bad-loss invariants."""
     p = _dyn()
@@ -177,8 +194,13 @@ def test_f32_of_a_value_beyond_float32_is_a_signed_inf():
 def test_register_refuses_a_nameless_policy_and_registers_the_class():
     """Kills: register's name check inverted, or the registry holding None."""
     from lossscale.policy import policy_class, register
-    for name, cls in (("dynamic", DynamicPolicy), ("static", StaticPolicy), ("adaptive", AdaptivePolicy),
-                      ("logmax", LogMaxPolicy)):
+
+    for name, cls in (
+        ("dynamic", DynamicPolicy),
+        ("static", StaticPolicy),
+        ("adaptive", AdaptivePolicy),
+        ("logmax", LogMaxPolicy),
+    ):
         assert policy_class(name) is cls
     assert register(DynamicPolicy) is DynamicPolicy and policy_class("dynamic") is DynamicPolicy  # idempotent
     nameless = type("Nameless", (), {"name": ""})

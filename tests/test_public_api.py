@@ -33,10 +33,12 @@ def test_import_does_not_pull_matplotlib_or_sklearn():
 def test_the_audit_and_keep_fp32_load_lazily_and_keep_their_names():
     # lossscale.audit is a function; its module is lossscale.auditing, so importing the module (first or
     # later) never replaces the function on the package.
-    code = ("import sys, lossscale\n"
-            "assert not any(m in sys.modules for m in ('lossscale.auditing', 'lossscale.fp32'))\n"
-            "import lossscale.auditing, lossscale.fp32\n"
-            "assert callable(lossscale.audit) and lossscale.audit is lossscale.auditing.audit\n"
-            "assert lossscale.AuditReport is lossscale.auditing.AuditReport\n"
-            "assert lossscale.keep_fp32 is lossscale.fp32.keep_fp32\n")
+    code = (
+        "import sys, lossscale\n"
+        "assert not any(m in sys.modules for m in ('lossscale.auditing', 'lossscale.fp32'))\n"
+        "import lossscale.auditing, lossscale.fp32\n"
+        "assert callable(lossscale.audit) and lossscale.audit is lossscale.auditing.audit\n"
+        "assert lossscale.AuditReport is lossscale.auditing.AuditReport\n"
+        "assert lossscale.keep_fp32 is lossscale.fp32.keep_fp32\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

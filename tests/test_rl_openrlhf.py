@@ -27,6 +27,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from lossscale.integrations import deepspeed as ls_ds  # noqa: E402
 from _integration_models import InfAt  # noqa: E402
+
 # How the project runs DeepSpeed on CPU (one rank on gloo, no JIT-built ops), and its state read-back.
 from test_integrations_deepspeed import _equal, _fresh_autocast_state, _snapshot, ds_cpu  # noqa: E402,F401
 
@@ -53,9 +54,20 @@ def openrlhf_config(ds_utils, micro_batch=2):
     with the CLI defaults: --ds.zero_stage 2, --ds.zpg 1, --actor.max_norm 1.0, --actor.adam.betas 0.9 0.95,
     --actor.adam.eps 1e-8, --actor.adam.weight_decay 0.0; --ds.param_dtype fp16)."""
     optim = {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}
-    cfg = ds_utils.get_train_ds_config(offload=False, adam_offload=False, stage=2, param_dtype="fp16", max_norm=1.0,
-                                       zpg=1, grad_accum_dtype=None, overlap_comm=False, use_ds_universal_ckpt=False,
-                                       deepcompile=False, tensor_parallel_size=1, optim_config=optim)
+    cfg = ds_utils.get_train_ds_config(
+        offload=False,
+        adam_offload=False,
+        stage=2,
+        param_dtype="fp16",
+        max_norm=1.0,
+        zpg=1,
+        grad_accum_dtype=None,
+        overlap_comm=False,
+        use_ds_universal_ckpt=False,
+        deepcompile=False,
+        tensor_parallel_size=1,
+        optim_config=optim,
+    )
     cfg["train_micro_batch_size_per_gpu"] = micro_batch  # get_ds_train_config adds these two
     cfg["train_batch_size"] = micro_batch
     # Stand-in for FusedAdam, the CUDA kernel DeepSpeed picks for "AdamW" (engine.py, _configure_basic_optimizer):
@@ -68,8 +80,16 @@ def tiny_qwen2(seed=0):
     """A 2-layer Qwen2 causal LM (hidden 32, 2 heads, 1 KV head, vocabulary 32), built in code."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg)
 
@@ -81,11 +101,20 @@ def openrlhf_engine(seed=0):
 
     ds_utils = openrlhf_ds_utils()
     model = tiny_qwen2(seed)
-    schedule = partial(get_scheduler, "cosine_with_min_lr", num_warmup_steps=math.ceil(STEPS * 0.03),
-                       num_training_steps=STEPS, scheduler_specific_kwargs={"min_lr_rate": 0.1})
-    engine, *_ = deepspeed.initialize(model=model, optimizer=None, config=openrlhf_config(ds_utils),
-                                      model_parameters=ds_utils.get_optimizer_grouped_parameters(model, 0.0),
-                                      lr_scheduler=schedule)
+    schedule = partial(
+        get_scheduler,
+        "cosine_with_min_lr",
+        num_warmup_steps=math.ceil(STEPS * 0.03),
+        num_training_steps=STEPS,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1},
+    )
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=None,
+        config=openrlhf_config(ds_utils),
+        model_parameters=ds_utils.get_optimizer_grouped_parameters(model, 0.0),
+        lr_scheduler=schedule,
+    )
     return engine
 
 
@@ -152,9 +181,14 @@ def test_openrlhf_checkpoint_calls_round_trip_the_scaler(tmp_path):
 
     resumed = openrlhf_engine(seed=1)  # other initial weights: the checkpoint brings them
     scaler2 = ls_ds.attach(resumed)
-    _, states = resumed.load_checkpoint(str(tmp_path), "global_step3", load_module_strict=True,
-                                        load_optimizer_states=True, load_lr_scheduler_states=True,
-                                        load_module_only=False)
+    _, states = resumed.load_checkpoint(
+        str(tmp_path),
+        "global_step3",
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    )
     assert states["consumed_samples"] == 6 and ls_ds.CLIENT_STATE_KEY not in states
     assert scaler2.state_dict() == saved
     again = _train(resumed, STEPS - 3, start=3)
@@ -173,8 +207,9 @@ def test_zero_torch_autocast_is_refused_on_this_release_and_classic_fp16_attache
     cfg["fp16"] = {"enabled": False}
     cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.float16"}
     model = tiny_qwen2()
-    engine, *_ = deepspeed.initialize(model=model, config=cfg,
-                                      model_parameters=ds_utils.get_optimizer_grouped_parameters(model, 0.0))
+    engine, *_ = deepspeed.initialize(
+        model=model, config=cfg, model_parameters=ds_utils.get_optimizer_grouped_parameters(model, 0.0)
+    )
     held = engine.optimizer.torch_autocast_gradscaler
     with pytest.raises(RuntimeError, match=r"needs deepspeed>=0\.19\.8 \(this is 0\.19\.6"):
         ls_ds.attach(engine)

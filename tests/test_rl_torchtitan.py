@@ -56,8 +56,9 @@ def _components():
         class Config(BaseDataLoader.Config):
             pass
 
-        def __init__(self, config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size,
-                     snapshot_every_n_steps=None):
+        def __init__(
+            self, config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, snapshot_every_n_steps=None
+        ):
             self.rank, self.seq_len, self.batch, self.served = dp_rank, seq_len, local_batch_size, 0
 
         def __iter__(self):
@@ -97,8 +98,9 @@ def _config(folder: str):
         loss=ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()),
         optimizer=default_adamw(lr=8e-4),  # AdamW, implementation "fused" (torchtitan's default)
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear"),
-        training=TrainingConfig(local_batch_size=BATCH, seq_len=SEQ_LEN, steps=10, disable_cuda_graphs=True,
-                                mixed_precision_param="float16"),
+        training=TrainingConfig(
+            local_batch_size=BATCH, seq_len=SEQ_LEN, steps=10, disable_cuda_graphs=True, mixed_precision_param="float16"
+        ),
         parallelism=ParallelismConfig(data_parallel_shard_degree=2, spmd_backend="partial_dtensor"),  # FSDP2
         metrics=MetricsProcessor.Config(log_freq=1),
         checkpoint=CheckpointManager.Config(enable=True, interval=CHECKPOINT_STEP, folder="checkpoint"),
@@ -122,8 +124,11 @@ class _Recorder:
 def _snapshot(trainer):
     """Every rank's parameter shards and optimizer state, copied."""
     params = [p.detach().to_local().clone() for m in trainer.model_parts for p in m.parameters()]
-    state = [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
-             for opt in trainer.optimizers for s in opt.state.values()]
+    state = [
+        {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
+        for opt in trainer.optimizers
+        for s in opt.state.values()
+    ]
     return params, state
 
 
@@ -133,9 +138,12 @@ def _schedule(trainer):
 
 
 def _same(a, b) -> bool:
-    return (len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-            and len(a[1]) == len(b[1]) and all(s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)
-                                               for s, t in zip(a[1], b[1])))
+    return (
+        len(a[0]) == len(b[0])
+        and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        and len(a[1]) == len(b[1])
+        and all(s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s) for s, t in zip(a[1], b[1]))
+    )
 
 
 # ------------------------------------------------------------------------------------ the scenario
@@ -170,12 +178,13 @@ def train(rank, world, folder: str, attach: bool = True):
     trainer.forward_backward_step = planting
     model = trainer.model_parts[0]
     model.tok_embeddings.register_forward_hook(  # a batch whose forward is NaN on one rank
-        lambda module, args, out: out * float("nan") if step_now["n"] == NAN_STEP and rank == 0 else None)
+        lambda module, args, out: out * float("nan") if step_now["n"] == NAN_STEP and rank == 0 else None
+    )
     if not attach:
         return _run_unattached(trainer, step_now)
 
     refusals = _refusals(trainer, ls_torchtitan)
-    scaler = ls_torchtitan.attach(trainer, init_scale=2.0 ** 10, growth_interval=100)
+    scaler = ls_torchtitan.attach(trainer, init_scale=2.0**10, growth_interval=100)
     refusals["same_scaler_again"] = ls_torchtitan.attach(trainer) is scaler
     with pytest.raises(ValueError, match="already attached"):
         ls_torchtitan.attach(trainer, init_scale=2.0)
@@ -192,37 +201,52 @@ def train(rank, world, folder: str, attach: bool = True):
         if trainer.step == CHECKPOINT_STEP:
             saved = scaler.state_dict()
         after = _snapshot(trainer)
-        out["steps"].append(dict(
-            step=trainer.step, skipped=scaler.last_step_skipped, unchanged=_same(before, after),
-            lr_held=_schedule(trainer) == lr_before, scale_before=scale_before,
-            scale_after=scaler.get_scale(), finite=all(torch.isfinite(p).all().item() for p in after[0])))
+        out["steps"].append(
+            dict(
+                step=trainer.step,
+                skipped=scaler.last_step_skipped,
+                unchanged=_same(before, after),
+                lr_held=_schedule(trainer) == lr_before,
+                scale_before=scale_before,
+                scale_after=scaler.get_scale(),
+                finite=all(torch.isfinite(p).all().item() for p in after[0]),
+            )
+        )
     out["counters"], out["scaled_norm"] = scaler.counters(), scaled_norm
-    out["logged"] = [(step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
-                     for step, m in recorder.logged]
+    out["logged"] = [
+        (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
+        for step, m in recorder.logged
+    ]
 
     # torchtitan's own DCP checkpoint, into a fresh Trainer with another scaler configuration.
     second = Trainer(_config(folder))
     _torchtitan_cpu.gloo_reductions(second)
-    restored = ls_torchtitan.attach(second, init_scale=2.0 ** 3)
+    restored = ls_torchtitan.attach(second, init_scale=2.0**3)
     fresh = restored.state_dict()
     second.checkpointer.load(step=CHECKPOINT_STEP)
-    out["restored"] = dict(step=second.step, equal=restored.state_dict() == saved, differed=fresh != saved,
-                           scale=restored.get_scale(), saved_scale=saved["scale"])
+    out["restored"] = dict(
+        step=second.step,
+        equal=restored.state_dict() == saved,
+        differed=fresh != saved,
+        scale=restored.get_scale(),
+        saved_scale=saved["scale"],
+    )
     second.close()
 
     # A scale too large for FP16: the scaled backward overflows by itself on the first step, and with
     # max_consecutive_skips=1 that one skip is a stuck run, which attach's on_stuck="raise" stops.
     third = Trainer(_config(folder))
     _torchtitan_cpu.gloo_reductions(third)
-    large = ls_torchtitan.attach(third, init_scale=2.0 ** 24, max_consecutive_skips=1)
+    large = ls_torchtitan.attach(third, init_scale=2.0**24, max_consecutive_skips=1)
     third.step = 1
     try:
         third.train_step(third.batch_generator(third.dataloader))
         raised = None
     except RuntimeError as error:
         raised = str(error)
-    out["too_large"] = dict(skipped=large.last_step_skipped, counters=large.counters(), scale=large.get_scale(),
-                            raised=raised)
+    out["too_large"] = dict(
+        skipped=large.last_step_skipped, counters=large.counters(), scale=large.get_scale(), raised=raised
+    )
     third.close()
     trainer.close()
     return out
@@ -242,8 +266,11 @@ def _refusals(trainer, ls_torchtitan):
         trainer.config.training.mixed_precision_param = "float16"
     with pytest.raises(ValueError, match="device="):
         ls_torchtitan.attach(trainer, device="cpu")
-    return {"untouched": type(chunk_loss) is loss_class and trainer.optimizers.step == step
-            and ls_torchtitan._ATTACHED not in trainer.__dict__}
+    return {
+        "untouched": type(chunk_loss) is loss_class
+        and trainer.optimizers.step == step
+        and ls_torchtitan._ATTACHED not in trainer.__dict__
+    }
 
 
 def _run_unattached(trainer, step_now):
@@ -315,7 +342,7 @@ def test_scaler_metrics_reach_torchtitans_loggers(results):
         logged = dict(rank["logged"])
         assert sorted(logged) == list(range(1, NAN_STEP + 2))  # every step logs (log_freq=1), the NaN one too
         assert logged[INFLOW_STEP]["scaler/last_step_skipped"] == 1.0
-        assert logged[INFLOW_STEP]["scaler/loss_scale"] == 2.0 ** 9
+        assert logged[INFLOW_STEP]["scaler/loss_scale"] == 2.0**9
         assert logged[INFLOW_STEP + 1]["scaler/last_step_skipped"] == 0.0
         assert math.isfinite(logged[INFLOW_STEP + 1]["loss_metrics/global_avg_loss"])
         assert logged[NAN_STEP]["scaler/bad_loss_steps"] == 1.0
@@ -328,7 +355,7 @@ def test_scaler_restored_from_torchtitans_checkpoint(results):
         restored = rank["restored"]
         assert restored["step"] == CHECKPOINT_STEP
         assert restored["differed"] and restored["equal"]
-        assert restored["scale"] == restored["saved_scale"] == 2.0 ** 9
+        assert restored["scale"] == restored["saved_scale"] == 2.0**9
 
 
 def test_attach_refuses_what_it_cannot_scale_and_returns_the_same_scaler_again(results):
@@ -342,8 +369,8 @@ def test_torchtitans_clip_sees_the_true_gradients(results):
     attached, _ = results
     for rank in attached:
         logged = dict(rank["logged"])
-        assert logged[1]["scaler/loss_scale"] == 2.0 ** 10 and len(rank["scaled_norm"]) == 1
-        assert logged[1]["grad_norm"] == pytest.approx(rank["scaled_norm"][0] / 2.0 ** 10, rel=1e-5)
+        assert logged[1]["scaler/loss_scale"] == 2.0**10 and len(rank["scaled_norm"]) == 1
+        assert logged[1]["grad_norm"] == pytest.approx(rank["scaled_norm"][0] / 2.0**10, rel=1e-5)
 
 
 def test_the_backward_is_scaled_a_too_large_scale_overflows_fp16(results):
@@ -352,7 +379,7 @@ def test_the_backward_is_scaled_a_too_large_scale_overflows_fp16(results):
     for rank in attached:
         too_large = rank["too_large"]
         assert too_large["skipped"] and too_large["counters"]["skipped_steps"] == 1
-        assert too_large["counters"]["bad_loss_steps"] == 0 and too_large["scale"] == 2.0 ** 23
+        assert too_large["counters"]["bad_loss_steps"] == 0 and too_large["scale"] == 2.0**23
 
 
 def test_a_stuck_run_stops(results):

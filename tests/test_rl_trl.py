@@ -37,9 +37,9 @@ def _fresh(fresh_accelerate_state):
 
 
 STEPS = 8
-INF_AT = 2    # the step whose gradient gets an inf
-NAN_AT = 4    # the step whose training forward gives NaN
-SAVE_AT = 6   # the checkpoint the resumed run starts from (after both faults)
+INF_AT = 2  # the step whose gradient gets an inf
+NAN_AT = 4  # the step whose training forward gives NaN
+SAVE_AT = 6  # the checkpoint the resumed run starts from (after both faults)
 LR = 1e-3
 WARMUP = 2
 INIT_SCALE = 2.0**10  # no step overflows by itself: only the injected inf does
@@ -108,19 +108,35 @@ def _trainer(kind, recorder, scaler_kwargs=(), **training_args):
     (init_scale INIT_SCALE, then ``scaler_kwargs``); returns (model, trainer, scaler)."""
     from datasets import Dataset
 
-    common = dict(fp16=True, use_cpu=True, learning_rate=LR, lr_scheduler_type="linear", report_to=[], seed=0,
-                  disable_tqdm=True, dataloader_num_workers=0, **training_args)
+    common = dict(
+        fp16=True,
+        use_cpu=True,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **training_args,
+    )
     model, tokenizer = example.tiny_qwen2(), example.char_tokenizer()
     if kind == "grpo":
         args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, **common)
         data = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"] * 2})
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=example.later_letters, args=args, train_dataset=data,
-                                  processing_class=tokenizer, callbacks=[recorder])
+        trainer = trl.GRPOTrainer(
+            model=model,
+            reward_funcs=example.later_letters,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=[recorder],
+        )
     else:
         args = trl.SFTConfig(per_device_train_batch_size=2, max_length=16, **common)
         data = Dataset.from_dict({"text": ["the cat sat", "a dog ran far", "birds sing", "fish swim deep"] * 4})
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                                 callbacks=[recorder])
+        trainer = trl.SFTTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[recorder]
+        )
     recorder.box["trainer"] = trainer
     scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE, **dict(scaler_kwargs))
     return model, trainer, scaler
@@ -130,14 +146,23 @@ def _train(tmp_path, kind, *, resume=None):
     """``kind`` for STEPS steps with the two faults, saving a checkpoint at SAVE_AT."""
     start = 0 if resume is None else SAVE_AT
     recorder = Recorder({})
-    model, trainer, scaler = _trainer(kind, recorder, output_dir=str(tmp_path / "out"), max_steps=STEPS,
-                                      warmup_steps=WARMUP, logging_steps=2, save_strategy="steps", save_steps=SAVE_AT)
+    model, trainer, scaler = _trainer(
+        kind,
+        recorder,
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        warmup_steps=WARMUP,
+        logging_steps=2,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+    )
     probe = DtypeProbe(model.model.layers[-1].mlp.down_proj)  # an nn.Linear in every forward
     InfAt(model.model.layers[0].mlp.up_proj.weight, [INF_AT], start=start)
     NanAt(model.model.embed_tokens, [NAN_AT], start=start)
     trainer.train(resume_from_checkpoint=resume)
-    return dict(trainer=trainer, scaler=scaler, rec=recorder, state=_state(model, trainer.optimizer),
-                dtypes=set(probe.dtypes))
+    return dict(
+        trainer=trainer, scaler=scaler, rec=recorder, state=_state(model, trainer.optimizer), dtypes=set(probe.dtypes)
+    )
 
 
 @pytest.mark.parametrize("kind", ["grpo", "sft"])
@@ -208,8 +233,16 @@ class TimesAt:
 def _short_run(tmp_path, kind, scaler_kwargs, fault, steps=6, accumulation=1):
     """A short run of ``kind`` with ``fault(model)`` installed; returns the scaler and the Recorder."""
     recorder = Recorder({})
-    model, trainer, scaler = _trainer(kind, recorder, scaler_kwargs, output_dir=str(tmp_path), max_steps=steps,
-                                      logging_steps=steps, save_strategy="no", gradient_accumulation_steps=accumulation)
+    model, trainer, scaler = _trainer(
+        kind,
+        recorder,
+        scaler_kwargs,
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        logging_steps=steps,
+        save_strategy="no",
+        gradient_accumulation_steps=accumulation,
+    )
     fault(model)
     trainer.train()
     return scaler, recorder
@@ -219,8 +252,12 @@ def test_grpo_skip_if_skips_a_finite_gradient_spike_and_holds_the_lr(tmp_path):
     """skip_if through the Trainer: a x1000 gradient (finite) after min_steps is skipped as a spike: the
     weights and optimizer state untouched, the LR held, the scale not backed off (it fits FP16)."""
     spike = 4
-    scaler, rec = _short_run(tmp_path, "grpo", dict(skip_if=lossscale.SkipIf(grad_norm_zscore=6.0, min_steps=3)),
-                             lambda m: TimesAt(m.model.layers[0].mlp.up_proj.weight, [spike], 1e3))
+    scaler, rec = _short_run(
+        tmp_path,
+        "grpo",
+        dict(skip_if=lossscale.SkipIf(grad_norm_zscore=6.0, min_steps=3)),
+        lambda m: TimesAt(m.model.layers[0].mlp.up_proj.weight, [spike], 1e3),
+    )
     assert rec.skipped == [s == spike for s in range(6)]
     assert rec.moved == [s != spike for s in range(6)]
     assert rec.lrs[spike + 1] == rec.lrs[spike]
@@ -232,11 +269,18 @@ def test_grpo_skip_if_skips_a_finite_gradient_spike_and_holds_the_lr(tmp_path):
 def test_sft_bad_microbatch_drop_costs_only_the_bad_micro_batch(tmp_path):
     """bad_microbatch="drop" with gradient accumulation: a micro-batch whose forward gives NaN is left out
     and the step is taken over the others (by default the whole step would be skipped); the scale is kept."""
-    scaler, rec = _short_run(tmp_path, "sft", dict(bad_microbatch="drop"),
-                             lambda m: NanAt(m.model.embed_tokens, [5]), steps=4, accumulation=2)
+    scaler, rec = _short_run(
+        tmp_path,
+        "sft",
+        dict(bad_microbatch="drop"),
+        lambda m: NanAt(m.model.embed_tokens, [5]),
+        steps=4,
+        accumulation=2,
+    )
     assert rec.skipped == [False] * 4 and all(rec.moved)  # micro-batch 5 is the second of step 2
     assert rec.scales == [INIT_SCALE] * 4
     assert scaler.counters()["skipped_steps"] == 0 and scaler.health().dropped_microbatches == 1
-    default, rec = _short_run(tmp_path / "default", "sft", {}, lambda m: NanAt(m.model.embed_tokens, [5]),
-                              steps=4, accumulation=2)
+    default, rec = _short_run(
+        tmp_path / "default", "sft", {}, lambda m: NanAt(m.model.embed_tokens, [5]), steps=4, accumulation=2
+    )
     assert rec.skipped == [s == 2 for s in range(4)]  # the default: the whole step skipped

@@ -12,8 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(script, *args, env=None, timeout=240):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_quickstart_piped_has_no_progress_bar():
@@ -28,8 +34,11 @@ def test_quickstart_piped_has_no_progress_bar():
 
 def test_ddp_example_run_directly_prints_the_torchrun_command():
     """Issue 12: ``python examples/ddp_torchrun.py`` died with torch's "RANK expected" traceback."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     done = _run("ddp_torchrun.py", "--steps", "3", env=env, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

@@ -43,11 +43,13 @@ def test_scale_trajectory_matches_torch_under_random_flags():
         p_t = torch.nn.Parameter(torch.ones(3))
         p_l = torch.nn.Parameter(torch.ones(3))
         opt_t, opt_l = torch.optim.SGD([p_t], lr=0.1), torch.optim.SGD([p_l], lr=0.1)
-        ref = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=growth, backoff_factor=backoff,
-                                   growth_interval=interval)
+        ref = torch.amp.GradScaler(
+            "cpu", init_scale=1000.0, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
+        )
         with pytest.warns(UserWarning, match="power of two"):
-            ours = lossscale.GradScaler(init_scale=1000.0, growth_factor=growth, backoff_factor=backoff,
-                                        growth_interval=interval, **TORCH_LIKE)
+            ours = lossscale.GradScaler(
+                init_scale=1000.0, growth_factor=growth, backoff_factor=backoff, growth_interval=interval, **TORCH_LIKE
+            )
         for _ in range(60):
             bad = torch.rand((), generator=g).item() < 0.3
             for p, opt, s in ((p_t, opt_t, ref), (p_l, opt_l, ours)):
@@ -94,15 +96,24 @@ def test_unscale_after_device_updates_divides_by_the_live_scale():
     torch's ``scale.double().reciprocal().float()`` (a non-power-of-two factor makes it round)."""
     g = torch.Generator().manual_seed(3)
     runs = []
-    for make in (lambda: torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=1.5, growth_interval=1),
-                 lambda: lossscale.GradScaler(init_scale=1000.0, growth_factor=1.5, growth_interval=1, **TORCH_LIKE)):
+    for make in (
+        lambda: torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=1.5, growth_interval=1),
+        lambda: lossscale.GradScaler(init_scale=1000.0, growth_factor=1.5, growth_interval=1, **TORCH_LIKE),
+    ):
         torch.manual_seed(0)
         fused_p, plain_p = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "lossscale.*power of two", UserWarning)  # on purpose here
             scaler = make()
-        runs.append((scaler, fused_p, plain_p, torch.optim.Adam([fused_p], lr=0.01, fused=True),
-                     torch.optim.SGD([plain_p], lr=0.1)))
+        runs.append(
+            (
+                scaler,
+                fused_p,
+                plain_p,
+                torch.optim.Adam([fused_p], lr=0.01, fused=True),
+                torch.optim.SGD([plain_p], lr=0.1),
+            )
+        )
     used_fused = 0
     for step in range(30):
         fused = torch.rand((), generator=g).item() < 0.5

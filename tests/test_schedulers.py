@@ -24,8 +24,11 @@ def _loop(order: str, optimizer: str, how: str, steps: int = 4):
     """LRs after each iteration; the iteration ``SKIP_AT`` has an inf gradient."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=0.1, fused=True))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     scaler = lossscale.GradScaler()
     if how == "wrapper":
@@ -68,8 +71,11 @@ def _three_steps(optimizer):
     """A linear model, its optimizer and a scaler; yields after each step() of three iterations whose
     second has a NaN gradient (with whether it is bad): the caller checks, then calls update()."""
     model = torch.nn.Linear(3, 2)
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=0.1, fused=True))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    )
     scaler = lossscale.GradScaler()
     for bad in (False, True, False):
         scaler.scale(model(torch.ones(1, 3)).sum()).backward()

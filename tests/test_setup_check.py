@@ -97,8 +97,11 @@ def test_a_fused_optimizer_over_fp16_parameters_keeps_fp16_state():
     # FP16 state a fused optimizer already holds (FP32 parameters) is named too.
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
-    opt.state[model[0].bias] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(16, dtype=torch.float16),
-                                "exp_avg_sq": torch.zeros(16, dtype=torch.float16)}
+    opt.state[model[0].bias] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": torch.zeros(16, dtype=torch.float16),
+        "exp_avg_sq": torch.zeros(16, dtype=torch.float16),
+    }
     report = lossscale.check_setup(model, opt, dtype=torch.float16)
     assert report.kinds() == [K.FUSED_FP16_STATE] and report.findings[0].where == ("0.bias",)
 
@@ -126,11 +129,13 @@ def test_bf16_with_a_scaling_scaler():
 def test_bad_arguments_name_themselves():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for kwargs, match in ((dict(model=object(), optimizer=opt), "model="),
-                          (dict(model=model, optimizer=model), "optimizer="),
-                          (dict(model=model, optimizer=opt, scaler=3), "scaler="),
-                          (dict(model=model, optimizer=opt, dtype=torch.float64), "dtype="),
-                          (dict(model=model, optimizer=opt, framework="trainer"), "framework=")):
+    for kwargs, match in (
+        (dict(model=object(), optimizer=opt), "model="),
+        (dict(model=model, optimizer=model), "optimizer="),
+        (dict(model=model, optimizer=opt, scaler=3), "scaler="),
+        (dict(model=model, optimizer=opt, dtype=torch.float64), "dtype="),
+        (dict(model=model, optimizer=opt, framework="trainer"), "framework="),
+    ):
         with pytest.raises(ValueError, match=match):
             lossscale.check_setup(**kwargs)
 
@@ -202,10 +207,12 @@ def _fsdp2(kind):
 
     torch.manual_seed(0)
     model = _mlp()
-    policy = {"clean": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
-              "fp16_reduce": MixedPrecisionPolicy(param_dtype=torch.float16),
-              "half_first": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
-              "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}[kind]
+    policy = {
+        "clean": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        "fp16_reduce": MixedPrecisionPolicy(param_dtype=torch.float16),
+        "half_first": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }[kind]
     if kind == "half_first":
         model.half()  # before sharding: the policy's upcast to FP32 masters is a no-op
         for p in model.parameters():
@@ -223,8 +230,13 @@ def fsdp_cases(rank, world):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scaler = lossscale.GradScaler("cpu")
         report = lossscale.check_setup(model, opt, scaler)
-        entry = dict(kinds=[k.value for k in report.kinds()], where=[f.where for f in report.findings],
-                     text=str(report), dtype=str(report.dtype), dtype_from=report.dtype_from)
+        entry = dict(
+            kinds=[k.value for k in report.kinds()],
+            where=[f.where for f in report.findings],
+            text=str(report),
+            dtype=str(report.dtype),
+            dtype_from=report.dtype_from,
+        )
         if kind != "bf16":  # the ground truth: one real FP16 step
             opt.zero_grad()
             _backward(model, scaler=scaler)
@@ -245,25 +257,33 @@ def fsdp1_cases(rank, world):
     from torch.distributed.fsdp import MixedPrecision
 
     out = {}
-    for kind, mp in (("fp16_reduce", MixedPrecision(param_dtype=torch.float16)),
-                     ("low_precision_grads", MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32,
-                                                            keep_low_precision_grads=True)),
-                     ("clean", MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32))):
+    for kind, mp in (
+        ("fp16_reduce", MixedPrecision(param_dtype=torch.float16)),
+        (
+            "low_precision_grads",
+            MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, keep_low_precision_grads=True),
+        ),
+        ("clean", MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)),
+    ):
         torch.manual_seed(0)
         model = FSDP(_mlp(), device_id=torch.device("cpu"), use_orig_params=True, mixed_precision=mp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         report = lossscale.check_setup(model, opt, lossscale.GradScaler("cpu"))
         opt.zero_grad()
         _backward(model)
-        out[kind] = dict(kinds=[k.value for k in report.kinds()], where=[f.where for f in report.findings],
-                         grad_dtypes=sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}))
+        out[kind] = dict(
+            kinds=[k.value for k in report.kinds()],
+            where=[f.where for f in report.findings],
+            grad_dtypes=sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        )
     return out
 
 
 SCENARIOS = {"fsdp_cases": fsdp_cases, "fsdp1_cases": fsdp1_cases}
 
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,9 @@ from lossscale import distributed as lsd
 
 pytestmark = pytest.mark.distributed
 
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 # Where torch reduces a DTensor norm one mesh dim at a time (x**p, SUM, **(1/p) per dim) and
 # lossscale in one all-reduce over the mesh, or where one process sums the squares of every stage's

@@ -17,8 +17,21 @@ import pytest
 import torch
 
 import lossscale
-from _skip_matrix import (CLIPS, FAULTS, POLICIES, Net, OptimizerKind, applies, backward, differences, iteration, make_scaler,
-                          optimizer_kinds, run_scenario, snapshot)
+from _skip_matrix import (
+    CLIPS,
+    FAULTS,
+    POLICIES,
+    Net,
+    OptimizerKind,
+    applies,
+    backward,
+    differences,
+    iteration,
+    make_scaler,
+    optimizer_kinds,
+    run_scenario,
+    snapshot,
+)
 
 KINDS = optimizer_kinds()
 
@@ -26,14 +39,21 @@ KINDS = optimizer_kinds()
 # diagnosis fires by design. The matrix tests the skip, not the diagnosis (tests/test_stuck.py does).
 # One intra-op thread (conftest's one_thread): the models are tiny, and on a busy 2-core machine torch's
 # thread pool made a fused Adam step ~10x slower (measured: the Adam-fused row 9.5 s with 2 threads, 1.1 s with 1).
-pytestmark = [pytest.mark.filterwarnings("ignore:lossscale. .*consecutive skipped step:RuntimeWarning"),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:lossscale. .*consecutive skipped step:RuntimeWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def test_the_matrix_covers_every_optimizer_torch_ships():
     names = {k.name for k in KINDS}
-    shipped = {n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-               and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+    shipped = {
+        n
+        for n in dir(torch.optim)
+        if isinstance(getattr(torch.optim, n), type)
+        and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+        and n != "Optimizer"
+    }
     assert shipped - names == {"LBFGS"}  # the closure optimizer, tested below
     # The implementations that matter most are there: fused kernels on CPU read found_inf == 1.0.
     assert {"Adam-fused", "AdamW-fused", "SGD-fused", "Adam-foreach", "SGD-for-loop"} <= {k.id for k in KINDS}
@@ -75,10 +95,18 @@ def test_fused_adam_nan_batch_regression():
 
 # ----------------------------------------------------------------------------------------- soak
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [OptimizerKind("Adam", "fused"), OptimizerKind("AdamW", "fused"),
-                                  OptimizerKind("SGD", "fused"), OptimizerKind("Adagrad", "fused"),
-                                  OptimizerKind("Adam", "foreach"), OptimizerKind("SGD", "for-loop")],
-                         ids=lambda k: k.id)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        OptimizerKind("Adam", "fused"),
+        OptimizerKind("AdamW", "fused"),
+        OptimizerKind("SGD", "fused"),
+        OptimizerKind("Adagrad", "fused"),
+        OptimizerKind("Adam", "foreach"),
+        OptimizerKind("SGD", "for-loop"),
+    ],
+    ids=lambda k: k.id,
+)
 def test_soak_ten_thousand_steps_with_five_percent_faults(kind):
     """10,000 iterations, a fault in ~5% of them (each kind of fault, each clip mode), dynamic policy:
     every faulty iteration is skipped bitwise, every clean one trains, nothing goes non-finite."""
@@ -117,8 +145,11 @@ def test_a_fault_on_one_rank_is_skipped_bitwise_on_every_rank():
 
     pool = WorkerPool(world_size=2, scenarios="_skip_matrix")
     try:
-        results = pool.run("skip_across_ranks", kinds=[("Adam", "fused"), ("SGD", "fused"), ("Adam", "foreach")],
-                           faults=["nan_input_row", "inf_loss_term", "nan_grad", "forward_inf_traced"])
+        results = pool.run(
+            "skip_across_ranks",
+            kinds=[("Adam", "fused"), ("SGD", "fused"), ("Adam", "foreach")],
+            faults=["nan_input_row", "inf_loss_term", "nan_grad", "forward_inf_traced"],
+        )
     finally:
         pool.close()
     failures = [f"rank {rank}, {cell}: {why}" for rank, r in enumerate(results) for cell, why in r.items() if why]

@@ -30,7 +30,7 @@ def _reference(rule, xs, kind):
         spike = spike and math.isfinite(x)
         out.append(spike)
         if not spike and math.isfinite(x):
-            window = (window + [x])[-rule.window:]
+            window = (window + [x])[-rule.window :]
     return out
 
 
@@ -38,8 +38,13 @@ def _reference(rule, xs, kind):
 @pytest.mark.parametrize("kind", ["norm", "loss"])
 def test_the_device_rule_is_the_pseudocodes(seed, kind):
     rng = random.Random(seed)
-    rule = SkipIf(grad_norm_zscore=3.0, grad_norm_above=40.0 if seed % 2 else None, loss_zscore=2.5,
-                  window=rng.choice([4, 8, 16]), min_steps=rng.choice([2, 3, 4]))
+    rule = SkipIf(
+        grad_norm_zscore=3.0,
+        grad_norm_above=40.0 if seed % 2 else None,
+        loss_zscore=2.5,
+        window=rng.choice([4, 8, 16]),
+        min_steps=rng.choice([2, 3, 4]),
+    )
     xs = [rng.lognormvariate(0, 0.3) * (rng.choice([1, 1, 1, 1, 10, 50])) for _ in range(60)]
     windows = SpikeWindows(rule, torch.device("cpu"))
     got = []
@@ -75,8 +80,10 @@ def _gpt2_run(fused_clip, spike_at, rule):
         syncs.append(counted.count)
         if step == spike_at:
             unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-            unchanged_state = all(torch.equal(a, b) for a, b in
-                                  zip(state, [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]))
+            unchanged_state = all(
+                torch.equal(a, b)
+                for a, b in zip(state, [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)])
+            )
         scaler.step_scheduler(sched)
         lrs.append(opt.param_groups[0]["lr"])
     return scaler, seen, lrs, syncs, unchanged, unchanged_state
@@ -85,8 +92,9 @@ def _gpt2_run(fused_clip, spike_at, rule):
 @pytest.mark.parametrize("fused_clip", [False, True], ids=["norm pass", "clip's norm"])
 def test_a_gradient_spike_is_skipped_on_gpt2_with_fused_adamw_and_the_schedule_holds(fused_clip):
     spike_at = 11
-    scaler, seen, lrs, syncs, unchanged, unchanged_state = _gpt2_run(fused_clip, spike_at,
-                                                                     SkipIf(grad_norm_zscore=4.0, min_steps=6))
+    scaler, seen, lrs, syncs, unchanged, unchanged_state = _gpt2_run(
+        fused_clip, spike_at, SkipIf(grad_norm_zscore=4.0, min_steps=6)
+    )
     assert [bool(t) for t in seen] == [step != spike_at for step in range(14)]
     assert unchanged and unchanged_state  # the weights and the optimizer state: bitwise as before
     assert syncs == [0] * 14  # fused AdamW: the spike skips on device
@@ -161,10 +169,16 @@ def test_the_windows_survive_a_checkpoint():
     assert resumed.state_dict()["skip_if"] == scaler.state_dict()["skip_if"]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(), "no rule"), (dict(grad_norm_above=0.0), "grad_norm_above"), (dict(loss_zscore=-1.0), "loss_zscore"),
-    (dict(loss_zscore=3.0, window=1), "window"), (dict(loss_zscore=3.0, window=4, min_steps=8), "min_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), "no rule"),
+        (dict(grad_norm_above=0.0), "grad_norm_above"),
+        (dict(loss_zscore=-1.0), "loss_zscore"),
+        (dict(loss_zscore=3.0, window=1), "window"),
+        (dict(loss_zscore=3.0, window=4, min_steps=8), "min_steps"),
+    ],
+)
 def test_a_rule_that_cannot_work_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SkipIf(**kwargs)

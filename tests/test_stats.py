@@ -91,9 +91,17 @@ def planted(fmt, scale):
     by ``scale``, with float32 neighbours, both signs."""
     bounds = []
     for f in {fmt, FP16, BF16, FP8_E4M3, FP8_E5M2}:
-        bounds += [f.smallest_subnormal, f.flush_threshold, 1.5 * f.smallest_subnormal,
-                   f.smallest_normal - f.smallest_subnormal, f.normal_threshold, f.smallest_normal,
-                   f.max, f.overflow_threshold, 2 * f.max]
+        bounds += [
+            f.smallest_subnormal,
+            f.flush_threshold,
+            1.5 * f.smallest_subnormal,
+            f.smallest_normal - f.smallest_subnormal,
+            f.normal_threshold,
+            f.smallest_normal,
+            f.max,
+            f.overflow_threshold,
+            2 * f.max,
+        ]
     x = _f32_around([b / scale for b in bounds])
     return torch.cat([x, -x])
 
@@ -136,8 +144,14 @@ def test_every_figure_matches_a_real_cast(fmt, dtype, scale):
 
 def test_mixed_dtypes_in_one_call():
     gen = torch.Generator().manual_seed(5)
-    ts = [random_grads(2000, gen), random_grads(2000, gen).half(), random_grads(2000, gen).bfloat16(),
-          planted(FP16, 64.0), planted(FP16, 64.0).half(), planted(FP16, 64.0).bfloat16()]
+    ts = [
+        random_grads(2000, gen),
+        random_grads(2000, gen).half(),
+        random_grads(2000, gen).bfloat16(),
+        planted(FP16, 64.0),
+        planted(FP16, 64.0).half(),
+        planted(FP16, 64.0).bfloat16(),
+    ]
     assert figures(grad_stats(ts, scale=64.0)) == reference(ts, 64.0, FP16)
 
 
@@ -179,8 +193,16 @@ def _hot_bins(gen):
     """Gradients as a GPU sees them: most values in a few binades (hot bins), plus every pattern
     class (zeros, subnormals, inf, NaN) in all three dtypes."""
     hot = (torch.randn(20000, generator=gen) * 1e-3).float()
-    return [hot, hot.half(), hot.bfloat16(), random_grads(5000, gen), random_grads(3000, gen).half(),
-            random_grads(3000, gen).bfloat16(), torch.zeros(500), torch.full((300,), 2.0**-20)]
+    return [
+        hot,
+        hot.half(),
+        hot.bfloat16(),
+        random_grads(5000, gen),
+        random_grads(3000, gen).half(),
+        random_grads(3000, gen).bfloat16(),
+        torch.zeros(500),
+        torch.full((300,), 2.0**-20),
+    ]
 
 
 @pytest.mark.parametrize("method", [m for m in stats.METHODS if m != "bincount"])
@@ -227,8 +249,11 @@ def test_tensors_on_several_devices_are_measured_and_gathered_on_one():
     """
     cpu = random_grads(300, torch.Generator().manual_seed(21))
     meta = torch.empty(500, device="meta")
-    for ts, device, where in (([meta, cpu], None, "meta"), ([cpu, meta.half()], "meta", "meta"),
-                              ([meta, cpu.bfloat16(), meta], torch.device("meta"), "meta")):
+    for ts, device, where in (
+        ([meta, cpu], None, "meta"),
+        ([cpu, meta.half()], "meta", "meta"),
+        ([meta, cpu.bfloat16(), meta], torch.device("meta"), "meta"),
+    ):
         s = grad_stats(ts, device=device)
         assert s.hist.device.type == where and s.amax_tensor.device.type == where
         assert s.hist.shape == (NUM_BINS,) and s.hist.dtype == torch.int64 and s.amax_tensor.dim() == 0
@@ -249,13 +274,19 @@ def test_several_devices_give_bitwise_the_single_device_figures(monkeypatch):
     (the copy itself is covered by the meta test above).
     """
     gen = torch.Generator().manual_seed(22)
-    ts = [random_grads(3000, gen), random_grads(800, gen).half(), planted(FP16, 8.0),
-          random_grads(900, gen).bfloat16(), random_grads(40, gen, lo=-3, hi=3)]
+    ts = [
+        random_grads(3000, gen),
+        random_grads(800, gen).half(),
+        planted(FP16, 8.0),
+        random_grads(900, gen).bfloat16(),
+        random_grads(40, gen, lo=-3, hi=3),
+    ]
     second = {id(ts[1]), id(ts[2]), id(ts[4])}
     groups = []
     real_measure = stats._measure
-    monkeypatch.setattr(stats, "_device_of",
-                        lambda t: torch.device("cpu", 0) if id(t) in second else torch.device("cpu"))
+    monkeypatch.setattr(
+        stats, "_device_of", lambda t: torch.device("cpu", 0) if id(t) in second else torch.device("cpu")
+    )
     monkeypatch.setattr(stats, "_measure", lambda group, *a: groups.append(len(group)) or real_measure(group, *a))
     split = grad_stats(ts, scale=8.0)
     assert sorted(groups) == [2, 3]  # measured per device, not as one list

@@ -88,8 +88,12 @@ def test_load_state_dict_in_mid_iteration_loads_and_drops_the_iteration(scale_fi
             s1.load_state_dict(s0.state_dict())
     else:
         s1.load_state_dict(s0.state_dict())
-    assert (s1.get_scale(), s1.get_growth_factor(), s1.get_backoff_factor(), s1.get_growth_interval()) == \
-        (4.0, 4.0, 0.5, 2)
+    assert (s1.get_scale(), s1.get_growth_factor(), s1.get_backoff_factor(), s1.get_growth_interval()) == (
+        4.0,
+        4.0,
+        0.5,
+        2,
+    )
     assert s1._init_growth_tracker == 0
     p = torch.nn.Parameter(torch.ones(2))  # the dropped iteration counts nothing; the next one trains
     opt = torch.optim.SGD([p], lr=0.1)
@@ -192,8 +196,14 @@ def test_scale_and_growth_tracker_are_the_live_state_and_torchs_attributes_read_
     ours = lossscale.GradScaler(init_scale=2.0**10, growth_interval=3)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     for s in (ours, ref):
-        assert (s._init_scale, s._growth_factor, s._backoff_factor, s._growth_interval, s._enabled,
-                s._init_growth_tracker) == (2.0**10, 2.0, 0.5, 3, True, 0)
+        assert (
+            s._init_scale,
+            s._growth_factor,
+            s._backoff_factor,
+            s._growth_interval,
+            s._enabled,
+            s._init_growth_tracker,
+        ) == (2.0**10, 2.0, 0.5, 3, True, 0)
     ours.scale(model(torch.ones(1, 3)).sum()).backward()
     scale, tracker = ours._scale, ours._growth_tracker
     ours.unscale_(opt)
@@ -218,8 +228,11 @@ def test_a_patched_unscale_grads_changes_what_unscale_and_step_do():
     results = []
     for scaler_cls, p in ((torch.amp.GradScaler, p_ref), (lossscale.GradScaler, p_ours)):
         original = scaler_cls._unscale_grads_
-        scaler = scaler_cls("cpu", init_scale=2.0**8, **({} if scaler_cls is torch.amp.GradScaler
-                                                          else dict(min_scale=None, max_scale=None, loss_check=False)))
+        scaler = scaler_cls(
+            "cpu",
+            init_scale=2.0**8,
+            **({} if scaler_cls is torch.amp.GradScaler else dict(min_scale=None, max_scale=None, loss_check=False)),
+        )
         scaler._unscale_grads_ = lambda o, inv, found, allow, s=scaler: original(s, o, inv, found, True)
         opt = torch.optim.SGD([p], lr=0.1)
         for step in range(3):
@@ -304,7 +317,7 @@ def test_the_flushed_count_is_exact_on_planted_values(opt_kind):
     scaler = lossscale.GradScaler(allow_fp16=True)
     for step in range(2):
         scaler.scale(torch.ones(()))
-        p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -2.0**-10, 0.0, 1.0], dtype=torch.float16)
+        p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -(2.0**-10), 0.0, 1.0], dtype=torch.float16)
         scaler.step(opt)
         scaler.update()
     assert scaler.metrics()["fp16_flushed"] == 2 * 3
@@ -361,8 +374,11 @@ def test_the_sharded_scaler_trains_fp16_gradients_as_torchs_sharded_scaler_does_
 def _fresh_pair(optimizer):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else \
-        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    )
     return model, opt
 
 

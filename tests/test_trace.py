@@ -109,8 +109,9 @@ def _held(obj, seen=None) -> int:
 
 def _inf_at(model, layer):
     """Make ``model[layer]``'s output hold an inf (registered first, so the tracer sees it)."""
-    return model[layer].register_forward_hook(lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.inf),
-                                              prepend=True)
+    return model[layer].register_forward_hook(
+        lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.inf), prepend=True
+    )
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])

@@ -17,6 +17,7 @@ import lossscale
 from lossscale.fp32 import kept_modules
 from _gpt2 import overflowing_gpt2, train_fp16
 
+
 def _train(model, scaler, opt, steps, start=0):
     """(losses, the overflow report after each step)."""
     reports = []
@@ -97,9 +98,11 @@ def test_a_checkpoint_naming_a_module_the_model_lacks_is_refused_and_changes_not
     model, name = overflowing_gpt2()
     scaler = _scaler(model)
     state = scaler.state_dict()
-    for bad, match in ((dict(state, upcast_modules=["transformer.h.9.mlp"]), "transformer.h.9.mlp"),
-                       (dict(state, upcast_modules="x"), "upcast_modules"),
-                       (dict(state, upcast_modules=[name], upcast_seen={name: -1}), "upcast_seen")):
+    for bad, match in (
+        (dict(state, upcast_modules=["transformer.h.9.mlp"]), "transformer.h.9.mlp"),
+        (dict(state, upcast_modules="x"), "upcast_modules"),
+        (dict(state, upcast_modules=[name], upcast_seen={name: -1}), "upcast_seen"),
+    ):
         with pytest.raises(ValueError, match=match):
             scaler.load_state_dict(bad)
     assert kept_modules(model) == [] and scaler.counters()["upcasts"] == 0

@@ -16,35 +16,41 @@ from _rules import ALL_POLICIES
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 
 
-@pytest.mark.parametrize("make, name", [
-    (lambda: DynamicPolicy(init_scale=0.0), "init_scale"),
-    (lambda: DynamicPolicy(init_scale=True), "init_scale"),
-    (lambda: DynamicPolicy(init_scale="1"), "init_scale"),
-    (lambda: DynamicPolicy(growth_factor=True), "growth_factor"),
-    (lambda: DynamicPolicy(growth_factor="2.0"), "growth_factor"),
-    (lambda: DynamicPolicy(backoff_factor="0.5"), "backoff_factor"),
-    (lambda: DynamicPolicy(growth_interval=0), "growth_interval"),
-    (lambda: DynamicPolicy(hysteresis=0), "hysteresis"),
-    (lambda: StaticPolicy(scale=0.0), "scale"),
-    (lambda: AdaptivePolicy(init_scale=0.0), "init_scale"),
-    (lambda: AdaptivePolicy(margin_bits=31), "margin_bits"),
-    (lambda: AdaptivePolicy(growth_interval=0), "growth_interval"),
-    (lambda: AdaptivePolicy(search_bits=65), "search_bits"),
-    (lambda: AdaptivePolicy(min_scale=0.0), "min_scale"),
-    (lambda: AdaptivePolicy(min_scale=2.0**-127), "min_scale"),
-    (lambda: AdaptivePolicy(max_scale=2.0**128), "max_scale"),
-    (lambda: LogMaxPolicy(min_scale=2.0**-127), "min_scale"),
-    (lambda: LogMaxPolicy(max_scale=2.0**128), "max_scale"),
-    (lambda: LogMaxPolicy(beta1=True), "beta1"),
-    (lambda: LogMaxPolicy(beta1=0.0), "beta1"),
-    (lambda: LogMaxPolicy(beta1="0.9"), "beta1"),
-    (lambda: LogMaxPolicy(beta2=1.0), "beta2"),
-    (lambda: LogMaxPolicy(overflow_std_dev=True), "overflow_std_dev"),
-    (lambda: LogMaxPolicy(overflow_std_dev=-1.0), "overflow_std_dev"),
-    (lambda: LogMaxPolicy(overflow_std_dev=math.inf), "overflow_std_dev"),
-    *[(lambda cls=cls, v=v: cls(max_consecutive_skips=v), "max_consecutive_skips")
-      for cls in ALL_POLICIES for v in (0, True, 2.5)],
-])
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: DynamicPolicy(init_scale=0.0), "init_scale"),
+        (lambda: DynamicPolicy(init_scale=True), "init_scale"),
+        (lambda: DynamicPolicy(init_scale="1"), "init_scale"),
+        (lambda: DynamicPolicy(growth_factor=True), "growth_factor"),
+        (lambda: DynamicPolicy(growth_factor="2.0"), "growth_factor"),
+        (lambda: DynamicPolicy(backoff_factor="0.5"), "backoff_factor"),
+        (lambda: DynamicPolicy(growth_interval=0), "growth_interval"),
+        (lambda: DynamicPolicy(hysteresis=0), "hysteresis"),
+        (lambda: StaticPolicy(scale=0.0), "scale"),
+        (lambda: AdaptivePolicy(init_scale=0.0), "init_scale"),
+        (lambda: AdaptivePolicy(margin_bits=31), "margin_bits"),
+        (lambda: AdaptivePolicy(growth_interval=0), "growth_interval"),
+        (lambda: AdaptivePolicy(search_bits=65), "search_bits"),
+        (lambda: AdaptivePolicy(min_scale=0.0), "min_scale"),
+        (lambda: AdaptivePolicy(min_scale=2.0**-127), "min_scale"),
+        (lambda: AdaptivePolicy(max_scale=2.0**128), "max_scale"),
+        (lambda: LogMaxPolicy(min_scale=2.0**-127), "min_scale"),
+        (lambda: LogMaxPolicy(max_scale=2.0**128), "max_scale"),
+        (lambda: LogMaxPolicy(beta1=True), "beta1"),
+        (lambda: LogMaxPolicy(beta1=0.0), "beta1"),
+        (lambda: LogMaxPolicy(beta1="0.9"), "beta1"),
+        (lambda: LogMaxPolicy(beta2=1.0), "beta2"),
+        (lambda: LogMaxPolicy(overflow_std_dev=True), "overflow_std_dev"),
+        (lambda: LogMaxPolicy(overflow_std_dev=-1.0), "overflow_std_dev"),
+        (lambda: LogMaxPolicy(overflow_std_dev=math.inf), "overflow_std_dev"),
+        *[
+            (lambda cls=cls, v=v: cls(max_consecutive_skips=v), "max_consecutive_skips")
+            for cls in ALL_POLICIES
+            for v in (0, True, 2.5)
+        ],
+    ],
+)
 def test_config_errors_are_value_errors_that_start_with_the_argument(make, name):
     """Kills: a validator handed another name (``"XXscaleXX"``, None), a dropped argument
     (``validate_stuck(on_stuck, None)``), ``or`` turned ``and`` in a type check (then a bool passes,
@@ -53,14 +59,17 @@ def test_config_errors_are_value_errors_that_start_with_the_argument(make, name)
         quiet(make)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: AdaptivePolicy(margin_bits=30),
-    lambda: AdaptivePolicy(search_bits=64),
-    lambda: AdaptivePolicy(init_scale=2.0**-126, min_scale=2.0**-126, max_scale=2.0**127),
-    lambda: LogMaxPolicy(init_scale=2.0**-126, min_scale=2.0**-126, max_scale=2.0**127),
-    lambda: LogMaxPolicy(overflow_std_dev=0.0),
-    lambda: DynamicPolicy(init_scale=2.0**-126, min_scale=None),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: AdaptivePolicy(margin_bits=30),
+        lambda: AdaptivePolicy(search_bits=64),
+        lambda: AdaptivePolicy(init_scale=2.0**-126, min_scale=2.0**-126, max_scale=2.0**127),
+        lambda: LogMaxPolicy(init_scale=2.0**-126, min_scale=2.0**-126, max_scale=2.0**127),
+        lambda: LogMaxPolicy(overflow_std_dev=0.0),
+        lambda: DynamicPolicy(init_scale=2.0**-126, min_scale=None),
+    ],
+)
 def test_configs_on_the_edge_of_the_valid_range_are_accepted(make):
     """Kills every bound made strict or moved by one (``<=`` to ``<``, 30 to 31, 2**-126 to 2**-127)."""
     quiet(make)
@@ -70,11 +79,14 @@ def test_more_config_edges():
     """Kills: an int config bound made strict at 2**62, the float32 range check letting 1e39 (inf in
     float32) through, LogMax's deviation bound moved off 100."""
     from lossscale._validate import validate_int
+
     validate_int("n", 2**62, 1)  # no upper bound given: the int64 device counters' 2**62
     with pytest.raises(ValueError, match="^n="):
         validate_int("n", 2**62 + 1, 1)
     assert LogMaxPolicy(overflow_std_dev=100.0).overflow_std_dev == 100.0
-    for make, name in ((lambda: DynamicPolicy(init_scale=1e39, max_scale=None), "init_scale"),
-                       (lambda: LogMaxPolicy(overflow_std_dev=100.5), "overflow_std_dev")):
+    for make, name in (
+        (lambda: DynamicPolicy(init_scale=1e39, max_scale=None), "init_scale"),
+        (lambda: LogMaxPolicy(overflow_std_dev=100.5), "overflow_std_dev"),
+    ):
         with pytest.raises(ValueError, match=f"^{name}="):
             quiet(make)

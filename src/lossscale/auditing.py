@@ -226,31 +226,43 @@ class AuditReport:
 
     def summary(self) -> List[str]:
         """The verdicts, one sentence per line (the head of ``str(report)``)."""
-        lines = [f"lossscale.audit on {self.device}: FP16 autocast against an FP32 shadow of one batch. "
-                 f"Loss: fp16 {self.loss_fp16:.6g}, fp32 {self.loss_fp32:.6g}"
-                 + (f", fp16 with keep_fp32 {self.loss_fp16_kept:.6g}." if self.keep_fp32 else ".")]
+        lines = [
+            f"lossscale.audit on {self.device}: FP16 autocast against an FP32 shadow of one batch. "
+            f"Loss: fp16 {self.loss_fp16:.6g}, fp32 {self.loss_fp32:.6g}"
+            + (f", fp16 with keep_fp32 {self.loss_fp16_kept:.6g}." if self.keep_fp32 else ".")
+        ]
         if self.keep_fp32:
-            lines.append(f"FORWARD: {len(self.keep_fp32)} module(s) overflow FP16 in their own output; no loss scale "
-                         f"helps (the scale only touches the backward). Keep them in FP32: "
-                         f"lossscale.keep_fp32(model, {self.keep_fp32!r}) -- with it the FP16 forward is "
-                         + ("finite." if self.forward_finite else "still NOT finite (see notes)."))
+            lines.append(
+                f"FORWARD: {len(self.keep_fp32)} module(s) overflow FP16 in their own output; no loss scale "
+                f"helps (the scale only touches the backward). Keep them in FP32: "
+                f"lossscale.keep_fp32(model, {self.keep_fp32!r}) -- with it the FP16 forward is "
+                + ("finite." if self.forward_finite else "still NOT finite (see notes).")
+            )
         elif not self.forward_finite:
-            lines.append("FORWARD: the FP16 forward is not finite, and no module could be kept in FP32 to fix it "
-                         "(see notes).")
+            lines.append(
+                "FORWARD: the FP16 forward is not finite, and no module could be kept in FP32 to fix it (see notes)."
+            )
         else:
             lines.append("FORWARD: no module overflows FP16.")
         if not self.batch_finite:
             lines.append("DATA: the batch holds inf or NaN: a data problem, not FP16's (and no scale helps).")
         if self.fp32_nonfinite:
-            lines.append(f"FP32 TOO: {', '.join(map(_label, self.fp32_nonfinite))} are non-finite in FP32 as well, "
-                         "from finite inputs: a model problem, not FP16's.")
+            lines.append(
+                f"FP32 TOO: {', '.join(map(_label, self.fp32_nonfinite))} are non-finite in FP32 as well, "
+                "from finite inputs: a model problem, not FP16's."
+            )
         src = {"given": "given", "scaler": "the scaler's", "largest safe": "the largest safe"}[self.scale_source]
         over = ", ".join(map(_label, self.backward_overflow))
-        bwd = (f"{len(self.backward_overflow)} module(s) overflow FP16 at it ({over}): the scale must drop"
-               if self.backward_overflow else "no gradient overflows")
-        lines.append(f"BACKWARD at scale {_pow2(self.scale)} ({src}): {bwd}; {self.flushed_frac:.3%} of the nonzero "
-                     "FP16-stored activation-gradient values flush to zero. "
-                     f"Largest safe scale: {_pow2(self.safe_scale)}.")
+        bwd = (
+            f"{len(self.backward_overflow)} module(s) overflow FP16 at it ({over}): the scale must drop"
+            if self.backward_overflow
+            else "no gradient overflows"
+        )
+        lines.append(
+            f"BACKWARD at scale {_pow2(self.scale)} ({src}): {bwd}; {self.flushed_frac:.3%} of the nonzero "
+            "FP16-stored activation-gradient values flush to zero. "
+            f"Largest safe scale: {_pow2(self.safe_scale)}."
+        )
         lines.append(f"HARDWARE: {self.hardware.verdict} -- {self.hardware.detail}")
         lines.extend(f"note: {n}" for n in self.notes)
         return lines
@@ -277,17 +289,27 @@ class AuditReport:
         header = ("module", "type", "dtype", "fwd amax fp16", "fwd amax fp32", "grad amax", "flushed@S", "verdict")
         body = [header]
         for r in rows:
-            body.append((
-                _label(r.name), r.type, (r.dtype or "-").replace("float", "f"), _num(r.fwd_amax), _num(r.fp32_amax),
-                "-" if r.grad_amax is None else _num(r.grad_amax),
-                "-" if r.flushed_frac is None else f"{r.flushed_frac:.2%}", r.verdict))
+            body.append(
+                (
+                    _label(r.name),
+                    r.type,
+                    (r.dtype or "-").replace("float", "f"),
+                    _num(r.fwd_amax),
+                    _num(r.fp32_amax),
+                    "-" if r.grad_amax is None else _num(r.grad_amax),
+                    "-" if r.flushed_frac is None else f"{r.flushed_frac:.2%}",
+                    r.verdict,
+                )
+            )
         widths = [max(len(row[i]) for row in body) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
         lines.insert(1, "  ".join("-" * w for w in widths))
         if hidden:
             lines.append(f"... {hidden} more module(s): report.table(max_rows=None) or report.to_dict()")
-        lines.append(f"FP16's largest value is {FP16.max:g}; flushed@S: share of the nonzero gradient values FP16 "
-                     f"stores as 0 at S = {_pow2(self.scale)} (f32 rows: the gradient is float32, nothing flushes).")
+        lines.append(
+            f"FP16's largest value is {FP16.max:g}; flushed@S: share of the nonzero gradient values FP16 "
+            f"stores as 0 at S = {_pow2(self.scale)} (f32 rows: the gradient is float32, nothing flushes)."
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -315,8 +337,9 @@ def _pow2(s: float) -> str:
 def _buffer_keeper(model: torch.nn.Module) -> Callable[[], None]:
     """A function that puts every buffer of ``model`` back: the object (a forward may replace it) and its
     values (a BatchNorm's running statistics move in training mode)."""
-    saved = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
-             if b is not None]
+    saved = [
+        (m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None
+    ]
 
     def restore() -> None:
         with torch.no_grad():
@@ -401,8 +424,14 @@ class _Pass:
     pass). ``compare``: a finished keep_outputs pass to compare this pass's outputs against.
     """
 
-    def __init__(self, model: torch.nn.Module, *, grad_scale: Optional[float] = None, keep_outputs: bool = False,
-                 compare: Optional["_Pass"] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        grad_scale: Optional[float] = None,
+        keep_outputs: bool = False,
+        compare: Optional["_Pass"] = None,
+    ):
         self.names = [name for name, _ in model.named_modules()]
         self.leaf = {name: not any(True for _ in m.children()) for name, m in model.named_modules()}
         self.calls: Dict[str, List[_Call]] = {}
@@ -524,10 +553,12 @@ class _Read:
 def _run(loss_fn: Callable, model: torch.nn.Module, batch) -> torch.Tensor:
     loss = loss_fn(model, batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        raise ValueError(f"loss_fn returned {type(loss).__name__}"
-                         + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                         + "; loss_fn(model, batch) must return the batch's loss as a floating tensor with one "
-                         "element (e.g. lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])).")
+        raise ValueError(
+            f"loss_fn returned {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            + "; loss_fn(model, batch) must return the batch's loss as a floating tensor with one "
+            "element (e.g. lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))."
+        )
     return loss.reshape(())
 
 
@@ -544,6 +575,7 @@ def _fp16_forward(model, loss_fn, batch, device_type: str, *, grad: bool, compar
 
 def _minimal(names: List[str]) -> List[str]:
     """The names none of whose submodules is in ``names`` (by name: ``a.b`` is inside ``a``; all is inside "")."""
+
     def inside(child: str, parent: str) -> bool:
         return child != parent and (parent == "" or child.startswith(parent + "."))
 
@@ -565,8 +597,10 @@ def _known_answer(device: torch.device) -> Dict[str, str]:
             out[name] = f"{int((~torch.isfinite(got64)).sum())} non-finite values where every answer is finite"
         elif bool((err > bound).any()):
             i = int(torch.argmax(err - bound))
-            out[name] = (f"{int((err > bound).sum())} wrong values; the worst is off by {float(err.flatten()[i]):.3g} "
-                         f"where FP16 rounding allows {float(bound.flatten()[i]):.3g}")
+            out[name] = (
+                f"{int((err > bound).sum())} wrong values; the worst is off by {float(err.flatten()[i]):.3g} "
+                f"where FP16 rounding allows {float(bound.flatten()[i]):.3g}"
+            )
         else:
             out[name] = "ok"
     return out
@@ -638,15 +672,21 @@ def _check_args(model, loss_fn, scale, max_rounds) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model={model!r} must be a torch.nn.Module (the model to audit).")
     if not callable(loss_fn):
-        raise ValueError(f"loss_fn={loss_fn!r} must be callable as loss_fn(model, batch) -> loss tensor, e.g. "
-                         "lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]).")
+        raise ValueError(
+            f"loss_fn={loss_fn!r} must be callable as loss_fn(model, batch) -> loss tensor, e.g. "
+            "lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])."
+        )
     if scale is not None and not hasattr(scale, "get_scale"):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-            raise ValueError(f"scale={scale!r} must be a positive finite number, a GradScaler (its get_scale() is "
-                             "read), or None (the largest safe power of two).")
+            raise ValueError(
+                f"scale={scale!r} must be a positive finite number, a GradScaler (its get_scale() is "
+                "read), or None (the largest safe power of two)."
+            )
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
-        raise ValueError(f"max_rounds={max_rounds!r} must be an int >= 1 (rounds of keeping modules in FP32 "
-                         "and running the FP16 forward again), e.g. 16.")
+        raise ValueError(
+            f"max_rounds={max_rounds!r} must be an int >= 1 (rounds of keeping modules in FP32 "
+            "and running the FP16 forward again), e.g. 16."
+        )
 
 
 def _device_of(model: torch.nn.Module, batch) -> torch.device:
@@ -747,8 +787,9 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
     candidates += _own_param_amaxes(shadow, [n for n in fp32_read.order if grad_fp16[n]], param_grads)
     safe = _safe_scale(candidates)
     if any(not math.isfinite(a) for a in candidates):
-        notes.append("the FP32 shadow's gradients hold inf or NaN: a model or data problem; the safe scale fits "
-                     "the finite ones.")
+        notes.append(
+            "the FP32 shadow's gradients hold inf or NaN: a model or data problem; the safe scale fits the finite ones."
+        )
     S = safe if given is None else given
     if S < 1.0:
         notes.append(f"the scale {_pow2(S)} is below 1: these gradients are too large for FP16 even unscaled.")
@@ -776,11 +817,24 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
     fp32_bad = _minimal([n for n in fp32_read.order if fp32_read.nonfinite[n] and not fp32_read.nonfinite_input[n]])
     _write_verdicts(modules, rounds.found, already_kept, fp32_bad, hardware)
     return AuditReport(
-        device=str(device), scale=S, scale_source=scale_source, safe_scale=safe, loss_fp16=rounds.loss_first,
-        loss_fp16_kept=rounds.loss_final, loss_fp32=loss_fp32, keep_fp32=rounds.found, already_kept=already_kept,
-        forward_finite=rounds.forward_finite, fp32_nonfinite=fp32_bad, batch_finite=bool(_finite(_floats(batch))),
-        backward_overflow=[n for n, r in modules.items() if r.grad_overflow], flushed_frac=_merged_flush(leaf_stats),
-        hardware=hardware, modules=modules, notes=notes)
+        device=str(device),
+        scale=S,
+        scale_source=scale_source,
+        safe_scale=safe,
+        loss_fp16=rounds.loss_first,
+        loss_fp16_kept=rounds.loss_final,
+        loss_fp32=loss_fp32,
+        keep_fp32=rounds.found,
+        already_kept=already_kept,
+        forward_finite=rounds.forward_finite,
+        fp32_nonfinite=fp32_bad,
+        batch_finite=bool(_finite(_floats(batch))),
+        backward_overflow=[n for n, r in modules.items() if r.grad_overflow],
+        flushed_frac=_merged_flush(leaf_stats),
+        hardware=hardware,
+        modules=modules,
+        notes=notes,
+    )
 
 
 def _shadow_pass(shadow, loss_fn, batch, device, given, notes):
@@ -821,8 +875,9 @@ class _Rounds:
         for _ in range(max_rounds):
             causes = _minimal([n for n in read.order if read.own_overflow[n]])
             # A module FP32 cannot keep finite is a model problem: keeping it would not help.
-            new = [n for n in causes
-                   if n not in self.found and n not in already_kept and not fp32_read.nonfinite.get(n)]
+            new = [
+                n for n in causes if n not in self.found and n not in already_kept and not fp32_read.nonfinite.get(n)
+            ]
             if not new:
                 break
             try:
@@ -834,8 +889,10 @@ class _Rounds:
             read, loss = self._forward()
         else:
             if any(read.own_overflow.values()):
-                notes.append(f"the FP16 forward still overflows after {max_rounds} rounds; run audit again after "
-                             "keep_fp32, or pass a larger max_rounds.")
+                notes.append(
+                    f"the FP16 forward still overflows after {max_rounds} rounds; run audit again after "
+                    "keep_fp32, or pass a larger max_rounds."
+                )
         self.final, self.loss_final = read, loss
         self.forward_finite = math.isfinite(loss) and not any(read.nonfinite.values())
 
@@ -886,8 +943,13 @@ def _own_param_amaxes(shadow, names: List[str], grads: Dict[int, torch.Tensor]) 
     return [a for a in _read([_amax([g]) for g in own if g is not None]) if a is not None]
 
 
-def _write_verdicts(modules: Dict[str, ModuleAudit], found: List[str], already_kept: List[str],
-                    fp32_bad: List[str], hardware: "HardwareCheck") -> None:
+def _write_verdicts(
+    modules: Dict[str, ModuleAudit],
+    found: List[str],
+    already_kept: List[str],
+    fp32_bad: List[str],
+    hardware: "HardwareCheck",
+) -> None:
     for name, r in modules.items():
         words = []
         if name in found:
@@ -923,9 +985,14 @@ def _hardware_verdict(known: Dict[str, str], agree: _Read, ref: _Read) -> Hardwa
     failed = {k: v for k, v in known.items() if v != "ok"}
     if failed:
         name, why = next(iter(failed.items()))
-        return HardwareCheck("broken", known, detail=(
-            f"this device's FP16 {name} gives wrong answers ({why}); FP16 training here cannot be trusted: "
-            "train in FP32 or BF16 (GTX 16xx GPUs have been reported to do the same)."))
+        return HardwareCheck(
+            "broken",
+            known,
+            detail=(
+                f"this device's FP16 {name} gives wrong answers ({why}); FP16 training here cannot be trusted: "
+                "train in FP32 or BF16 (GTX 16xx GPUs have been reported to do the same)."
+            ),
+        )
     max_ratio = 0.0
     for name in agree.order:
         err = agree.rel_error[name]
@@ -937,10 +1004,25 @@ def _hardware_verdict(known: Dict[str, str], agree: _Read, ref: _Read) -> Hardwa
         if math.isfinite(err) and err <= tol:
             max_ratio = max(max_ratio, err / tol)
             continue
-        return HardwareCheck("disagrees", known, name, err, tol, max_ratio, detail=(
-            f"the known-answer kernels pass, but the FP16 output of `{_label(name)}` departs from FP32 by "
-            f"{err:.3g} of its amax where FP16 rounding through {agree.depth[name]} layer(s) allows {tol:.3g}: an op "
-            "in it gives wrong FP16 results on this device; keep it in FP32 or train in FP32/BF16."))
-    return HardwareCheck("ok", known, max_ratio=max_ratio, detail=(
-        f"FP16 linear, bmm and conv2d give the known answers, and the model's FP16 forward agrees with FP32 at "
-        f"every module (at most {max_ratio:.2g} of the tolerance)."))
+        return HardwareCheck(
+            "disagrees",
+            known,
+            name,
+            err,
+            tol,
+            max_ratio,
+            detail=(
+                f"the known-answer kernels pass, but the FP16 output of `{_label(name)}` departs from FP32 by "
+                f"{err:.3g} of its amax where FP16 rounding through {agree.depth[name]} layer(s) allows {tol:.3g}: an op "
+                "in it gives wrong FP16 results on this device; keep it in FP32 or train in FP32/BF16."
+            ),
+        )
+    return HardwareCheck(
+        "ok",
+        known,
+        max_ratio=max_ratio,
+        detail=(
+            f"FP16 linear, bmm and conv2d give the known answers, and the model's FP16 forward agrees with FP32 at "
+            f"every module (at most {max_ratio:.2g} of the tolerance)."
+        ),
+    )

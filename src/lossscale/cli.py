@@ -16,8 +16,9 @@ __all__ = ["main", "build_parser"]
 
 _SIGPIPE_STATUS = 128 + 13  # what a shell reports for a program ended by SIGPIPE
 
-_DEMO_EXTRA_HINT = ("`lossscale {cmd}` needs the demo extras ({missing}). Install them with:\n"
-                    "    pip install 'lossscale[demo]'")
+_DEMO_EXTRA_HINT = (
+    "`lossscale {cmd}` needs the demo extras ({missing}). Install them with:\n    pip install 'lossscale[demo]'"
+)
 
 _DESCRIPTION = """\
 lossscale: safe, observable FP16 loss scaling for PyTorch.
@@ -57,8 +58,9 @@ def _missing_demo_deps(need_sklearn: bool = True) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
-    parser = argparse.ArgumentParser(prog="lossscale", description=_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lossscale", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     try:
         from importlib.metadata import version
 
@@ -68,43 +70,71 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lossscale {ver}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,audit-demo,formats,report}")
 
-    demo = sub.add_parser("demo", help="measure every claim of FP16 loss scaling on real data; write a report",
-                          description="Train a small MLP on sklearn's digits in FP32 and FP16 (no scaling, static,\n"
-                          "dynamic, adaptive, torch's default, two clip orders, a sweep of static scales) and\n"
-                          "check each claim of loss scaling against what the runs measured.",
-                          epilog=_DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_argument("--quick", action="store_true",
-                      help="CI size: fewer epochs and a coarser sweep (15-30 s on 2 cores)")
-    demo.add_argument("--out", metavar="DIR", default="lossscale-report",
-                      help="where to write index.html, the PNGs and summary.json (default: %(default)s)")
+    demo = sub.add_parser(
+        "demo",
+        help="measure every claim of FP16 loss scaling on real data; write a report",
+        description="Train a small MLP on sklearn's digits in FP32 and FP16 (no scaling, static,\n"
+        "dynamic, adaptive, torch's default, two clip orders, a sweep of static scales) and\n"
+        "check each claim of loss scaling against what the runs measured.",
+        epilog=_DEMO_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "--quick", action="store_true", help="CI size: fewer epochs and a coarser sweep (15-30 s on 2 cores)"
+    )
+    demo.add_argument(
+        "--out",
+        metavar="DIR",
+        default="lossscale-report",
+        help="where to write index.html, the PNGs and summary.json (default: %(default)s)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="data split, initialisation and batch order (default: 0)")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bars (they are off anyway "
-                      "when stderr is not a terminal)")
+    demo.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they are off anyway when stderr is not a terminal)",
+    )
 
-    aud = sub.add_parser("audit-demo", help="find a forward overflow with lossscale.audit, fix it with keep_fp32",
-                         description="Build a GPT-2-shaped model whose first MLP down-projection overflows FP16 in\n"
-                         "the forward, audit one batch, and train it in FP32, in FP16 and in FP16 with the named\n"
-                         "module kept in FP32 (15-30 s on 2 cores; --quick: about half).",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    aud = sub.add_parser(
+        "audit-demo",
+        help="find a forward overflow with lossscale.audit, fix it with keep_fp32",
+        description="Build a GPT-2-shaped model whose first MLP down-projection overflows FP16 in\n"
+        "the forward, audit one batch, and train it in FP32, in FP16 and in FP16 with the named\n"
+        "module kept in FP32 (15-30 s on 2 cores; --quick: about half).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     aud.add_argument("--quick", action="store_true", help="30 training steps instead of 80")
-    aud.add_argument("--out", metavar="DIR", default="lossscale-audit-report",
-                     help="where to write index.html, the PNGs and summary.json (default: %(default)s)")
+    aud.add_argument(
+        "--out",
+        metavar="DIR",
+        default="lossscale-audit-report",
+        help="where to write index.html, the PNGs and summary.json (default: %(default)s)",
+    )
     aud.add_argument("--seed", type=int, default=0, help="initialisation and batches (default: 0)")
 
-    fmts = sub.add_parser("formats", help="the range facts of fp16, bf16, fp32, fp8 e4m3/e5m2, and the cliff",
-                          description="Print every format's largest value, smallest normal and subnormal, and the\n"
-                          "thresholds where values flush to 0 or overflow, all derived from the bit layouts.",
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    fmts.add_argument("--cliff", metavar="FMT", default="fp16", help="the format whose cliff to spell out "
-                      "(default: %(default)s)")
+    fmts = sub.add_parser(
+        "formats",
+        help="the range facts of fp16, bf16, fp32, fp8 e4m3/e5m2, and the cliff",
+        description="Print every format's largest value, smallest normal and subnormal, and the\n"
+        "thresholds where values flush to 0 or overflow, all derived from the bit layouts.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fmts.add_argument(
+        "--cliff", metavar="FMT", default="fp16", help="the format whose cliff to spell out (default: %(default)s)"
+    )
 
-    rep = sub.add_parser("report", help="plot your own run from lossscale's JSONL telemetry",
-                         description="Draw the scale, skipped steps, flushed fraction and headroom of a run\n"
-                         "recorded as JSONL, and write DIR/index.html, the PNGs and DIR/summary.json.",
-                         epilog=_REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rep = sub.add_parser(
+        "report",
+        help="plot your own run from lossscale's JSONL telemetry",
+        description="Draw the scale, skipped steps, flushed fraction and headroom of a run\n"
+        "recorded as JSONL, and write DIR/index.html, the PNGs and DIR/summary.json.",
+        epilog=_REPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     rep.add_argument("jsonl", metavar="RUN.jsonl", help="the telemetry file")
-    rep.add_argument("--out", metavar="DIR", default="lossscale-run-report",
-                     help="output directory (default: %(default)s)")
+    rep.add_argument(
+        "--out", metavar="DIR", default="lossscale-run-report", help="output directory (default: %(default)s)"
+    )
     return parser
 
 
@@ -159,11 +189,16 @@ def _cmd_formats(args) -> int:
         return 2
     print(formats.table())
     print()
-    print(f"The {f.name} cliff: |x| <= {f.flush_threshold:.4g} rounds to exactly 0; from there up to "
-          f"{f.smallest_normal:.4g} values are subnormal (fewer significant bits, down to "
-          f"{f.smallest_subnormal:.4g}); "
-          + (f"|x| >= {f.overflow_threshold:.6g} overflows to inf." if f.has_inf and f.overflow_tie_overflows
-             else f"|x| > {f.overflow_threshold:.6g} overflows."))
+    print(
+        f"The {f.name} cliff: |x| <= {f.flush_threshold:.4g} rounds to exactly 0; from there up to "
+        f"{f.smallest_normal:.4g} values are subnormal (fewer significant bits, down to "
+        f"{f.smallest_subnormal:.4g}); "
+        + (
+            f"|x| >= {f.overflow_threshold:.6g} overflows to inf."
+            if f.has_inf and f.overflow_tie_overflows
+            else f"|x| > {f.overflow_threshold:.6g} overflows."
+        )
+    )
     print(f"A gradient of 1e-8 in {f.name}: {formats.round_to(f, 1e-8):g}; of 1e-4: {formats.round_to(f, 1e-4):.6g}.")
     return 0
 
@@ -192,10 +227,12 @@ def _cmd_report(args) -> int:
         return 2
     for w in caught:  # e.g. skipped bad lines: one line each, without the source location
         print(f"lossscale report: warning: {w.message}", file=sys.stderr)
-    print(f"{steps_text(summary)}, {summary['skipped_steps']} skipped, scale {summary['scale_first']:g} -> "
-          f"{summary['scale_last']:g} ({summary['backoffs']} backoffs, {summary['growths']} growths"
-          + (" between records)" if summary["records"] != summary["steps"] else ")")
-          + (f"; {summary['bad_lines']} bad line(s) skipped" if summary.get("bad_lines") else ""))
+    print(
+        f"{steps_text(summary)}, {summary['skipped_steps']} skipped, scale {summary['scale_first']:g} -> "
+        f"{summary['scale_last']:g} ({summary['backoffs']} backoffs, {summary['growths']} growths"
+        + (" between records)" if summary["records"] != summary["steps"] else ")")
+        + (f"; {summary['bad_lines']} bad line(s) skipped" if summary.get("bad_lines") else "")
+    )
     print(f"report: {args.out}/index.html")
     return 0
 
@@ -214,8 +251,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.command is None:
                 parser.print_help()
                 return 0
-            return {"demo": _cmd_demo, "audit-demo": _cmd_audit_demo, "formats": _cmd_formats,
-                    "report": _cmd_report}[args.command](args)
+            return {"demo": _cmd_demo, "audit-demo": _cmd_audit_demo, "formats": _cmd_formats, "report": _cmd_report}[
+                args.command
+            ](args)
         finally:
             sys.stdout.flush()  # here, where a closed pipe can be caught, not at interpreter exit
     except BrokenPipeError:

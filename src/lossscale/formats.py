@@ -238,12 +238,8 @@ class FloatFormat:
 FP16 = FloatFormat("fp16", exponent_bits=5, mantissa_bits=10, torch_name="float16")
 BF16 = FloatFormat("bf16", exponent_bits=8, mantissa_bits=7, torch_name="bfloat16")
 FP32 = FloatFormat("fp32", exponent_bits=8, mantissa_bits=23, torch_name="float32")
-FP8_E4M3 = FloatFormat(
-    "fp8_e4m3", exponent_bits=4, mantissa_bits=3, encoding="fn", torch_name="float8_e4m3fn"
-)
-FP8_E5M2 = FloatFormat(
-    "fp8_e5m2", exponent_bits=5, mantissa_bits=2, torch_name="float8_e5m2"
-)
+FP8_E4M3 = FloatFormat("fp8_e4m3", exponent_bits=4, mantissa_bits=3, encoding="fn", torch_name="float8_e4m3fn")
+FP8_E5M2 = FloatFormat("fp8_e5m2", exponent_bits=5, mantissa_bits=2, torch_name="float8_e5m2")
 
 # The OCP Microscaling (MX) spec's 6-bit element formats. torch has no dtype for them; they are
 # described here so their cliffs can be compared with fp16's (e.g. ``lossscale formats``).
@@ -434,22 +430,32 @@ def table() -> str:
     (``|x| <=`` it rounds to 0), overflow threshold (the midpoint past ``max``; ``>=`` when the
     tie overflows, ``>`` when it does not) and machine epsilon.
     """
-    header = ("format", "layout", "max", "smallest normal", "smallest subnormal",
-              "flush to 0 if |x|", "overflow if |x|", "eps")
+    header = (
+        "format",
+        "layout",
+        "max",
+        "smallest normal",
+        "smallest subnormal",
+        "flush to 0 if |x|",
+        "overflow if |x|",
+        "eps",
+    )
     rows = [header]
     for f in FORMATS.values():
         op = ">=" if f.overflow_tie_overflows else ">"
         layout = f"e{f.exponent_bits}m{f.mantissa_bits}" + ("" if f.has_inf else " fn (no inf)")
-        rows.append((
-            f.name,
-            layout,
-            f"{f.max:.6g} = {pow2_label(f.max)}",
-            f"{f.smallest_normal:.4g} = {pow2_label(f.smallest_normal)}",
-            f"{f.smallest_subnormal:.4g} = {pow2_label(f.smallest_subnormal)}",
-            f"<= {f.flush_threshold:.4g} = {pow2_label(f.flush_threshold)}",
-            f"{op} {f.overflow_threshold:.6g} = {pow2_label(f.overflow_threshold)}",
-            f"{f.eps:.4g} = {pow2_label(f.eps)}",
-        ))
+        rows.append(
+            (
+                f.name,
+                layout,
+                f"{f.max:.6g} = {pow2_label(f.max)}",
+                f"{f.smallest_normal:.4g} = {pow2_label(f.smallest_normal)}",
+                f"{f.smallest_subnormal:.4g} = {pow2_label(f.smallest_subnormal)}",
+                f"<= {f.flush_threshold:.4g} = {pow2_label(f.flush_threshold)}",
+                f"{op} {f.overflow_threshold:.6g} = {pow2_label(f.overflow_threshold)}",
+                f"{f.eps:.4g} = {pow2_label(f.eps)}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -472,5 +478,10 @@ def f32(x: float) -> float:
 
 def is_power_of_two(x: float) -> bool:
     """True when ``x`` is a positive, finite power of two (2**k for any integer k, negative included)."""
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-            and math.frexp(x)[0] == 0.5)
+    return (
+        isinstance(x, (int, float))
+        and not isinstance(x, bool)
+        and math.isfinite(x)
+        and x > 0
+        and math.frexp(x)[0] == 0.5
+    )

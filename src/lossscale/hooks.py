@@ -75,7 +75,9 @@ def _select(model: torch.nn.Module, modules) -> Dict[str, torch.nn.Module]:
         for m in modules:
             if isinstance(m, str):
                 if m not in named:
-                    raise ValueError(f"modules: {m!r} is not a submodule name of the model (see model.named_modules()).")
+                    raise ValueError(
+                        f"modules: {m!r} is not a submodule name of the model (see model.named_modules())."
+                    )
                 chosen[m] = named[m]
             elif isinstance(m, type):
                 chosen.update({n: sub for n, sub in named.items() if n and isinstance(sub, m)})
@@ -97,8 +99,9 @@ def _grad_outputs(output) -> List[torch.Tensor]:
     return []
 
 
-def _hook_outputs(modules: Mapping[str, torch.nn.Module],
-                  on_forward: Callable[[str], Union[Callable[[torch.Tensor], None], None]]) -> List:
+def _hook_outputs(
+    modules: Mapping[str, torch.nn.Module], on_forward: Callable[[str], Union[Callable[[torch.Tensor], None], None]]
+) -> List:
     """Forward hooks that put ``on_forward(name)`` on each output tensor of each call of the modules.
 
     The tensor hook receives the gradient of that output (the module's ``grad_output``) in the backward;
@@ -118,8 +121,9 @@ def _hook_outputs(modules: Mapping[str, torch.nn.Module],
     return [m.register_forward_hook(forward_hook(name)) for name, m in modules.items()]
 
 
-def activation_metrics(per_module: Mapping[str, GradStats], *, prefix: str = "act",
-                       of_nonzero: bool = False) -> Dict[str, float]:
+def activation_metrics(
+    per_module: Mapping[str, GradStats], *, prefix: str = "act", of_nonzero: bool = False
+) -> Dict[str, float]:
     """Per-module statistics as the flat keys ``lossscale report RUN.jsonl`` reads. Syncs.
 
     Returns ``{"<prefix>/<module>/<figure>": value}`` for each module and ``{"<prefix>/<figure>": value}``
@@ -135,11 +139,14 @@ def activation_metrics(per_module: Mapping[str, GradStats], *, prefix: str = "ac
     shares of the nonzero values (so a ReLU's exact zeros do not dilute them), as the demo reports.
     Empty for an empty ``per_module``.
     """
+
     def figures(key: str, st: GradStats) -> Dict[str, float]:
         d = st.to_dict()  # one read of the counts
         out = {f"{key}/{m}": d[m] for m in LAYER_METRICS}
         if of_nonzero:
-            out.update({f"{key}/{count}_frac": st.frac_of_nonzero(count) for count in ("flushed", "subnormal", "overflow")})
+            out.update(
+                {f"{key}/{count}_frac": st.frac_of_nonzero(count) for count in ("flushed", "subnormal", "overflow")}
+            )
         return out
 
     out: Dict[str, float] = {}

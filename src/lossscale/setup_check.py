@@ -112,8 +112,11 @@ class SetupReport:
         return [f.kind for f in self.findings]
 
     def __str__(self) -> str:
-        head = ("lossscale.check_setup: no problems found." if self.ok else
-                f"lossscale.check_setup: {len(self.findings)} problem(s) for FP16 training:")
+        head = (
+            "lossscale.check_setup: no problems found."
+            if self.ok
+            else f"lossscale.check_setup: {len(self.findings)} problem(s) for FP16 training:"
+        )
         lines = [head] + [str(f) for f in self.findings]
         lines += [f"not checked: {n}" for n in self.not_checked]
         return "\n".join(lines)
@@ -186,25 +189,34 @@ def _master_weights(params, fsdp2_names) -> List[Finding]:
         return []
     sharded = [n for n in half if n in fsdp2_names]
     if sharded:
-        message = ("the optimizer updates float16 parameters: fully_shard keeps each parameter in the dtype it had "
-                   "when it was sharded, and MixedPrecisionPolicy(param_dtype=float16) only casts the unsharded "
-                   "copy for compute, so on a float16 model it does nothing and there are no FP32 master weights. "
-                   "An update below half a float16 ulp of its weight (lr * step < |w| * 2**-11) is lost.")
-        fix = ("convert the model to float32 before fully_shard (model.float()), and keep "
-               "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) for FP16 compute.")
+        message = (
+            "the optimizer updates float16 parameters: fully_shard keeps each parameter in the dtype it had "
+            "when it was sharded, and MixedPrecisionPolicy(param_dtype=float16) only casts the unsharded "
+            "copy for compute, so on a float16 model it does nothing and there are no FP32 master weights. "
+            "An update below half a float16 ulp of its weight (lr * step < |w| * 2**-11) is lost."
+        )
+        fix = (
+            "convert the model to float32 before fully_shard (model.float()), and keep "
+            "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) for FP16 compute."
+        )
     else:
-        message = ("the optimizer updates float16 parameters (the model was .half()-ed, or loaded in float16, "
-                   "before the optimizer was built): there are no FP32 master weights, and an update below half "
-                   "a float16 ulp of its weight (lr * step < |w| * 2**-11) is lost.")
-        fix = ("keep the parameters float32 (model.float() before building the optimizer) and run the forward "
-               "under torch.autocast(device_type, dtype=torch.float16).")
+        message = (
+            "the optimizer updates float16 parameters (the model was .half()-ed, or loaded in float16, "
+            "before the optimizer was built): there are no FP32 master weights, and an update below half "
+            "a float16 ulp of its weight (lr * step < |w| * 2**-11) is lost."
+        )
+        fix = (
+            "keep the parameters float32 (model.float() before building the optimizer) and run the forward "
+            "under torch.autocast(device_type, dtype=torch.float16)."
+        )
     return [Finding(Kind.FP16_MASTER_WEIGHTS, tuple(half), message, fix)]
 
 
 def _fp16_gradients(params, fsdp2_dtypes, fsdp1) -> List[Finding]:
     """Parameters whose gradient will be float16, where the optimizer does not unscale it itself."""
-    low_precision_grads = any(mp is not None and mp.keep_low_precision_grads and mp.param_dtype == torch.float16
-                              for _, mp in fsdp1)
+    low_precision_grads = any(
+        mp is not None and mp.keep_low_precision_grads and mp.param_dtype == torch.float16 for _, mp in fsdp1
+    )
     named: List[str] = []
     sharded = False
     for name, p, group in params:
@@ -224,17 +236,24 @@ def _fp16_gradients(params, fsdp2_dtypes, fsdp1) -> List[Finding]:
             named.append(name)
     if not named:
         return []
-    why = (" Under fully_shard a gradient has the sharded parameter's dtype; a grad_dtype set on the parameter "
-           "before fully_shard does not carry over." if sharded else
-           " FSDP's MixedPrecision(keep_low_precision_grads=True) keeps them in param_dtype." if low_precision_grads
-           else "")
-    message = ("these gradients will be float16, unscaled outside the optimizer: dividing them by the scale in "
-               "float16 flushes the small values the scale protected (lossscale.GradScaler raises at the first "
-               "unscale_ unless allow_fp16=True; torch's GradScaler raises 'Attempting to unscale FP16 gradients')."
-               + why)
-    fix = ("keep those parameters (and so their gradients) float32, or use a fused optimizer (AdamW(fused=True) "
-           "unscales in float32 arithmetic), or accept the flushing with GradScaler(allow_fp16=True), which "
-           "counts it.")
+    why = (
+        " Under fully_shard a gradient has the sharded parameter's dtype; a grad_dtype set on the parameter "
+        "before fully_shard does not carry over."
+        if sharded
+        else " FSDP's MixedPrecision(keep_low_precision_grads=True) keeps them in param_dtype."
+        if low_precision_grads
+        else ""
+    )
+    message = (
+        "these gradients will be float16, unscaled outside the optimizer: dividing them by the scale in "
+        "float16 flushes the small values the scale protected (lossscale.GradScaler raises at the first "
+        "unscale_ unless allow_fp16=True; torch's GradScaler raises 'Attempting to unscale FP16 gradients')." + why
+    )
+    fix = (
+        "keep those parameters (and so their gradients) float32, or use a fused optimizer (AdamW(fused=True) "
+        "unscales in float32 arithmetic), or accept the flushing with GradScaler(allow_fp16=True), which "
+        "counts it."
+    )
     return [Finding(Kind.FP16_GRADIENTS, tuple(named), message, fix)]
 
 
@@ -249,13 +268,17 @@ def _fp16_reduce(fsdp2, fsdp1) -> List[Finding]:
             modules.append(name)
     if not modules:
         return []
-    return [Finding(
-        Kind.FP16_REDUCE, tuple(modules),
-        "FSDP reduces the scaled gradients in float16 (reduce_dtype unset, so it is param_dtype): the sum over "
-        "ranks of gradients already multiplied by the loss scale overflows float16 sooner than any one rank's, "
-        "and each overflow skips the step and halves the scale.",
-        "set reduce_dtype=torch.float32 in the policy (MixedPrecisionPolicy for fully_shard, MixedPrecision for "
-        "FullyShardedDataParallel).")]
+    return [
+        Finding(
+            Kind.FP16_REDUCE,
+            tuple(modules),
+            "FSDP reduces the scaled gradients in float16 (reduce_dtype unset, so it is param_dtype): the sum over "
+            "ranks of gradients already multiplied by the loss scale overflows float16 sooner than any one rank's, "
+            "and each overflow skips the step and halves the scale.",
+            "set reduce_dtype=torch.float32 in the policy (MixedPrecisionPolicy for fully_shard, MixedPrecision for "
+            "FullyShardedDataParallel).",
+        )
+    ]
 
 
 def _fused_fp16_state(params, optimizer) -> List[Finding]:
@@ -269,14 +292,18 @@ def _fused_fp16_state(params, optimizer) -> List[Finding]:
             named.append(name)
     if not named:
         return []
-    return [Finding(
-        Kind.FUSED_FP16_STATE, tuple(named),
-        "a fused optimizer keeps its state in the parameter's dtype, here float16: it computes in float32 but "
-        "stores the moments in float16, where Adam's second moment of a gradient below about 5e-3 flushes to "
-        "zero at every step, so that weight's update grows to up to 1/sqrt(1 - beta2) times Adam's (about 32 "
-        "with the default betas).",
-        "keep the parameters float32 (FP32 master weights, autocast for FP16 compute): the fused optimizer then "
-        "keeps float32 state.")]
+    return [
+        Finding(
+            Kind.FUSED_FP16_STATE,
+            tuple(named),
+            "a fused optimizer keeps its state in the parameter's dtype, here float16: it computes in float32 but "
+            "stores the moments in float16, where Adam's second moment of a gradient below about 5e-3 flushes to "
+            "zero at every step, so that weight's update grows to up to 1/sqrt(1 - beta2) times Adam's (about 32 "
+            "with the default betas).",
+            "keep the parameters float32 (FP32 master weights, autocast for FP16 compute): the fused optimizer then "
+            "keeps float32 state.",
+        )
+    ]
 
 
 def _scaling(scaler) -> bool:
@@ -290,13 +317,17 @@ def _scaling(scaler) -> bool:
 def _bf16(scaler, dtype, source) -> List[Finding]:
     if scaler is None or dtype != torch.bfloat16 or not _scaling(scaler):
         return []
-    return [Finding(
-        Kind.BF16_WITH_SCALING, (type(scaler).__name__,),
-        f"the compute dtype is bfloat16 (from {source}) and the scaler scales the loss: bfloat16 has float32's "
-        "exponent range, so nothing underflows that a loss scale would save; the multiply and the unscale pass "
-        "cost time for nothing.",
-        "use lossscale.GradScaler.passthrough() (scale fixed at 1, non-finite steps still skipped) or no "
-        "scaler; for FP16 training use autocast dtype=torch.float16.")]
+    return [
+        Finding(
+            Kind.BF16_WITH_SCALING,
+            (type(scaler).__name__,),
+            f"the compute dtype is bfloat16 (from {source}) and the scaler scales the loss: bfloat16 has float32's "
+            "exponent range, so nothing underflows that a loss scale would save; the multiply and the unscale pass "
+            "cost time for nothing.",
+            "use lossscale.GradScaler.passthrough() (scale fixed at 1, non-finite steps still skipped) or no "
+            "scaler; for FP16 training use autocast dtype=torch.float16.",
+        )
+    ]
 
 
 def _accelerators(framework) -> Optional[Tuple[str, Any]]:
@@ -317,39 +348,51 @@ def _checkpoint(scaler, framework) -> List[Finding]:
         saved += list(accelerator._custom_objects)
     if any(s is scaler for s in saved):
         return []
-    return [Finding(
-        Kind.SCALER_NOT_CHECKPOINTED, (type(scaler).__name__,),
-        f"this scaler is not in {what}: a resumed run starts from the initial scale and counters, and "
-        "calibrates again (skipped steps right after every resume).",
-        "lossscale.integrations.accelerate.attach(accelerator, scaler) (or .transformers.attach(trainer, "
-        "scaler)) makes it the framework's scaler, which is saved; or accelerator.register_for_checkpointing("
-        "scaler).")]
+    return [
+        Finding(
+            Kind.SCALER_NOT_CHECKPOINTED,
+            (type(scaler).__name__,),
+            f"this scaler is not in {what}: a resumed run starts from the initial scale and counters, and "
+            "calibrates again (skipped steps right after every resume).",
+            "lossscale.integrations.accelerate.attach(accelerator, scaler) (or .transformers.attach(trainer, "
+            "scaler)) makes it the framework's scaler, which is saved; or accelerator.register_for_checkpointing("
+            "scaler).",
+        )
+    ]
 
 
 def _second_scaler(scaler, optimizer) -> List[Finding]:
     # accelerate's AcceleratedOptimizer keeps the scaler its step() goes through as .scaler
     # (accelerate/optimizer.py). Without accelerate imported, the optimizer cannot be one.
     accelerate_optimizer = sys.modules.get("accelerate.optimizer")
-    if scaler is None or accelerate_optimizer is None or \
-            not isinstance(optimizer, accelerate_optimizer.AcceleratedOptimizer):
+    if (
+        scaler is None
+        or accelerate_optimizer is None
+        or not isinstance(optimizer, accelerate_optimizer.AcceleratedOptimizer)
+    ):
         return []
     theirs = optimizer.scaler
     if theirs is None or theirs is scaler:
         return []
-    return [Finding(
-        Kind.SECOND_SCALER, (type(theirs).__name__,),
-        "the optimizer is accelerate's, and its step() goes through the accelerator's own scaler, not this one: "
-        "two scalers disagree on the scale and on which steps were skipped.",
-        "give the accelerator this scaler before prepare(): lossscale.integrations.accelerate.attach("
-        "accelerator, scaler).")]
+    return [
+        Finding(
+            Kind.SECOND_SCALER,
+            (type(theirs).__name__,),
+            "the optimizer is accelerate's, and its step() goes through the accelerator's own scaler, not this one: "
+            "two scalers disagree on the scale and on which steps were skipped.",
+            "give the accelerator this scaler before prepare(): lossscale.integrations.accelerate.attach("
+            "accelerator, scaler).",
+        )
+    ]
 
 
 # ------------------------------------------------------------------------------------------ entry
 _DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_setup(model: torch.nn.Module, optimizer, scaler=None, *, dtype: Optional[torch.dtype] = None,
-                framework: Any = None) -> SetupReport:
+def check_setup(
+    model: torch.nn.Module, optimizer, scaler=None, *, dtype: Optional[torch.dtype] = None, framework: Any = None
+) -> SetupReport:
     """What will go wrong in FP16 training with these objects, before the first step (see
     :mod:`lossscale.setup_check`).
 
@@ -374,16 +417,21 @@ def check_setup(model: torch.nn.Module, optimizer, scaler=None, *, dtype: Option
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model={model!r} must be the torch.nn.Module that will train.")
     if not hasattr(optimizer, "param_groups"):
-        raise ValueError(f"optimizer={optimizer!r} is not an optimizer (no param_groups); pass the one that will "
-                         "step the model.")
+        raise ValueError(
+            f"optimizer={optimizer!r} is not an optimizer (no param_groups); pass the one that will step the model."
+        )
     if scaler is not None and not callable(getattr(scaler, "is_enabled", None)):
         raise ValueError(f"scaler={scaler!r} must be a lossscale.GradScaler, a torch.amp.GradScaler or None.")
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} must be None, torch.float16, torch.bfloat16 or torch.float32 (the "
-                         "autocast dtype the training loop will use).")
+        raise ValueError(
+            f"dtype={dtype!r} must be None, torch.float16, torch.bfloat16 or torch.float32 (the "
+            "autocast dtype the training loop will use)."
+        )
     if framework is not None and not hasattr(getattr(framework, "accelerator", framework), "_custom_objects"):
-        raise ValueError(f"framework={framework!r} must be an accelerate Accelerator or a transformers Trainer "
-                         "(the object whose checkpoints should hold the scaler), or None.")
+        raise ValueError(
+            f"framework={framework!r} must be an accelerate Accelerator or a transformers Trainer "
+            "(the object whose checkpoints should hold the scaler), or None."
+        )
     params = _named_optimizer_params(model, optimizer)
     fsdp2 = list(_fsdp2_params(model))
     fsdp1 = list(_fsdp1_modules(model))
@@ -396,15 +444,25 @@ def check_setup(model: torch.nn.Module, optimizer, scaler=None, *, dtype: Option
             if name is not None:  # its orig_dtype once lazily initialised (_fsdp_param.py:588)
                 fsdp2_dtypes[name] = fp.sharded_param.dtype
     compute, source = _compute_dtype(model, fsdp2, fsdp1, dtype)
-    findings = (_master_weights(params, fsdp2_dtypes) + _fp16_gradients(params, fsdp2_dtypes, fsdp1)
-                + _fp16_reduce(fsdp2, fsdp1) + _fused_fp16_state(params, optimizer) + _bf16(scaler, compute, source)
-                + _checkpoint(scaler, framework) + _second_scaler(scaler, optimizer))
+    findings = (
+        _master_weights(params, fsdp2_dtypes)
+        + _fp16_gradients(params, fsdp2_dtypes, fsdp1)
+        + _fp16_reduce(fsdp2, fsdp1)
+        + _fused_fp16_state(params, optimizer)
+        + _bf16(scaler, compute, source)
+        + _checkpoint(scaler, framework)
+        + _second_scaler(scaler, optimizer)
+    )
     not_checked = []
     if scaler is not None and compute is None:
-        not_checked.append("bf16 autocast with a scaling scaler: the compute dtype is not known yet; pass dtype= "
-                           "(or call check_setup inside the autocast region). The scaler also warns at its first "
-                           "scale() under bf16 autocast.")
+        not_checked.append(
+            "bf16 autocast with a scaling scaler: the compute dtype is not known yet; pass dtype= "
+            "(or call check_setup inside the autocast region). The scaler also warns at its first "
+            "scale() under bf16 autocast."
+        )
     if scaler is not None and framework is None:
-        not_checked.append("whether the scaler is checkpointed: pass framework=<the Accelerator or Trainer that "
-                           "saves checkpoints>; a hand-written loop must save scaler.state_dict() itself.")
+        not_checked.append(
+            "whether the scaler is checkpointed: pass framework=<the Accelerator or Trainer that "
+            "saves checkpoints>; a hand-written loop must save scaler.state_dict() itself."
+        )
     return SetupReport(tuple(findings), compute, source, tuple(not_checked))

@@ -119,6 +119,7 @@ def _chunk_size(device: torch.device) -> int:
         return _CPU_CHUNK
     return min(_CPU_CHUNK, _CPU_SERIAL_CHUNK)
 
+
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -305,8 +306,13 @@ class GradStats:
     def _packed(self) -> torch.Tensor:
         """Everything the figures need in one float64 vector (the histogram too, for to_dict): float64
         holds every count exactly (< 2^53) and the float32 amax exactly. No sync."""
-        return torch.cat([self.counts_tensor().to(torch.float64), self.amax_tensor.reshape(1).to(torch.float64),
-                          self.hist.to(torch.float64)])
+        return torch.cat(
+            [
+                self.counts_tensor().to(torch.float64),
+                self.amax_tensor.reshape(1).to(torch.float64),
+                self.hist.to(torch.float64),
+            ]
+        )
 
     def _take(self, values: List[float]) -> None:
         """Cache the figures from a host copy of ``_packed``."""
@@ -501,9 +507,22 @@ class GradStats:
 
     # ----- plain data ---------------------------------------------------------------------------
     _FIGURE_NAMES = (
-        "numel", "zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan",
-        "amax", "headroom_bits", "error_bound",
-        "zeros_frac", "flushed_frac", "subnormal_frac", "normal_frac", "overflow_frac",
+        "numel",
+        "zeros",
+        "flushed",
+        "subnormal",
+        "normal",
+        "overflow",
+        "inf",
+        "nan",
+        "amax",
+        "headroom_bits",
+        "error_bound",
+        "zeros_frac",
+        "flushed_frac",
+        "subnormal_frac",
+        "normal_frac",
+        "overflow_frac",
         "nonfinite_frac",
     )
 
@@ -546,8 +565,10 @@ class GradStats:
         except ValueError as e:
             raise ValueError(f"{where}: key 'scale': {e}") from None
         amax = d["amax"]
-        if isinstance(amax, bool) or not isinstance(amax, (int, float)) or not (
-            math.isfinite(amax) and 0 <= amax <= _F32_MAX
+        if (
+            isinstance(amax, bool)
+            or not isinstance(amax, (int, float))
+            or not (math.isfinite(amax) and 0 <= amax <= _F32_MAX)
         ):
             raise ValueError(f"{where}: key 'amax'={amax!r} must be a finite number >= 0 (a float32 value)")
         ts = d["thresholds"]
@@ -630,9 +651,7 @@ def _collect(tensors: Any) -> List[torch.Tensor]:
         if t is None:  # parameters without a gradient
             continue
         if not isinstance(t, torch.Tensor):
-            raise ValueError(
-                f"tensors[{i}]={t!r} is not a tensor; pass tensors (None entries are skipped)"
-            )
+            raise ValueError(f"tensors[{i}]={t!r} is not a tensor; pass tensors (None entries are skipped)")
         if t.dtype not in _SUPPORTED:
             raise ValueError(
                 f"tensors[{i}] has dtype {t.dtype}; grad_stats measures float32, float16 and "
@@ -802,8 +821,9 @@ def _accumulate_f32(ts, thresholds, hist, amax_parts, chunk, method, ones) -> No
         _count_into(hist, keys, method, ones)
 
 
-def _pattern_tables(dtype: torch.dtype, thresholds: Tuple[int, ...], device: torch.device
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _pattern_tables(
+    dtype: torch.dtype, thresholds: Tuple[int, ...], device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """For every 15-bit magnitude pattern of a 16-bit float dtype: its bin and its value, on ``device``.
 
     The value is 0 for inf/NaN patterns, so a max over present patterns is the finite amax.  Built
@@ -1055,7 +1075,7 @@ def fetch_figures(stats: "Iterable[GradStats]", extras: Sequence[torch.Tensor] =
         values = torch.cat(packed).tolist()  # the one host sync for the device
         offset = 0
         for i, part in enumerate(packed):
-            chunk, offset = values[offset:offset + part.numel()], offset + part.numel()
+            chunk, offset = values[offset : offset + part.numel()], offset + part.numel()
             if i < len(group):
                 group[i]._take(chunk)
             else:

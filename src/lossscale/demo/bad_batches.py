@@ -68,12 +68,18 @@ def _torch(model: torch.nn.Module) -> Any:
 def plan(bad_steps: Sequence[int], epochs: int) -> List[RunSpec]:
     """The three runs (see the module doc), ``epochs`` each."""
     return [
-        RunSpec("bad_clean", "no bad batch, lossscale (clean)", make_scaler=_traced, epochs=epochs,
-                diagnose=True),
-        RunSpec("bad_torch", "bad batches, torch.amp.GradScaler()", make_scaler=_torch, epochs=epochs,
-                bad_steps=bad_steps),
-        RunSpec("bad_lossscale", "bad batches, lossscale GradScaler()", make_scaler=_traced, epochs=epochs,
-                bad_steps=bad_steps, diagnose=True),
+        RunSpec("bad_clean", "no bad batch, lossscale (clean)", make_scaler=_traced, epochs=epochs, diagnose=True),
+        RunSpec(
+            "bad_torch", "bad batches, torch.amp.GradScaler()", make_scaler=_torch, epochs=epochs, bad_steps=bad_steps
+        ),
+        RunSpec(
+            "bad_lossscale",
+            "bad batches, lossscale GradScaler()",
+            make_scaler=_traced,
+            epochs=epochs,
+            bad_steps=bad_steps,
+            diagnose=True,
+        ),
     ]
 
 
@@ -81,8 +87,12 @@ def _run_figures(run: RunResult) -> Dict[str, Any]:
     # The scale each step ran with, then the one the last update left.
     scales = run.series("loss_scale") + [run.final_scale]
     return {
-        "final_acc": run.final_acc, "steps": len(run.steps), "skipped_steps": run.skipped_steps,
-        "first_scale": scales[0], "final_scale": run.final_scale, "min_scale": min(scales),
+        "final_acc": run.final_acc,
+        "steps": len(run.steps),
+        "skipped_steps": run.skipped_steps,
+        "first_scale": scales[0],
+        "final_scale": run.final_scale,
+        "min_scale": min(scales),
         "max_scale": max(scales),
         "backoffs": sum(1 for a, b in zip(scales, scales[1:]) if b < a),
         "bad_loss_steps": run.counters.get("bad_loss_steps"),  # lossscale's own count; torch has none
@@ -98,13 +108,17 @@ def figures(runs: Dict[str, RunResult], bad_steps: Sequence[int]) -> Dict[str, A
         if "diagnosis" in s:
             causes[s["diagnosis"]["cause"]] = causes.get(s["diagnosis"]["cause"], 0) + 1
     return {
-        "n_steps": len(ls.steps), "bad_steps": list(bad_steps), "n_bad": len(bad_steps),
+        "n_steps": len(ls.steps),
+        "bad_steps": list(bad_steps),
+        "n_bad": len(bad_steps),
         "runs": {n: _run_figures(runs[n]) for n in NAMES},
         # Which steps each run skipped, to hold against bad_steps.
         "skipped_steps": {n: [s["step"] for s in runs[n].steps if s["skipped"]] for n in NAMES},
         # lossscale's scale, step by step, against the clean run's.
-        "lossscale_steps_off_clean_scale": sum(1 for a, b in zip(ls.series("loss_scale"), clean.series("loss_scale"))
-                                               if a != b) + (ls.final_scale != clean.final_scale),
+        "lossscale_steps_off_clean_scale": sum(
+            1 for a, b in zip(ls.series("loss_scale"), clean.series("loss_scale")) if a != b
+        )
+        + (ls.final_scale != clean.final_scale),
         "first_bad_step": None if first is None else first["step"],
         "first_diagnosis": None if first is None else first.get("diagnosis"),
         "causes": causes,  # overflow_report()["cause"] of every skipped step, counted

@@ -36,8 +36,9 @@ def _num(v) -> Optional[float]:
     return float(v)
 
 
-def probe_activations(model: torch.nn.Module, cfg: TrainConfig, x: torch.Tensor, y: torch.Tensor,
-                      scale: float) -> Dict[str, Any]:
+def probe_activations(
+    model: torch.nn.Module, cfg: TrainConfig, x: torch.Tensor, y: torch.Tensor, scale: float
+) -> Dict[str, Any]:
     """``{"act/flushed_frac": f, "act/<module>/flushed_frac": f, ...}`` at ``scale`` (and ``.../headroom_bits``)."""
     c = cfg.c
     per = activation_grad_probe(model, lambda out, t: F.cross_entropy(out, t) * c, x, y, scale=scale, fmt="fp16")
@@ -46,8 +47,9 @@ def probe_activations(model: torch.nn.Module, cfg: TrainConfig, x: torch.Tensor,
     return {k: v for k, v in figures.items() if k.endswith(("/flushed_frac", "/headroom_bits"))}
 
 
-def make_observer(cfg: TrainConfig, data: Data, probe_every: int = 5, probe_size: int = 256
-                  ) -> Callable[[int, torch.nn.Module, Any], Dict[str, Any]]:
+def make_observer(
+    cfg: TrainConfig, data: Data, probe_every: int = 5, probe_size: int = 256
+) -> Callable[[int, torch.nn.Module, Any], Dict[str, Any]]:
     """An ``observe(step, model, scaler)`` for :class:`~lossscale.demo.workload.RunSpec` (see the module doc).
 
     Called after ``scaler.step`` and before ``scaler.update``, so the gradients are unscaled and the

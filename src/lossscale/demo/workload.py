@@ -22,8 +22,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Data", "load_digits_data", "make_mlp", "TrainConfig", "RunSpec", "RunResult", "train",
-           "grads_of", "reference_grads"]
+__all__ = [
+    "Data",
+    "load_digits_data",
+    "make_mlp",
+    "TrainConfig",
+    "RunSpec",
+    "RunResult",
+    "train",
+    "grads_of",
+    "reference_grads",
+]
 
 #: Clip orders of :class:`RunSpec`: None (no clipping), unscale then clip (right), clip the scaled
 #: gradients and let ``scaler.step`` unscale afterwards (wrong).
@@ -51,8 +60,9 @@ def load_digits_data(seed: int = 0, test_size: float = 0.25) -> Data:
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(digits.data, digits.target, test_size=test_size,
-                                              random_state=seed, stratify=digits.target)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        digits.data, digits.target, test_size=test_size, random_state=seed, stratify=digits.target
+    )
     # Pixels are 0..16; /16 keeps inputs in [0, 1] so the forward pass sits well inside FP16's range.
     to_x = lambda a: torch.tensor(a, dtype=torch.float32) / 16.0  # noqa: E731
     return Data(to_x(x_tr), torch.tensor(y_tr), to_x(x_te), torch.tensor(y_te))
@@ -95,7 +105,7 @@ class TrainConfig:
     @property
     def c(self) -> float:
         """The loss multiplier, a power of two so that FP32 training is unchanged by it."""
-        return 2.0 ** -self.shift_log2
+        return 2.0**-self.shift_log2
 
 
 @dataclass
@@ -190,7 +200,7 @@ def grads_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 def _batches(n: int, batch_size: int, generator: torch.Generator):
     perm = torch.randperm(n, generator=generator)
     for i in range(0, n, batch_size):
-        yield perm[i:i + batch_size]
+        yield perm[i : i + batch_size]
 
 
 def _accuracy(model: torch.nn.Module, data: Data, fp16: bool) -> float:
@@ -286,11 +296,14 @@ def train(spec: RunSpec, cfg: TrainConfig, data: Data, progress: Optional[Callab
             if progress is not None:
                 progress(1)
         finite = [x for x in losses if math.isfinite(x)]
-        res.epochs.append({
-            "epoch": epoch, "step": step,
-            "train_loss": sum(finite) / len(finite) if finite else float("nan"),
-            "test_acc": _accuracy(model, data, spec.fp16),
-        })
+        res.epochs.append(
+            {
+                "epoch": epoch,
+                "step": step,
+                "train_loss": sum(finite) / len(finite) if finite else float("nan"),
+                "test_acc": _accuracy(model, data, spec.fp16),
+            }
+        )
     res.final_scale = _scale_of(scaler)
     if spec.diagnose:
         res.counters = dict(scaler.counters())

@@ -20,7 +20,6 @@ installs it (`pip install "lossscale[integrations]"`). What each integration cha
 and the versions tested: the how-to guides and the Compatibility page of the documentation.
 """
 
-
 import importlib
 
 __all__ = ["accelerate", "transformers", "lightning", "loggers", "deepspeed", "megatron", "verl", "torchtitan"]

@@ -36,7 +36,9 @@ class HostPolicy:
         from ..policy import Policy
 
         if not isinstance(policy, Policy):
-            raise ValueError(f"policy={policy!r} must be a lossscale policy object (lossscale.DynamicPolicy(...), ...).")
+            raise ValueError(
+                f"policy={policy!r} must be a lossscale policy object (lossscale.DynamicPolicy(...), ...)."
+            )
         if not isinstance(loss_check, bool):
             raise ValueError(f"loss_check={loss_check!r} must be True or False.")
         self.policy = policy
@@ -60,13 +62,16 @@ class HostPolicy:
         """Advance the policy by one iteration whose step the framework skipped (``found_inf``) or took;
         returns the new state. Reads the loss flag on an overflow only; reacts per ``on_stuck``."""
         if not isinstance(found_inf, bool) or not isinstance(found_nan, bool):
-            raise ValueError(f"found_inf={found_inf!r} and found_nan={found_nan!r} must be bools (the framework's "
-                             "decision, already on the host).")
+            raise ValueError(
+                f"found_inf={found_inf!r} and found_nan={found_nan!r} must be bools (the framework's "
+                "decision, already on the host)."
+            )
         bad_loss = bool(found_inf and self._bad_loss is not None and self._bad_loss.item())
         self._bad_loss = None
         before = self.state
-        self.state = self.policy.update(before, found_inf=found_inf, found_nan=found_nan and found_inf,
-                                        bad_loss=bad_loss)
+        self.state = self.policy.update(
+            before, found_inf=found_inf, found_nan=found_nan and found_inf, bad_loss=bad_loss
+        )
         self.scale_before = before.scale
         self._health.record(self.policy, self.state, before.scale)
         self._react(before.scale)
@@ -99,8 +104,14 @@ class HostPolicy:
     def counters(self) -> Dict[str, int]:
         """Steps, skipped, inf, NaN and bad-loss steps and the current streak, as plain ints. No sync."""
         s = self.state
-        return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
-                "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
+        return {
+            "steps": s.steps,
+            "skipped_steps": s.skipped_steps,
+            "inf_steps": s.inf_steps,
+            "nan_steps": s.nan_steps,
+            "bad_loss_steps": s.bad_loss_steps,
+            "overflow_streak": s.overflow_streak,
+        }
 
     def metrics(self) -> Dict[str, Any]:
         """``loss_scale``, the ``counters`` and ``last_step_skipped``: numbers for any logger. No sync."""
@@ -127,4 +138,3 @@ class HostPolicy:
 
     def __repr__(self) -> str:
         return f"HostPolicy({self.policy!r}, scale={self.state.scale:g}, steps={self.state.steps})"
-

@@ -28,7 +28,6 @@ process and logs its numbers to the accelerator's trackers.
 Tested with accelerate 1.16.0, and 1.3.0 (the oldest release the extra allows), on CPU.
 """
 
-
 from __future__ import annotations
 
 from typing import Any
@@ -85,14 +84,18 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return _attach_deepspeed(accelerator, scaler, scaler_kwargs)
     if accelerator.distributed_type == DistributedType.MEGATRON_LM:
-        raise ValueError("accelerator.distributed_type is MEGATRON_LM, whose engine scales the loss itself "
-                         "(accelerator.py:539): give Megatron's optimizer lossscale.integrations.megatron.GradScaler.")
+        raise ValueError(
+            "accelerator.distributed_type is MEGATRON_LM, whose engine scales the loss itself "
+            "(accelerator.py:539): give Megatron's optimizer lossscale.integrations.megatron.GradScaler."
+        )
     attached = _attached(accelerator, scaler, scaler_kwargs)
     if attached is not None:
         return attached
     if _prepared(accelerator):
-        raise RuntimeError("attach() was called after accelerator.prepare(...); call it right after "
-                           "building the Accelerator, before prepare().")
+        raise RuntimeError(
+            "attach() was called after accelerator.prepare(...); call it right after "
+            "building the Accelerator, before prepare()."
+        )
     if scaler is None:
         handler = accelerator.scaler_handler  # GradScalerKwargs, read by accelerate at accelerator.py:549
         kwargs = dict(handler.to_kwargs()) if handler is not None else {}
@@ -127,8 +130,10 @@ class EngineScaler:
     def __getattr__(self, name: str):
         target = self.__dict__.get("target")
         if target is None:
-            raise RuntimeError(f"scaler.{name}: under DeepSpeed the loss scaler lives in the engine, which "
-                               "accelerator.prepare(...) builds; use the scaler after prepare().")
+            raise RuntimeError(
+                f"scaler.{name}: under DeepSpeed the loss scaler lives in the engine, which "
+                "accelerator.prepare(...) builds; use the scaler after prepare()."
+            )
         return getattr(target, name)
 
     def __repr__(self) -> str:
@@ -147,8 +152,10 @@ def _attach_deepspeed(accelerator, scaler, scaler_kwargs):
     if handle is not None:
         if scaler is None and not scaler_kwargs:
             return handle
-        raise ValueError("a lossscale scaler is already attached to this accelerator (attach(accelerator) returns "
-                         "it); pass scaler= or its keywords to the first attach().")
+        raise ValueError(
+            "a lossscale scaler is already attached to this accelerator (attach(accelerator) returns "
+            "it); pass scaler= or its keywords to the first attach()."
+        )
     handle = EngineScaler()
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if wrapped is not None:  # prepare() already ran: attach now
@@ -183,8 +190,10 @@ def log_health(accelerator, step=None):
 
     scaler = _training_scaler(accelerator) if isinstance(accelerator, Accelerator) else None
     if scaler is None:
-        raise ValueError(f"accelerator={accelerator!r} has no lossscale scaler: call "
-                         "lossscale.integrations.accelerate.attach(accelerator) before prepare(...).")
+        raise ValueError(
+            f"accelerator={accelerator!r} has no lossscale scaler: call "
+            "lossscale.integrations.accelerate.attach(accelerator) before prepare(...)."
+        )
     report = scaler.health()
     accelerator.print(report.text)
     accelerator.log(scalars(report.metrics(prefix=""), prefix="scaler/health/"), step=step)
@@ -207,9 +216,11 @@ def _attached(accelerator, scaler, scaler_kwargs):
         return None
     if (scaler is None or scaler is accelerator.scaler) and not scaler_kwargs:
         return accelerator.scaler
-    raise ValueError("a lossscale scaler is already attached to this accelerator (attach(accelerator) returns it); "
-                     "a second one would leave the first, and whatever holds it, out of training. Pass scaler= or "
-                     "its keywords to the first attach(), or build a new Accelerator.")
+    raise ValueError(
+        "a lossscale scaler is already attached to this accelerator (attach(accelerator) returns it); "
+        "a second one would leave the first, and whatever holds it, out of training. Pass scaler= or "
+        "its keywords to the first attach(), or build a new Accelerator."
+    )
 
 
 def _prepared(accelerator) -> bool:

@@ -83,13 +83,17 @@ def attach(engine, scaler=None, **scaler_kwargs):
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if not isinstance(engine, DeepSpeedEngine):
-        raise ValueError(f"engine={type(engine).__name__}(...) must be the DeepSpeedEngine deepspeed.initialize() returned.")
+        raise ValueError(
+            f"engine={type(engine).__name__}(...) must be the DeepSpeedEngine deepspeed.initialize() returned."
+        )
     attached = engine.__dict__.get(_ATTR)
     if attached is not None:
         if scaler is None and not scaler_kwargs or scaler is attached:
             return attached
-        raise ValueError("a lossscale scaler is already attached to this engine (attach(engine) returns it); a second "
-                         "one would leave the first out of training.")
+        raise ValueError(
+            "a lossscale scaler is already attached to this engine (attach(engine) returns it); a second "
+            "one would leave the first out of training."
+        )
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
     optimizer = engine.optimizer
@@ -98,13 +102,17 @@ def attach(engine, scaler=None, **scaler_kwargs):
         installed = _attach_autocast(engine, optimizer, zero, scaler, scaler_kwargs)
     elif engine.fp16_enabled():
         if scaler is not None:
-            raise ValueError("scaler= is for torch_autocast mode; in classic fp16 mode attach() builds a LossScaler "
-                             "from the config (pass its keywords instead).")
+            raise ValueError(
+                "scaler= is for torch_autocast mode; in classic fp16 mode attach() builds a LossScaler "
+                "from the config (pass its keywords instead)."
+            )
         installed = _attach_classic(engine, optimizer, zero, scaler_kwargs)
     else:
-        raise ValueError("the engine trains without fp16 (config 'fp16.enabled' is false and 'torch_autocast' is not "
-                         "float16): bf16 and fp32 need no loss scaler. For bf16, lossscale.GradScaler.passthrough() "
-                         "still skips non-finite steps in your own loop.")
+        raise ValueError(
+            "the engine trains without fp16 (config 'fp16.enabled' is false and 'torch_autocast' is not "
+            "float16): bf16 and fp32 need no loss scaler. For bf16, lossscale.GradScaler.passthrough() "
+            "still skips non-finite steps in your own loop."
+        )
     engine.__dict__[_ATTR] = installed
     engine.save_checkpoint = _saving(engine.save_checkpoint, installed)
     engine.load_checkpoint = _loading(engine, engine.load_checkpoint, installed)
@@ -127,8 +135,10 @@ def log_health(engine, step=None):
 
     scaler = getattr(engine, "__dict__", {}).get(_ATTR)
     if scaler is None:
-        raise ValueError(f"engine={type(engine).__name__}(...) has no lossscale scaler: call "
-                         "lossscale.integrations.deepspeed.attach(engine) after deepspeed.initialize().")
+        raise ValueError(
+            f"engine={type(engine).__name__}(...) has no lossscale scaler: call "
+            "lossscale.integrations.deepspeed.attach(engine) after deepspeed.initialize()."
+        )
     report = scaler.health()
     log_dist(report.text, ranks=[0], level=logging.INFO if report.verdict == "healthy" else logging.WARNING)
     monitor = getattr(engine, "monitor", None)
@@ -191,7 +201,7 @@ class _GroupSteps:
 
     def __init__(self, scaler):
         self.scaler = scaler
-        self._views = []   # one per (sub)group, in the order ZeRO steps them, kept from step to step
+        self._views = []  # one per (sub)group, in the order ZeRO steps them, kept from step to step
         self._stepped = 0  # the groups stepped this iteration
 
     def step(self, optimizer, *args, **kwargs):
@@ -204,7 +214,7 @@ class _GroupSteps:
         if k == len(self._views) or self._views[k].__dict__ is not optimizer.__dict__:
             view = object.__new__(type(optimizer))
             view.__dict__ = optimizer.__dict__
-            self._views[k:k + 1] = [view]
+            self._views[k : k + 1] = [view]
         self._stepped += 1
         return self.scaler.step(self._views[k], *args, **kwargs)
 
@@ -244,22 +254,29 @@ def _require_zero_autocast_overflow_check() -> None:
             f"lossscale.integrations.deepspeed.attach: ZeRO with torch_autocast float16 needs deepspeed>="
             f"{ZERO_AUTOCAST_MIN} (this is {deepspeed.__version__}, whose ZeRO steps without checking the gradients "
             f"for overflow in that mode). Upgrade (pip install 'deepspeed>={ZERO_AUTOCAST_MIN}'), or use the classic "
-            "'fp16' config, or ZeRO stage 0.")
+            "'fp16' config, or ZeRO stage 0."
+        )
 
 
 def _report_skips(optimizer, scaler) -> None:
     """Give the (torch) optimizer an ``overflow`` that is the scaler's decision: the engine reads it
     after every step to count skipped steps and to hold the LR scheduler (engine.py:3535-3551)."""
     base = getattr(type(optimizer), "_lossscale_base", type(optimizer))
-    optimizer.__class__ = type(base.__name__, (base,), {
-        "__module__": base.__module__,
-        "__doc__": base.__doc__,
-        "_lossscale_base": base,
-        "_lossscale_scaler": scaler,
-        "overflow": property(lambda self: bool(type(self)._lossscale_scaler.last_step_skipped),
-                             doc="Whether the last step was skipped (the lossscale scaler's decision)."),
-        "__reduce_ex__": _reduce_optimizer,
-    })
+    optimizer.__class__ = type(
+        base.__name__,
+        (base,),
+        {
+            "__module__": base.__module__,
+            "__doc__": base.__doc__,
+            "_lossscale_base": base,
+            "_lossscale_scaler": scaler,
+            "overflow": property(
+                lambda self: bool(type(self)._lossscale_scaler.last_step_skipped),
+                doc="Whether the last step was skipped (the lossscale scaler's decision).",
+            ),
+            "__reduce_ex__": _reduce_optimizer,
+        },
+    )
 
 
 def _rebuild_optimizer(base, scaler, state):
@@ -313,11 +330,15 @@ def _attach_classic(engine, optimizer, zero, kwargs):
         optimizer.loss_scaler = scaler  # zero/stage_1_and_2.py:722, stage3: every use goes through it
         return scaler
     if not isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
-        raise ValueError(f"engine.optimizer is a {type(optimizer).__name__}; attach() knows DeepSpeed's fp16 optimizers "
-                         "(ZeRO-1/2/3, FP16_Optimizer, FP16_UnfusedOptimizer).")
+        raise ValueError(
+            f"engine.optimizer is a {type(optimizer).__name__}; attach() knows DeepSpeed's fp16 optimizers "
+            "(ZeRO-1/2/3, FP16_Optimizer, FP16_UnfusedOptimizer)."
+        )
     if optimizer.custom_loss_scaler:
-        raise ValueError("engine.optimizer has an external loss scale (override_loss_scale()); attach() would replace "
-                         "it. Drop the override to use lossscale's scale.")
+        raise ValueError(
+            "engine.optimizer has an external loss scale (override_loss_scale()); attach() would replace "
+            "it. Drop the override to use lossscale's scale."
+        )
     # The FP16 optimizer's own rule (fused_optimizer.py:404-430, unfused_optimizer.py:277-302) becomes
     # lossscale's; its unscale reads loss_scale_config.cur_scale, kept at the scale backward used.
     optimizer._update_scale = _fp16_update_scale(optimizer, scaler)
@@ -409,15 +430,24 @@ def _loss_scaler_class():
             stuck = {k: overrides.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in overrides}
             if not engine.dynamic_loss_scale():
                 if overrides:
-                    raise ValueError(f"the config sets a static loss_scale, so {', '.join(overrides)} do(es) not "
-                                     "apply; remove fp16.loss_scale for a dynamic scale.")
+                    raise ValueError(
+                        f"the config sets a static loss_scale, so {', '.join(overrides)} do(es) not "
+                        "apply; remove fp16.loss_scale for a dynamic scale."
+                    )
                 return cls(StaticPolicy(scale=float(engine.loss_scale()), **stuck), loss_check=loss_check)
             # precision_config.py:202-209: what DeepSpeed builds its DynamicLossScaler from.
             args = engine.dynamic_loss_scale_args()
-            numbers = dict(init_scale=float(args["init_scale"]), growth_factor=2.0, backoff_factor=0.5,
-                           growth_interval=int(args["scale_window"]), hysteresis=int(args["delayed_shift"]),
-                           consecutive_hysteresis=bool(args["consecutive_hysteresis"]),
-                           min_scale=float(args["min_scale"]), max_scale=None, on_stuck="raise")
+            numbers = dict(
+                init_scale=float(args["init_scale"]),
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=int(args["scale_window"]),
+                hysteresis=int(args["delayed_shift"]),
+                consecutive_hysteresis=bool(args["consecutive_hysteresis"]),
+                min_scale=float(args["min_scale"]),
+                max_scale=None,
+                on_stuck="raise",
+            )
             numbers.update(stuck)
             numbers.update(overrides)
             return cls(DynamicPolicy(**numbers), loss_check=loss_check)
@@ -450,7 +480,9 @@ def _loss_scaler_class():
             host = self._host
             if not overflow and self._window_pending:
                 # DeepSpeed does not count the first clean step after the start or an overflow.
-                host.state = host.state.replace(growth_tracker=-1) if hasattr(host.state, "growth_tracker") else host.state
+                host.state = (
+                    host.state.replace(growth_tracker=-1) if hasattr(host.state, "growth_tracker") else host.state
+                )
                 self._window_pending = False
             bad_before = host.state.bad_loss_steps
             state = host.update(overflow)

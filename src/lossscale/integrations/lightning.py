@@ -42,7 +42,6 @@ plugin.scaler)`, log `plugin.scaler.metrics()` with `fabric.log_dict`, and at th
 Tested with lightning 2.6.6, and 2.4.0 (the oldest release the extra allows), on CPU.
 """
 
-
 from __future__ import annotations
 
 import weakref
@@ -71,9 +70,11 @@ def _check_precision(precision, argument: str = "precision") -> None:
     if precision == _FP16:
         return
     if "bf16" in str(precision):
-        advice = ("bf16 needs no loss scaling: use Lightning's own precision='bf16-mixed' without this plugin. To "
-                  "also skip steps whose gradients hold inf/NaN, drive a lossscale.GradScaler.passthrough() "
-                  "yourself (scale, step, update; with Fabric or manual optimization).")
+        advice = (
+            "bf16 needs no loss scaling: use Lightning's own precision='bf16-mixed' without this plugin. To "
+            "also skip steps whose gradients hold inf/NaN, drive a lossscale.GradScaler.passthrough() "
+            "yourself (scale, step, update; with Fabric or manual optimization)."
+        )
     else:
         advice = f"For another precision, pass precision={precision!r} to Lightning without this plugin."
     raise ValueError(f"{argument}={precision!r}: this plugin is FP16 only ({_FP16!r}, with a loss scaler). {advice}")
@@ -87,8 +88,10 @@ def _plugin_args(scaler, device, precision, scaler_kwargs):
     if isinstance(scaler, str):
         # Lightning's own plugin takes (precision, device): MixedPrecision("16-mixed", "cuda").
         _check_precision(scaler, argument="scaler")
-        raise ValueError(f"scaler={scaler!r} is a precision: this plugin's first argument is scaler=, and its "
-                         f"precision is always {_FP16!r}; drop it.")
+        raise ValueError(
+            f"scaler={scaler!r} is a precision: this plugin's first argument is scaler=, and its "
+            f"precision is always {_FP16!r}; drop it."
+        )
     if scaler is None:
         scaler = GradScaler(**scaler_kwargs)
     elif scaler_kwargs:
@@ -103,14 +106,18 @@ def _check_trainer(module) -> None:
     (pytorch/core/module.py:137 is that link); Fabric hands it the user's module, or None
     (fabric/strategies/strategy.py:191), and Lightning's pre_backward then fails on ``module.trainer``."""
     if getattr(module, "_trainer", None) is None:
-        raise RuntimeError("lossscale.integrations.lightning.MixedPrecision is the Trainer's plugin; use "
-                           "FabricMixedPrecision with Fabric: lightning.Fabric(plugins=[FabricMixedPrecision()]).")
+        raise RuntimeError(
+            "lossscale.integrations.lightning.MixedPrecision is the Trainer's plugin; use "
+            "FabricMixedPrecision with Fabric: lightning.Fabric(plugins=[FabricMixedPrecision()])."
+        )
 
 
 def _check_device(device_type: str, tensor) -> None:
     if tensor.device.type != device_type:
-        raise ValueError(f"the loss is on {tensor.device} but the plugin autocasts on {device_type!r}, so the "
-                         f"forward did not run in FP16; pass device={tensor.device.type!r} to the plugin.")
+        raise ValueError(
+            f"the loss is on {tensor.device} but the plugin autocasts on {device_type!r}, so the "
+            f"forward did not run in FP16; pass device={tensor.device.type!r} to the plugin."
+        )
 
 
 def _log_health(trainer, scaler) -> None:

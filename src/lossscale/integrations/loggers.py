@@ -11,7 +11,6 @@ measured is in `scaler.metric_labels()`. Reading the metrics syncs host and devi
 every N steps, not every step.
 """
 
-
 from __future__ import annotations
 
 import numbers
@@ -26,14 +25,17 @@ def scalars(metrics: Mapping[str, object], prefix: str = "scaler/") -> Dict[str,
     for key, value in metrics.items():
         # bool is an int: True/False become 1.0/0.0, as a scalar plot wants them.
         if not isinstance(value, numbers.Real):
-            raise ValueError(f"metric {key!r} is {value!r}, not a number; scalar loggers take int, float or "
-                             "bool (a scaler's text labels are in scaler.metric_labels()).")
+            raise ValueError(
+                f"metric {key!r} is {value!r}, not a number; scalar loggers take int, float or "
+                "bool (a scaler's text labels are in scaler.metric_labels())."
+            )
         out[prefix + key] = float(value)
     return out
 
 
-def log_tensorboard(writer, scaler_or_metrics: Union[object, Mapping[str, object]], step: int,
-                    prefix: str = "scaler/") -> Dict[str, float]:
+def log_tensorboard(
+    writer, scaler_or_metrics: Union[object, Mapping[str, object]], step: int, prefix: str = "scaler/"
+) -> Dict[str, float]:
     """Write every metric as a scalar to a TensorBoard ``SummaryWriter``; returns what was written.
 
     Args:
@@ -52,8 +54,9 @@ def log_tensorboard(writer, scaler_or_metrics: Union[object, Mapping[str, object
     elif callable(getattr(scaler_or_metrics, "metrics", None)):
         metrics = scaler_or_metrics.metrics()
     else:
-        raise ValueError(f"scaler_or_metrics={scaler_or_metrics!r} must be a lossscale.GradScaler or a dict "
-                         "of metrics.")
+        raise ValueError(
+            f"scaler_or_metrics={scaler_or_metrics!r} must be a lossscale.GradScaler or a dict of metrics."
+        )
     values = scalars(metrics, prefix)
     for tag, value in values.items():
         writer.add_scalar(tag, value, int(step))

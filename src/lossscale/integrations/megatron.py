@@ -46,7 +46,6 @@ Tested with megatron-core 0.16.1 and 0.16.0 on CPU (Megatron's own classes put t
 the tests run them on CPU through a test-only function mode).
 """
 
-
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -66,8 +65,11 @@ def _require_megatron() -> None:
     except ModuleNotFoundError as error:
         if error.name != "megatron":
             raise
-        raise ModuleNotFoundError('lossscale.integrations.megatron needs megatron-core, which is not installed: pip '
-                                  'install "lossscale[integrations]", or pip install megatron-core.', name="megatron") from error
+        raise ModuleNotFoundError(
+            "lossscale.integrations.megatron needs megatron-core, which is not installed: pip "
+            'install "lossscale[integrations]", or pip install megatron-core.',
+            name="megatron",
+        ) from error
 
 
 def _build_class():
@@ -98,23 +100,56 @@ def _build_class():
                 a diagnosis when an overflow comes at ``min_scale``; "raise" stops training).
         """
 
-        def __init__(self, initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
-                     backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, *,
-                     policy=None, device=None, loss_check: bool = True, on_stuck: str = "warn",
-                     max_consecutive_skips=None) -> None:
+        def __init__(
+            self,
+            initial_scale: float = 2.0**32,
+            min_scale: float = 1.0,
+            growth_factor: float = 2.0,
+            backoff_factor: float = 0.5,
+            growth_interval: int = 1000,
+            hysteresis: int = 2,
+            *,
+            policy=None,
+            device=None,
+            loss_check: bool = True,
+            on_stuck: str = "warn",
+            max_consecutive_skips=None,
+        ) -> None:
             # MegatronGradScaler.__init__ makes its tensor on 'cuda' (grad_scaler.py:15): not called.
-            numbers = dict(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
-                           backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis)
+            numbers = dict(
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+            )
             if policy is None:
                 # Megatron's rule is DynamicPolicy's with hysteresis refilled only by a growth, no cap.
-                policy = DynamicPolicy(init_scale=float(initial_scale), growth_factor=growth_factor,
-                                       backoff_factor=backoff_factor, growth_interval=growth_interval,
-                                       hysteresis=hysteresis, consecutive_hysteresis=False, min_scale=min_scale,
-                                       max_scale=None, on_stuck=on_stuck, max_consecutive_skips=max_consecutive_skips)
-            elif numbers != dict(initial_scale=2.0**32, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
-                                 growth_interval=1000, hysteresis=2):
-                raise ValueError("policy= was given, so the scale numbers (initial_scale, min_scale, ...) must be set "
-                                 "on the policy object, not passed to GradScaler as well.")
+                policy = DynamicPolicy(
+                    init_scale=float(initial_scale),
+                    growth_factor=growth_factor,
+                    backoff_factor=backoff_factor,
+                    growth_interval=growth_interval,
+                    hysteresis=hysteresis,
+                    consecutive_hysteresis=False,
+                    min_scale=min_scale,
+                    max_scale=None,
+                    on_stuck=on_stuck,
+                    max_consecutive_skips=max_consecutive_skips,
+                )
+            elif numbers != dict(
+                initial_scale=2.0**32,
+                min_scale=1.0,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=1000,
+                hysteresis=2,
+            ):
+                raise ValueError(
+                    "policy= was given, so the scale numbers (initial_scale, min_scale, ...) must be set "
+                    "on the policy object, not passed to GradScaler as well."
+                )
             if device is None:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             self._host = HostPolicy(policy, loss_check=loss_check)
@@ -187,8 +222,12 @@ def _build_class():
         def state_dict(self) -> Dict[str, Any]:
             """Megatron's keys (grad_scaler.py:132-137) and lossscale's complete state under "lossscale"."""
             s = self._host.state
-            return {"scale": self._scale.detach().clone(), "growth_tracker": int(getattr(s, "growth_tracker", 0)),
-                    "hysteresis_tracker": int(getattr(s, "hysteresis_tracker", 1)), _KEY: self._host.state_dict()}
+            return {
+                "scale": self._scale.detach().clone(),
+                "growth_tracker": int(getattr(s, "growth_tracker", 0)),
+                "hysteresis_tracker": int(getattr(s, "hysteresis_tracker", 1)),
+                _KEY: self._host.state_dict(),
+            }
 
         def load_state_dict(self, state_dict: Dict) -> None:
             """Load ``state_dict``'s, Megatron's ``DynamicGradScaler``'s or a ``lossscale.GradScaler``'s
@@ -221,8 +260,10 @@ def _from_megatron(policy, sd: Dict) -> tuple:
 
     missing = [k for k in ("scale", "growth_tracker", "hysteresis_tracker") if k not in sd]
     if missing:
-        raise ValueError(f"state_dict lacks {missing}: pass a Megatron DynamicGradScaler's state_dict "
-                         "(scale, growth_tracker, hysteresis_tracker) or this scaler's.")
+        raise ValueError(
+            f"state_dict lacks {missing}: pass a Megatron DynamicGradScaler's state_dict "
+            "(scale, growth_tracker, hysteresis_tracker) or this scaler's."
+        )
     scale = sd["scale"]
     scale = float(scale.reshape(-1)[0]) if hasattr(scale, "reshape") else float(scale)
     if not (math.isfinite(scale) and scale > 0):
@@ -231,8 +272,10 @@ def _from_megatron(policy, sd: Dict) -> tuple:
     hysteresis = getattr(policy, "hysteresis", 1)
     state = policy.init_state().replace(scale=f32(scale))
     if hasattr(state, "growth_tracker"):
-        state = state.replace(growth_tracker=min(max(growth, 0), policy.growth_interval - 1),
-                              hysteresis_tracker=min(max(hyst, 1), hysteresis))
+        state = state.replace(
+            growth_tracker=min(max(growth, 0), policy.growth_interval - 1),
+            hysteresis_tracker=min(max(hyst, 1), hysteresis),
+        )
     policy.check_state(state)
     return policy, state
 
@@ -258,8 +301,10 @@ def attach(optimizer, scaler=None, **scaler_kwargs):
     inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     holders = [o for o in inner if getattr(o, "grad_scaler", None) is not None]
     if not holders:
-        raise ValueError(f"optimizer={type(optimizer).__name__}(...) has no grad scaler: build it with "
-                         "OptimizerConfig(fp16=True) (bf16 needs no loss scaler).")
+        raise ValueError(
+            f"optimizer={type(optimizer).__name__}(...) has no grad scaler: build it with "
+            "OptimizerConfig(fp16=True) (bf16 needs no loss scaler)."
+        )
     if scaler is None:
         scaler = _from_holder(cls, holders[0].grad_scaler, ConstantGradScaler, DynamicGradScaler, scaler_kwargs)
     elif scaler_kwargs:
@@ -268,7 +313,9 @@ def attach(optimizer, scaler=None, **scaler_kwargs):
         raise ValueError(f"scaler={scaler!r} must be a lossscale.integrations.megatron.GradScaler.")
     for holder in holders:
         if not isinstance(holder.grad_scaler, MegatronGradScaler):
-            raise ValueError(f"{type(holder).__name__}.grad_scaler is {holder.grad_scaler!r}, not a MegatronGradScaler.")
+            raise ValueError(
+                f"{type(holder).__name__}.grad_scaler is {holder.grad_scaler!r}, not a MegatronGradScaler."
+            )
         holder.grad_scaler = scaler
     scaler._optimizers = holders
     return scaler
@@ -285,12 +332,18 @@ def _from_holder(cls, old, constant_cls, dynamic_cls, kwargs):
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         return cls(policy=StaticPolicy(scale=float(old.scale.reshape(-1)[0]), **stuck), device=device, **kwargs)
     if not isinstance(old, dynamic_cls):
-        raise ValueError(f"optimizer.grad_scaler is a {type(old).__name__}; attach() knows Megatron's "
-                         "DynamicGradScaler and ConstantGradScaler. Build a GradScaler(...) and pass scaler=.")
-    numbers = dict(initial_scale=float(old.scale.reshape(-1)[0]), min_scale=float(old.min_scale.reshape(-1)[0]),
-                   growth_factor=float(old.growth_factor.reshape(-1)[0]),
-                   backoff_factor=float(old.backoff_factor.reshape(-1)[0]), growth_interval=old.growth_interval,
-                   hysteresis=old.hysteresis)
+        raise ValueError(
+            f"optimizer.grad_scaler is a {type(old).__name__}; attach() knows Megatron's "
+            "DynamicGradScaler and ConstantGradScaler. Build a GradScaler(...) and pass scaler=."
+        )
+    numbers = dict(
+        initial_scale=float(old.scale.reshape(-1)[0]),
+        min_scale=float(old.min_scale.reshape(-1)[0]),
+        growth_factor=float(old.growth_factor.reshape(-1)[0]),
+        backoff_factor=float(old.backoff_factor.reshape(-1)[0]),
+        growth_interval=old.growth_interval,
+        hysteresis=old.hysteresis,
+    )
     numbers.update(kwargs)
     scaler = cls(device=device, **numbers)
     scaler.load_state_dict(old.state_dict())  # its trackers: a scaler replaced mid-run continues
@@ -309,11 +362,14 @@ def log_health(optimizer_or_scaler, logger=None):
     cls = globals().get(_CLASS)
     if cls is None or not isinstance(scaler, cls):
         inner = list(getattr(optimizer_or_scaler, "chained_optimizers", None) or [optimizer_or_scaler])
-        scaler = next((o.grad_scaler for o in inner if cls is not None and isinstance(getattr(o, "grad_scaler", None), cls)),
-                      None)
+        scaler = next(
+            (o.grad_scaler for o in inner if cls is not None and isinstance(getattr(o, "grad_scaler", None), cls)), None
+        )
     if scaler is None:
-        raise ValueError(f"{optimizer_or_scaler!r} has no lossscale scaler: call "
-                         "lossscale.integrations.megatron.attach(optimizer) first.")
+        raise ValueError(
+            f"{optimizer_or_scaler!r} has no lossscale scaler: call "
+            "lossscale.integrations.megatron.attach(optimizer) first."
+        )
     report = scaler.health()
     log = logger or logging.getLogger("lossscale")
     log.log(logging.INFO if report.verdict == "healthy" else logging.WARNING, report.text)

@@ -93,18 +93,23 @@ def attach(trainer, **scaler_kwargs):
     attached = trainer.__dict__.get(_ATTACHED)
     if attached is not None:
         if scaler_kwargs:
-            raise ValueError("a lossscale scaler is already attached to this trainer (attach(trainer) returns it); "
-                             "pass its keywords to the first attach().")
+            raise ValueError(
+                "a lossscale scaler is already attached to this trainer (attach(trainer) returns it); "
+                "pass its keywords to the first attach()."
+            )
         return attached.scaler
     precision = trainer.config.training.mixed_precision_param
     if precision != "float16":
         # models/llama3/parallelize.py:83 gives FSDP2 this dtype to compute in; the model is built with it.
         raise ValueError(
-            f"trainer.config.training.mixed_precision_param is {precision!r}; set it to \"float16\" on the "
-            "Trainer.Config before Trainer(config) to train in FP16 (bfloat16 needs no loss scaler).")
+            f'trainer.config.training.mixed_precision_param is {precision!r}; set it to "float16" on the '
+            "Trainer.Config before Trainer(config) to train in FP16 (bfloat16 needs no loss scaler)."
+        )
     if not isinstance(trainer.loss_fn, BaseLoss):
-        raise ValueError(f"trainer.loss_fn={trainer.loss_fn!r} is not a torchtitan BaseLoss; attach() scales the "
-                         "loss that a BaseLoss (config.loss) returns.")
+        raise ValueError(
+            f"trainer.loss_fn={trainer.loss_fn!r} is not a torchtitan BaseLoss; attach() scales the "
+            "loss that a BaseLoss (config.loss) returns."
+        )
     if "device" in scaler_kwargs:
         raise ValueError("device= is the trainer's (trainer.device); leave it out.")
     if isinstance(scaler_kwargs.get("policy", "dynamic"), str):
@@ -260,8 +265,10 @@ def _going_on_after_skipped_bad_loss(trainer, scaler):
             if not str(error).startswith(_NOT_FINITE) or not scaler.last_step_skipped:
                 raise
             trainer.metrics_processor.logger.log(scalars(scaler.metrics()), trainer.step)
-            logger.warning(f"{error.args[0].split('. Stopping training.')[0]}: lossscale skipped this step (weights, "
-                           "optimizer state and learning rate unchanged); training goes on.")
+            logger.warning(
+                f"{error.args[0].split('. Stopping training.')[0]}: lossscale skipped this step (weights, "
+                "optimizer state and learning rate unchanged); training goes on."
+            )
             return None
 
     return wrapped

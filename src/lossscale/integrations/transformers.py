@@ -24,7 +24,6 @@ engine's checkpoints carry it.
 Tested with transformers 5.24.0 (accelerate 1.16.0) on CPU.
 """
 
-
 from __future__ import annotations
 
 import weakref
@@ -65,16 +64,20 @@ def attach(trainer, scaler=None, **scaler_kwargs):
         raise ValueError(f"trainer={trainer!r} must be a transformers.Trainer.")
     if not trainer.args.fp16:
         # training_args.py:1615 turns fp16=True into the accelerator's mixed_precision="fp16".
-        raise ValueError("trainer.args.fp16 is False; build the Trainer with TrainingArguments(fp16=True) "
-                         "to use a loss scaler (bf16=True needs none).")
+        raise ValueError(
+            "trainer.args.fp16 is False; build the Trainer with TrainingArguments(fp16=True) "
+            "to use a loss scaler (bf16=True needs none)."
+        )
     accelerator = trainer.accelerator
     if _accelerate._attached(accelerator, scaler, scaler_kwargs) is None and _accelerate._prepared(accelerator):
         # train() prepares the model and optimizer (trainer.py:1764-1773), evaluate()/predict() the model
         # (trainer.py:2928-2932); later calls reuse them, without the scaler.
-        raise RuntimeError("attach(trainer) was called after the Trainer prepared its model (trainer.train(), "
-                           "evaluate() or predict() do), so it would train without FP16 loss scaling. Call "
-                           "attach(trainer) right after building the Trainer, before trainer.train() or "
-                           "evaluate(); to go on training this model, build a new Trainer with it.")
+        raise RuntimeError(
+            "attach(trainer) was called after the Trainer prepared its model (trainer.train(), "
+            "evaluate() or predict() do), so it would train without FP16 loss scaling. Call "
+            "attach(trainer) right after building the Trainer, before trainer.train() or "
+            "evaluate(); to go on training this model, build a new Trainer with it."
+        )
     scaler = _accelerate.attach(accelerator, scaler, **scaler_kwargs)  # the same one if attached
     callbacks = trainer.callback_handler.callbacks
     callbacks[:] = [cb for cb in callbacks if not getattr(cb, "_lossscale", False)]
@@ -103,14 +106,17 @@ def _metrics_callback(trainer, scaler):
             trainer = trainer_ref()
             # Under DeepSpeed the handle's target: train()'s prepare() installed it in the engine by now.
             training = scaler.target if isinstance(scaler, _accelerate.EngineScaler) else scaler
-            in_place = trainer is None or (training is not None and
-                                           _accelerate._training_scaler(trainer.accelerator) is training)
+            in_place = trainer is None or (
+                training is not None and _accelerate._training_scaler(trainer.accelerator) is training
+            )
             if not in_place:
                 # trainer.py:4658 (hyperparameter_search) builds a new accelerator per trial.
-                raise RuntimeError("The Trainer rebuilt its accelerator after lossscale attach(), so "
-                                   "training would run without the scaler. hyperparameter_search does this "
-                                   "for every trial and is not supported; call attach(trainer) last, right "
-                                   "before trainer.train().")
+                raise RuntimeError(
+                    "The Trainer rebuilt its accelerator after lossscale attach(), so "
+                    "training would run without the scaler. hyperparameter_search does this "
+                    "for every trial and is not supported; call attach(trainer) last, right "
+                    "before trainer.train()."
+                )
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             """Add the scaler's figures to a training log (the one with "loss"), and its health account

@@ -96,25 +96,37 @@ def attach(engine, **scaler_kwargs):
     from ..sharded import ShardedGradScaler
 
     if not isinstance(engine, FSDPEngine):
-        raise ValueError(f"engine={type(engine).__name__}(...) must be a verl FSDPEngine (a worker's .engine with "
-                         "strategy 'fsdp2' or 'fsdp').")
+        raise ValueError(
+            f"engine={type(engine).__name__}(...) must be a verl FSDPEngine (a worker's .engine with "
+            "strategy 'fsdp2' or 'fsdp')."
+        )
     attached = engine.__dict__.get(_ATTR)
     if attached is not None and engine.scaler is attached.scaler:
         if not scaler_kwargs:
             return attached.scaler
-        raise ValueError("a lossscale scaler is already attached to this engine (attach(engine) returns it); a "
-                         "second one would leave the first out of training.")
+        raise ValueError(
+            "a lossscale scaler is already attached to this engine (attach(engine) returns it); a "
+            "second one would leave the first out of training."
+        )
     if getattr(engine, "checkpoint_manager", None) is None:  # set by initialize() (transformer_impl.py:217)
-        raise RuntimeError("attach(engine) was called before the engine was built: call it after "
-                           "engine.initialize() (TrainingWorker.reset(), or the worker's init_model()).")
+        raise RuntimeError(
+            "attach(engine) was called before the engine was built: call it after "
+            "engine.initialize() (TrainingWorker.reset(), or the worker's init_model())."
+        )
     if engine.optimizer is None:  # forward_only engines (a reference policy) build none (transformer_impl.py:622)
         raise ValueError("the engine is forward_only (it has no optimizer): there is nothing to scale.")
     if engine._autocast_dtype != torch.float16:  # the param_dtype verl read from the config (transformer_impl.py:400)
-        if engine.engine_config.strategy == "fsdp_turbo":  # its _build_fsdp_module sets neither (fsdp_turbo_impl.py:50-63)
-            raise ValueError("verl's fsdp_turbo engine autocasts to bf16 whatever the config says (it builds no "
-                             "scaler and no fp16 autocast): use strategy 'fsdp2' to train in FP16.")
-        raise ValueError(f"the engine trains in {engine._autocast_dtype} (engine.mixed_precision.param_dtype), not "
-                         "fp16: bf16 and fp32 need no loss scaler. Set param_dtype: fp16 to train in FP16.")
+        if (
+            engine.engine_config.strategy == "fsdp_turbo"
+        ):  # its _build_fsdp_module sets neither (fsdp_turbo_impl.py:50-63)
+            raise ValueError(
+                "verl's fsdp_turbo engine autocasts to bf16 whatever the config says (it builds no "
+                "scaler and no fp16 autocast): use strategy 'fsdp2' to train in FP16."
+            )
+        raise ValueError(
+            f"the engine trains in {engine._autocast_dtype} (engine.mixed_precision.param_dtype), not "
+            "fp16: bf16 and fp32 need no loss scaler. Set param_dtype: fp16 to train in FP16."
+        )
 
     scaler_kwargs.setdefault("growth_interval", VERL_GROWTH_INTERVAL)
     scaler_kwargs.setdefault("device", get_device_name())
@@ -142,8 +154,10 @@ def _require_verl() -> None:
     except ModuleNotFoundError as error:
         if error.name != "verl":
             raise  # verl is there but something it imports is not: its own message says what
-        raise ModuleNotFoundError("lossscale.integrations.verl needs verl, which is not installed: pip install verl "
-                                  "(tested: verl==0.9.1).", name="verl") from error
+        raise ModuleNotFoundError(
+            "lossscale.integrations.verl needs verl, which is not installed: pip install verl (tested: verl==0.9.1).",
+            name="verl",
+        ) from error
 
 
 def _reporting(engine, train_batch, state: _Attached):
@@ -215,9 +229,12 @@ def _loading(manager, load_checkpoint, scaler):
         if os.path.exists(path):
             scaler.load_state_dict(torch.load(path, weights_only=True))
         else:
-            warnings.warn(f"lossscale.integrations.verl: {path} is missing (the checkpoint was saved without "
-                          "lossscale attached); the scaler keeps its state, starting at its initial scale.",
-                          RuntimeWarning, stacklevel=_user_stacklevel())
+            warnings.warn(
+                f"lossscale.integrations.verl: {path} is missing (the checkpoint was saved without "
+                "lossscale attached); the scaler keeps its state, starting at its initial scale.",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
         return out
 
     wrapped.__doc__ = load_checkpoint.__doc__

@@ -126,23 +126,36 @@ def check_out_dir(path) -> str:
     return p
 
 
-def write_html(path: str, title: str, sections: Sequence[Section], *, subtitle: str = "",
-               summary: Sequence[Tuple[str, str, Optional[str], str]] = (), footer: str = "") -> str:
+def write_html(
+    path: str,
+    title: str,
+    sections: Sequence[Section],
+    *,
+    subtitle: str = "",
+    summary: Sequence[Tuple[str, str, Optional[str], str]] = (),
+    footer: str = "",
+) -> str:
     """Write ``path``: a title, an optional summary table, the sections, a footer. Returns ``path``.
 
     ``summary``: ``(anchor, title, verdict, key figure)`` rows, linked to their sections.
     """
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width,initial-scale=1">',
-             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>", f"<h1>{_e(title)}</h1>"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width,initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+    ]
     if subtitle:
         parts.append(f'<p class="sub">{_e(subtitle)}</p>')
     if summary:
         parts.append("<table><tr><th>claim</th><th>verdict</th><th>measured</th></tr>")
         for anchor, name, verdict, figure in summary:
             cls = {"HELD": "ok", "NOT HELD": "bad"}.get(verdict or "", "wait")
-            parts.append(f'<tr><td><a href="#{_e(anchor)}">{_e(name)}</a></td><td class="{cls}">{_e(verdict or "")}'
-                         f"</td><td>{_e(figure)}</td></tr>")
+            parts.append(
+                f'<tr><td><a href="#{_e(anchor)}">{_e(name)}</a></td><td class="{cls}">{_e(verdict or "")}'
+                f"</td><td>{_e(figure)}</td></tr>"
+            )
         parts.append("</table>")
     parts.extend(_section(s) for s in sections)
     if footer:

@@ -13,8 +13,16 @@ import os
 from typing import List, Mapping, Optional, Sequence
 
 __all__ = [
-    "COLORS", "color_for", "plot_number_line", "plot_layer_flush", "plot_curves", "plot_scale_trajectory",
-    "plot_sweep", "plot_clip_order", "plot_telemetry", "plot_bad_batches",
+    "COLORS",
+    "color_for",
+    "plot_number_line",
+    "plot_layer_flush",
+    "plot_curves",
+    "plot_scale_trajectory",
+    "plot_sweep",
+    "plot_clip_order",
+    "plot_telemetry",
+    "plot_bad_batches",
 ]
 
 #: One colour per run kind, the same in every plot.
@@ -72,9 +80,16 @@ def _pow2_ticks(ax, axis: str = "y", step: Optional[int] = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- C1-C3
-def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[int, int],
-                     hist_after: Optional[Mapping[int, int]] = None, *, scale_log2: Optional[float] = None,
-                     band: Optional[Sequence[float]] = (1e-10, 1e-8), title: str = "") -> str:
+def plot_number_line(
+    path: str,
+    fmt: Mapping[str, float],
+    hist_before: Mapping[int, int],
+    hist_after: Optional[Mapping[int, int]] = None,
+    *,
+    scale_log2: Optional[float] = None,
+    band: Optional[Sequence[float]] = (1e-10, 1e-8),
+    title: str = "",
+) -> str:
     """The FP16 number line with its cliff, and gradient exponent histograms on it.
 
     Args:
@@ -100,14 +115,26 @@ def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[i
     if hist_before:
         total_b = sum(hist_before.values()) or 1
         eb = sorted(hist_before)
-        ax.bar([e + 0.5 for e in eb], [hist_before[e] / total_b for e in eb], width=0.9, color="#7f7f7f",
-               alpha=0.85, label="true FP32 gradients (unscaled)")
+        ax.bar(
+            [e + 0.5 for e in eb],
+            [hist_before[e] / total_b for e in eb],
+            width=0.9,
+            color="#7f7f7f",
+            alpha=0.85,
+            label="true FP32 gradients (unscaled)",
+        )
     if hist_after:
         total_a = sum(hist_after.values()) or 1
         ea = sorted(hist_after)
         label = "after loss scaling" + (f" by $2^{{{scale_log2:g}}}$" if scale_log2 is not None else "")
-        ax.bar([e + 0.5 for e in ea], [hist_after[e] / total_a for e in ea], width=0.9, color="#1f77b4",
-               alpha=0.75, label=label)
+        ax.bar(
+            [e + 0.5 for e in ea],
+            [hist_after[e] / total_a for e in ea],
+            width=0.9,
+            color="#1f77b4",
+            alpha=0.75,
+            label=label,
+        )
     ymax = ax.get_ylim()[1] if (hist_before or hist_after) else 0.75
     ax.set_ylim(0, ymax * 1.35)
     y_txt = ymax * 1.25
@@ -115,19 +142,46 @@ def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[i
     ax.axvline(sub, color="#ff7f0e", lw=1, ls=":")
     ax.axvline(normal, color="#2ca02c", lw=1, ls=":")
     ax.axvline(top, color="#d62728", lw=2)
-    ax.text((lo + flush) / 2, y_txt, f"flushed to 0\n(|x| ≤ $2^{{{flush:g}}}$)", ha="center", va="top",
-            fontsize=9, color="#a00")
-    ax.text((flush + normal) / 2, y_txt, f"subnormal\n$2^{{{sub:g}}}$..$2^{{{normal:g}}}$", ha="center",
-            va="top", fontsize=9, color="#a50")
-    ax.text((normal + top) / 2, y_txt, f"normal {name}\n$2^{{{normal:g}}}$ .. {fmt['max']:g}", ha="center",
-            va="top", fontsize=9, color="#060")
+    ax.text(
+        (lo + flush) / 2,
+        y_txt,
+        f"flushed to 0\n(|x| ≤ $2^{{{flush:g}}}$)",
+        ha="center",
+        va="top",
+        fontsize=9,
+        color="#a00",
+    )
+    ax.text(
+        (flush + normal) / 2,
+        y_txt,
+        f"subnormal\n$2^{{{sub:g}}}$..$2^{{{normal:g}}}$",
+        ha="center",
+        va="top",
+        fontsize=9,
+        color="#a50",
+    )
+    ax.text(
+        (normal + top) / 2,
+        y_txt,
+        f"normal {name}\n$2^{{{normal:g}}}$ .. {fmt['max']:g}",
+        ha="center",
+        va="top",
+        fontsize=9,
+        color="#060",
+    )
     ax.text(min(top + 0.3, hi - 0.5), y_txt, "→ inf", ha="left", va="top", fontsize=9, color="#a00")
     if band:
         b0, b1 = math.log2(band[0]), math.log2(band[1])
-        ax.annotate("", xy=(b0, ymax * 1.02), xytext=(b1, ymax * 1.02),
-                    arrowprops=dict(arrowstyle="<->", color="#444"))
-        ax.text((b0 + b1) / 2, ymax * 1.04, f"{band[0]:.0e} .. {band[1]:.0e}", ha="center", va="bottom",
-                fontsize=8, color="#444")
+        ax.annotate("", xy=(b0, ymax * 1.02), xytext=(b1, ymax * 1.02), arrowprops=dict(arrowstyle="<->", color="#444"))
+        ax.text(
+            (b0 + b1) / 2,
+            ymax * 1.04,
+            f"{band[0]:.0e} .. {band[1]:.0e}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="#444",
+        )
     ax.set_xlim(lo, hi)
     _pow2_ticks(ax, "x", step=4)
     ax.set_xlabel("|value| (binade)")
@@ -140,8 +194,13 @@ def plot_number_line(path: str, fmt: Mapping[str, float], hist_before: Mapping[i
     return _save(fig, path)
 
 
-def plot_layer_flush(path: str, layers: Sequence[str], series: Mapping[str, Sequence[Optional[float]]], *,
-                     title: str = "Activation gradients flushed to zero, per layer") -> str:
+def plot_layer_flush(
+    path: str,
+    layers: Sequence[str],
+    series: Mapping[str, Sequence[Optional[float]]],
+    *,
+    title: str = "Activation gradients flushed to zero, per layer",
+) -> str:
     """Grouped bars: per layer, the flushed fraction of its activation gradients for each run.
 
     ``series``: ``{run label: [fraction per layer]}`` (None for a layer a run did not measure).
@@ -181,8 +240,13 @@ def plot_layer_flush(path: str, layers: Sequence[str], series: Mapping[str, Sequ
 
 
 # ---------------------------------------------------------------------------------------------- curves
-def plot_curves(path: str, runs: Mapping[str, Mapping[str, Sequence[float]]], *, chance: Optional[float] = None,
-                title: str = "Training under the controlled shift") -> str:
+def plot_curves(
+    path: str,
+    runs: Mapping[str, Mapping[str, Sequence[float]]],
+    *,
+    chance: Optional[float] = None,
+    title: str = "Training under the controlled shift",
+) -> str:
     """Loss (left, log scale) and test accuracy (right) per epoch, one line per run.
 
     ``runs``: ``{name: {"label", "epoch": [...], "train_loss": [...], "test_acc": [...]}}``.
@@ -194,8 +258,17 @@ def plot_curves(path: str, runs: Mapping[str, Mapping[str, Sequence[float]]], *,
         # FP32 is drawn last-on-top and dashed: the scaled FP16 runs lie right under it.
         ls, z = ("--", 10) if name == "fp32" else ("-", 2)
         ax_l.plot(ep, _finite(r["train_loss"]), ls, color=col, lw=1.8, label=r.get("label", name), zorder=z)
-        ax_a.plot(ep, [100 * a for a in _finite(r["test_acc"])], ls, color=col, lw=1.8, marker="o", ms=2.5,
-                  label=r.get("label", name), zorder=z)
+        ax_a.plot(
+            ep,
+            [100 * a for a in _finite(r["test_acc"])],
+            ls,
+            color=col,
+            lw=1.8,
+            marker="o",
+            ms=2.5,
+            label=r.get("label", name),
+            zorder=z,
+        )
     ax_l.set_yscale("log")
     ax_l.set_xlabel("epoch")
     ax_l.set_ylabel("training loss (unshifted, mean per epoch)")
@@ -204,15 +277,24 @@ def plot_curves(path: str, runs: Mapping[str, Mapping[str, Sequence[float]]], *,
     ax_a.set_ylim(0, 100)
     if chance is not None:
         ax_a.axhline(100 * chance, color="#999", lw=1, ls=":")
-        ax_a.text(0.99, 100 * chance - 1.5, "chance", fontsize=8, color="#777", ha="right", va="top",
-                  transform=ax_a.get_yaxis_transform())
+        ax_a.text(
+            0.99,
+            100 * chance - 1.5,
+            "chance",
+            fontsize=8,
+            color="#777",
+            ha="right",
+            va="top",
+            transform=ax_a.get_yaxis_transform(),
+        )
     ax_a.legend(fontsize=8, loc="center right")
     fig.suptitle(title)
     return _save(fig, path)
 
 
-def plot_scale_trajectory(path: str, runs: Mapping[str, Mapping[str, Sequence]], *,
-                          title: str = "Loss scale per step (x = skipped step)") -> str:
+def plot_scale_trajectory(
+    path: str, runs: Mapping[str, Mapping[str, Sequence]], *, title: str = "Loss scale per step (x = skipped step)"
+) -> str:
     """log2 of the loss scale per step for each run, skipped steps marked, and the overflow line.
 
     ``runs``: ``{name: {"label", "step", "loss_scale", "skipped", optional "line", "envelope"}}`` where
@@ -231,12 +313,26 @@ def plot_scale_trajectory(path: str, runs: Mapping[str, Mapping[str, Sequence]],
             ax.plot(steps, _log2(line), color=col, lw=0.8, alpha=0.45, ls="--", label="overflow line, per step")
         env = r.get("envelope")
         if env is not None and any(v is not None for v in env):
-            ax.plot(steps, _log2(env), color="#444", lw=1.1, alpha=0.9, ls=":",
-                    label="overflow line, lowest of the growth interval")
+            ax.plot(
+                steps,
+                _log2(env),
+                color="#444",
+                lw=1.1,
+                alpha=0.9,
+                ls=":",
+                label="overflow line, lowest of the growth interval",
+            )
         sk = [(s, y) for s, y, k in zip(steps, ls2, r["skipped"]) if k]
         if sk:
-            ax.scatter([s for s, _ in sk], [y for _, y in sk], marker="x", color="#d62728", s=28, zorder=5,
-                       label=None if marked else "skipped step (inf/NaN)")
+            ax.scatter(
+                [s for s, _ in sk],
+                [y for _, y in sk],
+                marker="x",
+                color="#d62728",
+                s=28,
+                zorder=5,
+                label=None if marked else "skipped step (inf/NaN)",
+            )
             marked = True
     _pow2_ticks(ax, "y")
     ax.set_xlabel("optimizer step")
@@ -246,11 +342,19 @@ def plot_scale_trajectory(path: str, runs: Mapping[str, Mapping[str, Sequence]],
     return _save(fig, path)
 
 
-def plot_sweep(path: str, log2_scales: Sequence[float], acc: Sequence[float], skipped_frac: Sequence[float], *,
-               fp32_acc: Optional[float] = None, flushed_frac: Optional[Sequence[Optional[float]]] = None,
-               overflow_frac: Optional[Sequence[Optional[float]]] = None,
-               window: Optional[Sequence[float]] = None, chance: Optional[float] = None,
-               title: str = "Static loss scale sweep: the tightrope") -> str:
+def plot_sweep(
+    path: str,
+    log2_scales: Sequence[float],
+    acc: Sequence[float],
+    skipped_frac: Sequence[float],
+    *,
+    fp32_acc: Optional[float] = None,
+    flushed_frac: Optional[Sequence[Optional[float]]] = None,
+    overflow_frac: Optional[Sequence[Optional[float]]] = None,
+    window: Optional[Sequence[float]] = None,
+    chance: Optional[float] = None,
+    title: str = "Static loss scale sweep: the tightrope",
+) -> str:
     """Final accuracy (top) and failure fractions (bottom) against a static scale ``2**k``.
 
     ``flushed_frac``/``overflow_frac``: the fraction of true gradients that flush / overflow at each
@@ -271,11 +375,17 @@ def plot_sweep(path: str, log2_scales: Sequence[float], acc: Sequence[float], sk
     ax_a.legend(fontsize=8, loc="center right")
     ax_f.plot(x, [100 * v for v in _finite(skipped_frac)], "s-", color="#d62728", label="steps skipped (overflow)")
     if flushed_frac is not None:
-        ax_f.plot(x, [100 * v for v in _finite(flushed_frac)], "v-", color="#7f7f7f",
-                  label="gradients flushed to 0 (underflow)")
+        ax_f.plot(
+            x,
+            [100 * v for v in _finite(flushed_frac)],
+            "v-",
+            color="#7f7f7f",
+            label="gradients flushed to 0 (underflow)",
+        )
     if overflow_frac is not None:
-        ax_f.plot(x, [100 * v for v in _finite(overflow_frac)], "^:", color="#9467bd",
-                  label="gradients overflowing to inf")
+        ax_f.plot(
+            x, [100 * v for v in _finite(overflow_frac)], "^:", color="#9467bd", label="gradients overflowing to inf"
+        )
     ax_f.set_ylabel("% of steps / gradients")
     ax_f.set_ylim(-3, 103)
     ax_f.set_xlabel("loss scale S")
@@ -285,8 +395,13 @@ def plot_sweep(path: str, log2_scales: Sequence[float], acc: Sequence[float], sk
     return _save(fig, path)
 
 
-def plot_clip_order(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, clip_norm: float = 1.0,
-                    title: str = "Clip after unscaling, not before") -> str:
+def plot_clip_order(
+    path: str,
+    runs: Mapping[str, Mapping[str, Sequence]],
+    *,
+    clip_norm: float = 1.0,
+    title: str = "Clip after unscaling, not before",
+) -> str:
     """Accuracy per epoch (left) and applied/true gradient norm per step (right) for two clip orders.
 
     ``runs``: ``{name: {"label", "epoch", "test_acc", "step", "norm_ratio"}}``.
@@ -294,8 +409,14 @@ def plot_clip_order(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, cl
     fig, (ax_a, ax_r) = _figure(11, 4.2, 1, 2)
     for i, (name, r) in enumerate(runs.items()):
         col = color_for(name, i)
-        ax_a.plot([e + 1 for e in r["epoch"]], [100 * a for a in _finite(r["test_acc"])], "-o", ms=2.5,
-                  color=col, label=r.get("label", name))
+        ax_a.plot(
+            [e + 1 for e in r["epoch"]],
+            [100 * a for a in _finite(r["test_acc"])],
+            "-o",
+            ms=2.5,
+            color=col,
+            label=r.get("label", name),
+        )
         ax_r.plot(r["step"], _finite(r["norm_ratio"]), ".", ms=3, color=col, label=r.get("label", name))
     ax_a.set_ylim(0, 100)
     ax_a.set_xlabel("epoch")
@@ -312,10 +433,16 @@ def plot_clip_order(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, cl
 
 
 # ---------------------------------------------------------------------------------------------- telemetry
-def plot_telemetry(path: str, step: Sequence[int], loss_scale: Sequence[float], skipped: Sequence[bool], *,
-                   flushed: Optional[Mapping[str, Sequence[Optional[float]]]] = None,
-                   headroom: Optional[Mapping[str, Sequence[Optional[float]]]] = None,
-                   title: str = "Loss-scale telemetry") -> str:
+def plot_telemetry(
+    path: str,
+    step: Sequence[int],
+    loss_scale: Sequence[float],
+    skipped: Sequence[bool],
+    *,
+    flushed: Optional[Mapping[str, Sequence[Optional[float]]]] = None,
+    headroom: Optional[Mapping[str, Sequence[Optional[float]]]] = None,
+    title: str = "Loss-scale telemetry",
+) -> str:
     """A recorded run: scale with skipped steps and overflow line, flushed fractions, headroom.
 
     ``flushed``/``headroom``: ``{series label: per-step values}`` (None where a step lacks the figure;
@@ -330,16 +457,32 @@ def plot_telemetry(path: str, step: Sequence[int], loss_scale: Sequence[float], 
     ax.step(step, ls2, where="post", color="#1f77b4", lw=1.6, label="loss scale")
     if headroom:
         first_label, first = next(iter(headroom.items()))
-        line = [s + h if h is not None and math.isfinite(s) and math.isfinite(h) else float("nan")
-                for s, h in zip(ls2, first)]
+        line = [
+            s + h if h is not None and math.isfinite(s) and math.isfinite(h) else float("nan")
+            for s, h in zip(ls2, first)
+        ]
         pts = [(s, v) for s, v in zip(step, line) if math.isfinite(v)]
         if pts:
-            ax.plot([s for s, _ in pts], [v for _, v in pts], "--", color="#1f77b4", alpha=0.5, lw=0.9,
-                    label=f"overflow line: scale × 2^headroom of {first_label}")  # which series it rests on
+            ax.plot(
+                [s for s, _ in pts],
+                [v for _, v in pts],
+                "--",
+                color="#1f77b4",
+                alpha=0.5,
+                lw=0.9,
+                label=f"overflow line: scale × 2^headroom of {first_label}",
+            )  # which series it rests on
     sk = [(s, y) for s, y, k in zip(step, ls2, skipped) if k]
     if sk:
-        ax.scatter([s for s, _ in sk], [y for _, y in sk], marker="x", color="#d62728", s=28, zorder=5,
-                   label=f"skipped step ({len(sk)})")
+        ax.scatter(
+            [s for s, _ in sk],
+            [y for _, y in sk],
+            marker="x",
+            color="#d62728",
+            s=28,
+            zorder=5,
+            label=f"skipped step ({len(sk)})",
+        )
     _pow2_ticks(ax, "y")
     ax.set_ylabel("loss scale")
     ax.legend(fontsize=8, loc="lower right")
@@ -353,8 +496,13 @@ def plot_telemetry(path: str, step: Sequence[int], loss_scale: Sequence[float], 
         for j, (label, vals) in enumerate(data.items()):
             # Sampled series (every few steps) leave gaps: draw the measured points joined up.
             pts = [(s, 100 * v if pct else v) for s, v in zip(step, _finite(vals)) if math.isfinite(v)]
-            ax.plot([s for s, _ in pts], [v for _, v in pts], color="#222" if j == 0 else _CYCLE[(j - 1) % len(_CYCLE)],
-                    lw=1.8 if j == 0 else 1.0, label=label)
+            ax.plot(
+                [s for s, _ in pts],
+                [v for _, v in pts],
+                color="#222" if j == 0 else _CYCLE[(j - 1) % len(_CYCLE)],
+                lw=1.8 if j == 0 else 1.0,
+                label=label,
+            )
         if not pct:
             ax.axhline(0, color="#d62728", lw=1, ls=":")
         ax.set_ylabel(ylabel)
@@ -364,8 +512,13 @@ def plot_telemetry(path: str, step: Sequence[int], loss_scale: Sequence[float], 
 
 
 # ---------------------------------------------------------------------------------------------- bad batches
-def plot_bad_batches(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, chance: Optional[float] = None,
-                     title: str = "Bad batches: the loss scale per step, and what it did to training") -> str:
+def plot_bad_batches(
+    path: str,
+    runs: Mapping[str, Mapping[str, Sequence]],
+    *,
+    chance: Optional[float] = None,
+    title: str = "Bad batches: the loss scale per step, and what it did to training",
+) -> str:
     """Loss scale per step (left, log2) and test accuracy per epoch (right) of runs fed the same bad batches.
 
     ``runs``: ``{name: {"label", "step", "loss_scale", "skipped", "final_scale", "epoch", "test_acc"}}``;
@@ -383,14 +536,35 @@ def plot_bad_batches(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, c
         ls2 = _log2(list(r["loss_scale"]) + [r["final_scale"]])
         handles += ax_s.step(steps, ls2, where="post", color=col, label=r.get("label", name), **style)
         if math.isfinite(ls2[-1]):
-            ax_s.annotate(f"$2^{{{ls2[-1]:g}}}$", (steps[-1], ls2[-1]), xytext=(4, 0), textcoords="offset points",
-                          va="center", fontsize=9, color="#666" if clean else col)
+            ax_s.annotate(
+                f"$2^{{{ls2[-1]:g}}}$",
+                (steps[-1], ls2[-1]),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=9,
+                color="#666" if clean else col,
+            )
         sk = [(s, y) for s, y, k in zip(steps, ls2, r["skipped"]) if k]
         if sk:
-            skip_handle = ax_s.scatter([s for s, _ in sk], [y for _, y in sk], marker="x", color="#d62728", s=22,
-                                       zorder=5, label="skipped step (a bad batch)")
-        ax_a.plot([e + 1 for e in r["epoch"]], [100 * a for a in _finite(r["test_acc"])], "-", color=col, marker="o",
-                  ms=2.5, **style)
+            skip_handle = ax_s.scatter(
+                [s for s, _ in sk],
+                [y for _, y in sk],
+                marker="x",
+                color="#d62728",
+                s=22,
+                zorder=5,
+                label="skipped step (a bad batch)",
+            )
+        ax_a.plot(
+            [e + 1 for e in r["epoch"]],
+            [100 * a for a in _finite(r["test_acc"])],
+            "-",
+            color=col,
+            marker="o",
+            ms=2.5,
+            **style,
+        )
     _pow2_ticks(ax_s, "y")
     ax_s.set_xlim(right=ax_s.get_xlim()[1] * 1.06)  # room for the end labels
     ax_s.set_xlabel("optimizer step")
@@ -405,8 +579,16 @@ def plot_bad_batches(path: str, runs: Mapping[str, Mapping[str, Sequence]], *, c
     ax_a.set_title("test accuracy after each epoch", fontsize=10)
     if chance is not None:
         ax_a.axhline(100 * chance, color="#999", lw=1, ls=":")
-        ax_a.text(0.01, 100 * chance + 1.5, "chance", fontsize=8, color="#777", ha="left", va="bottom",
-                  transform=ax_a.get_yaxis_transform())
+        ax_a.text(
+            0.01,
+            100 * chance + 1.5,
+            "chance",
+            fontsize=8,
+            color="#777",
+            ha="left",
+            va="bottom",
+            transform=ax_a.get_yaxis_transform(),
+        )
     handles += [skip_handle] if skip_handle is not None else []
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8.5, frameon=False)
     fig.suptitle(title)

@@ -91,13 +91,15 @@ def summarize(tel: Telemetry) -> Dict[str, Any]:
         per = tel.layer_series(kind, "flushed_frac")
         if per:
             # Its own key: it once shared "act_flushed_frac_mean" and replaced the overall mean.
-            out[f"{kind}_flushed_frac_mean_per_layer"] = {layer: _stat(v, statistics.fmean)
-                                                          for layer, v in per.items()}
+            out[f"{kind}_flushed_frac_mean_per_layer"] = {layer: _stat(v, statistics.fmean) for layer, v in per.items()}
     return out
 
 
-_WHAT = {"grad": "all parameter gradients together", "act": "all watched modules together",
-         "param": "parameter gradients"}
+_WHAT = {
+    "grad": "all parameter gradients together",
+    "act": "all watched modules together",
+    "param": "parameter gradients",
+}
 
 _PLAIN = {
     "steps": "optimizer steps from the first logged step to the last (last_step - first_step + 1)",
@@ -146,10 +148,12 @@ def describe(key: str, layer: Optional[str] = None, logged: Optional[str] = None
     if layer is not None:  # {kind}_flushed_frac_mean_per_layer[layer]
         kind = key.split("_", 1)[0]
         return f"{key}[{layer}]: mean over steps of {logged or f'{kind}/{layer}/flushed_frac'} ({layer} alone)"
-    for stat, words in (("_flushed_frac_mean", "mean over steps of {k}/flushed_frac"),
-                        ("_flushed_frac_max", "max over steps of {k}/flushed_frac"),
-                        ("_headroom_bits_median_clean", "median over unskipped steps of {k}/headroom_bits"),
-                        ("_headroom_bits_min_clean", "min over unskipped steps of {k}/headroom_bits")):
+    for stat, words in (
+        ("_flushed_frac_mean", "mean over steps of {k}/flushed_frac"),
+        ("_flushed_frac_max", "max over steps of {k}/flushed_frac"),
+        ("_headroom_bits_median_clean", "median over unskipped steps of {k}/headroom_bits"),
+        ("_headroom_bits_min_clean", "min over unskipped steps of {k}/headroom_bits"),
+    ):
         if key.endswith(stat):
             k = key[: -len(stat)]
             return f"{key}: {words.format(k=k)} ({_WHAT.get(k, k)})"
@@ -184,19 +188,36 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
     summary = summarize(tel)
     # Legends name the series they draw, as the figure table does.
     pairs = (("grad/{}", "gradients, all together"), ("act/{}", "activation gradients, all watched modules"))
-    flushed = {f"{label} ({key.format('flushed_frac')})": tel.metrics[key.format("flushed_frac")]
-               for key, label in pairs if key.format("flushed_frac") in tel.metrics}
-    headroom = {f"{label} ({key.format('headroom_bits')})": tel.metrics[key.format("headroom_bits")]
-                for key, label in pairs if key.format("headroom_bits") in tel.metrics}
+    flushed = {
+        f"{label} ({key.format('flushed_frac')})": tel.metrics[key.format("flushed_frac")]
+        for key, label in pairs
+        if key.format("flushed_frac") in tel.metrics
+    }
+    headroom = {
+        f"{label} ({key.format('headroom_bits')})": tel.metrics[key.format("headroom_bits")]
+        for key, label in pairs
+        if key.format("headroom_bits") in tel.metrics
+    }
     images = []
-    plots.plot_telemetry(os.path.join(out_dir, "telemetry.png"), tel.step, tel.loss_scale, tel.skipped,
-                         flushed=flushed or None, headroom=headroom or None,
-                         title=f"{os.path.basename(jsonl_path)}: loss scale, skipped steps, underflow, headroom")
+    plots.plot_telemetry(
+        os.path.join(out_dir, "telemetry.png"),
+        tel.step,
+        tel.loss_scale,
+        tel.skipped,
+        flushed=flushed or None,
+        headroom=headroom or None,
+        title=f"{os.path.basename(jsonl_path)}: loss scale, skipped steps, underflow, headroom",
+    )
     first_hr = next(iter(headroom), None)
-    images.append(("telemetry.png", "Top: loss scale per step (x: skipped steps" + (
-                   f"; dashed: the overflow line, loss_scale·2^headroom of {first_hr}" if first_hr else "") +
-                   "). Below: share flushed to 0 and headroom in binades, each line one JSONL series as logged "
-                   "(its key in the legend)."))
+    images.append(
+        (
+            "telemetry.png",
+            "Top: loss scale per step (x: skipped steps"
+            + (f"; dashed: the overflow line, loss_scale·2^headroom of {first_hr}" if first_hr else "")
+            + "). Below: share flushed to 0 and headroom in binades, each line one JSONL series as logged "
+            "(its key in the legend).",
+        )
+    )
     for kind, overall, what in (("act", "act", "activation gradients"), ("param", "grad", "parameter gradients")):
         fl = tel.layer_series(kind, "flushed_frac")
         hr = tel.layer_series(kind, "headroom_bits")
@@ -214,37 +235,70 @@ def render_run_report(jsonl_path: str, out_dir: str) -> Dict[str, Any]:
             hr = {f"all together ({overall}/headroom_bits)": tel.metrics[f"{overall}/headroom_bits"], **hr}
             thick.append(f"{overall}/headroom_bits")
         name = f"layers_{kind}.png"
-        plots.plot_telemetry(os.path.join(out_dir, name), tel.step, tel.loss_scale, tel.skipped,
-                             flushed=fl or None, headroom=hr or None, title=f"Per layer: {what}")
-        images.append((name, f"Per-layer {what}: flushed fraction and headroom per step. Thin lines: one "
-                       f"layer each ({' and '.join(f'{p}/<layer>/...' for p in prefixes)})"
-                       + (f"; thick black: {' and '.join(thick)}, over all layers together." if thick else ".")))
+        plots.plot_telemetry(
+            os.path.join(out_dir, name),
+            tel.step,
+            tel.loss_scale,
+            tel.skipped,
+            flushed=fl or None,
+            headroom=hr or None,
+            title=f"Per layer: {what}",
+        )
+        images.append(
+            (
+                name,
+                f"Per-layer {what}: flushed fraction and headroom per step. Thin lines: one "
+                f"layer each ({' and '.join(f'{p}/<layer>/...' for p in prefixes)})"
+                + (f"; thick black: {' and '.join(thick)}, over all layers together." if thick else "."),
+            )
+        )
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         # Strict JSON: a NaN scale (as logged) is written as null.
-        json.dump(_clean({"source": os.path.abspath(jsonl_path), "meta": tel.meta, "figures": summary,
-                          "bad_lines": [{"line": i, "reason": why} for i, why in tel.bad_lines]}),
-                  fh, indent=2, default=str, allow_nan=False)
+        json.dump(
+            _clean(
+                {
+                    "source": os.path.abspath(jsonl_path),
+                    "meta": tel.meta,
+                    "figures": summary,
+                    "bad_lines": [{"line": i, "reason": why} for i, why in tel.bad_lines],
+                }
+            ),
+            fh,
+            indent=2,
+            default=str,
+            allow_nan=False,
+        )
     rows = [(describe(k), _fmt(v)) for k, v in summary.items() if not isinstance(v, dict)]
     for k, v in summary.items():
         if isinstance(v, dict):
             kind = k.split("_", 1)[0]
-            rows.extend((describe(k, layer, tel.layer_key(kind, layer, "flushed_frac")), _fmt(x)) for layer, x in v.items())
+            rows.extend(
+                (describe(k, layer, tel.layer_key(kind, layer, "flushed_frac")), _fmt(x)) for layer, x in v.items()
+            )
     text = [
         "Every figure below is read from the JSONL file; nothing is recomputed. Each row names the series "
         "(JSONL key) it is computed over.",
         "Missing panels mean the file has no such keys (see lossscale.report.schema for the record format).",
     ]
     if any(isinstance(v, dict) for v in summary.values()):
-        text.append("An overall series (e.g. act/flushed_frac) counts the values of all layers together, so "
-                    "layers with many values weigh more in it; a per-layer series (act/<layer>/flushed_frac) "
-                    "counts one layer. A small layer's mean can therefore exceed the overall max.")
+        text.append(
+            "An overall series (e.g. act/flushed_frac) counts the values of all layers together, so "
+            "layers with many values weigh more in it; a per-layer series (act/<layer>/flushed_frac) "
+            "counts one layer. A small layer's mean can therefore exceed the overall max."
+        )
     if tel.bad_lines:
-        text.append(f"{len(tel.bad_lines)} line(s) of the file were skipped as not valid records: "
-                    + "; ".join(f"line {i}: {why}" for i, why in tel.bad_lines[:5])
-                    + ("; ..." if len(tel.bad_lines) > 5 else ""))
+        text.append(
+            f"{len(tel.bad_lines)} line(s) of the file were skipped as not valid records: "
+            + "; ".join(f"line {i}: {why}" for i, why in tel.bad_lines[:5])
+            + ("; ..." if len(tel.bad_lines) > 5 else "")
+        )
     sec = Section("Telemetry", text=text, figures=rows, images=images, anchor="telemetry")
     meta = "; ".join(f"{k}={v}" for k, v in tel.meta.items())
-    write_html(os.path.join(out_dir, "index.html"), f"lossscale report: {os.path.basename(jsonl_path)}", [sec],
-               subtitle=steps_text(summary) + (f" — {meta}" if meta else ""),
-               footer="Written by `lossscale report`.")
+    write_html(
+        os.path.join(out_dir, "index.html"),
+        f"lossscale report: {os.path.basename(jsonl_path)}",
+        [sec],
+        subtitle=steps_text(summary) + (f" — {meta}" if meta else ""),
+        footer="Written by `lossscale report`.",
+    )
     return summary
