@@ -31,9 +31,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_iteration as bench  # noqa: E402  (its path set-up, model and clock)
+from _sync import count_device_work  # noqa: E402
 
 import lossscale  # noqa: E402
-from _sync import count_device_work  # noqa: E402
 
 MICRO_BATCHES = 4
 

@@ -28,8 +28,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # measure the checkout this file lives in
 sys.path.insert(0, HERE)
-import lossscale  # noqa: E402
 from bench_iteration import gpt2, optimizer  # noqa: E402  (the same model and optimizers)
+
+import lossscale  # noqa: E402
 
 PARTS = ("unscale_", "step", "update")
 

@@ -48,8 +48,9 @@ import torch
 
 # Measure the checkout this file lives in, whatever else is installed.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-import lossscale  # noqa: E402
 from _sync import count_host_syncs  # noqa: E402
+
+import lossscale  # noqa: E402
 
 SCALE = 2.0**16
 DEVICE = torch.device("cpu")  # --device; the scalers, parameters and gradients live there

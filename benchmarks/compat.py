@@ -24,8 +24,8 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 

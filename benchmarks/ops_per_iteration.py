@@ -24,8 +24,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import lossscale  # noqa: E402
 from _sync import count_device_work  # noqa: E402
+
+import lossscale  # noqa: E402
 
 #: loop name -> (optimizer, GradScaler keywords ("trace": model= and trace=True), clip, micro-batches)
 LOOPS = {

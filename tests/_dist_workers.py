@@ -21,9 +21,9 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from _models import batch, make_optimizer, tiny_mlp
 
 import lossscale
-from _models import batch, make_optimizer, tiny_mlp
 from lossscale import distributed as lsd
 
 HOST = "127.0.0.1"

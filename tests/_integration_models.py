@@ -12,7 +12,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from _models import TORCH_LIKE  # noqa: E402,F401  (lossscale configured as torch's GradScaler; re-exported)
 
 INIT_SCALE = 2.0**10  # small enough that no step overflows by itself: only the injected inf does

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
+from _dist_workers import _consistency, _local, _plant, _planted
+from _integration_models import TORCH_LIKE
 
 import lossscale
-from _dist_workers import _consistency, _local, _plant, _planted, _worst
-from _integration_models import TORCH_LIKE
 
 INF = math.inf
 CFG = dict(init_scale=2.0**10, growth_interval=2)  # torch's keywords: both scalers take them
@@ -350,8 +348,7 @@ def _error(call) -> str:
 def layouts(rank, world):
     """norm_reduction on hand-made DTensor gradients: what is counted, which layouts it refuses (on
     every rank alike), and a disabled scaler's clip_grad_norm_ (scale 1, the same reduction)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from lossscale import distributed as lsd
 

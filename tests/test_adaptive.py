@@ -7,15 +7,15 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from _models import drive, quiet
+from _rules import TensorForm, backoffs, f32, powers_of_two
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale
 from lossscale import DynamicPolicy, StaticPolicy, is_power_of_two
-from _rules import TensorForm, backoffs, f32, powers_of_two
 from lossscale.adaptive import HIGHEST_SCALE, NO_AMAX, AdaptivePolicy, AdaptiveState
 from lossscale.policy import SMALLEST_SCALE as LOWEST_SCALE
-from _models import drive, quiet
 
 
 class Reference:

@@ -1,13 +1,10 @@
 """The benchmark script runs end to end (a smoke test: tiny sizes, nothing timed is asserted)."""
 
-import dataclasses
 import importlib.util
 import json
 import os
 
 import torch
-
-import lossscale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

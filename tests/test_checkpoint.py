@@ -16,14 +16,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _models import TORCH_LIKE, backward, drive, quiet, tiny_mlp
+from _rules import f32
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from _models import TORCH_LIKE, backward, drive, quiet, tiny_mlp
-from _rules import f32
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, ScaleState, StaticPolicy
-from lossscale.adaptive import NO_AMAX, AdaptiveState
+from lossscale.adaptive import AdaptiveState
 from lossscale.checkpoint import to_dict
 from lossscale.dynamic import DynamicState
 from lossscale.logmax import LogMaxState

@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
 
 import lossscale
-from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, tiny_mlp, twins
 
 S = 2.0**16
 

@@ -12,11 +12,11 @@ import copy
 
 import pytest
 import torch
-
-import lossscale
-from _sync import count_device_work, count_host_syncs
 from _devices import CUDA_LIKE, on
 from _models import TORCH_LIKE, tiny_mlp
+from _sync import count_device_work, count_host_syncs
+
+import lossscale
 
 DEVICES = [pytest.param("cpu", id="cpu"), *CUDA_LIKE]
 

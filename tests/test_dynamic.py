@@ -14,12 +14,12 @@ import struct
 
 import pytest
 import torch
+from _models import TORCH_RULE, quiet
+from _rules import TensorForm, backoffs, f32, flag_lists, powers_of_two
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from _models import TORCH_RULE, quiet
-from _rules import TensorForm, backoffs, f32, flag_lists, powers_of_two
 from lossscale import DynamicPolicy, is_power_of_two
 
 

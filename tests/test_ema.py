@@ -14,6 +14,7 @@ import pickle
 
 import pytest
 import torch
+from _sync import count_host_syncs
 from torch.optim.swa_utils import (
     SWALR,
     AveragedModel,
@@ -24,7 +25,6 @@ from torch.optim.swa_utils import (
 )
 
 import lossscale
-from _sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread

@@ -7,16 +7,15 @@ import pickle
 
 import pytest
 import torch
+from _models import TORCH_RULE, five_layer_mlp
+from _rules import TensorForm
+from _sync import count_host_syncs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from _rules import TensorForm
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
-from _models import TORCH_RULE, five_layer_mlp
-from _sync import count_host_syncs
 from lossscale.policy import BAD_LOSS_STREAK
-
 
 # ------------------------------------------------------------------ the rules: pure and tensor agree
 policies = st.sampled_from(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lossscale import formats
-from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2, FORMATS
+from lossscale.formats import BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32
 
 pytestmark = pytest.mark.filterwarnings("error")
 

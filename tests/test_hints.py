@@ -4,10 +4,10 @@ import warnings
 
 import pytest
 import torch
+from _models import batch, tiny_mlp
 
 import lossscale
 from lossscale import _hints
-from _models import batch, tiny_mlp
 
 HINT = "bf16 has fp32's exponent range"
 

@@ -6,11 +6,11 @@ import warnings
 
 import pytest
 import torch
+from _models import batch, five_layer_mlp, tiny_mlp
 
 import lossscale
 from lossscale.hooks import ActivationGradRecorder, activation_grad_probe, activation_metrics, default_modules
 from lossscale.report import schema
-from _models import batch, five_layer_mlp, tiny_mlp
 
 
 def _loss(out, y):

@@ -23,9 +23,10 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
+from _integration_models import InfAt, fresh_accelerate_state  # noqa: E402,F401  (fixture)
+
 import lossscale  # noqa: E402
 from lossscale.integrations import deepspeed as ls_ds  # noqa: E402
-from _integration_models import InfAt, fresh_accelerate_state  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "ds_cpu")
 
@@ -537,9 +538,9 @@ def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_eng
 def _trainer_run(tmp_path, mode, use_lossscale, resume=None, steps=12, inf_step=5):
     """transformers' Trainer with TrainingArguments(deepspeed=...), ZeRO-2, the tiny GPT-2 (two parameter
     groups: decay and no decay); an inf gradient at step ``inf_step``. Per step: skipped, scale after."""
+    from _integration_models import TokenData, tiny_gpt2
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from _integration_models import TokenData, tiny_gpt2
     from lossscale.integrations import transformers as ls_transformers
 
     cfg = {

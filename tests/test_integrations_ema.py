@@ -5,16 +5,23 @@ only after steps the scaler reports as taken (the reference) and asserts bitwise
 import lightning as L
 import pytest
 import torch
+from _integration_models import (
+    INIT_SCALE,
+    TORCH_LIKE,
+    InfAt,
+    batch,
+    dataset,
+    fresh_accelerate_state,  # noqa: F401  (fixture)
+    mlp,
+)
+from _sync import count_host_syncs
 from accelerate import Accelerator
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
-from _sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
 from lossscale.integrations.lightning import MixedPrecision
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
-from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, batch, dataset, mlp
 
 # Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
 pytestmark = [

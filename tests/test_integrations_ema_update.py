@@ -20,9 +20,9 @@ import sys
 
 import pytest
 import torch
+from _sync import count_host_syncs
 
 import lossscale
-from _sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
 
 pytestmark = pytest.mark.usefixtures("one_thread")

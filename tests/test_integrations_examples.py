@@ -5,7 +5,6 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
 from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 
 pytestmark = [

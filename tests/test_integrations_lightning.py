@@ -3,13 +3,6 @@
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins.precision import MixedPrecision as LightningFabricMixedPrecision
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
-
-import lossscale
-from lossscale.integrations.lightning import FabricMixedPrecision, MixedPrecision
-from lossscale.schedulers import is_skip_aware, skip_aware
 from _integration_models import (
     INIT_SCALE,
     TORCH_LIKE,
@@ -24,6 +17,13 @@ from _integration_models import (
     snapshot,
     warmup_decay,
 )
+from lightning.fabric.plugins.precision import MixedPrecision as LightningFabricMixedPrecision
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
+
+import lossscale
+from lossscale.integrations.lightning import FabricMixedPrecision, MixedPrecision
+from lossscale.schedulers import is_skip_aware, skip_aware
 
 # Lightning 2.6.6's own use of a torch API it deprecated (lightning/pytorch/utilities/_pytree.py:21).
 pytestmark = [

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from _integration_models import INIT_SCALE, InfAt, batch, mlp, read_tensorboard
 from torch.utils.tensorboard import SummaryWriter
 
 import lossscale
 from lossscale.integrations.loggers import log_tensorboard, scalars
-from _integration_models import INIT_SCALE, InfAt, batch, mlp, read_tensorboard
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 

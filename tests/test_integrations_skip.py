@@ -12,12 +12,18 @@ import math
 import lightning as L
 import pytest
 import torch
+from _integration_models import (
+    all_equal,
+    batch,
+    fresh_accelerate_state,  # noqa: F401  (fixture)
+    mlp,
+    snapshot,
+    tiny_gpt2,
+)
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from lossscale.integrations import transformers as ls_transformers
 from lossscale.integrations.lightning import MixedPrecision
-from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
-from _integration_models import all_equal, batch, mlp, snapshot, tiny_gpt2
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),  # conftest: tiny ops, one thread

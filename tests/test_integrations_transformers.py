@@ -3,11 +3,6 @@ in code, fp16=True on CPU (use_cpu=True), the default fused AdamW, nothing downl
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments, get_linear_schedule_with_warmup
-
-import lossscale
-from lossscale.integrations import transformers as ls_transformers
-from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from _integration_models import (
     INIT_SCALE,
     TORCH_LIKE,
@@ -15,11 +10,16 @@ from _integration_models import (
     InfAt,
     TokenData,
     all_equal,
+    fresh_accelerate_state,  # noqa: F401  (fixture)
     lr_reference,
     read_tensorboard,
     snapshot,
     tiny_gpt2,
 )
+from transformers import Trainer, TrainerCallback, TrainingArguments, get_linear_schedule_with_warmup
+
+import lossscale
+from lossscale.integrations import transformers as ls_transformers
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 

@@ -5,9 +5,9 @@ scale meant for another policy is checked alone, since it only makes sense besid
 seen to fail on.)"""
 
 import pytest
+from _models import quiet
 
 import lossscale
-from _models import quiet
 from lossscale import StaticPolicy
 from lossscale.policy import policy_class
 

@@ -6,11 +6,11 @@ import pickle
 
 import pytest
 import torch
+from _rules import TensorForm, powers_of_two
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale
-from _rules import TensorForm, powers_of_two
 from lossscale import LogMaxPolicy, is_power_of_two
 
 pow2 = powers_of_two(-10, 30)

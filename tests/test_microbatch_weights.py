@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
+from _sync import count_host_syncs
 
 import lossscale
-from _sync import count_host_syncs
 
 OPTIMIZERS = {
     "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),

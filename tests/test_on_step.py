@@ -7,9 +7,9 @@ import pickle
 
 import pytest
 import torch
+from _sync import count_host_syncs
 
 import lossscale
-from _sync import count_host_syncs
 
 
 def _loop(scaler, opt, p, steps, bad=()):

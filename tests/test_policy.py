@@ -2,12 +2,11 @@
 counters of ``count``), ``check_state``'s generic checks, and the registry. Each policy's own rule is
 tested in its own file: test_dynamic.py, test_static.py, test_adaptive.py, test_logmax.py."""
 
-import dataclasses
 import math
 
 import pytest
-
 from _rules import ALL_POLICIES
+
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, ScaleState, StaticPolicy
 from lossscale.policy import f32
 

@@ -25,11 +25,12 @@ import torch
 openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF's venv only: bash envs/openrlhf/ci.sh")
 deepspeed = pytest.importorskip("deepspeed")
 
-from lossscale.integrations import deepspeed as ls_ds  # noqa: E402
 from _integration_models import InfAt  # noqa: E402
 
 # How the project runs DeepSpeed on CPU (one rank on gloo, no JIT-built ops), and its state read-back.
 from test_integrations_deepspeed import _equal, _fresh_autocast_state, _snapshot, ds_cpu  # noqa: E402,F401
+
+from lossscale.integrations import deepspeed as ls_ds  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "ds_cpu")
 

@@ -21,12 +21,17 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from _integration_models import (  # noqa: E402
+    DtypeProbe,
+    InfAt,
+    all_equal,
+    fresh_accelerate_state,  # noqa: E402,F401  (fixture)
+    lr_reference,
+)
 from transformers import TrainerCallback, get_linear_schedule_with_warmup  # noqa: E402
 
 import lossscale  # noqa: E402
 from lossscale.integrations import transformers as ls_transformers  # noqa: E402
-from _integration_models import fresh_accelerate_state  # noqa: E402,F401  (fixture)
-from _integration_models import DtypeProbe, InfAt, all_equal, lr_reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 

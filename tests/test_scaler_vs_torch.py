@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
+from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, twins, two_optimizer_run
 
 import lossscale
-from _models import TORCH_LIKE, backward, inject, make_optimizer, params_equal, states_equal, twins, two_optimizer_run
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "fused_adam"])

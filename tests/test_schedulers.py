@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
+from _sync import count_host_syncs
 
 import lossscale
-from _sync import count_host_syncs
 from lossscale.schedulers import skip_aware
 
 SKIP_AT = 2

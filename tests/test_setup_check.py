@@ -8,11 +8,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from _models import tiny_mlp
 
 import lossscale
 from lossscale.setup_check import Kind
-
-from _models import tiny_mlp
 
 K = Kind
 
@@ -185,9 +184,9 @@ def test_accelerate_attach_and_a_second_scaler(_accelerate):
 
 
 def test_a_trainer_saves_its_accelerators_scaler(_accelerate, tmp_path):
+    from _integration_models import TokenData, tiny_gpt2
     from transformers import Trainer, TrainingArguments
 
-    from _integration_models import TokenData, tiny_gpt2
     from lossscale.integrations import transformers as ls_transformers
 
     args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, report_to=[], max_steps=1)

@@ -15,8 +15,6 @@ import math
 
 import pytest
 import torch
-
-import lossscale
 from _skip_matrix import (
     CLIPS,
     FAULTS,
@@ -32,6 +30,8 @@ from _skip_matrix import (
     run_scenario,
     snapshot,
 )
+
+import lossscale
 
 KINDS = optimizer_kinds()
 

@@ -11,12 +11,12 @@ import statistics
 
 import pytest
 import torch
+from _gpt2 import gpt2_batch, gpt2_loss, tiny_gpt2
+from _sync import count_host_syncs
 
 import lossscale
 from lossscale import SkipIf
 from lossscale.spikes import SpikeWindows
-from _gpt2 import gpt2_batch, gpt2_loss, tiny_gpt2
-from _sync import count_host_syncs
 
 
 def _reference(rule, xs, kind):

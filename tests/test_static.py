@@ -1,10 +1,10 @@
 """The static policy: a fixed scale that never moves, whose steps are still counted and skipped, and
 which is stuck on any overflow (there is no smaller scale to try) unless a streak length is set."""
 
+from _rules import TensorForm, flag_lists
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _rules import TensorForm, flag_lists
 from lossscale import StaticPolicy
 
 

@@ -10,13 +10,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from _rules import f32
+from _sync import count_host_syncs
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from _rules import f32
 from lossscale import formats, stats
-from _sync import count_host_syncs
-from lossscale.formats import BF16, FP16, FP32, FP8_E4M3, FP8_E5M2
+from lossscale.formats import BF16, FP8_E4M3, FP8_E5M2, FP16, FP32
 from lossscale.stats import NUM_BINS, GradStats, grad_stats, recommend_scale
 
 pytestmark = pytest.mark.filterwarnings("error")  # e.g. torch's "output was resized" on a bad out= slice

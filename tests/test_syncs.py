@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
+from _models import TORCH_LIKE, backward, make_optimizer, tiny_mlp
+from _sync import count_host_syncs
 
 import lossscale
-from _sync import count_host_syncs
-from _models import TORCH_LIKE, backward, make_optimizer, tiny_mlp
 
 MODES = ["plain", "unscale_", "unscale_+clip", "clip"]
 

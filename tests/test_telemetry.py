@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from _models import backward, make_optimizer, params_equal, twins
 
 import lossscale
 from lossscale.telemetry import JsonlLogger, Telemetry
-from _models import backward, make_optimizer, params_equal, twins
 
 
 def _run(model, scaler, steps=12):

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 import torch
-
-import lossscale
 from _models import five_layer_mlp
 from _sync import count_host_syncs
+
+import lossscale
 from lossscale.trace import Tracer
 
 

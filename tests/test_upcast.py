@@ -12,10 +12,10 @@ import warnings
 
 import pytest
 import torch
+from _gpt2 import overflowing_gpt2, train_fp16
 
 import lossscale
 from lossscale.fp32 import kept_modules
-from _gpt2 import overflowing_gpt2, train_fp16
 
 
 def _train(model, scaler, opt, steps, start=0):

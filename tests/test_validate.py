@@ -10,9 +10,9 @@ Mutation-killing tests (issue 15): "Kills: ..." names the one-line change each w
 import math
 
 import pytest
-
 from _models import quiet
 from _rules import ALL_POLICIES
+
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 
 
