@@ -61,7 +61,7 @@ def measure(kind: str, iterations: int, quick: bool = False) -> dict:
             sides[name] = (model, loss, optimizer(kind, model.parameters()), scaler)
     times = {name: [] for name in sides}
     for _ in range(3):
-        for name, side in sides.items():
+        for side in sides.values():
             iteration(*side, [])
     for i in range(iterations):
         order = ("lossscale", "torch") if i % 2 else ("torch", "lossscale")

@@ -358,11 +358,13 @@ def to_markdown(summary: Dict, meta: Dict) -> str:
                 ratio = g["flushed_ratio_to_torch"]
                 lines.append(
                     f"| {wname} | {_label(cfg)} | {'yes' if g['skipped_le_torch_every_seed'] else 'NO'} | "
-                    f"{'n/a' if ratio is None else f'{ratio:.2f}'} {'(yes)' if g['flushed_le_half_torch'] else '(NO)'} | "
+                    f"{'n/a' if ratio is None else f'{ratio:.2f}'} "
+                    f"{'(yes)' if g['flushed_le_half_torch'] else '(NO)'} | "
                     + (
                         "n/a |"
                         if g["acc_within_noise"] is None
-                        else f"{'yes' if g['acc_within_noise'] else 'NO'} ({100 * w['fp32']['fp32_acc_sd_over_seeds']:.2f} pts) |"
+                        else f"{'yes' if g['acc_within_noise'] else 'NO'} "
+                        f"({100 * w['fp32']['fp32_acc_sd_over_seeds']:.2f} pts) |"
                     )
                 )
     proxies = [w["fp32"] for w in summary.values() if "proxy_log2_act_over_param_max" in w.get("fp32", {})]
@@ -378,10 +380,11 @@ def to_markdown(summary: Dict, meta: Dict) -> str:
         ]
         rises = [x for f in proxies for x in f.get("rise_log2_over_first_step_per_seed", []) if x is not None]
         if rises:
+            first_seed = rises[: len(proxies[0]["rise_log2_over_first_step_per_seed"])]
             lines += [
                 "",
                 "The rise, along the FP32 trajectory: the largest parameter-gradient amax of the run over "
-                f"the first step's, per seed: {', '.join(f'{x:+.2f}' for x in rises[: len(proxies[0]['rise_log2_over_first_step_per_seed'])])} "
+                f"the first step's, per seed: {', '.join(f'{x:+.2f}' for x in first_seed)} "
                 "binades (what a calibration on the first step must leave room for).",
             ]
     return "\n".join(lines) + "\n"

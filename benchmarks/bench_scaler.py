@@ -8,10 +8,11 @@ Writes ``benchmarks/results/bench_scaler.json`` and ``bench_scaler.md`` (``--out
 
 Method. Both scalers run in the same process on the same parameters, whose scaled FP32 gradients
 (FP32 master weights, as under autocast) are restored before every timed call (untimed), so every
-call sees the same values in the same memory; each side has its own optimizer objects. Each measurement alternates torch and lossscale (which goes first
-alternates too), repeats, and reports the median of each side and the median of the per-repeat
-ratios (lossscale / torch; below 1 is faster). ``torch.set_num_threads(1)`` by default, as in the
-issue's reference numbers: on a shared 2-core machine one thread is what can be measured stably.
+call sees the same values in the same memory; each side has its own optimizer objects. Each
+measurement alternates torch and lossscale (which goes first alternates too), repeats, and reports
+the median of each side and the median of the per-repeat ratios (lossscale / torch; below 1 is
+faster). ``torch.set_num_threads(1)`` by default, as in the issue's reference numbers: on a shared
+2-core machine one thread is what can be measured stably.
 The scale is 2**16 and never changes (no overflow, growth_interval huge).
 
 Rows (each "lossscale vs torch"):

@@ -91,7 +91,10 @@ def _sides(kind, keywords, clip):
         model = _model()
         opt = _optimizer(kind, model.parameters())
         scaler = lossscale.GradScaler(**keywords) if ours else torch.amp.GradScaler("cuda")
-        run = lambda m=model, o=opt, s=scaler, ours=ours: _iteration(m, o, s, clip, x, y, ours)
+
+        def run(m=model, o=opt, s=scaler, ours=ours):
+            return _iteration(m, o, s, clip, x, y, ours)
+
         for _ in range(3):
             run()
         torch.cuda.synchronize()

@@ -90,7 +90,7 @@ class WorkerPool:
                 if dead or time.monotonic() > deadline:
                     self.close(kill=True)
                     why = f"{', '.join(dead)} died" if dead else f"no result within {timeout_s:.0f} s (a hang?)"
-                    raise RuntimeError(f"distributed scenario {scenario!r}: {why}; worker pool killed")
+                    raise RuntimeError(f"distributed scenario {scenario!r}: {why}; worker pool killed") from None
                 continue
             if not ok:
                 self.close(kill=True)  # the other rank may be waiting in a collective: do not wait for it

@@ -224,7 +224,7 @@ def pipelining(rank, world, norm_type: float = 2.0, steps: int = 5, microbatches
         stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
 
         def loss_fn(output, target):
-            return scaler.scale(torch.nn.functional.mse_loss(output, target))
+            return scaler.scale(torch.nn.functional.mse_loss(output, target))  # noqa: B023  used in this iteration only
 
         schedule = ScheduleGPipe(stage, microbatches, loss_fn=loss_fn)
         opt = torch.optim.SGD(stage_module.parameters(), lr=0.1, momentum=0.9)

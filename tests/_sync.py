@@ -18,13 +18,13 @@ What is counted (:func:`classify` is the rule, one operator call at a time):
 
 * **syncs**: ``aten._local_scalar_dense`` of a device tensor (every ``.item()``, ``float(t)``,
   ``int(t)``, ``bool(t)`` and ``if t:``); a copy to host memory that the host waits for (``t.cpu()``,
-  ``t.to("cpu", copy=True)``, ``t.tolist()`` of a GPU tensor; a ``non_blocking`` copy into pinned memory is queued, not waited
-  for); a copy to the device that the host waits for: a blocking one, or any from pageable (not
-  pinned) memory (``torch.tensor(list, device="cuda")``, ``t.to("cuda")`` of a CPU tensor), which
-  also fails inside a CUDA-graph capture; operators whose output *shape* depends on values
-  (``nonzero``, ``masked_select``, ``unique`` and friends, indexing with a boolean mask),
-  ``torch.equal`` (a host bool) and, on a
-  device, ``bincount``, whose CUDA implementation reads its input's maximum on the host.
+  ``t.to("cpu", copy=True)``, ``t.tolist()`` of a GPU tensor; a ``non_blocking`` copy into pinned
+  memory is queued, not waited for); a copy to the device that the host waits for: a blocking one,
+  or any from pageable (not pinned) memory (``torch.tensor(list, device="cuda")``, ``t.to("cuda")``
+  of a CPU tensor), which also fails inside a CUDA-graph capture; operators whose output *shape*
+  depends on values (``nonzero``, ``masked_select``, ``unique`` and friends, indexing with a boolean
+  mask), ``torch.equal`` (a host bool) and, on a device, ``bincount``, whose CUDA implementation
+  reads its input's maximum on the host.
 * **h2d / d2h**: copies from host to device and back (a copy between two devices is a launch).
 * **launches**: every operator that touches a device tensor and runs a kernel there. Views and
   metadata (``view``, ``select``, ``detach``, ``as_strided``, ``t``, ``expand``, ...), allocations

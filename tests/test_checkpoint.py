@@ -511,7 +511,7 @@ def test_state_dict_round_trip_keeps_every_field_of_the_state(policy, state):
     quiet(lambda: scaler.load_state_dict(to_dict(policy, state)))
     assert _fields(scaler.state()) == _fields(state)  # the device state holds it all
     for other in (lossscale.GradScaler("cpu"), lossscale.GradScaler()):  # on device and before the first scale()
-        quiet(lambda: other.load_state_dict(scaler.state_dict()))
+        quiet(lambda other=other: other.load_state_dict(scaler.state_dict()))
         assert type(other.state()) is type(state) and _fields(other.state()) == _fields(state)
         assert other.policy == policy
     assert _fields(pickle.loads(pickle.dumps(scaler)).state()) == _fields(state)

@@ -427,7 +427,7 @@ def test_a_growth_at_the_edge_of_float32_is_refused_alike_in_both_forms(growth_f
     assert math.isfinite(f32(edge * growth_factor)) and math.isinf(f32(above * growth_factor))
     for scale in (edge, above):
         p = quiet(
-            lambda: DynamicPolicy(
+            lambda scale=scale: DynamicPolicy(
                 init_scale=scale,
                 growth_factor=growth_factor,
                 growth_interval=1,

@@ -192,7 +192,7 @@ def test_tracing_adds_no_host_sync_and_is_removed_cleanly():
         model = mlp()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
         scaler = lossscale.GradScaler(model=model, trace=trace)
-        for step in range(3):
+        for _ in range(3):
             with count_host_syncs() as syncs:
                 opt.zero_grad()
                 scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()

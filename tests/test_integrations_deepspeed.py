@@ -417,7 +417,7 @@ def test_checkpoint_round_trip_resumes_bitwise(tmp_path, stage, mode):
     kw = {} if mode == "fp16" else dict(init_scale=2.0**INIT_POWER, growth_interval=3)
     whole = _engine(stage, mode)
     scaler = ls_ds.attach(whole, **kw)
-    first = _train(whole, 4, inf_at=(1,), scaler=scaler)
+    _train(whole, 4, inf_at=(1,), scaler=scaler)  # the run up to the checkpoint
     whole.save_checkpoint(str(tmp_path), tag="t", client_state={"mine": 7})
     saved = scaler.state_dict()
     rest = _train(whole, 4, inf_at=(5,), scaler=scaler, start=4)
@@ -498,7 +498,7 @@ def _train_accelerated(accelerator, model, opt, data):
     return skipped
 
 
-def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accelerate_state, monkeypatch):
+def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accelerate_state, monkeypatch):  # noqa: F811  the pytest fixture imported from _integration_models
     """accelerate builds the engine in prepare() (its DeepSpeedPlugin: classic fp16 for
     mixed_precision="fp16") and steps it with engine.backward/step: attaching to that engine works."""
     accelerator, model, data = _deepspeed_accelerator(monkeypatch)
@@ -511,7 +511,9 @@ def test_accelerate_with_deepspeed_goes_through_attach_on_its_engine(fresh_accel
 
 @pytest.mark.parametrize("when", ["before prepare", "after prepare"])
 def test_accelerate_attach_takes_a_deepspeed_accelerator_and_attaches_to_its_engine(
-    fresh_accelerate_state, monkeypatch, when
+    fresh_accelerate_state,  # noqa: F811  the pytest fixture imported from _integration_models
+    monkeypatch,
+    when,
 ):
     """ls_accelerate.attach(accelerator) on accelerate's DeepSpeed plugin: the scaler lands in the engine
     prepare() builds (classic fp16 for mixed_precision="fp16", ZeRO-2), with the same steps as attaching
@@ -603,7 +605,10 @@ def trainer_deepspeed_globals(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["fp16", "autocast"])
 def test_trainer_with_deepspeed_goes_through_attach_and_resumes(
-    tmp_path, fresh_accelerate_state, trainer_deepspeed_globals, mode
+    tmp_path,
+    fresh_accelerate_state,  # noqa: F811  the pytest fixture imported from _integration_models
+    trainer_deepspeed_globals,
+    mode,
 ):
     """ls_transformers.attach(trainer) on TrainingArguments(deepspeed=...): the scaler lands in the engine
     train() builds. Classic fp16: DeepSpeed's own skips and scale (its DynamicLossScaler's arithmetic);

@@ -23,7 +23,7 @@ def _load(name):
 
 
 @pytest.fixture(autouse=True)
-def _fresh(fresh_accelerate_state):
+def _fresh(fresh_accelerate_state):  # noqa: F811  the pytest fixture imported from _integration_models
     """accelerate's process-wide state, reset around every test (see _integration_models)."""
 
 

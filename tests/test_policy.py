@@ -25,7 +25,7 @@ def test_found_nan_without_found_inf_is_rejected():
 
 def test_policy_state_is_a_plain_value():
     s = ScaleState(scale=1.0)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  frozen: any refusal to assign will do
         s.scale = 2.0  # frozen
 
 

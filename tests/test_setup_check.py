@@ -141,7 +141,7 @@ def test_bad_arguments_name_themselves():
 
 # ------------------------------------------------------------------------------------ frameworks
 @pytest.fixture
-def _accelerate(fresh_accelerate_state):
+def _accelerate(fresh_accelerate_state):  # noqa: F811  the pytest fixture imported from _integration_models
     """accelerate's process-wide state, reset around the test (see _integration_models)."""
 
 

@@ -371,7 +371,7 @@ def test_to_dict_reads_once():
     try:
         torch.Tensor.tolist = lambda self: calls.append(1) or real(self)
         s.to_dict()
-        s.flushed, s.amax
+        s.flushed, s.amax  # noqa: B018  the reads are what is counted
     finally:
         torch.Tensor.tolist = real
     assert len(calls) == 1

@@ -233,9 +233,9 @@ def test_a_patched_unscale_grads_changes_what_unscale_and_step_do():
             init_scale=2.0**8,
             **({} if scaler_cls is torch.amp.GradScaler else dict(min_scale=None, max_scale=None, loss_check=False)),
         )
-        scaler._unscale_grads_ = lambda o, inv, found, allow, s=scaler: original(s, o, inv, found, True)
+        scaler._unscale_grads_ = lambda o, inv, found, allow, s=scaler, f=original: f(s, o, inv, found, True)
         opt = torch.optim.SGD([p], lr=0.1)
-        for step in range(3):
+        for _ in range(3):
             opt.zero_grad()
             scaler.scale((p.float() ** 2).sum()).backward()
             scaler.step(opt)
@@ -285,7 +285,7 @@ def test_fp16_gradients_train_with_the_opt_in_and_their_flushed_values_are_count
     before = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(1)
     flushed = 0
-    for step in range(4):
+    for _ in range(4):
         opt.zero_grad()
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
         out = model(x.half() if model_kind == "full fp16" else x).float()
@@ -315,7 +315,7 @@ def test_the_flushed_count_is_exact_on_planted_values(opt_kind):
     p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
     opt = _optimizer(opt_kind, [p])
     scaler = lossscale.GradScaler(allow_fp16=True)
-    for step in range(2):
+    for _ in range(2):
         scaler.scale(torch.ones(()))
         p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -(2.0**-10), 0.0, 1.0], dtype=torch.float16)
         scaler.step(opt)
@@ -361,7 +361,7 @@ def test_the_sharded_scaler_trains_fp16_gradients_as_torchs_sharded_scaler_does_
     runs = []
     for m, scaler in ((model, ours), (twin, ref)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for step in range(3):
+        for _ in range(3):
             opt.zero_grad()
             scaler.scale(m(torch.ones(4, 8).half()).float().pow(2).mean()).backward()
             scaler.step(opt)

@@ -1013,8 +1013,9 @@ def _hardware_verdict(known: Dict[str, str], agree: _Read, ref: _Read) -> Hardwa
             max_ratio,
             detail=(
                 f"the known-answer kernels pass, but the FP16 output of `{_label(name)}` departs from FP32 by "
-                f"{err:.3g} of its amax where FP16 rounding through {agree.depth[name]} layer(s) allows {tol:.3g}: an op "
-                "in it gives wrong FP16 results on this device; keep it in FP32 or train in FP32/BF16."
+                f"{err:.3g} of its amax where FP16 rounding through {agree.depth[name]} layer(s) allows "
+                f"{tol:.3g}: an op in it gives wrong FP16 results on this device; keep it in FP32 or train in "
+                "FP32/BF16."
             ),
         )
     return HardwareCheck(

@@ -55,7 +55,7 @@ from typing import Any, Dict
 
 from . import _require
 
-__all__ = ["attach", "log_health", "LossScaler"]
+__all__ = ["attach", "log_health", "LossScaler"]  # noqa: F822  LossScaler: built on first access (__getattr__)
 
 #: The key of the scaler's state in the checkpoint's client_state.
 CLIENT_STATE_KEY = "lossscale_scaler"

@@ -49,7 +49,7 @@ from typing import Any
 
 from . import _require
 
-__all__ = ["MixedPrecision", "FabricMixedPrecision"]
+__all__ = ["MixedPrecision", "FabricMixedPrecision"]  # noqa: F822  both built on first access (__getattr__)
 
 _BUILDERS = {}
 _FP16 = "16-mixed"  # the one precision the plugins run

@@ -44,7 +44,7 @@ either (a Megatron checkpoint continues exactly as Megatron's scaler would).
 
 Tested with megatron-core 0.16.1 and 0.16.0 on CPU (Megatron's own classes put their tensors on CUDA;
 the tests run them on CPU through a test-only function mode).
-"""
+"""  # noqa: E501  the GradScaler signature above is a Markdown definition-list term: one line
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from typing import Any, Dict
 
 from . import _require
 
-__all__ = ["GradScaler", "attach", "log_health"]
+__all__ = ["GradScaler", "attach", "log_health"]  # noqa: F822  GradScaler: built on first access (__getattr__)
 
 _CLASS = "GradScaler"
 _KEY = "lossscale"
