@@ -33,9 +33,10 @@ def test_readme_starts_with_the_two_setup_commands_and_ci_runs_the_test_one():
     demo, tests = _blocks(text, "bash")[0].splitlines()
     assert demo == 'pip install -c constraints.txt -e ".[demo]" && lossscale demo'
     assert tests == 'pip install -c constraints.txt -e ".[test]" && python -m pytest -q'
-    # CI runs that very line (quietly) in a venv it has just made, so it tests what a fresh machine gets.
+    # CI runs that very line (quietly) in a venv it has just made, so it tests what a fresh machine gets,
+    # in a subshell, so that a failed install stops CI (`set -e` ignores the first command of an && list).
     ci = _read(".ci/run").splitlines()
-    line = ci.index(tests.replace("pip install", "pip install -q", 1))
+    line = ci.index("(" + tests.replace("pip install", "pip install -q", 1) + ")")
     made = next(i for i, c in enumerate(ci) if c.startswith('python -m venv "$work/test-env"'))
     assert ci[made + 1 : line] == ['source "$work/test-env/bin/activate"']
 
