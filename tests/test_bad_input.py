@@ -217,3 +217,80 @@ def test_discard_iteration_drops_the_iteration_in_flight_and_counts_nothing():
     scaler.load_state_dict(scaler.state_dict())  # between iterations again
     _iteration(model, opt, scaler)  # unscale_ is allowed again, and the NaN loss is forgotten
     assert not scaler.last_step_skipped and scaler.state().steps == before.steps + 1
+
+
+# ------------------------------------------------------------------------- hostile-user probes
+def test_telemetry_reducing_on_a_rank_with_only_empty_parameters_reads_its_metrics():
+    # A rank whose optimizer holds only 0-element parameters (an FSDP2 rank past the end of dim 0, a
+    # pipeline stage) still joins the telemetry's reduction, and reads the scale its empty figures ran at.
+    import socket
+
+    owned = not torch.distributed.is_initialized()
+    if owned:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        p = torch.nn.Parameter(torch.zeros(0))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = lossscale.GradScaler(telemetry={"every": 1, "reduce": "sum"},
+                                      process_group=torch.distributed.group.WORLD)
+        scaler.scale((p.sum() + 1.0) * torch.ones(())).backward()
+        scaler.step(opt)
+        scaler.update()
+        m = scaler.metrics()
+        assert m["loss_scale"] == 65536.0 and m["grad/loss_scale"] == 65536.0 and m["grad/numel"] == 0
+    finally:
+        if owned:
+            torch.distributed.destroy_process_group()
+
+
+def test_a_scale_given_twice_under_two_names_is_refused():
+    with pytest.raises(ValueError, match="init_scale=2.0.*scale=4.0|scale=4.0.*init_scale=2.0"):
+        lossscale.GradScaler(policy="static", init_scale=2.0, scale=4.0)
+
+
+def test_a_disabled_scaler_with_trace_holds_no_tensors_over_many_steps():
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = lossscale.GradScaler(enabled=False, model=model, trace=True)
+
+    def tensors():
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    def steps(n):
+        for _ in range(n):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    steps(5)
+    before = tensors()
+    steps(300)
+    assert tensors() - before < 10
+
+
+def test_init_device_meta_is_refused_naming_the_argument():
+    scaler = lossscale.GradScaler()
+    with pytest.raises(ValueError, match="device=meta"):
+        scaler.init_device("meta")
+    assert scaler.device is None
+    model, opt = _model_opt()
+    _iteration(model, opt, scaler)  # and the next CPU step runs
+    assert scaler.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("key", ["scale", "_growth_tracker"])
+def test_a_torch_state_dict_holding_a_meta_tensor_is_a_value_error_naming_the_key(key):
+    sd = torch.amp.GradScaler("cpu").state_dict()
+    sd[key] = torch.tensor(sd[key]).to("meta")
+    scaler = lossscale.GradScaler(init_scale=8.0)
+    with pytest.raises(ValueError, match=f"'{key}'.*meta"):
+        scaler.load_state_dict(sd)
+    assert scaler.get_scale() == 8.0

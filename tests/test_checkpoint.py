@@ -193,16 +193,19 @@ def test_torch_dict_errors_name_the_key(key, value):
     refuses(lossscale.GradScaler(), sd, f"'{key}'")
 
 
-def test_torch_scale_above_max_scale_blames_the_scale_not_init_scale():
+def test_torch_scale_above_max_scale_moves_the_bound_and_names_the_scale_not_init_scale():
+    # torch's scale is unbounded, so its checkpoint loads: the bound moves to it, said in one warning.
     sd = torch.amp.GradScaler("cpu", init_scale=2.0**30).state_dict()
-    scaler = lossscale.GradScaler()
-    before = scaler.state_dict()
-    with pytest.raises(ValueError, match="'scale'.*max_scale") as e:
+    scaler = lossscale.GradScaler(max_scale=2.0**20)  # a bound the user gave moves too: torch's dict wins
+    with pytest.warns(UserWarning, match="scale=1073741824.0 is above max_scale=1048576.0") as caught:
         scaler.load_state_dict(sd)
-    assert "init_scale" not in str(e.value) and scaler.state_dict() == before
-    unbounded = lossscale.GradScaler(max_scale=None)  # what the message suggests
-    unbounded.load_state_dict(sd)
-    assert unbounded.get_scale() == 2.0**30
+    assert len(caught) == 1 and "init_scale" not in str(caught[0].message)
+    assert scaler.get_scale() == 2.0**30 and scaler.policy.max_scale == 2.0**30
+    unbounded = lossscale.GradScaler(max_scale=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unbounded.load_state_dict(sd)
+    assert unbounded.get_scale() == 2.0**30 and unbounded.policy.max_scale is None
 
 
 # ------------------------------------------------------------------------------------------ bug 2

@@ -191,9 +191,10 @@ def test_bad_state_dicts_raise_and_change_nothing():
     with pytest.raises(ValueError, match="version"):
         scaler.load_state_dict(bad)
     torch_sd = torch.amp.GradScaler("cpu", init_scale=0.25).state_dict()
-    with pytest.raises(ValueError, match="min_scale"):
-        scaler.load_state_dict(torch_sd)  # below this scaler's min_scale=1
-    assert scaler.get_scale() == 2.0**8
+    torch_sd["_growth_tracker"] = 2000  # at its interval: no torch scaler holds it
+    with pytest.raises(ValueError, match="_growth_tracker"):
+        scaler.load_state_dict(torch_sd)
+    assert scaler.get_scale() == 2.0**8 and scaler.policy.min_scale == 1.0
 
 
 def test_fp16_parameters_with_plain_optimizer_name_the_parameters_and_fixes():

@@ -355,3 +355,110 @@ def test_the_sharded_scaler_trains_fp16_gradients_as_torchs_sharded_scaler_does_
             scaler.update()
         runs.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# ------------------------------------------------------------------ a load in mid-iteration
+def _fresh_pair(optimizer):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else \
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    return model, opt
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused adamw"])
+@pytest.mark.parametrize("call", ["unscale_", "step", "clip_grad_norm_"])
+def test_the_gradients_of_an_iteration_a_load_discarded_are_refused_not_stepped(call, optimizer):
+    # The gradients in flight carry 2**16, the checkpoint's scale is 2**10: unscaled by the loaded scale
+    # they would step 64x too far (torch does, silently). The iteration is refused until a new backward.
+    checkpoint = lossscale.GradScaler(init_scale=2.0**10).state_dict()
+    model, opt = _fresh_pair(optimizer)
+    scaler = lossscale.GradScaler()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    with pytest.warns(RuntimeWarning, match="mid-iteration"):
+        scaler.load_state_dict(checkpoint)
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="zero the gradients"):
+        if call == "clip_grad_norm_":
+            scaler.clip_grad_norm_(opt, 1.0)
+        else:
+            getattr(scaler, call)(opt)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    # A new backward is the loaded run's iteration: bitwise a scaler that loaded between iterations.
+    ref_model, ref_opt = _fresh_pair(optimizer)
+    ref = lossscale.GradScaler()
+    ref.load_state_dict(checkpoint)
+    for m, o, s in ((model, opt, scaler), (ref_model, ref_opt, ref)):
+        o.zero_grad()
+        s.scale(m(torch.ones(2, 3)).sum()).backward()
+        s.step(o)
+        s.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert scaler.state() == ref.state()
+
+
+def test_discard_iteration_after_zeroing_the_gradients_lets_the_loop_go_on():
+    # A rank that never calls scale() (a pipeline stage) says the gradients were zeroed this way.
+    model, opt = _fresh_pair("sgd")
+    scaler = lossscale.GradScaler()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    with pytest.warns(RuntimeWarning, match="mid-iteration"):
+        scaler.load_state_dict(lossscale.GradScaler(init_scale=2.0**10).state_dict())
+    opt.zero_grad()
+    scaler.discard_iteration()
+    scaler.unscale_(opt)  # no gradients: nothing to refuse
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.state().steps == 1
+
+
+# ------------------------------------------------------------------ torch's record shapes and getters
+@pytest.mark.parametrize("lazy", [True, False], ids=["after scale()", "fresh"])
+def test_a_new_optimizers_record_is_torchs_fresh_record(lazy):
+    # upstream test_pickle_gradscaler: b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state().
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    a = lossscale.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
+    if lazy:
+        a.scale(torch.tensor([4.0]))
+    b = pickle.loads(pickle.dumps(a))
+    assert b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state()
+    assert a._per_optimizer_states["new key"] == _refresh_per_optimizer_state()
+    p = torch.nn.Parameter(torch.ones(2))  # a checked optimizer's record has torch's two keys only
+    opt = torch.optim.SGD([p], lr=0.1)
+    a.scale(p.sum()).backward()
+    a.unscale_(opt)
+    assert set(a._per_optimizer_states[id(opt)]) == set(_refresh_per_optimizer_state())
+
+
+@pytest.mark.parametrize("policy", lossscale.policy.policy_names())
+def test_the_getters_say_what_the_state_dict_says(policy):
+    # One answer: what a torch scaler that loads state_dict() reports is what the getters report.
+    scaler = lossscale.GradScaler(policy=policy)
+    sd = scaler.state_dict()
+    ours = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+    assert ours == (sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"])
+    ref = torch.amp.GradScaler("cpu")
+    ref.load_state_dict(sd)
+    assert ours == (ref.get_growth_factor(), ref.get_backoff_factor(), ref.get_growth_interval())
+
+
+@pytest.mark.parametrize("torch_scale, bound", [(2.0**26, "max_scale"), (2.0**-3, "min_scale")])
+def test_a_torch_checkpoint_beyond_the_default_bounds_loads_and_moves_the_bound(torch_scale, bound):
+    # torch's scale is unbounded: a torch checkpoint at 2**26 is valid and must load, as init_scale=2**26 does.
+    ref = torch.amp.GradScaler("cpu", init_scale=torch_scale)
+    scaler = lossscale.GradScaler()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler.load_state_dict(ref.state_dict())
+    assert len(caught) == 1 and bound in str(caught[0].message), [str(w.message) for w in caught]
+    assert scaler.get_scale() == torch_scale and getattr(scaler.policy, bound) == torch_scale
+    p = torch.nn.Parameter(torch.ones(2))  # and it goes on as torch's
+    for s in (scaler, ref):
+        opt = torch.optim.SGD([p], lr=0.0)
+        s.scale(p.sum()).backward()
+        s.step(opt)
+        s.update()
+    assert scaler.get_scale() == ref.get_scale()

@@ -20,11 +20,15 @@ def policy_from_keywords(name: str, **given):
     """The policy registered as ``name``, built from the GradScaler keywords ``given``."""
     cls = policy_class(name)
     names = {f.name for f in dataclasses.fields(cls)}
-    kwargs, ignored = {}, []
+    kwargs, ignored, named = {}, [], {}
     for key, value in given.items():
         field = cls.keyword_aliases.get(key, key)
+        if field in named:  # the field under both its names (static: init_scale and scale)
+            first = named[field]
+            raise ValueError(f"{first}={given[first]!r} and {key}={value!r} both set policy={cls.name!r}'s {field}; "
+                             "pass one of them.")
         if field in names:
-            kwargs[field] = value
+            kwargs[field], named[field] = value, key
         else:
             ignored.append(key)
     for key in ignored:

@@ -229,11 +229,9 @@ class AdaptivePolicy(PolicyBase):
         hi = HIGHEST_SCALE if self.max_scale is None else f32(self.max_scale)
         return lo, hi
 
-    def torch_state(self, state: AdaptiveState):
+    def torch_factors(self):
         """torch's keys: a torch scaler that loads them grows by 2 once per window (it cannot measure)."""
-        out = super().torch_state(state)
-        out["growth_factor"] = 2.0
-        return out
+        return {**super().torch_factors(), "growth_factor": 2.0}
 
     def init_state(self) -> AdaptiveState:
         """The state before the first step (not yet calibrated)."""

@@ -151,6 +151,9 @@ def _torch_number(sd: Dict[str, Any], key: str, kind: type):
         n = v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)  # as some trainers save them
         if n != 1:
             raise ValueError(f"state dict '{key}' must hold one number, got {n}.")
+        if getattr(v, "is_meta", False):
+            raise ValueError(f"state dict '{key}' is a tensor on the meta device, which holds no value; load the "
+                             "checkpoint with map_location='cpu' (or the training device).")
         v = v.item()
     v = plain_number(f"state dict '{key}'", v, integral=kind is int and isinstance(v, numbers.Integral))
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -180,10 +183,11 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     if not SMALLEST_SCALE <= f32(scale) < math.inf:
         raise ValueError(f"state dict 'scale'={scale!r} must be > 0 and within float32's normal range "
                          "[2**-126, 3.4e38], where the scale is kept.")
+    # torch's scale is unbounded: a scale beyond this scaler's bounds moves the bound to it (as an
+    # init_scale beyond them does), said in the one warning below, rather than refuse a torch checkpoint.
     lo, hi = current.min_scale, current.max_scale
-    if (lo is not None and scale < f32(lo)) or (hi is not None and scale > f32(hi)):
-        raise ValueError(f"state dict 'scale'={scale!r} is outside this scaler's [min_scale={lo}, max_scale={hi}]; "
-                         "build the scaler with bounds that hold it (min_scale=None / max_scale=None: torch's).")
+    moved = {bound: scale for bound, outside in (("min_scale", lo is not None and scale < f32(lo)),
+                                                 ("max_scale", hi is not None and scale > f32(hi))) if outside}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for key, value in values.items():
@@ -191,7 +195,7 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
                 dataclasses.replace(current, **{key: value})
             except ValueError as e:
                 raise ValueError(f"state dict '{key}': {e}") from None
-        policy = dataclasses.replace(current, **values)
+        policy = dataclasses.replace(current, **values, **moved)
     if tracker < 0 or tracker >= policy.growth_interval:
         raise ValueError(f"state dict '_growth_tracker'={tracker!r} must be in [0, growth_interval).")
     state = policy.init_state().replace(scale=f32(scale), growth_tracker=tracker)
@@ -200,18 +204,21 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     except ValueError as e:
         raise ValueError(f"state dict (torch format) gives {e}") from None
     if policy != current:
-        _warn_replaced(current, policy)
+        note = "".join(f" The torch checkpoint's scale={scale!r} is {'below' if bound == 'min_scale' else 'above'} "
+                       f"{bound}={getattr(current, bound)!r} (torch's scale has no bounds), so {bound} is set to "
+                       f"it: the run continues where it was saved. Pass {bound}= to choose the bound." for bound in moved)
+        _warn_replaced(current, policy, note)
     return policy, state
 
 
-def _warn_replaced(current, loaded) -> None:
+def _warn_replaced(current, loaded, note: str = "") -> None:
     if type(current) is not type(loaded):
         what = f"policy {type(current).__name__} -> {type(loaded).__name__}"
     else:
         a, b = current.config(), loaded.config()
         what = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
     warnings.warn(
-        f"lossscale: the checkpoint's policy replaces the one this scaler was built with ({what}). A "
+        f"lossscale: the checkpoint's policy replaces the one this scaler was built with ({what}).{note} A "
         "checkpoint restores the run it saved; build the scaler with the same settings to silence this.",
         UserWarning,
         stacklevel=5,  # the user's load_state_dict call: here <- _load_* <- load <- load_state_dict <- user

@@ -35,40 +35,12 @@ import torch
 
 from .policy import ScaleState
 
-__all__ = ["reduction_group", "resolve_group", "validate_group", "all_reduce_flags", "norm_reduction",
+__all__ = ["reduction_group", "resolve_group", "all_reduce_flags", "norm_reduction",
            "all_reduce_norm", "replica_copies", "check_consistency", "init_stage", "reduce_stats"]
-
-DEFAULT_GROUP = "default"  # GradScaler(process_group=...)'s default: the default group, when there is one
 
 
 def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def validate_group(group: Any) -> Any:
-    """``GradScaler(process_group=...)`` once checked: "default", None or a ProcessGroup.
-
-    A rank outside a group made by ``torch.distributed.new_group`` receives the int sentinel
-    ``GroupMember.NON_GROUP_MEMBER`` instead of a group; it is accepted and means "no reduction on
-    this rank", so the same constructor call works on every rank.
-    """
-    if group is None or (isinstance(group, str) and group == DEFAULT_GROUP):
-        return group
-    if isinstance(group, str):
-        raise ValueError(
-            f"process_group={group!r} is not a process group; pass 'default' (the default group when "
-            "torch.distributed is initialised with more than one rank), None (no reduction) or a group "
-            "from torch.distributed.new_group()."
-        )
-    if torch.distributed.is_available():
-        from torch.distributed.distributed_c10d import GroupMember
-
-        if isinstance(group, torch.distributed.ProcessGroup) or group is GroupMember.NON_GROUP_MEMBER:
-            return group
-    raise ValueError(
-        f"process_group={group!r} ({type(group).__name__}) is not a torch.distributed ProcessGroup; pass one "
-        "from torch.distributed.new_group() (for a DeviceMesh: mesh.get_group()), 'default' or None."
-    )
 
 
 def resolve_group(group: Any) -> Optional["torch.distributed.ProcessGroup"]:
@@ -78,7 +50,7 @@ def resolve_group(group: Any) -> Optional["torch.distributed.ProcessGroup"]:
     """
     if group is None or not _dist_ready():
         return None
-    if isinstance(group, str):  # DEFAULT_GROUP
+    if isinstance(group, str):  # "default" (the scaler refuses any other string)
         return torch.distributed.group.WORLD if torch.distributed.get_world_size() > 1 else None
     if not isinstance(group, torch.distributed.ProcessGroup):  # NON_GROUP_MEMBER
         return None

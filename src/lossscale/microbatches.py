@@ -67,10 +67,6 @@ class MicroBatches:
         self.dropped_losses.append(loss.detach())
         return False
 
-    def dropped_now(self) -> bool:
-        """Whether this iteration dropped a micro-batch (host-known, no sync)."""
-        return self.kept < self.total
-
     def carried(self, scale: torch.Tensor) -> torch.Tensor:
         """The scale the gradients carry: ``scale``, or with "drop" and some dropped, ``scale * kept /
         total`` (float32, on device; no sync), which the unscale divides by."""

@@ -232,6 +232,10 @@ class Policy(Protocol):
     def torch_state(self, state) -> Dict[str, Any]:
         """torch's ``GradScaler.state_dict()`` keys for ``state``, with values a torch scaler can use."""
 
+    def torch_factors(self) -> Dict[str, Any]:
+        """torch's ``growth_factor``, ``backoff_factor`` and ``growth_interval`` for this policy: what
+        :meth:`torch_state` writes and ``GradScaler``'s getters return."""
+
     def check_state(self, state) -> None:
         """Raise ValueError naming the field when ``state`` could not have come from this policy."""
 
@@ -265,15 +269,18 @@ class PolicyBase:
         """The configuration as a dict of the dataclass fields (what a checkpoint stores)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def torch_state(self, state) -> Dict[str, Any]:
-        """torch's five keys: the scale and tracker, with this policy's growth and backoff factors."""
+    def torch_factors(self) -> Dict[str, Any]:
+        """This policy's growth and backoff factors and growth interval where it has them, torch's
+        defaults where not (a torch scaler that loads the checkpoint then follows those)."""
         return {
-            "scale": state.scale,
             "growth_factor": float(getattr(self, "growth_factor", 2.0)),
             "backoff_factor": float(getattr(self, "backoff_factor", 0.5)),
             "growth_interval": int(getattr(self, "growth_interval", 2000)),
-            "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
         }
+
+    def torch_state(self, state) -> Dict[str, Any]:
+        """torch's five keys: the scale and tracker, with :meth:`torch_factors`."""
+        return {"scale": state.scale, **self.torch_factors(), "_growth_tracker": int(getattr(state, "growth_tracker", 0))}
 
     def check_state(self, state) -> None:
         """Raise ValueError naming the first field of ``state`` that this policy could not have produced.

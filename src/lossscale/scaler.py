@@ -30,7 +30,7 @@ from collections import abc
 from typing import Any, Callable, Dict, Optional, Union
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import _hints, checkpoint
 from ._check import Flags, GradientCheck, inverse
@@ -62,9 +62,19 @@ class _Default:
 _DEFAULT = _Default()
 
 
-def _fresh_record() -> Dict[str, Any]:
-    """One optimizer's record of the iteration: torch's two keys, what the check learned, the decision."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "flags": None, "skipped": None}
+@dataclasses.dataclass
+class _Record:
+    """One optimizer's record of the iteration: its stage (torch's), what the check learned, and the
+    skip decision once the host knows it (None: not read; the flags' device flag holds it)."""
+
+    stage: OptState = OptState.READY
+    flags: Optional[Flags] = None
+    skipped: Optional[bool] = None
+
+    def torch_view(self) -> Dict[str, Any]:
+        """The record as torch's ``_per_optimizer_states`` holds it: its stage and ``{device: found_inf}``."""
+        found = {} if self.flags is None else {self.flags.found_inf.device: self.flags.found_inf}
+        return {"stage": self.stage, "found_inf_per_device": found}
 
 
 class GradScaler:
@@ -159,13 +169,16 @@ class GradScaler:
             raise ValueError(f"process_group={process_group!r} is not a process group; pass 'default' (the default "
                              "group when torch.distributed runs), None (no reduction) or a group.")
         self._check = GradientCheck(self._names, process_group)
-        self._tracer = _opt_in("trace").Tracer(model) if trace else None
+        # A disabled scaler checks nothing, and its update() (which hands each iteration's trace over)
+        # returns at once: hooks there would only pile up their records.
+        self._tracer = _opt_in("trace").Tracer(model) if trace and self._enabled else None
         self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
         self._hint_checks = _hints.CALLS_CHECKED
+        self._stale_gradients = False  # a mid-iteration load left gradients scaled by the old scale
         self._new_iteration()
-        self._last = _fresh_record()  # the last update's combined flags and decision, as a record
+        self._last = _Record()  # the last update's combined flags and decision, as a record
         self._graphed = False  # an update ran under CUDA-graph capture or compile: replays move the state
         self._snapshots: collections.deque = collections.deque(maxlen=SNAPSHOTS)
         self._warned_streak = False
@@ -219,6 +232,15 @@ class GradScaler:
         return self._telemetry
 
     @property
+    def _per_optimizer_states(self) -> Dict[int, Dict[str, Any]]:
+        """torch's per-optimizer records, in torch's shape (a defaultdict of ``{"stage", "found_inf_per_device"}``
+        by ``id(optimizer)``), for the code that reads them: a view of this iteration's records, made on
+        each read (writing to it changes nothing)."""
+        view = collections.defaultdict(_refresh_per_optimizer_state)
+        view.update((key, rec.torch_view()) for key, rec in self._records.items())
+        return view
+
+    @property
     def _scale(self) -> Optional[torch.Tensor]:
         """torch's name for the scale tensor (float32, 0-dim; None before the first :meth:`scale`): the
         state itself, so code written for torch that reads it reads the live scale."""
@@ -232,8 +254,11 @@ class GradScaler:
     def init_device(self, device: Union[str, torch.device]) -> None:
         """Start the state on ``device`` now (the first :meth:`scale` does it otherwise), for ranks that
         never call :meth:`scale` (pipeline stages) and frameworks that load a checkpoint first. No sync.
-        ValueError if the state already lives on another device."""
+        ValueError if the state already lives on another device, or for the meta device."""
         device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("init_device got device=meta, which holds no values: the scale and the counters must "
+                             "live where the gradients are checked; pass the training device ('cpu', 'cuda', ...).")
         if self._t is not None and self._start(device).device != _indexed(device):
             raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
         self._start(device)
@@ -271,6 +296,7 @@ class GradScaler:
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
         self._began = True
+        self._stale_gradients = False  # a new backward follows
         if isinstance(outputs, torch.Tensor):  # the usual case, a loss
             return self._scale_tensor(outputs)
         return _map_tensors(self._scale_tensor, outputs)
@@ -325,9 +351,8 @@ class GradScaler:
             gathered = self._check.gather(optimizer, allow_half=True)
             self._check.claim(gathered, self._unscaled)  # before any unscale
             found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
-            rec["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse(self._carried), found_inf,
-                                                               self._allow_fp16)
-            flags = self._check.decide(rec["found_inf_per_device"], t.device, bad_loss, sync and not self._spikes)
+            per_device = self._unscale_grads_(optimizer, inverse(self._carried), found_inf, self._allow_fp16)
+            flags = self._check.decide(per_device, t.device, bad_loss, sync and not self._spikes)
         else:  # the read-only pass first: it measures the *scaled* gradients
             gathered = self._check.gather(optimizer, allow_half=self._allow_fp16 or not unscale)
             flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax,
@@ -340,9 +365,7 @@ class GradScaler:
                               None if unscale else self._carried)
         if synced and flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
             self._check.tell_nan(flags, gathered, t.device)
-        if not synced or self._spikes is not None:
-            rec["found_inf_per_device"] = {t.device: flags.found_inf}
-        rec["flags"] = flags
+        rec.flags = flags
         return flags
 
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
@@ -367,7 +390,7 @@ class GradScaler:
             return
         self._t or self._require("unscale_()")
         rec = self._record(optimizer, "unscale_()")
-        if rec["stage"] is OptState.UNSCALED:
+        if rec.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
         self._keep(optimizer, rec, OptState.UNSCALED)
@@ -391,7 +414,7 @@ class GradScaler:
         if self._enabled:
             t = self._t or self._require("clip_grad_norm_()")
             rec = self._record(optimizer, "clip_grad_norm_()")
-            if rec["stage"] is OptState.UNSCALED:
+            if rec.stage is OptState.UNSCALED:
                 raise RuntimeError(
                     "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
                     "already called on this optimizer since the last update(); call only one of them per iteration.")
@@ -414,13 +437,12 @@ class GradScaler:
                                                                max_norm, norm_type, counted, reduce_norm)
             # A per-tensor norm is NaN for a tensor holding a NaN, inf for one holding an inf: it names
             # the parameters in the overflow report as an amax vector does.
-            rec["flags"] = self._check.flags_of(total, bad_loss, amax,
+            rec.flags = self._check.flags_of(total, bad_loss, amax,
                                                 not _fused(optimizer) and not self._spikes,
                                                 [gathered.params[i] for i in order], [per_tensor] if order else [])
             if self._spikes is not None:  # the clip's true norm: no pass more
-                self._spikes.fold(optimizer, rec["flags"], t.device, self._losses, self._check.group(),
+                self._spikes.fold(optimizer, rec.flags, t.device, self._losses, self._check.group(),
                                   not _fused(optimizer), gathered.grads, norm=true_norm)
-            rec["found_inf_per_device"] = {t.device: rec["flags"].found_inf}
         self._keep(optimizer, rec, OptState.UNSCALED)
         return true_norm
 
@@ -437,10 +459,10 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         t = self._t or self._require("step()")
         rec = self._record(optimizer, "step()")
-        if rec["stage"] is OptState.STEPPED:
+        if rec.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if not getattr(optimizer, "_step_supports_amp_scaling", False):  # see _fused
-            flags = rec["flags"] or self._check_optimizer(optimizer, rec, unscale=True, sync=True)
+            flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=True, sync=True)
             retval = None if flags.skipped else optimizer.step(*args, **kwargs)
         elif _takes_grad_scaler(optimizer.step):
             warnings.warn("lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; "
@@ -448,11 +470,11 @@ class GradScaler:
             retval = optimizer.step(*args, grad_scaler=self, **kwargs)
         else:
             host = _first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
-            flags = rec["flags"] or self._check_optimizer(optimizer, rec, unscale=False, sync=host)
+            flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=False, sync=host)
             if host and flags.skipped:
                 retval = None
             else:
-                unscaled = rec["stage"] is OptState.UNSCALED
+                unscaled = rec.stage is OptState.UNSCALED
                 retval = _step_with_flags(optimizer, None if unscaled else self._carried, flags.found_inf, args, kwargs)
         self._keep(optimizer, rec, OptState.STEPPED)
         return retval
@@ -463,16 +485,23 @@ class GradScaler:
         if not hasattr(optimizer, "param_groups"):
             raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
                              "torch.optim optimizer whose gradients were scaled.")
-        rec = self._per_optimizer_states.get(id(optimizer))
-        if rec is None or (rec["stage"] is OptState.READY and rec["flags"] is None):
-            return _fresh_record()
-        if rec["stage"] is OptState.STEPPED and call != "step()":
+        if self._stale_gradients:
+            raise RuntimeError(
+                f"{call}: load_state_dict() was called in mid-iteration, after the gradients were scaled by the "
+                "scale from before the load; unscaled by the loaded one they would take a wrong step. Those "
+                "gradients belong to the run before the load: zero the gradients and run a new "
+                "scaler.scale(loss).backward() (a rank that calls no scale(), such as a pipeline stage, calls "
+                "scaler.discard_iteration() once they are zeroed).")
+        rec = self._records.get(id(optimizer))
+        if rec is None or (rec.stage is OptState.READY and rec.flags is None):
+            return _Record()
+        if rec.stage is OptState.STEPPED and call != "step()":
             raise RuntimeError(f"{call} is being called after step(); call it before step() in the iteration.")
         return rec
 
     def _keep(self, optimizer, rec: Dict[str, Any], stage: OptState) -> None:
-        rec["stage"] = stage
-        self._per_optimizer_states[id(optimizer)] = rec
+        rec.stage = stage
+        self._records[id(optimizer)] = rec
 
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
         """Advance the policy by one iteration (or set ``new_scale``), after :meth:`step` for every
@@ -489,7 +518,7 @@ class GradScaler:
         t = self._t or self._require("update()")
         if new_scale is not None:
             new_scale = _valid_new_scale(self._policy, new_scale, t.device)
-        checked = [rec["flags"] for rec in self._per_optimizer_states.values() if rec["flags"] is not None]
+        checked = [rec.flags for rec in self._records.values() if rec.flags is not None]
         if not checked and new_scale is None:
             raise RuntimeError("update() found no inf checks since the last update(): call scaler.step(optimizer) "
                                "(or unscale_) for each optimizer before update().")
@@ -503,11 +532,9 @@ class GradScaler:
                 count_tensor(t, overflow, flags.found_nan, flags.bad_loss)
             _set_scale(self._policy, t, new_scale)
         known = [f.skipped for f in checked]
-        self._last = _fresh_record()
-        self._last.update(stage=OptState.STEPPED, flags=flags if checked else None,
-                          skipped=any(known) if None not in known else None)
+        self._last = _Record(OptState.STEPPED, flags if checked else None, any(known) if None not in known else None)
         evidence = None
-        if self._last["skipped"] is not False and checked:  # possibly skipped: keep what the report needs
+        if self._last.skipped is not False and checked:  # possibly skipped: keep what the report needs
             evidence = dict(losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
                             spikes=[f.spike[0] for f in checked if f.spike],
                             trace=None if self._tracer is None else self._tracer.snapshot())
@@ -518,7 +545,7 @@ class GradScaler:
         if self._telemetry is not None:
             self._telemetry.iteration += 1
         for callback in list(self._step_callbacks.values()):  # on_step: the host's bool, else the device flag
-            callback(not self._last["skipped"] if self._last["skipped"] is not None else flags.found_inf == 0)
+            callback(not self._last.skipped if self._last.skipped is not None else flags.found_inf == 0)
         if torch.compiler.is_compiling() or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._graphed = True  # replays move the state without update(): never trust a kept decision
             return
@@ -544,13 +571,11 @@ class GradScaler:
         t = self._t or self._require("record_overflow()")
         flags = Flags(torch.ones((), device=t.device), torch.full((), nan, device=t.device),
                       torch.zeros((), dtype=torch.bool, device=t.device), skipped=True)
-        self._per_optimizer_states = collections.defaultdict(_fresh_record, {id(self): dict(
-            _fresh_record(), stage=OptState.STEPPED, flags=flags, skipped=True)})
+        self._records = {id(self): _Record(OptState.STEPPED, flags, skipped=True)}
         self.update()
 
     def _new_iteration(self) -> None:
-        # torch's name and shape (a defaultdict of per-optimizer records), which some trainers read.
-        self._per_optimizer_states: Dict[int, Dict[str, Any]] = collections.defaultdict(_fresh_record)
+        self._records: Dict[int, _Record] = {}  # by id(optimizer); torch's shape: _per_optimizer_states
         self._losses, self._bad, self._began, self._carried = [], None, False, None
         if self._microbatches is not None:
             self._microbatches.new_iteration()
@@ -635,11 +660,11 @@ class GradScaler:
         """The records that say whether the last step was skipped: this iteration's steps so far
         (``optimizer``'s when it has stepped), else the last update's. RuntimeError between a check and
         the first step: nothing is decided yet."""
-        rec = self._per_optimizer_states.get(id(optimizer)) if optimizer is not None else None
-        if rec is not None and rec["stage"] is OptState.STEPPED:
+        rec = self._records.get(id(optimizer)) if optimizer is not None else None
+        if rec is not None and rec.stage is OptState.STEPPED:
             return [rec]
-        stepped = [r for r in self._per_optimizer_states.values() if r["stage"] is OptState.STEPPED]
-        if not stepped and any(r["flags"] is not None for r in self._per_optimizer_states.values()):
+        stepped = [r for r in self._records.values() if r.stage is OptState.STEPPED]
+        if not stepped and any(r.flags is not None for r in self._records.values()):
             raise RuntimeError(
                 "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, "
                 "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer).")
@@ -648,21 +673,21 @@ class GradScaler:
     def _read_skipped(self, rec) -> bool:
         """A record's decision: the host's, or its device flag read once (a sync, fused optimizers only;
         every time after an update under CUDA-graph capture, whose replays move it)."""
-        if rec["skipped"] is None:
-            flags = rec["flags"]
+        if rec.skipped is None:
+            flags = rec.flags
             skipped = False if flags is None else flags.skipped if flags.skipped is not None else \
                 bool(flags.found_inf.item())
             if rec is self._last and self._graphed:
                 return skipped
-            rec["skipped"] = skipped
-        return rec["skipped"]
+            rec.skipped = skipped
+        return rec.skipped
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last :meth:`step` was skipped: this iteration's (any optimizer so far) between
         :meth:`step` and :meth:`update`, otherwise the last iteration's. Free where the host decided the
         step; for fused optimizers the first read syncs."""
-        stepped = [r for r in self._per_optimizer_states.values() if r["stage"] is OptState.STEPPED]
+        stepped = [r for r in self._records.values() if r.stage is OptState.STEPPED]
         return any(self._read_skipped(r) for r in stepped or [self._last])
 
     def step_was_skipped(self, optimizer=None) -> bool:
@@ -677,9 +702,9 @@ class GradScaler:
         if not self._enabled:
             return False
         records = self._decided(optimizer)
-        if all(r["skipped"] is not None or r["flags"] is None or r["flags"].skipped is not None for r in records):
+        if all(r.skipped is not None or r.flags is None or r.flags.skipped is not None for r in records):
             return any(self._read_skipped(r) for r in records)
-        return _combined([r["flags"] for r in records if r["flags"] is not None], self._t.device).found_inf > 0
+        return _combined([r.flags for r in records if r.flags is not None], self._t.device).found_inf > 0
 
     @property
     def skipped_steps(self) -> int:
@@ -786,24 +811,26 @@ class GradScaler:
         self._policy = dataclasses.replace(self._policy, **changes)  # validates the new value
 
     def get_growth_factor(self) -> float:
-        """The growth factor (1.0 for a policy without one)."""
-        return self._policy.config().get("growth_factor", 1.0)
+        """The growth factor: the one :meth:`state_dict` gives torch (1.0 for a static scale; the policy's
+        own, or torch's default where it has none: what a torch scaler loading the state would use)."""
+        return self._policy.torch_factors()["growth_factor"]
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (validated: > 1)."""
         self._set_policy(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        """The backoff factor (1.0 for a policy without one)."""
-        return self._policy.config().get("backoff_factor", 1.0)
+        """The backoff factor, as :meth:`state_dict` gives it to torch (see :meth:`get_growth_factor`)."""
+        return self._policy.torch_factors()["backoff_factor"]
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (validated: in (0, 1))."""
         self._set_policy(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        """The growth interval (0 for a policy without one)."""
-        return self._policy.config().get("growth_interval", 0)
+        """The growth interval, as :meth:`state_dict` gives it to torch (2**31 - 1 for a static scale: an
+        interval torch's int32 tracker never reaches; see :meth:`get_growth_factor`)."""
+        return self._policy.torch_factors()["growth_interval"]
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (validated: int >= 1). Lowered below the current clean streak, the
@@ -821,16 +848,16 @@ class GradScaler:
 
     def _found_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private accessor, used by some trainers: this iteration's found_inf per device."""
-        rec = self._per_optimizer_states.get(id(optimizer))
-        return {} if rec is None else rec["found_inf_per_device"]
+        rec = self._records.get(id(optimizer))
+        return {} if rec is None else rec.torch_view()["found_inf_per_device"]
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private read-only check, used by some trainers."""
         self._t or self._require("_check_inf_per_device()")
         rec = self._record(optimizer, "_check_inf_per_device()")
         self._check_optimizer(optimizer, rec, unscale=False, sync=False)
-        self._per_optimizer_states[id(optimizer)] = rec
-        return rec["found_inf_per_device"]
+        self._records[id(optimizer)] = rec
+        return rec.torch_view()["found_inf_per_device"]
 
     def close(self) -> None:
         """Remove the tracing hooks (``trace=True``); the scaler keeps working without them. Idempotent."""
@@ -861,18 +888,27 @@ class GradScaler:
         continues exactly as torch would). Works before the first :meth:`scale`; validates everything
         before changing anything (ValueError naming the key); fills the state tensors in place (a CUDA
         graph captured before keeps reading the live scale). The checkpoint's policy wins over the
-        constructor's, with a warning when they differ. Between iterations only (RuntimeError otherwise:
-        :meth:`discard_iteration` drops the iteration in flight)."""
+        constructor's, with a warning when they differ.
+
+        In mid-iteration (after :meth:`scale`, before :meth:`update`; torch's own tests load there) it
+        loads, warns, and discards the iteration in flight: nothing of it is counted. Its gradients carry
+        the scale from before the load, so :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step`
+        refuse them (RuntimeError) until a new :meth:`scale` (or :meth:`discard_iteration`, once they are
+        zeroed). Refused rather than unscaled by the scale they carry: the checkpoint restores a run at an
+        iteration boundary, and a step from gradients of the run before the load, written into the
+        loaded run, would belong to neither (torch unscales them by the loaded scale, silently)."""
         if not self._enabled:
             return
         policy, state = checkpoint.load(state_dict, self._policy)
         loaded = [(feature, feature.loadable(state_dict)) for feature in self._features]
         # Everything is validated: now swap.
-        if self._in_flight():
+        in_flight = self._in_flight()
+        if in_flight:
             warnings.warn(
                 "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()): the "
-                "state is loaded and the iteration in flight is discarded (nothing of it is counted; its "
-                "gradients carry the old scale: zero them before the next backward).", RuntimeWarning, stacklevel=2)
+                "state is loaded and the iteration in flight is discarded (nothing of it is counted). Its "
+                "gradients carry the old scale, so unscale_() and step() refuse them: zero the gradients and run "
+                "a new scaler.scale(loss).backward().", RuntimeWarning, stacklevel=2)
         for feature, value in loaded:
             feature.load(value)
         self._policy = policy
@@ -883,33 +919,36 @@ class GradScaler:
         else:  # another policy's state: new tensors
             self._t = TensorState(state, self._t.device)
         self.discard_iteration()
+        self._stale_gradients = in_flight
         self._snapshots.clear()
         self._warned_streak = False
         self._health.reset(state)
-        self._last, self._evidence, self._last_report = _fresh_record(), None, None
+        self._last, self._evidence, self._last_report = _Record(), None, None
 
     def discard_iteration(self) -> None:
         """Forget the iteration in flight: what :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_`
         and :meth:`step` recorded since the last :meth:`update`; nothing is counted. The gradients are
-        not touched (zero them: they may carry the scale), a step that ran is not undone. No sync."""
+        not touched (zero them: they may carry the scale), a step that ran is not undone. After a
+        mid-iteration :meth:`load_state_dict`, it says the gradients were zeroed (see there). No sync."""
         self._new_iteration()
+        self._stale_gradients = False
         if self._tracer is not None:
             self._tracer.snapshot()  # the traced passes of the dropped iteration
 
     def _in_flight(self) -> bool:
         """Whether an iteration has begun: scale() or a check ran since the last update()."""
-        return self._began or any(r["flags"] is not None or r["stage"] is not OptState.READY
-                                  for r in self._per_optimizer_states.values())
+        return self._began or any(r.flags is not None or r.stage is not OptState.READY
+                                  for r in self._records.values())
 
     def __getstate__(self) -> Dict[str, Any]:
         # As torch: not once an optimizer was checked (after scale() is fine: the copy starts afresh).
-        if any(r["flags"] is not None or r["stage"] is not OptState.READY for r in self._per_optimizer_states.values()):
+        if any(r.flags is not None or r.stage is not OptState.READY for r in self._records.values()):
             raise RuntimeError("A GradScaler can be pickled only at the beginning of an iteration, before any "
                                "unscale_(), clip_grad_norm_() or step() (as torch's), or after update().")
         state = self.__dict__.copy()
         # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
         state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
-                     _evidence=None, _last_report=None, _last=dict(_fresh_record(), skipped=self._read_skipped(self._last)),
+                     _evidence=None, _last_report=None, _last=_Record(skipped=self._read_skipped(self._last)),
                      _step_callbacks=collections.OrderedDict())
         return state
 

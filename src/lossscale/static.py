@@ -65,10 +65,13 @@ class StaticPolicy(PolicyBase):
         """The fixed scale (the name the other policies use for their first scale)."""
         return self.scale
 
+    def torch_factors(self):
+        """For a scale that never moves: factors of 1 and an interval torch never reaches."""
+        return {"growth_factor": 1.0, "backoff_factor": 1.0, "growth_interval": _TORCH_NEVER}
+
     def torch_state(self, state: StaticState):
-        """torch's keys for a scale that never moves: factors of 1 and an interval torch never reaches."""
-        return {"scale": state.scale, "growth_factor": 1.0, "backoff_factor": 1.0,
-                "growth_interval": _TORCH_NEVER, "_growth_tracker": 0}
+        """torch's keys for a scale that never moves (the tracker 0: torch never reaches the interval)."""
+        return {"scale": state.scale, **self.torch_factors(), "_growth_tracker": 0}
 
     def init_state(self) -> StaticState:
         """The state before the first step."""

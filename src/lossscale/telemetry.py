@@ -147,12 +147,13 @@ class Telemetry:
                               "float64 model needs no loss scaling). Training is not affected.",
                               UserWarning, stacklevel=4)
             params, grads = [p for p, _ in measurable], [g for _, g in measurable]
-        if not grads and not self.sharded:
-            return
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
-            # The scale these gradients carry (update() may change it before the figures are read).
+            # The scale these gradients carry (update() may change it before the figures are read), kept
+            # on a rank without gradients too: a reduction reads it beside that rank's empty figures.
             self.scale_used = scale.clone()
+        if not grads and not self.sharded:
+            return
         device = scale.device
         stats = grad_stats(grads, scale=1.0, fmt=self.fmt, device=device)
         self.overall = stats if self.overall is None else self.overall + stats
