@@ -256,11 +256,13 @@ class GradScaler:
         never call :meth:`scale` (pipeline stages) and frameworks that load a checkpoint first. No sync.
         ValueError if the state already lives on another device, or for the meta device."""
         device = torch.device(device)
+        if self._t is not None:
+            if self._t.device != _indexed(device):
+                raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
+            return
         if device.type == "meta":
             raise ValueError("init_device got device=meta, which holds no values: the scale and the counters must "
                              "live where the gradients are checked; pass the training device ('cpu', 'cuda', ...).")
-        if self._t is not None and self._start(device).device != _indexed(device):
-            raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
         self._start(device)
 
     def _start(self, device: torch.device) -> TensorState:
