@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import Any, Optional
 
+from ._warnings import warn
 from .formats import f32, is_power_of_two
 
 __all__ = ["plain_number", "plain_bool", "validate_stuck", "validate_backoff", "validate_int", "positive_finite",
@@ -117,11 +117,7 @@ def warn_not_powers_of_two(policy, names) -> None:
     """Warn (once per config) about the ``names`` of ``policy`` that are not powers of two, and why."""
     bad = [f"{n}={getattr(policy, n)!r}" for n in off_powers_of_two(policy, names)]
     if bad:
-        warnings.warn(
-            "lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "
-            "powers of two. Multiplying by a power of two only shifts the exponent and is exact; any "
-            "other scale rounds every gradient when it is scaled and again when unscaled.",
-            UserWarning,
-            stacklevel=4,  # the user's constructor call: helper <- __post_init__ <- __init__ <- user
-        )
+        warn("lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "
+             "powers of two. Multiplying by a power of two only shifts the exponent and is exact; any "
+             "other scale rounds every gradient when it is scaled and again when unscaled.")
 

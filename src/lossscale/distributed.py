@@ -35,7 +35,7 @@ import torch
 
 from .policy import ScaleState
 
-__all__ = ["reduction_group", "resolve_group", "all_reduce_flags", "norm_reduction",
+__all__ = ["reduction_group", "resolve_group", "all_reduce_flags", "all_reduce_any", "norm_reduction",
            "all_reduce_norm", "replica_copies", "check_consistency", "init_stage", "reduce_stats"]
 
 
@@ -73,27 +73,31 @@ def reduction_group(scaler) -> Optional["torch.distributed.ProcessGroup"]:
     return resolve_group(scaler.process_group)
 
 
-def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor], group,
-                     bad_loss: Optional[torch.Tensor] = None):
-    """MAX-reduce ``[found_inf, found_nan(, bad_loss)(, amax)]`` over ``group`` in ONE collective;
-    returns the four (``amax``/``bad_loss`` None when not given). No host sync.
+def all_reduce_flags(overflow: torch.Tensor, nan: torch.Tensor, bad_loss: torch.Tensor, spike: Optional[torch.Tensor],
+                     amax: Optional[torch.Tensor], group):
+    """MAX-reduce the check's reasons (bool 0-dim tensors; ``spike`` and ``amax`` where given) over
+    ``group`` in ONE collective; returns them in the same order and types. No host sync.
 
     ``amax`` (a needs_amax policy's max |g|) is sent as 0 where it is inf or NaN: a MAX over a NaN
     is not reliably NaN on gloo or NCCL (gloo keeps or drops it by rank order), and it need not be.
     A non-finite amax has set this rank's flags, which reduce exactly, and a needs_amax policy
     ignores the amax of an overflow step.
     """
-    parts = [found_inf, found_nan]
-    if bad_loss is not None:
-        parts.append(bad_loss.to(found_inf.dtype))
-    if amax is not None:
-        parts.append(amax.nan_to_num(0.0, 0.0, 0.0))
-    flags = torch.stack(parts)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    values = list(flags.unbind(0))
-    reduced_amax = values.pop() if amax is not None else None
-    reduced_bad = values.pop() if bad_loss is not None else None
-    return values[0], values[1], reduced_amax, reduced_bad
+    parts = [overflow, nan, bad_loss] + ([spike] if spike is not None else [])
+    values = [p.float() for p in parts] + ([amax.nan_to_num(0.0, 0.0, 0.0)] if amax is not None else [])
+    stacked = torch.stack(values)
+    torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX, group=group)
+    reduced = list(stacked.unbind(0))
+    reduced_amax = reduced.pop() if amax is not None else None
+    flags = [r > 0 for r in reduced]
+    return flags[0], flags[1], flags[2], flags[3] if spike is not None else None, reduced_amax
+
+
+def all_reduce_any(flag: torch.Tensor, group) -> torch.Tensor:
+    """A bool 0-dim ``flag`` OR-ed over ``group`` (a MAX of 0/1: exact on every backend). No host sync."""
+    value = flag.float()
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return value > 0
 
 
 def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], norm_type: float, norm_group: Any = None

@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ._features import Feature, saved_count
+
 __all__ = ["MODES", "MicroBatches"]
 
 #: ``GradScaler(bad_microbatch=...)``: "skip" (the default, torch's: a bad loss skips the whole step),
@@ -41,7 +43,7 @@ MODES = ("skip", "drop", "zero")
 _KEY = "dropped_microbatches"
 
 
-class MicroBatches:
+class MicroBatches(Feature):
     """One scaler's micro-batch account: this iteration's total and kept counts, and the dropped ones."""
 
     def __init__(self, mode: str):
@@ -50,6 +52,11 @@ class MicroBatches:
         self.mode = mode
         self.dropped = 0  # over the run (checkpointed)
         self.new_iteration()
+
+    @classmethod
+    def of(cls, mode: str) -> Optional["MicroBatches"]:
+        """``GradScaler(bad_microbatch=mode)``: None for "skip" (torch's behaviour: nothing to keep)."""
+        return None if mode == "skip" else cls(mode)
 
     def new_iteration(self) -> None:
         """Forget the iteration's micro-batches (the scaler's ``update()`` and ``discard_iteration()``)."""
@@ -78,14 +85,12 @@ class MicroBatches:
         """For ``counters()``, ``metrics()`` and ``health()``."""
         return {_KEY: self.dropped}
 
-    def state(self) -> Dict[str, Any]:
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entry."""
         return {_KEY: self.dropped}
 
     def loadable(self, state_dict: Dict[str, Any]) -> Optional[int]:
         """The count a checkpoint holds (None when absent), validated (ValueError naming the key)."""
-        from ._features import saved_count
-
         return saved_count(state_dict, _KEY)
 
     def load(self, value: Optional[int]) -> None:

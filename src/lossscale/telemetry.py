@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import formats
+from ._features import Feature, saved_count
+from ._warnings import warn
 from .stats import GradStats, fetch_figures, grad_stats
 
 __all__ = ["Telemetry", "JsonlLogger", "flatten_stats"]
@@ -42,7 +43,7 @@ def flatten_stats(prefix: str, stats: GradStats) -> Dict[str, float]:
     return {f"{prefix}/{k}": d[k] for k in keep if k in d}
 
 
-class Telemetry:
+class Telemetry(Feature):
     """Sampled statistics of the scaled gradients, kept on device until read.
 
     Args:
@@ -98,20 +99,15 @@ class Telemetry:
         """Whether this iteration is sampled."""
         return self.iteration % self.every == 0
 
-    # The scaler's opt-in feature protocol (lossscale._features): the iteration count is checkpointed,
-    # so a resumed run samples at the same iterations.
-    def counts(self) -> Dict[str, int]:
-        """No counters of its own: its figures come from :meth:`metrics`."""
-        return {}
-
-    def state(self) -> Dict[str, Any]:
+    # The scaler's opt-in feature protocol (lossscale._features.Feature): the iteration count is
+    # checkpointed, so a resumed run samples at the same iterations. No counters of its own: its
+    # figures come from metrics().
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entry: the iteration count (the sampling phase)."""
         return {"telemetry_iteration": self.iteration}
 
     def loadable(self, state_dict: Dict[str, Any]) -> Optional[int]:
         """The checkpoint's iteration count, validated (None when absent)."""
-        from ._features import saved_count
-
         return saved_count(state_dict, "telemetry_iteration")
 
     def load(self, value: Optional[int]) -> None:
@@ -142,10 +138,9 @@ class Telemetry:
             if not self._warned_dtype:
                 self._warned_dtype = True
                 dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads if g.dtype not in _MEASURABLE})
-                warnings.warn(f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
+                warn(f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
                               "(they measure float32, float16 and bfloat16 gradients against fp16's range; a "
-                              "float64 model needs no loss scaling). Training is not affected.",
-                              UserWarning, stacklevel=4)
+                              "float64 model needs no loss scaling). Training is not affected.")
             params, grads = [p for p, _ in measurable], [g for _, g in measurable]
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}

@@ -35,12 +35,16 @@ import weakref
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
+from ._features import Feature
+
 __all__ = ["Upcast"]
 
 MODES = ("skip", "upcast")
+#: ``upcast_after``'s default: a module named first on this many skipped steps is kept in FP32.
+AFTER = 2
 
 
-class Upcast:
+class Upcast(Feature):
     """The upcast rule's account: how often each module was the first forward overflow, which were kept."""
 
     def __init__(self, model, after: int):
@@ -60,7 +64,7 @@ class Upcast:
         if mode not in MODES:
             raise ValueError(f"on_forward_overflow={mode!r} must be one of {MODES}.")
         if mode == "skip":
-            if after != 2:
+            if after != AFTER:
                 raise ValueError(f"upcast_after={after!r} applies only with on_forward_overflow='upcast'.")
             return None
         if not trace:
@@ -102,12 +106,12 @@ class Upcast:
         self.kept.extend(n for n in names if n not in self.kept)
         return True
 
-    # The scaler's opt-in feature protocol (lossscale._features).
+    # The scaler's opt-in feature protocol (lossscale._features.Feature).
     def counts(self) -> Dict[str, int]:
         """``upcasts``: the modules kept in FP32 so far."""
         return {"upcasts": len(self.kept)}
 
-    def state(self) -> Dict[str, Any]:
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entry: the modules kept, and how often each module was named."""
         return {"upcast_modules": list(self.kept), "upcast_seen": dict(self.seen)}
 
