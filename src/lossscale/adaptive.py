@@ -92,7 +92,7 @@ from typing import Optional, Tuple
 from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import (SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, exact_pow2, f32,
+from .policy import (BOOL, I64, SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, exact_pow2, f32,
                      register, stuck_at_bound_or_streak)
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
@@ -135,10 +135,15 @@ class AdaptiveState(ScaleState):
             window; ``NO_AMAX`` when the window measured nothing.
     """
 
-    growth_tracker: int = 0
-    hysteresis_tracker: int = 1
-    calibrated: bool = False
+    growth_tracker: int = field(default=0, metadata=I64)
+    hysteresis_tracker: int = field(default=1, metadata=I64)
+    calibrated: bool = field(default=False, metadata=BOOL)
     window_exp: int = field(default=NO_AMAX, metadata=SIGNED)
+
+    @property
+    def searching(self) -> bool:
+        """Before its first measurement the scale searches (the health account's calibration)."""
+        return not self.calibrated
 
 
 @register

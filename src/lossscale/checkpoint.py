@@ -32,7 +32,8 @@ from typing import Any, Dict, Tuple
 
 from .dynamic import DynamicPolicy
 from ._validate import plain_bool, plain_number
-from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
+from ._warnings import warn
+from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, host_type, policy_types
 
 __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
 
@@ -132,15 +133,15 @@ def _check_keys(key: str, given: Dict[str, Any], cls, version: int) -> None:
 def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
     """Each field as a Python number or bool (numpy's converted, so the state saves as plain numbers
     again); the policy's ``check_state`` then checks the types, naming the key."""
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(state_type)}
-    return {name: plain_bool(f"state dict state.{name}", value) if kinds[name] == "bool" else
-            plain_number(f"state dict state.{name}", value, integral=kinds[name] == "int")
+    kinds = {f.name: host_type(f) for f in dataclasses.fields(state_type)}
+    return {name: plain_bool(f"state dict state.{name}", value) if kinds[name] is bool else
+            plain_number(f"state dict state.{name}", value, integral=kinds[name] is int)
             for name, value in fields.items()}
 
 
 def _as_held(f: dataclasses.Field, value):
     """A float field as the device holds it (float32 or float64); ints and bools as they are."""
-    if str(f.type) != "float":
+    if host_type(f) is not float:
         return value
     return f32(float(value)) if field_kind(f) == "f32" else float(value)
 
@@ -217,9 +218,7 @@ def _warn_replaced(current, loaded, note: str = "") -> None:
     else:
         a, b = current.config(), loaded.config()
         what = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
-    warnings.warn(
+    warn(
         f"lossscale: the checkpoint's policy replaces the one this scaler was built with ({what}).{note} A "
         "checkpoint restores the run it saved; build the scaler with the same settings to silence this.",
-        UserWarning,
-        stacklevel=5,  # the user's load_state_dict call: here <- _load_* <- load <- load_state_dict <- user
     )

@@ -55,7 +55,7 @@ from ._validate import (
     warn_not_powers_of_two,
 )
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import (I32, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, f32, register,
+from .policy import (I32, I64, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, f32, register,
                      stuck_at_bound_or_streak)
 
 __all__ = ["DynamicPolicy", "DynamicState"]
@@ -74,7 +74,7 @@ class DynamicState(ScaleState):
     """
 
     growth_tracker: int = field(default=0, metadata=I32)  # int32 on device: torch's update kernel takes it
-    hysteresis_tracker: int = 1
+    hysteresis_tracker: int = field(default=1, metadata=I64)
 
 
 @register
