@@ -44,13 +44,18 @@ ROWS = {
     "skip_if grad-norm z-score, norm from clip_grad_norm_": (dict(skip_if=dict(grad_norm_zscore=6.0)), True),
     "skip_if loss z-score": (dict(skip_if=dict(loss_zscore=6.0)), False),
     "trace=True, on_forward_overflow='upcast'": (dict(trace=True, on_forward_overflow="upcast"), False),
+    "trace=True, on_backward_overflow='upcast'": (dict(trace=True, on_backward_overflow="upcast"), False),
+    "bad_microbatch='drop', scale(loss, weight=n_tokens)": (dict(bad_microbatch="drop"), False),
 }
+#: Rows whose micro-batches give their token count to scale() (the sequence length, the same for each).
+WEIGHTED = {"bad_microbatch='drop', scale(loss, weight=n_tokens)"}
+TOKENS = 32
 
 
 class Side:
     """A model, AdamW fused and a scaler; one accumulated iteration of them."""
 
-    def __init__(self, quick: bool, keywords: dict, clip: bool):
+    def __init__(self, quick: bool, keywords: dict, clip: bool, weighted: bool = False):
         self.model, self.loss = bench.gpt2(quick)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         if keywords.get("trace"):
@@ -59,13 +64,14 @@ class Side:
             warnings.simplefilter("ignore")
             self.scaler = lossscale.GradScaler(**keywords)
         self.clip = clip
+        self.weight = {"weight": TOKENS} if weighted else {}
 
     def run(self):
         self.opt.zero_grad(set_to_none=True)
         for _ in range(MICRO_BATCHES):
             with torch.autocast(bench.DEVICE.type, dtype=torch.float16):
                 loss = self.loss(self.model) / MICRO_BATCHES
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss, **self.weight).backward()
         if self.clip:
             self.scaler.clip_grad_norm_(self.opt, 1.0)
         self.scaler.step(self.opt)
@@ -84,7 +90,7 @@ class Side:
 
 def row(name: str, pairs: int, quick: bool) -> dict:
     keywords, clip = ROWS[name]
-    ours, base = Side(quick, keywords, clip), Side(quick, {}, clip)
+    ours, base = Side(quick, keywords, clip, weighted=name in WEIGHTED), Side(quick, {}, clip)
     for _ in range(3):
         ours.iteration()
         base.iteration()

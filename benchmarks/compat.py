@@ -11,7 +11,7 @@ the check that looks on purpose. For each framework named in the ``integrations`
 install on this Python, from ``pip index versions``), makes a venv, installs the checkout's test extra
 with that release (torch from ``constraints.txt``, everything else resolved afresh, as a user who pins
 only that framework would get), and runs the framework's tests (``TESTS`` below). It prints a table,
-framework / version / result, and writes it between the markers in ``docs/integrations.md`` with the
+framework / version / result, and writes it between the markers in ``docs/compatibility.md`` with the
 date. Not part of CI: an upstream release must not block a landing.
 """
 
@@ -30,7 +30,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "integrations.md")
+DOC = os.path.join(ROOT, "docs", "compatibility.md")
 BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
 # The tests that drive each framework (run from the checkout, in the framework's venv).
@@ -137,7 +137,7 @@ def table(rows: list) -> str:
 
 
 def write_doc(text: str) -> None:
-    """Replace what stands between the markers of docs/integrations.md with ``text``."""
+    """Replace what stands between the markers of docs/compatibility.md with ``text``."""
     with open(DOC) as f:
         doc = f.read()
     if BEGIN not in doc or END not in doc:

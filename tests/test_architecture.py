@@ -44,7 +44,7 @@ def test_the_public_surface_is_pinned():
         "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
         "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale",
         "ActivationGradRecorder", "activation_grad_probe", "Telemetry", "JsonlLogger",
-        "audit", "AuditReport", "keep_fp32",
+        "audit", "AuditReport", "keep_fp32", "check_setup",
     ]
 
 

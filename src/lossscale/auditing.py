@@ -6,23 +6,25 @@ the function ``lossscale.audit`` on the package as soon as anything imported it.
 The first thing to run when an FP16 run goes NaN. One call answers the questions the scaler cannot:
 
 * **Forward overflow** -- which modules' own FP16 output exceeds 65504 (no loss scale helps: the scale
-  only touches the backward). Those go in ``report.keep_fp32``, ready for :func:`lossscale.keep_fp32`.
+  only touches the backward). Those go in ``report.keep_fp32``, ready for ``lossscale.keep_fp32``.
 * **Backward overflow** -- which modules' output gradient, times the scale, overflows FP16 (the scale
   must drop).
 * **Underflow** -- what share of the gradient values FP16 stores would flush to zero at the scale.
 * **Broken hardware** -- whether this device's FP16 kernels agree with FP32 at all.
 
-``print(report)`` is a table; ``report.to_dict()`` the same as plain data::
+``print(report)`` is a table; ``report.to_dict()`` the same as plain data:
 
-    report = lossscale.audit(model, lambda m, b: loss_fn(m(b[0]), b[1]), (x, y), scale=scaler)
-    print(report)
-    lossscale.keep_fp32(model, report.keep_fp32)
+```python
+report = lossscale.audit(model, lambda m, b: loss_fn(m(b[0]), b[1]), (x, y), scale=scaler)
+print(report)
+lossscale.keep_fp32(model, report.keep_fp32)
+```
 
 How it measures (``loss_fn(model, batch)`` runs once per pass; each pass starts from the same RNG state,
 so dropout draws the same masks where the kernels allow):
 
 1. **FP32 shadow**, in the model's training mode, forward and backward: the exact activation gradients
-   (the mixed-precision paper's method, as :func:`lossscale.activation_grad_probe`), taken with
+   (the mixed-precision paper's method, as ``lossscale.activation_grad_probe``), taken with
    ``torch.autograd.grad`` so no ``.grad`` is touched. The shadow is the model itself when every
    floating parameter and buffer is float32 already (autocast's recipe: nothing to convert, and a copy
    would double the memory), else a deep copy converted with ``.float()``; ``batch``'s float16/bfloat16
@@ -42,14 +44,14 @@ so dropout draws the same masks where the kernels allow):
    computes in FP16 too. The factor 2 is one binade of headroom for a batch whose gradients run twice
    as large (the dynamic policy backs off by one binade per overflow); capped at 2^24 (the scaler's
    ``max_scale``: above it a rescued gradient cannot move an FP32 weight). Each FP16-stored gradient is
-   then classified as FP16 stores ``g * S`` (:func:`lossscale.grad_stats`, exact counts): the flushed
+   then classified as FP16 stores ``g * S`` (``lossscale.grad_stats``, exact counts): the flushed
    share (of the nonzero values) and overflow.
 4. **Hardware check**, two parts. (a) Known answers: FP16 linear (forward and backward), bmm and conv2d
    under autocast on the model's device, on inputs whose products and sums are exact in FP16 (so the
    result must be bitwise the float64 one), plus a matmul of general values held to the rigorous
    rounding bound ``gamma(K+3) * |A| |B|`` (``gamma(n) = n u / (1 - n u)``, ``u = 2^-11``, FP16's unit
    roundoff; it holds for any summation order, FP16 accumulation included). A device whose FP16 kernels
-   return NaN or garbage (ultralytics PR #17977: GTX 16xx and Quadro T GPUs pass simple AMP checks and
+   return NaN or garbage (GTX 16xx and Quadro T GPUs have been reported to pass simple AMP checks and
    give NaN losses in training) fails it. (b) Agreement: the model in eval mode (no dropout: the same
    computation in both), under ``no_grad``, FP16 (with ``keep_fp32`` applied) against FP32, module by
    module: ``max|y16 - y32| / amax(y32)`` must stay within ``tol(d) = min(1/4, 4u * (d + 1))``, where
@@ -173,18 +175,18 @@ class HardwareCheck:
 
 @dataclass
 class AuditReport:
-    """What :func:`audit` found. ``print(report)`` shows it as a table; :meth:`to_dict` as plain data.
+    """What ``audit`` found. ``print(report)`` shows it as a table; ``to_dict`` as plain data.
 
     Attributes:
         device: the device the model ran on.
         scale: the loss scale the backward figures are judged at.
         scale_source: ``"given"``, ``"scaler"`` (a ``GradScaler``'s current scale) or ``"largest safe"``.
-        safe_scale: the largest safe power of two (see :mod:`lossscale.auditing`).
+        safe_scale: the largest safe power of two (see ``lossscale.auditing``).
         loss_fp16: the loss of the FP16 forward, the model as given.
         loss_fp16_kept: the loss of the last FP16 forward, with ``keep_fp32`` applied.
         loss_fp32: the FP32 shadow's loss.
         keep_fp32: modules to keep in FP32 (smallest first-cause modules of forward overflows), to pass
-            to :func:`lossscale.keep_fp32`.
+            to ``lossscale.keep_fp32``.
         already_kept: modules that were kept in FP32 before the audit.
         forward_finite: whether the FP16 forward is finite with ``keep_fp32`` applied.
         fp32_nonfinite: modules whose FP32 output is non-finite as well, from finite inputs (a model
@@ -193,7 +195,7 @@ class AuditReport:
         backward_overflow: modules whose FP16 output gradient overflows at ``scale``.
         flushed_frac: share of the nonzero FP16-stored activation-gradient values flushed at ``scale``
             (leaf modules, so no value counts twice).
-        hardware: the :class:`HardwareCheck`.
+        hardware: the ``HardwareCheck``.
         modules: ``{name: ModuleAudit}`` in execution order.
         notes: anything else worth saying.
     """
@@ -328,8 +330,8 @@ def _buffer_keeper(model: torch.nn.Module) -> Callable[[], None]:
 class _Preserved:
     """The user's model as it was: every module's training flag, every buffer and the global RNG.
 
-    :meth:`replay` puts the buffers (of the model and of any module added with :meth:`add_buffers`, the
-    shadow copy) and the RNG back as they were (each pass starts from there); :meth:`restore` also puts
+    ``replay`` puts the buffers (of the model and of any module added with ``add_buffers``, the
+    shadow copy) and the RNG back as they were (each pass starts from there); ``restore`` also puts
     the training flags back (at the end).
     """
 
@@ -392,7 +394,7 @@ class _Call:
 
 
 class _Pass:
-    """Hooks every module of ``model`` for one pass and records each call (see :class:`_Call`).
+    """Hooks every module of ``model`` for one pass and records each call (see ``_Call``).
 
     ``grad_scale``: register tensor hooks on the outputs that collect their gradients' statistics at
     that scale. ``keep_outputs``: store detached float32 copies of the outputs (the FP32 agreement
@@ -693,16 +695,16 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
             float32 for the FP32 shadow).
         scale: the loss scale to judge the backward at: a positive number, a ``GradScaler`` (its
             ``get_scale()``: one host sync), or None for the largest safe power of two (see
-            :mod:`lossscale.auditing` for the rule).
+            ``lossscale.auditing`` for the rule).
         max_rounds: how many times at most the first-cause modules of the forward overflows are kept
             in FP32 and the FP16 forward run again (each round finds the overflows the last one hid).
 
     Returns:
-        An :class:`AuditReport`: ``print(report)`` for the table, ``report.keep_fp32`` for
-        :func:`lossscale.keep_fp32`, ``report.to_dict()`` as plain data.
+        An ``AuditReport``: ``print(report)`` for the table, ``report.keep_fp32`` for
+        ``lossscale.keep_fp32``, ``report.to_dict()`` as plain data.
 
     The model is left exactly as it was (parameters, ``.grad``, buffers, training flags, hooks, the
-    modules kept in FP32, the global RNG): see :mod:`lossscale.auditing`. Syncs host and device many times.
+    modules kept in FP32, the global RNG): see ``lossscale.auditing``. Syncs host and device many times.
 
     Raises:
         ValueError: ``model`` is not a module, ``loss_fn`` not callable or returns no scalar loss tensor,
@@ -923,7 +925,7 @@ def _hardware_verdict(known: Dict[str, str], agree: _Read, ref: _Read) -> Hardwa
         name, why = next(iter(failed.items()))
         return HardwareCheck("broken", known, detail=(
             f"this device's FP16 {name} gives wrong answers ({why}); FP16 training here cannot be trusted: "
-            "train in FP32 or BF16 (ultralytics PR #17977 found the same on GTX 16xx GPUs)."))
+            "train in FP32 or BF16 (GTX 16xx GPUs have been reported to do the same)."))
     max_ratio = 0.0
     for name in agree.order:
         err = agree.rel_error[name]

@@ -1,28 +1,31 @@
 """Floating-point number formats: exact range facts and rounding what-ifs.
 
-Every figure on a :class:`FloatFormat` is *derived* from three layout facts (exponent
+Every figure on a ``FloatFormat`` is *derived* from three layout facts (exponent
 bits, mantissa bits, and how the all-ones exponent is used); nothing numeric is typed
 in.  The tests check the derived figures against ``torch.finfo`` and check
-:func:`round_to` against real torch casts, value by value.
+``round_to`` against real torch casts, value by value.
 
 Pure Python: importing this module does not import torch (only
-:meth:`FloatFormat.torch_dtype` does, lazily), so a CLI can print :func:`table`
+``FloatFormat.torch_dtype`` does, lazily), so a CLI can print ``table``
 without paying for torch.
 
-The facts at the two cliffs, for fp16 (p = 10 mantissa bits, emin = -14, emax = 15)::
+The facts at the two cliffs, for fp16 (p = 10 mantissa bits, emin = -14, emax = 15):
 
-    |x| <= 2^-25                 -> 0        (2^-25 is the tie between 0 and 2^-24; ties go to even: 0)
-    2^-25 < |x| <= 2^-24         -> 2^-24    (the smallest subnormal)
-    |x| <  65520                 -> finite   (65519.99 -> 65504, the largest finite value)
-    |x| >= 65520                 -> inf      (65520 is the tie between 65504 and 2^16; 65504's
-                                              mantissa is odd, so the tie goes up, out of range)
+```text
+|x| <= 2^-25                 -> 0        (2^-25 is the tie between 0 and 2^-24; ties go to even: 0)
+2^-25 < |x| <= 2^-24         -> 2^-24    (the smallest subnormal)
+|x| <  65520                 -> finite   (65519.99 -> 65504, the largest finite value)
+|x| >= 65520                 -> inf      (65520 is the tie between 65504 and 2^16; 65504's
+                                          mantissa is odd, so the tie goes up, out of range)
+```
 
->>> from lossscale import formats
->>> fp16 = formats.get("fp16")
->>> fp16.max, fp16.flush_threshold == 2.0**-25, fp16.overflow_threshold
-(65504.0, True, 65520.0)
->>> formats.round_to(fp16, 2.0**-25), formats.round_to(fp16, 65520.0)
-(0.0, inf)
+Examples:
+    >>> from lossscale import formats
+    >>> fp16 = formats.get("fp16")
+    >>> fp16.max, fp16.flush_threshold == 2.0**-25, fp16.overflow_threshold
+    (65504.0, True, 65520.0)
+    >>> formats.round_to(fp16, 2.0**-25), formats.round_to(fp16, 65520.0)
+    (0.0, inf)
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ __all__ = [
 # against the installed torch, so a behaviour change shows up as a test failure.
 TORCH_E4M3FN_CAST_SATURATES = True
 
-#: How a format uses its all-ones exponent field: see :class:`FloatFormat`.
+#: How a format uses its all-ones exponent field: see ``FloatFormat``.
 ENCODINGS = ("ieee", "fn", "finite")
 
 
@@ -70,7 +73,7 @@ class FloatFormat:
         name: canonical name (``"fp16"``, ``"bf16"``, ``"fp32"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``).
         exponent_bits: width of the exponent field.
         mantissa_bits: width of the stored mantissa (fraction) field, ``p``.
-        encoding: how the all-ones exponent field is used (see :data:`ENCODINGS`).
+        encoding: how the all-ones exponent field is used (see ``ENCODINGS``).
             ``"ieee"``: reserved for inf and NaN (fp16, bf16, fp32, fp8 e5m2).
             ``"fn"``: the OCP "finite" variant (fp8 e4m3fn): the all-ones exponent holds ordinary
             numbers and only the all-ones bit pattern is NaN, so the largest finite value has
@@ -78,7 +81,7 @@ class FloatFormat:
             ``"finite"``: every bit pattern is a number, no inf and no NaN (the OCP MX fp6
             formats e3m2 and e2m3): the top exponent field holds numbers with any mantissa.
         torch_name: name of the matching ``torch`` dtype attribute, or None for a format torch
-            does not have (then :meth:`torch_dtype` raises).
+            does not have (then ``torch_dtype`` raises).
 
     Every other figure is a property derived from these.  All figures are exact Python floats
     (every one of them is representable in float64).
@@ -189,18 +192,18 @@ class FloatFormat:
         """The midpoint between ``max`` and the next value the exponent range cannot hold.
 
         ``|x| > overflow_threshold`` always overflows; whether ``|x| == overflow_threshold``
-        does is :attr:`overflow_tie_overflows`.  fp16: 65520 (and the tie overflows, to inf);
+        does is ``overflow_tie_overflows``.  fp16: 65520 (and the tie overflows, to inf);
         e4m3: 464 (the tie rounds back to 448).  "Overflow" here is a property of rounding: the
         magnitude rounds past ``max``.  What a cast then stores differs: IEEE formats store
         inf; for e4m3 a non-saturating cast stores NaN and a saturating cast clamps to 448
-        (torch 2.13's CPU cast saturates, see :data:`TORCH_E4M3FN_CAST_SATURATES`).
+        (torch 2.13's CPU cast saturates, see ``TORCH_E4M3FN_CAST_SATURATES``).
         """
         half_ulp_at_max = math.ldexp(1.0, self.emax - self.mantissa_bits - 1)
         return self.max + half_ulp_at_max
 
     @property
     def overflow_tie_overflows(self) -> bool:
-        """Whether exactly :attr:`overflow_threshold` overflows.
+        """Whether exactly ``overflow_threshold`` overflows.
 
         Round-half-to-even: the tie goes to whichever neighbour has an even mantissa.  IEEE
         ``max`` has an all-ones (odd) mantissa, so the tie goes up and overflows; the "fn"
@@ -223,7 +226,7 @@ class FloatFormat:
         return getattr(torch, self.torch_name)
 
     def overflows(self, x: float) -> bool:
-        """Whether the finite magnitude ``|x|`` rounds past :attr:`max` in this format."""
+        """Whether the finite magnitude ``|x|`` rounds past ``max`` in this format."""
         a = abs(x)
         t = self.overflow_threshold
         return a > t or (a == t and self.overflow_tie_overflows)
@@ -281,7 +284,7 @@ def dtype_name(fmt: "str | FloatFormat") -> Optional[str]:
 
 
 def get(fmt: "str | FloatFormat | Any") -> FloatFormat:
-    """Look a format up by name, alias, ``torch.dtype`` or pass a :class:`FloatFormat` through.
+    """Look a format up by name, alias, ``torch.dtype`` or pass a ``FloatFormat`` through.
 
     Names are case-insensitive; ``"fp16"``, ``"float16"``, ``"half"``, ``"bf16"``,
     ``"bfloat16"``, ``"fp32"``, ``"float32"``, ``"fp8_e4m3"``, ``"e4m3"``, ``"float8_e4m3fn"``,
@@ -370,7 +373,7 @@ def round_like_torch(fmt: "str | FloatFormat", x: float) -> float:
     constructors take a float), so the value is rounded twice: first to float32, then to
     ``fmt``.  The two can differ from a single rounding when the first lands exactly on a tie
     of the second, e.g. fp16: ``2^-25 * (1 + 2^-40)`` rounds to 2^-24 once but to 0 via float32.
-    For e4m3 the cast saturates (:data:`TORCH_E4M3FN_CAST_SATURATES`).
+    For e4m3 the cast saturates (``TORCH_E4M3FN_CAST_SATURATES``).
     """
     f = get(fmt)
     y = _fp32_round(float(x))
@@ -379,12 +382,12 @@ def round_like_torch(fmt: "str | FloatFormat", x: float) -> float:
     return round_to(f, y, saturate=(f is FP8_E4M3 and TORCH_E4M3FN_CAST_SATURATES))
 
 
-#: The categories :func:`classify` returns, in order of magnitude (non-finite inputs last).
+#: The categories ``classify`` returns, in order of magnitude (non-finite inputs last).
 CATEGORIES = ("zero", "flushed", "subnormal", "normal", "overflow", "inf", "nan")
 
 
 def classify(fmt: "str | FloatFormat", x: float, *, via_fp32: bool = False) -> str:
-    """Which of :data:`CATEGORIES` the float64 ``x`` falls in when stored in ``fmt``.
+    """Which of ``CATEGORIES`` the float64 ``x`` falls in when stored in ``fmt``.
 
     ``"zero"``: x is exactly 0.  ``"flushed"``: nonzero, rounds to 0.  ``"subnormal"``: rounds
     to a nonzero value below ``fmt.smallest_normal``.  ``"normal"``: rounds to a normal finite
@@ -392,7 +395,7 @@ def classify(fmt: "str | FloatFormat", x: float, *, via_fp32: bool = False) -> s
     inf, NaN or a saturated max).  ``"inf"``/``"nan"``: x itself is not finite.
 
     With ``via_fp32=True`` x is first rounded to float32 as torch's float64 casts do (see
-    :func:`round_like_torch`); a float32 overflow then counts as ``"overflow"``.
+    ``round_like_torch``); a float32 overflow then counts as ``"overflow"``.
     """
     f = get(fmt)
     x = float(x)

@@ -1,13 +1,15 @@
 """Run chosen modules of an autocast model in FP32: the fix for a forward overflow no loss scale can help.
 
 A module whose own FP16 output exceeds 65504 gives inf in the forward, and the loss scale only touches
-the backward: it cannot help. :func:`keep_fp32` runs such modules outside autocast, in FP32, and leaves
-the rest of the model in FP16 (:func:`lossscale.audit` names them)::
+the backward: it cannot help. ``keep_fp32`` runs such modules outside autocast, in FP32, and leaves
+the rest of the model in FP16 (``lossscale.audit`` names them):
 
-    handle = lossscale.keep_fp32(model, ["transformer.h.0.mlp.c_proj"])   # names or module objects
-    ...train...
-    lossscale.fp32.kept_modules(model)    # ['transformer.h.0.mlp.c_proj']
-    handle.remove()                       # back to autocast everywhere
+```python
+handle = lossscale.keep_fp32(model, ["transformer.h.0.mlp.c_proj"])   # names or module objects
+...train...
+lossscale.fp32.kept_modules(model)    # ['transformer.h.0.mlp.c_proj']
+handle.remove()                       # back to autocast everywhere
+```
 
 What a kept module does, inside an enabled autocast region of its device (outside one it runs exactly
 as before, so an FP32 evaluation is untouched):
@@ -42,8 +44,8 @@ module's hook dicts do not pickle. With the class swap:
   pickles as (base class, cast rule) and the module's own state, and is rebuilt on load;
 * ``isinstance`` checks hold, hooks already registered on the module keep running.
 
-Calling :func:`keep_fp32` again adds modules and is idempotent: a module already kept stays kept (a
-different ``cast_back`` updates its rule) and belongs to the handle that first kept it. :func:`release`
+Calling ``keep_fp32`` again adds modules and is idempotent: a module already kept stays kept (a
+different ``cast_back`` updates its rule) and belongs to the handle that first kept it. ``release``
 un-keeps by name (after unpickling a model, whose handle stayed behind). A scaler that upcasts by
 itself (``on_forward_overflow="upcast"``) calls ``keep_fp32(model, [name])`` and stores
 ``kept_modules(model)`` in its checkpoint.
@@ -132,7 +134,7 @@ def _first_device_type(module: torch.nn.Module, args, kwargs) -> str:
 
 # ------------------------------------------------------------------ the kept subclass
 def _forward(self, *args, **kwargs):
-    """The base class's ``forward`` in FP32, outside autocast (see :mod:`lossscale.fp32`)."""
+    """The base class's ``forward`` in FP32, outside autocast (see ``lossscale.fp32``)."""
     cls = type(self)
     base_forward = cls._lossscale_fp32_base.forward
     device_type = _first_device_type(self, args, kwargs)
@@ -165,22 +167,26 @@ def _kept_class(base: type, cast_back: bool) -> type:
     key = (base, cast_back)
     cls = _KEPT_CLASSES.get(key)
     if cls is None:
-        cls = type(base.__name__, (base,), {
-            # The base's names, so code that matches modules by class name still matches.
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "__doc__": base.__doc__,
-            "_lossscale_fp32_base": base,
-            "_lossscale_fp32_cast_back": cast_back,
-            "forward": _forward,
-            "__reduce_ex__": _reduce_ex,
-        })
+        cls = type(
+            base.__name__,
+            (base,),
+            {
+                # The base's names, so code that matches modules by class name still matches.
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_lossscale_fp32_base": base,
+                "_lossscale_fp32_cast_back": cast_back,
+                "forward": _forward,
+                "__reduce_ex__": _reduce_ex,
+            },
+        )
         _KEPT_CLASSES[key] = cls
     return cls
 
 
 def is_kept(module: torch.nn.Module) -> bool:
-    """Whether ``module`` runs in FP32 through :func:`keep_fp32`."""
+    """Whether ``module`` runs in FP32 through ``keep_fp32``."""
     return "_lossscale_fp32_base" in type(module).__dict__
 
 
@@ -192,8 +198,9 @@ def _unkeep(module: torch.nn.Module) -> None:
 # ------------------------------------------------------------------ selecting modules
 def _check_model(model) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model={model!r} must be a torch.nn.Module (the model that holds the modules to keep "
-                         "in FP32).")
+        raise ValueError(
+            f"model={model!r} must be a torch.nn.Module (the model that holds the modules to keep in FP32)."
+        )
     return model
 
 
@@ -205,8 +212,10 @@ def _resolve(model: torch.nn.Module, modules) -> List[Tuple[str, torch.nn.Module
     try:
         wanted = list(modules)
     except TypeError:
-        raise ValueError(f"modules={modules!r} must be a list of module names (as in model.named_modules()) "
-                         "or module objects of the model.") from None
+        raise ValueError(
+            f"modules={modules!r} must be a list of module names (as in model.named_modules()) "
+            "or module objects of the model."
+        ) from None
     named = dict(model.named_modules(remove_duplicate=False))
     names_of = {}
     for name, m in named.items():
@@ -221,8 +230,10 @@ def _resolve(model: torch.nn.Module, modules) -> List[Tuple[str, torch.nn.Module
             out.setdefault(m, named[m])
         elif isinstance(m, torch.nn.Module):
             if id(m) not in names_of:
-                raise ValueError(f"modules: {type(m).__name__} object is not a submodule of the model; pass "
-                                 "one of model's own modules (after a deepcopy, the copy's) or its name.")
+                raise ValueError(
+                    f"modules: {type(m).__name__} object is not a submodule of the model; pass "
+                    "one of model's own modules (after a deepcopy, the copy's) or its name."
+                )
             out.setdefault(names_of[id(m)], m)
         else:
             raise ValueError(f"modules entries must be module names or module objects, got {m!r}.")
@@ -231,19 +242,22 @@ def _resolve(model: torch.nn.Module, modules) -> List[Tuple[str, torch.nn.Module
 
 def _check_keepable(name: str, module: torch.nn.Module) -> None:
     if isinstance(module, torch.jit.ScriptModule):
-        raise ValueError(f"modules: {name!r} is a TorchScript module, whose class cannot change; keep the "
-                         "eager module before scripting.")
+        raise ValueError(
+            f"modules: {name!r} is a TorchScript module, whose class cannot change; keep the "
+            "eager module before scripting."
+        )
     for pname, p in module.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(
                 f"modules: {name!r} has a {str(p.dtype).replace('torch.', '')} parameter {pname!r}; keep_fp32 "
                 "runs a module on float32 inputs with its own parameters, which autocast's recipe keeps in "
-                f"float32. Convert it first (model.get_submodule({name!r}).float()).")
+                f"float32. Convert it first (model.get_submodule({name!r}).float())."
+            )
 
 
 # ------------------------------------------------------------------ the public functions
 class KeepFP32Handle:
-    """What :func:`keep_fp32` returns: ``remove()`` puts the modules this call kept back under autocast.
+    """What ``keep_fp32`` returns: ``remove()`` puts the modules this call kept back under autocast.
 
     Attributes:
         names: the module names this call kept (modules that were kept already are not in it: they
@@ -251,7 +265,7 @@ class KeepFP32Handle:
 
     Also a context manager: ``with lossscale.keep_fp32(model, names): ...`` removes on exit. The
     handle refers to the model's module objects (weakly): after ``copy.deepcopy(model)`` or a pickle
-    round trip the copy's modules stay kept, and :func:`release` is the way to un-keep them.
+    round trip the copy's modules stay kept, and ``release`` is the way to un-keep them.
     """
 
     def __init__(self, kept: List[Tuple[str, torch.nn.Module]]):
@@ -276,15 +290,16 @@ class KeepFP32Handle:
         return f"KeepFP32Handle(names={self.names!r})"
 
 
-def keep_fp32(model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Module]], *,
-              cast_back: bool = False) -> KeepFP32Handle:
+def keep_fp32(
+    model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Module]], *, cast_back: bool = False
+) -> KeepFP32Handle:
     """Run ``modules`` of ``model`` outside autocast, in FP32; returns a handle whose ``remove()`` undoes it.
 
     Args:
         model: the model (a ``torch.nn.Module``) that holds the modules.
-        modules: names as in ``model.named_modules()`` (``report.keep_fp32`` of :func:`lossscale.audit`)
+        modules: names as in ``model.named_modules()`` (``report.keep_fp32`` of ``lossscale.audit``)
             or module objects of ``model``; one name or module alone is accepted too.
-        cast_back: False (default): a kept module's outputs stay float32 (see :mod:`lossscale.fp32` for
+        cast_back: False (default): a kept module's outputs stay float32 (see ``lossscale.fp32`` for
             why). True: float32 outputs are cast to autocast's dtype, for code downstream that needs it
             (safe only when the module's output itself fits FP16).
 
@@ -316,14 +331,14 @@ def keep_fp32(model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Modu
 
 
 def kept_modules(model: torch.nn.Module) -> List[str]:
-    """The names of ``model``'s modules that run in FP32 (:func:`keep_fp32`), in ``named_modules`` order."""
+    """The names of ``model``'s modules that run in FP32 (``keep_fp32``), in ``named_modules`` order."""
     _check_model(model)
     return [name for name, m in model.named_modules() if is_kept(m)]
 
 
 def release(model: torch.nn.Module, modules=None) -> List[str]:
     """Un-keep ``modules`` of ``model`` (names or objects; None: every kept module); returns the names
-    released. For a model whose :class:`KeepFP32Handle` is gone (unpickled, deep-copied)."""
+    released. For a model whose ``KeepFP32Handle`` is gone (unpickled, deep-copied)."""
     _check_model(model)
     pairs = [(n, m) for n, m in model.named_modules() if is_kept(m)] if modules is None else _resolve(model, modules)
     released = [name for name, m in pairs if is_kept(m)]

@@ -107,7 +107,7 @@ KEEP_CAUSES = 3
 #: The verdicts, in order of concern; :meth:`HealthReport.metrics` gives the index as ``verdict``.
 VERDICTS = ("healthy", "recovering", "stuck")
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
-_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules")
+_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules", "backward_upcasts")
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,12 @@ class HealthReport:
             which counts the steps the scale answered or the loss spoiled); else None.
         dropped_microbatches: with ``bad_microbatch="drop"`` (or "zero"), the micro-batches whose loss
             was non-finite and that were left out of their step; else None.
-        upcasts, upcast_modules: with ``on_forward_overflow="upcast"``, how many modules and which ones
-            the scaler kept in FP32 after repeated forward overflows; else None.
+        dropped_weight: their weight (``scale(loss, weight=...)``: tokens, with token counts; without
+            weights, equal to ``dropped_microbatches``); else None.
+        upcasts, upcast_modules: with ``on_forward_overflow="upcast"`` (or ``on_backward_overflow``), how
+            many modules and which ones the scaler kept in FP32 after repeated overflows; else None.
+        backward_upcasts: with ``on_backward_overflow="upcast"``, those of them kept for a backward that
+            overflowed at the scale's floor; else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 
@@ -166,8 +170,10 @@ class HealthReport:
     fp16_flushed: Optional[int] = None
     spike_steps: Optional[int] = None
     dropped_microbatches: Optional[int] = None
+    dropped_weight: Optional[float] = None
     upcasts: Optional[int] = None
     upcast_modules: Optional[Tuple[str, ...]] = None
+    backward_upcasts: Optional[Tuple[str, ...]] = None
     causes: Tuple[Tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
@@ -187,8 +193,9 @@ class HealthReport:
 
 def disabled() -> HealthReport:
     """The report of a disabled scaler: nothing was counted."""
-    return HealthReport("disabled", "lossscale health: loss scaling is disabled (GradScaler(enabled=False)); "
-                                    "no step was counted.")
+    return HealthReport(
+        "disabled", "lossscale health: loss scaling is disabled (GradScaler(enabled=False)); no step was counted."
+    )
 
 
 class _Streak:
@@ -345,11 +352,22 @@ class Health:
             self._calibrating = False
 
     # ------------------------------------------------------------------------------------ report
-    def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
-               flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
-               fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None,
-               dropped_microbatches: Optional[int] = None, upcasts: Optional[int] = None,
-               upcast_modules: Optional[Tuple[str, ...]] = None) -> HealthReport:
+    def report(
+        self,
+        policy,
+        state: ScaleState,
+        scale_before: Optional[float] = None,
+        flushed: Optional[float] = None,
+        flushed_step: Optional[int] = None,
+        describe: Optional[Callable[[Any, float], str]] = None,
+        fp16_flushed: Optional[int] = None,
+        spike_steps: Optional[int] = None,
+        dropped_microbatches: Optional[int] = None,
+        dropped_weight: Optional[float] = None,
+        upcasts: Optional[int] = None,
+        upcast_modules: Optional[Tuple[str, ...]] = None,
+        backward_upcasts: Optional[Tuple[str, ...]] = None,
+    ) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -360,8 +378,10 @@ class Health:
             describe: ``(cause, scale_before) -> text`` for the kept causes (default ``str``).
         """
         if state.steps < self._seen.steps:
-            raise ValueError(f"state.steps={state.steps} is older than the last state recorded ({self._seen.steps}); "
-                             "report() takes the current state.")
+            raise ValueError(
+                f"state.steps={state.steps} is older than the last state recorded ({self._seen.steps}); "
+                "report() takes the current state."
+            )
         h = copy.copy(self)
         h._open = copy.copy(self._open)
         h._causes = deque(self._causes, maxlen=KEEP_CAUSES)
@@ -377,15 +397,31 @@ class Health:
             verdict = "healthy"
         describe = describe or (lambda cause, scale: str(cause))
         report = HealthReport(
-            verdict=verdict, text="", steps=state.steps, skipped=state.skipped_steps,
-            calibration=h._calibration + calibration, overflow=h._overflow + overflow,
-            overflow_after_growth=h._after_growth + after_growth, bad_batch=state.bad_loss_steps,
-            persistent_nan=h._persistent + persistent, earlier=h._earlier, streak=streak,
+            verdict=verdict,
+            text="",
+            steps=state.steps,
+            skipped=state.skipped_steps,
+            calibration=h._calibration + calibration,
+            overflow=h._overflow + overflow,
+            overflow_after_growth=h._after_growth + after_growth,
+            bad_batch=state.bad_loss_steps,
+            persistent_nan=h._persistent + persistent,
+            earlier=h._earlier,
+            streak=streak,
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
-            scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
-            policy.settle_steps() > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
-            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, upcasts=upcasts,
+            scale=state.scale,
+            scale_held=state.steps - h._scale_since,
+            calibrating=h._calibrating and policy.settle_steps() > 0,
+            flushed=flushed,
+            flushed_step=flushed_step,
+            fp16_flushed=fp16_flushed,
+            spike_steps=spike_steps,
+            dropped_microbatches=dropped_microbatches,
+            dropped_weight=dropped_weight,
+            upcasts=upcasts,
             upcast_modules=upcast_modules,
-            causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
+            backward_upcasts=backward_upcasts,
+            causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes),
+        )
         text = paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)

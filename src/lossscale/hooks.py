@@ -3,20 +3,20 @@
 Under autocast the *parameter* gradients are FP32 (FP32 master weights); the flushing happens earlier,
 in the FP16 activation gradients that flow backward between layers. Two tools look there:
 
-* :class:`ActivationGradRecorder` — a context manager that records, per module, the statistics of the
+* ``ActivationGradRecorder`` — a context manager that records, per module, the statistics of the
   gradients of the module's outputs (``grad_output``) in a real training backward at sampled steps,
   and removes its hooks on exit.
   Under FP16 autocast those tensors are already FP16: a value that flushed is already 0 and is counted
   among ``zeros`` (with true zeros, e.g. from ReLU), while ``subnormal`` counts values sitting on the
   cliff with reduced precision and ``headroom_bits`` the distance to overflow. Records say which dtype
   they measured (``measured_dtype``).
-* :func:`activation_grad_probe` — the mixed-precision paper's method (Micikevicius et al. 2018 built
+* ``activation_grad_probe`` — the mixed-precision paper's method (Micikevicius et al. 2018 built
   their activation-gradient histogram from FP32 training): one FP32 forward/backward of a batch, leaving
   ``.grad`` untouched, whose exact activation gradients are classified as FP16 would store them at a
   given scale. Its ``flushed_frac`` is the fraction of gradient signal FP16 destroys at that scale.
 
-Neither syncs host and device while recording; figures are read from the :class:`GradStats` objects
-(reading a figure syncs). :func:`activation_metrics` (and :meth:`ActivationGradRecorder.metrics`) turn
+Neither syncs host and device while recording; figures are read from the ``GradStats`` objects
+(reading a figure syncs). ``activation_metrics`` (and ``ActivationGradRecorder.metrics``) turn
 them into the flat ``act/<module>/<figure>`` keys that ``lossscale report RUN.jsonl`` plots.
 
 Both hook the module's *outputs* (a forward hook puts a hook on each output tensor) rather than using
@@ -124,11 +124,13 @@ def activation_metrics(per_module: Mapping[str, GradStats], *, prefix: str = "ac
 
     Returns ``{"<prefix>/<module>/<figure>": value}`` for each module and ``{"<prefix>/<figure>": value}``
     over all modules together, for the per-layer figures the report reads
-    (:data:`lossscale.report.schema.LAYER_METRICS`). Log it with the scaler's metrics::
+    (``lossscale.report.schema.LAYER_METRICS``). Log it with the scaler's metrics:
 
-        log.log(step, {**scaler.metrics(), **activation_metrics(per_module)})
+    ```python
+    log.log(step, {**scaler.metrics(), **activation_metrics(per_module)})
+    ```
 
-    ``per_module`` is :attr:`ActivationGradRecorder.latest` or what :func:`activation_grad_probe`
+    ``per_module`` is ``ActivationGradRecorder.latest`` or what ``activation_grad_probe``
     returns (all measured with one ``fmt`` and scale). With ``of_nonzero=True`` the fractions are
     shares of the nonzero values (so a ReLU's exact zeros do not dilute them), as the demo reports.
     Empty for an empty ``per_module``.
@@ -155,10 +157,10 @@ class ActivationGradRecorder:
 
     Args:
         model: the model to watch (a ``torch.nn.Module``).
-        fmt: the format to classify against ("fp16" by default; any name :func:`lossscale.formats.get`
+        fmt: the format to classify against ("fp16" by default; any name ``lossscale.formats.get``
             knows).
-        every: record on every ``every``-th step (steps advance with :meth:`step`).
-        modules: module names or types to watch; default :func:`default_modules`.
+        every: record on every ``every``-th step (steps advance with ``step``).
+        modules: module names or types to watch; default ``default_modules``.
 
     The gradients are measured as they flow in the user's backward, so they already carry the loss
     scale: an FP16 gradient is measured as stored; a wider one (an FP32 backward) as ``fmt`` would
@@ -166,21 +168,23 @@ class ActivationGradRecorder:
     the gradients of all its outputs; models with in-place ops after a watched module
     (``ReLU(inplace=True)``) and first layers whose input needs no grad work as any other.
 
-    Usage, with the figures logged where ``lossscale report RUN.jsonl`` finds them::
+    Usage, with the figures logged where ``lossscale report RUN.jsonl`` finds them:
 
-        log = lossscale.JsonlLogger("run.jsonl")
-        with ActivationGradRecorder(model, every=50) as rec:
-            for step, (x, y) in enumerate(data):
-                ...; scaler.scale(loss).backward(); ...; scaler.update()
-                if step % 50 == 0:
-                    log.log(step, {**scaler.metrics(), **rec.metrics()})
-                rec.step()
-        rec.history   # [{"step", "module", "measured_dtype", "stats"}, ...]
-        rec.latest    # {module name: GradStats} of the last recorded step
+    ```python
+    log = lossscale.JsonlLogger("run.jsonl")
+    with ActivationGradRecorder(model, every=50) as rec:
+        for step, (x, y) in enumerate(data):
+            ...; scaler.scale(loss).backward(); ...; scaler.update()
+            if step % 50 == 0:
+                log.log(step, {**scaler.metrics(), **rec.metrics()})
+            rec.step()
+    rec.history   # [{"step", "module", "measured_dtype", "stats"}, ...]
+    rec.latest    # {module name: GradStats} of the last recorded step
+    ```
 
     Under FP16 autocast a value that flushed is already 0 when it is measured, so ``act/flushed_frac``
     reads 0 and the loss lands in ``zeros``; for the share FP16 flushes, log
-    ``activation_metrics(activation_grad_probe(...))`` every N steps instead (see :func:`activation_metrics`).
+    ``activation_metrics(activation_grad_probe(...))`` every N steps instead (see ``activation_metrics``).
 
     Hooks are removed when the context exits, also on an exception.
 
@@ -246,7 +250,7 @@ class ActivationGradRecorder:
     def metrics(self) -> Dict[str, float]:
         """The latest recorded figures as the flat ``act/...`` keys ``lossscale report`` reads. Syncs.
 
-        :func:`activation_metrics` of :attr:`latest`: ``act/<module>/flushed_frac`` (and
+        ``activation_metrics`` of ``latest``: ``act/<module>/flushed_frac`` (and
         ``subnormal_frac``, ``overflow_frac``, ``headroom_bits``) per module and ``act/<figure>`` over all
         watched modules together; empty before the first recorded backward.
         """
@@ -272,7 +276,7 @@ def activation_grad_probe(
     syncs host and device.
 
     Returns ``{module name: GradStats}``; ``flushed_frac`` is the share of the (nonzero) activation
-    gradient values that ``fmt`` would flush to zero at ``scale``. :func:`activation_metrics` turns it
+    gradient values that ``fmt`` would flush to zero at ``scale``. ``activation_metrics`` turns it
     into the keys ``lossscale report`` plots.
     """
     fmt = _check_fmt(fmt)  # before the forward and backward, not after them

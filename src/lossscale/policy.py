@@ -46,9 +46,30 @@ from ._validate import SMALLEST_SCALE, plain_number
 from .formats import f32, is_power_of_two
 
 __all__ = [
-    "ScaleState", "Policy", "PolicyBase", "register", "policy_class", "policy_names", "policy_types",
-    "count", "count_tensor", "exact_pow2", "stuck_at_bound_or_streak", "field_kind", "host_type", "F32", "F64", "I64", "I32", "BOOL", "SIGNED",
-    "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK", "SETTLE",
+    "ScaleState",
+    "Policy",
+    "PolicyBase",
+    "register",
+    "policy_class",
+    "policy_names",
+    "policy_types",
+    "count",
+    "count_tensor",
+    "exact_pow2",
+    "stuck_at_bound_or_streak",
+    "field_kind",
+    "host_type",
+    "F32",
+    "F64",
+    "I64",
+    "I32",
+    "BOOL",
+    "SIGNED",
+    "f32",
+    "is_power_of_two",
+    "SMALLEST_SCALE",
+    "BAD_LOSS_STREAK",
+    "SETTLE",
 ]
 
 #: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
@@ -94,8 +115,10 @@ def field_kind(f: dataclasses.Field) -> str:
     "bool". TypeError for a field that declares none."""
     kind = f.metadata.get("dtype")
     if kind not in HOST_TYPES:
-        raise TypeError(f"state field {f.name} declares no device form: give it field(metadata=F32, F64, I64, I32, "
-                        "BOOL or SIGNED) from lossscale.policy.")
+        raise TypeError(
+            f"state field {f.name} declares no device form: give it field(metadata=F32, F64, I64, I32, "
+            "BOOL or SIGNED) from lossscale.policy."
+        )
     return kind
 
 
@@ -163,8 +186,13 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     bad_loss = bool(bad_loss)
     start = state.scale if state.overflow_streak == 0 else state.streak_start_scale
     if not (found_inf or bad_loss):
-        return state.replace(steps=state.steps + 1, overflow_streak=0, streak_nan_steps=0, streak_bad_loss_steps=0,
-                             streak_start_scale=start)
+        return state.replace(
+            steps=state.steps + 1,
+            overflow_streak=0,
+            streak_nan_steps=0,
+            streak_bad_loss_steps=0,
+            streak_start_scale=start,
+        )
     return state.replace(
         steps=state.steps + 1,
         skipped_steps=state.skipped_steps + 1,
@@ -238,8 +266,9 @@ class Policy(Protocol):
     def init_state(self) -> ScaleState:
         """The state before the first step."""
 
-    def update(self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None,
-               bad_loss: bool = False):
+    def update(
+        self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None, bad_loss: bool = False
+    ):
         """The next state after one iteration (pure). ``bad_loss``: the loss was non-finite before
         scaling: skip without touching the scale or the trackers."""
 
@@ -316,7 +345,11 @@ class PolicyBase:
 
     def torch_state(self, state) -> Dict[str, Any]:
         """torch's five keys: the scale and tracker, with :meth:`torch_factors`."""
-        return {"scale": state.scale, **self.torch_factors(), "_growth_tracker": int(getattr(state, "growth_tracker", 0))}
+        return {
+            "scale": state.scale,
+            **self.torch_factors(),
+            "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
+        }
 
     def check_state(self, state) -> None:
         """Raise ValueError naming the first field of ``state`` that this policy could not have produced.
@@ -347,8 +380,10 @@ class PolicyBase:
                 if kind == "f32" and not math.isfinite(f32(v)):
                     raise ValueError(f"state.{f.name}={v!r} is outside float32's range, in which the device holds it.")
         if not SMALLEST_SCALE <= f32(state.scale) < math.inf:
-            raise ValueError(f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
-                             "where the device keeps the scale (a zero scale would step on NaN gradients).")
+            raise ValueError(
+                f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
+                "where the device keeps the scale (a zero scale would step on NaN gradients)."
+            )
         lo, hi = self.scale_bounds()
         if (lo is not None and state.scale < f32(lo)) or (hi is not None and state.scale > f32(hi)):
             raise ValueError(f"state.scale={state.scale!r} is outside this policy's [min_scale={lo}, max_scale={hi}].")
@@ -356,8 +391,11 @@ class PolicyBase:
             raise ValueError("state counters disagree: skipped_steps must be <= steps and equal inf_steps + nan_steps.")
         if state.overflow_streak > state.skipped_steps or state.streak_nan_steps > state.overflow_streak:
             raise ValueError("state.overflow_streak / streak_nan_steps exceed the skipped steps they count.")
-        if (state.bad_loss_steps > state.skipped_steps or state.streak_bad_loss_steps > state.overflow_streak
-                or state.streak_bad_loss_steps > state.bad_loss_steps):
+        if (
+            state.bad_loss_steps > state.skipped_steps
+            or state.streak_bad_loss_steps > state.overflow_streak
+            or state.streak_bad_loss_steps > state.bad_loss_steps
+        ):
             raise ValueError("state.bad_loss_steps / streak_bad_loss_steps exceed the skipped steps they count.")
 
 

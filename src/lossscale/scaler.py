@@ -31,8 +31,8 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import _hints, checkpoint
-from ._features import Feature, Fp16Flushed
 from ._check import Flags, GradientCheck, combine, found_inf, inverse, largest_magnitudes
+from ._features import Feature, Fp16Flushed
 from ._keywords import policy_from_keywords
 from ._names import ParamNames
 from ._state import Snapshot, TensorState
@@ -40,11 +40,12 @@ from ._validate import SMALLEST_SCALE, plain_bool, plain_number
 from ._warnings import warn
 from .formats import f32
 from .health import Health, HealthReport
-from .microbatches import MicroBatches
+from .microbatches import MicroBatches, valid_weight
 from .policy import Policy, ScaleState, count_tensor
 from .spikes import SpikeSkipper
 from .static import StaticPolicy
-from .upcast import AFTER as UPCAST_AFTER, Upcast
+from .upcast import AFTER as UPCAST_AFTER
+from .upcast import Upcast
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
@@ -111,6 +112,9 @@ class GradScaler:
         on_forward_overflow, upcast_after: "upcast" (with ``trace=True``): a module the trace names as the
             first forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
             (:mod:`lossscale.upcast`). "skip": such steps are skipped, the scale kept.
+        on_backward_overflow: "upcast" (with ``trace=True``): a module the trace names as the first backward
+            overflow on ``upcast_after`` steps skipped at the scale's floor (``min_scale``) is kept in FP32,
+            widened to its enclosing module if that does not end it (:mod:`lossscale.upcast`). "skip": no.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
             as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
@@ -131,12 +135,29 @@ class GradScaler:
             scaler.step_scheduler(lr_scheduler)             # does not advance on skipped steps
     """
 
-    def __init__(self, device: Union[str, torch.device, None] = None, init_scale: float = _DEFAULT,
-                 growth_factor: float = _DEFAULT, backoff_factor: float = _DEFAULT, growth_interval: int = _DEFAULT,
-                 enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
-                 process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
-                 trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, bad_microbatch: str = "skip",
-                 on_forward_overflow: str = "skip", upcast_after: int = UPCAST_AFTER, **policy_keywords: Any) -> None:
+    def __init__(
+        self,
+        device: Union[str, torch.device, None] = None,
+        init_scale: float = _DEFAULT,
+        growth_factor: float = _DEFAULT,
+        backoff_factor: float = _DEFAULT,
+        growth_interval: int = _DEFAULT,
+        enabled: bool = True,
+        *,
+        policy: Any = "dynamic",
+        model: Any = None,
+        process_group: Any = DEFAULT_GROUP,
+        telemetry: Any = None,
+        loss_check: bool = True,
+        trace: bool = False,
+        allow_fp16: bool = False,
+        skip_if: Any = None,
+        bad_microbatch: str = "skip",
+        on_forward_overflow: str = "skip",
+        upcast_after: int = UPCAST_AFTER,
+        on_backward_overflow: str = "skip",
+        **policy_keywords: Any,
+    ) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
@@ -144,8 +165,16 @@ class GradScaler:
         if self._enabled and self._device_type == "cuda" and not torch.cuda.is_available():
             warn("lossscale.GradScaler: device='cuda' but CUDA is not available; disabling scaling.")
             self._enabled = False
-        given = {k: v for k, v in dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                                       growth_interval=growth_interval).items() if v is not _DEFAULT}
+        given = {
+            k: v
+            for k, v in dict(
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+            ).items()
+            if v is not _DEFAULT
+        }
         self._policy = _make_policy(policy, {**given, **policy_keywords})
         for name, value in (("loss_check", loss_check), ("trace", trace), ("allow_fp16", allow_fp16)):
             if not isinstance(value, bool):
@@ -163,20 +192,25 @@ class GradScaler:
         self._flushed = Fp16Flushed() if allow_fp16 else None  # the values the FP16 unscale flushed
         self._spikes = SpikeSkipper.of(skip_if)
         self._microbatches = MicroBatches.of(bad_microbatch)
-        self._upcast = Upcast.of(on_forward_overflow, upcast_after, trace, model)
+        self._upcast = Upcast.of(on_forward_overflow, upcast_after, trace, model, on_backward_overflow)
         self._tracer = None
         if trace and self._enabled:  # a disabled scaler checks nothing: hooks would only pile up records
             from .trace import Tracer
 
             self._tracer = Tracer(model)
-        self._features: List[Feature] = [f for f in (self._telemetry, self._tracer, self._flushed, self._spikes,
-                                                     self._microbatches, self._upcast) if f is not None]
+        self._features: List[Feature] = [
+            f
+            for f in (self._telemetry, self._tracer, self._flushed, self._spikes, self._microbatches, self._upcast)
+            if f is not None
+        ]
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
         if isinstance(process_group, str) and process_group != DEFAULT_GROUP:
-            raise ValueError(f"process_group={process_group!r} is not a process group; pass 'default' (the default "
-                             "group when torch.distributed runs), None (no reduction) or a group.")
+            raise ValueError(
+                f"process_group={process_group!r} is not a process group; pass 'default' (the default "
+                "group when torch.distributed runs), None (no reduction) or a group."
+            )
         self._check = GradientCheck(self._names, process_group)
         self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
@@ -202,14 +236,18 @@ class GradScaler:
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
         # The scaler's own keywords (keyword-only in its signature, and torch's enabled) apply; the scale's not.
-        own = {"enabled"} | {name for name, p in inspect.signature(cls).parameters.items()
-                             if p.kind is p.KEYWORD_ONLY and name != "policy"}
+        own = {"enabled"} | {
+            name
+            for name, p in inspect.signature(cls).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name != "policy"
+        }
         scale_keys = sorted(set(kwargs) - own)
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
                 "do(es) not apply. For a fixed scale S use GradScaler(policy='static', init_scale=S); for FP16 "
-                "use GradScaler().")
+                "use GradScaler()."
+            )
         return cls(device, policy=StaticPolicy(scale=1.0, **stuck), **kwargs)
 
     def name_parameters(self, model_or_named_parameters) -> None:
@@ -268,8 +306,10 @@ class GradScaler:
                 raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
             return
         if device.type == "meta":
-            raise ValueError("init_device got device=meta, which holds no values: the scale and the counters must "
-                             "live where the gradients are checked; pass the training device ('cpu', 'cuda', ...).")
+            raise ValueError(
+                "init_device got device=meta, which holds no values: the scale and the counters must "
+                "live where the gradients are checked; pass the training device ('cpu', 'cuda', ...)."
+            )
         self._start(device)
 
     def _start(self, device: torch.device) -> TensorState:
@@ -282,8 +322,9 @@ class GradScaler:
         """The device state; RuntimeError naming ``call`` without one (callers write ``self._t or
         self._require(call)``: a TensorState is always true)."""
         if self._t is None:
-            raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() first in the "
-                               "iteration.")
+            raise RuntimeError(
+                f"{call} was called before scale(): call scaler.scale(loss).backward() first in the iteration."
+            )
         return self._t
 
     def state(self) -> ScaleState:
@@ -292,13 +333,25 @@ class GradScaler:
         return self._init_state if self._t is None else self._t.read()[0]
 
     # ------------------------------------------------------------------ torch's training-loop API
-    def scale(self, outputs):
+    def scale(self, outputs, weight=None):
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
-        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast."""
+        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast.
+        ``weight`` (with ``bad_microbatch``): this micro-batch's share of the step, e.g. its token count;
+        a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`).
+        A tensor ``weight`` is read on the host (one sync)."""
         if not self._enabled:
             return outputs
         if not isinstance(outputs, torch.Tensor) or outputs.device.type == "meta":
             _refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
+        if weight is not None:
+            if self._microbatches is None:
+                raise ValueError(
+                    "scale(weight=...) gives a micro-batch's share for dropping bad micro-batches; build "
+                    "the scaler with bad_microbatch='drop' (or leave weight out)."
+                )
+            weight = valid_weight(weight, outputs)
+        if self._microbatches is not None:
+            self._microbatches.expect(weight)
         if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
             self._hint_checks -= 1
             _hints.warn_if_bf16(outputs, self._passthrough())
@@ -307,12 +360,12 @@ class GradScaler:
         self._began = True
         self._stale_gradients = False  # a new backward follows
         if isinstance(outputs, torch.Tensor):  # the usual case, a loss
-            return self._scale_tensor(outputs)
+            return self._scale_tensor(outputs, weight)
         return _map_tensors(self._scale_tensor, outputs)
 
-    def _scale_tensor(self, x: torch.Tensor) -> torch.Tensor:
+    def _scale_tensor(self, x: torch.Tensor, weight=None) -> torch.Tensor:
         t = self._t if self._t is not None else self._start(x.device)
-        if self._microbatches is not None and not self._microbatches.admit(x):  # one host read (opt-in)
+        if self._microbatches is not None and not self._microbatches.admit(x, weight):  # one host read (opt-in)
             return torch.zeros_like(x).requires_grad_()  # its backward reaches no parameter: dropped
         if self._loss_check or self._spikes is not None:
             self._losses.append(x.detach())  # for the loss check (and a loss rule): no kernel now
@@ -342,8 +395,9 @@ class GradScaler:
         """The opt-in features that look at the scaled gradients: telemetry (when due) and the trace."""
         if self._telemetry is not None and self._telemetry.due():
             g = gathered or self._check.gather(optimizer, allow_half=True)
-            self._telemetry.observe(g.params, g.grads, self._names, self._t.scale, all_params=g.all_params,
-                                    sharded=g.sharded)
+            self._telemetry.observe(
+                g.params, g.grads, self._names, self._t.scale, all_params=g.all_params, sharded=g.sharded
+            )
         if self._tracer is not None:
             self._tracer.end_backward()
 
@@ -373,12 +427,23 @@ class GradScaler:
             gathered = self._check.gather(optimizer, allow_half=self._allow_fp16 or not unscale)
             vectors, worst, order = largest_magnitudes(gathered.grads, t.device)
             if unscale:
-                self._check.multiply_(gathered, inverse(self._carried), self._unscaled,
-                                      None if self._flushed is None else self._flushed.counter(t.device))
+                self._check.multiply_(
+                    gathered,
+                    inverse(self._carried),
+                    self._unscaled,
+                    None if self._flushed is None else self._flushed.counter(t.device),
+                )
             spike = self._spike(optimizer, gathered.grads, scale=None if unscale else self._carried)
-            flags = self._check.flags(~torch.isfinite(worst), torch.isnan(worst), bad_loss, spike,
-                                      worst if self._policy.needs_amax else None, sync,
-                                      [gathered.params[i] for i in order], vectors)
+            flags = self._check.flags(
+                ~torch.isfinite(worst),
+                torch.isnan(worst),
+                bad_loss,
+                spike,
+                worst if self._policy.needs_amax else None,
+                sync,
+                [gathered.params[i] for i in order],
+                vectors,
+            )
         rec.flags = flags
         return flags
 
@@ -388,8 +453,9 @@ class GradScaler:
             return None
         return self._spikes.judge(optimizer, self._t.device, self._losses, grads, scale, norm)
 
-    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: Optional[bool] = None):
+    def _unscale_grads_(
+        self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: Optional[bool] = None
+    ):
         """torch's private primitive, with torch's signature and result: unscale ``optimizer``'s gradients
         by ``inv_scale`` in place, set ``found_inf`` where one was inf or NaN, return ``{device:
         found_inf}`` (``allow_fp16`` None: this scaler's setting, as ``ShardedGradScaler``'s default). The
@@ -416,8 +482,9 @@ class GradScaler:
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
         self._keep(optimizer, rec, OptState.UNSCALED)
 
-    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None
-                        ) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None, expert_parallel: Any = None
+    ) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
@@ -426,6 +493,8 @@ class GradScaler:
         the gradients are only unscaled. Once per optimizer per iteration, instead of :meth:`unscale_`.
         The norm is over every rank's part of the parameters: DTensor gradients (FSDP2, tensor parallel)
         over their mesh, pipeline stages over ``norm_group``, in one all-reduce. Syncs like :meth:`unscale_`.
+        Mixture-of-experts: ``expert_parallel=(this rank's expert parameters, the expert-parallel group)``
+        (:func:`lossscale.distributed.norm_reduction`).
         """
         from ._check import clip_scaled_, validate_clip
         from .distributed import norm_reduction
@@ -438,11 +507,13 @@ class GradScaler:
             if rec.stage is OptState.UNSCALED:
                 raise RuntimeError(
                     "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
-                    "already called on this optimizer since the last update(); call only one of them per iteration.")
+                    "already called on this optimizer since the last update(); call only one of them per iteration."
+                )
         with torch.no_grad():
-            gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(),
-                                          coalesce=True)
-            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group)
+            gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(), coalesce=True)
+            reduce_norm, counted = norm_reduction(
+                gathered.all_params, gathered.params, norm_type, norm_group, expert_parallel
+            )
             if not self._enabled:  # torch's clip, or the same reduced norm as when enabled, at scale 1
                 if reduce_norm is None:
                     return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
@@ -454,14 +525,22 @@ class GradScaler:
             if self._policy.needs_amax:  # of the *scaled* gradients, before they are rewritten
                 amax = largest_magnitudes(gathered.grads, t.device)[1]
             bad_loss = self._bad_loss(t.device)
-            true_norm, total, per_tensor, order = clip_scaled_(gathered.grads, self._carried, inverse(self._carried),
-                                                               max_norm, norm_type, counted, reduce_norm)
+            true_norm, total, per_tensor, order = clip_scaled_(
+                gathered.grads, self._carried, inverse(self._carried), max_norm, norm_type, counted, reduce_norm
+            )
             spike = self._spike(optimizer, gathered.grads, norm=true_norm)  # the clip's true norm: no pass more
             # A per-tensor norm is NaN for a tensor holding a NaN, inf for one holding an inf: it names
             # the parameters in the overflow report as an amax vector does.
-            rec.flags = self._check.flags(~torch.isfinite(total), torch.isnan(total), bad_loss, spike, amax,
-                                          not _fused(optimizer), [gathered.params[i] for i in order],
-                                          [per_tensor] if order else [])
+            rec.flags = self._check.flags(
+                ~torch.isfinite(total),
+                torch.isnan(total),
+                bad_loss,
+                spike,
+                amax,
+                not _fused(optimizer),
+                [gathered.params[i] for i in order],
+                [per_tensor] if order else [],
+            )
         self._keep(optimizer, rec, OptState.UNSCALED)
         return true_norm
 
@@ -476,7 +555,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        t = self._t or self._require("step()")
+        self._t or self._require("step()")
         rec = self._record(optimizer, "step()")
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -484,8 +563,11 @@ class GradScaler:
             flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=True, sync=True)
             retval = None if flags.was_skipped() else optimizer.step(*args, **kwargs)
         elif _takes_grad_scaler(optimizer.step):
-            warn("lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; "
-                 "prefer optimizers that read grad_scale/found_inf.", FutureWarning)
+            warn(
+                "lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; "
+                "prefer optimizers that read grad_scale/found_inf.",
+                FutureWarning,
+            )
             retval = optimizer.step(*args, grad_scaler=self, **kwargs)
         else:
             host = _first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
@@ -494,7 +576,9 @@ class GradScaler:
                 retval = None
             else:
                 unscaled = rec.stage is OptState.UNSCALED
-                retval = _step_with_flags(optimizer, None if unscaled else self._carried, found_inf(flags), args, kwargs)
+                retval = _step_with_flags(
+                    optimizer, None if unscaled else self._carried, found_inf(flags), args, kwargs
+                )
         self._keep(optimizer, rec, OptState.STEPPED)
         return retval
 
@@ -502,15 +586,18 @@ class GradScaler:
         """``optimizer``'s record of this iteration (a fresh one is kept only by :meth:`_keep`, so a call
         that fails leaves nothing behind)."""
         if not hasattr(optimizer, "param_groups"):
-            raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
-                             "torch.optim optimizer whose gradients were scaled.")
+            raise ValueError(
+                f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
+                "torch.optim optimizer whose gradients were scaled."
+            )
         if self._stale_gradients:
             raise RuntimeError(
                 f"{call}: load_state_dict() was called in mid-iteration, after the gradients were scaled by the "
                 "scale from before the load; unscaled by the loaded one they would take a wrong step. Those "
                 "gradients belong to the run before the load: zero the gradients and run a new "
                 "scaler.scale(loss).backward() (a rank that calls no scale(), such as a pipeline stage, calls "
-                "scaler.discard_iteration() once they are zeroed).")
+                "scaler.discard_iteration() once they are zeroed)."
+            )
         rec = self._records.get(id(optimizer))
         if rec is None or (rec.stage is OptState.READY and rec.flags is None):
             return _Record()
@@ -550,8 +637,10 @@ class GradScaler:
         checked = [rec.flags for rec in self._records.values() if rec.flags is not None]
         if not checked:
             if required:
-                raise RuntimeError("update() found no inf checks since the last update(): call "
-                                   "scaler.step(optimizer) (or unscale_) for each optimizer before update().")
+                raise RuntimeError(
+                    "update() found no inf checks since the last update(): call "
+                    "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
+                )
             return None
         return combine(checked, self._t.device)
 
@@ -575,9 +664,12 @@ class GradScaler:
         self._last, evidence = flags, None
         if flags is not None and flags.skipped is not False:  # possibly skipped: keep what the report needs
             checked = [rec.flags for rec in self._records.values() if rec.flags is not None]
-            evidence = dict(losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
-                            spikes=[f.spike for f in checked if f.spike is not None],
-                            trace=None if self._tracer is None else self._tracer.snapshot())
+            evidence = dict(
+                losses=self._losses,
+                source=[(f.params, f.amax_vectors) for f in checked],
+                spikes=[f.spike for f in checked if f.spike is not None],
+                trace=None if self._tracer is None else self._tracer.snapshot(),
+            )
             self._evidence, self._last_report = evidence, None
         elif self._tracer is not None:
             self._tracer.snapshot()  # the next iteration starts afresh
@@ -612,9 +704,12 @@ class GradScaler:
         gradients itself and skipped its step, as DeepSpeed's ZeRO does): the policy answers it as one of
         its own check's, in place of :meth:`update`; the gradients are not touched. No sync."""
         t = self._t or self._require("record_overflow()")
-        flags = Flags(overflow=torch.ones((), dtype=torch.bool, device=t.device),
-                      nan=torch.full((), nan, dtype=torch.bool, device=t.device),
-                      bad_loss=torch.zeros((), dtype=torch.bool, device=t.device), skipped=True)
+        flags = Flags(
+            overflow=torch.ones((), dtype=torch.bool, device=t.device),
+            nan=torch.full((), nan, dtype=torch.bool, device=t.device),
+            bad_loss=torch.zeros((), dtype=torch.bool, device=t.device),
+            skipped=True,
+        )
         self._records = {id(self): _Record(OptState.STEPPED, flags)}
         self.update()
 
@@ -631,8 +726,12 @@ class GradScaler:
             snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
             state, scale_before = snap.read()
             self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
-            if self._upcast is not None:  # a skipped step's first forward overflow: one read, on skips only
-                self._upcast.learn(state, snap.evidence, self._tracer)
+            if self._upcast is not None:  # a skipped step's first forward (at the floor: backward) overflow:
+                # one read, on skipped steps only
+                floor = self._policy.scale_bounds()[0]
+                self._upcast.learn(
+                    state, snap.evidence, self._tracer, at_floor=floor is not None and scale_before <= floor
+                )
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
 
@@ -679,11 +778,19 @@ class GradScaler:
         self._learn_landed()
         state, before = (self._init_state, None) if self._t is None else self._t.read()
         sampled = self._telemetry is not None and self._telemetry.overall is not None
-        return self._health.report(self._policy, state, before,
-                                   self._telemetry.overall.flushed_frac if sampled else None,
-                                   self._telemetry.step_collected if sampled else None, self._describe,
-                                   upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
-                                   **self._opt_in_counts())
+        return self._health.report(
+            self._policy,
+            state,
+            before,
+            self._telemetry.overall.flushed_frac if sampled else None,
+            self._telemetry.step_collected if sampled else None,
+            self._describe,
+            upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
+            backward_upcasts=None
+            if self._upcast is None or not self._upcast.backward
+            else tuple(self._upcast.kept_backward),
+            **self._opt_in_counts(),
+        )
 
     def overflow_report(self) -> Dict[str, Any]:
         """Why the last step was skipped, as a dict: ``"inf"``, ``"nan"`` (the parameters whose gradients
@@ -711,7 +818,8 @@ class GradScaler:
         if not stepped and any(r.flags is not None for r in self._records.values()):
             raise RuntimeError(
                 "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, "
-                "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer).")
+                "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer)."
+            )
         return stepped or [self._last]
 
     def _read_skipped(self, flags: Optional[Flags]) -> bool:
@@ -822,12 +930,21 @@ class GradScaler:
         elif hasattr(self._t, "growth_tracker"):
             self._t.growth_tracker.fill_(int(value))
 
-    _growth_factor = property(lambda self: self.get_growth_factor(), lambda self, v: self.set_growth_factor(v),
-                              doc="torch's attribute: :meth:`get_growth_factor` / :meth:`set_growth_factor`.")
-    _backoff_factor = property(lambda self: self.get_backoff_factor(), lambda self, v: self.set_backoff_factor(v),
-                               doc="torch's attribute: :meth:`get_backoff_factor` / :meth:`set_backoff_factor`.")
-    _growth_interval = property(lambda self: self.get_growth_interval(), lambda self, v: self.set_growth_interval(v),
-                                doc="torch's attribute: :meth:`get_growth_interval` / :meth:`set_growth_interval`.")
+    _growth_factor = property(
+        lambda self: self.get_growth_factor(),
+        lambda self, v: self.set_growth_factor(v),
+        doc="torch's attribute: :meth:`get_growth_factor` / :meth:`set_growth_factor`.",
+    )
+    _backoff_factor = property(
+        lambda self: self.get_backoff_factor(),
+        lambda self, v: self.set_backoff_factor(v),
+        doc="torch's attribute: :meth:`get_backoff_factor` / :meth:`set_backoff_factor`.",
+    )
+    _growth_interval = property(
+        lambda self: self.get_growth_interval(),
+        lambda self, v: self.set_growth_interval(v),
+        doc="torch's attribute: :meth:`get_growth_interval` / :meth:`set_growth_interval`.",
+    )
 
     def _lazy_init_scale_growth_tracker(self, device) -> None:
         """torch's private name for :meth:`init_device`."""
@@ -950,7 +1067,9 @@ class GradScaler:
                 "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()): the "
                 "state is loaded and the iteration in flight is discarded (nothing of it is counted). Its "
                 "gradients carry the old scale, so unscale_() and step() refuse them: zero the gradients and run "
-                "a new scaler.scale(loss).backward().", RuntimeWarning)
+                "a new scaler.scale(loss).backward().",
+                RuntimeWarning,
+            )
         for feature, value in loaded:
             feature.load(value)
         self._policy = policy
@@ -979,19 +1098,26 @@ class GradScaler:
 
     def _in_flight(self) -> bool:
         """Whether an iteration has begun: scale() or a check ran since the last update()."""
-        return self._began or any(r.flags is not None or r.stage is not OptState.READY
-                                  for r in self._records.values())
+        return self._began or any(r.flags is not None or r.stage is not OptState.READY for r in self._records.values())
 
     def __getstate__(self) -> Dict[str, Any]:
         # As torch: not once an optimizer was checked (after scale() is fine: the copy starts afresh).
         if any(r.flags is not None or r.stage is not OptState.READY for r in self._records.values()):
-            raise RuntimeError("A GradScaler can be pickled only at the beginning of an iteration, before any "
-                               "unscale_(), clip_grad_norm_() or step() (as torch's), or after update().")
+            raise RuntimeError(
+                "A GradScaler can be pickled only at the beginning of an iteration, before any "
+                "unscale_(), clip_grad_norm_() or step() (as torch's), or after update()."
+            )
         state = self.__dict__.copy()
         # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
-        state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
-                     _evidence=None, _last_report=None, _last=_decided_on_host(self._read_skipped(self._last)),
-                     _step_callbacks=collections.OrderedDict())
+        state.update(
+            _init_state=self.state(),
+            _t=None,
+            _snapshots=collections.deque(maxlen=SNAPSHOTS),
+            _evidence=None,
+            _last_report=None,
+            _last=_decided_on_host(self._read_skipped(self._last)),
+            _step_callbacks=collections.OrderedDict(),
+        )
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -1012,7 +1138,9 @@ class GradScaler:
 # ------------------------------------------------------------------------------------- helpers
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with its index: "cuda" alone means the current CUDA device."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    )
 
 
 def _make_policy(policy, given: Dict[str, Any]):
@@ -1021,14 +1149,22 @@ def _make_policy(policy, given: Dict[str, Any]):
     if not isinstance(policy, Policy):
         raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
     if given:
-        raise ValueError(f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
-                         "to GradScaler as well.")
+        raise ValueError(
+            f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
+            "to GradScaler as well."
+        )
     return policy
 
 
 def _counters(s: ScaleState) -> Dict[str, int]:
-    return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
-            "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
+    return {
+        "steps": s.steps,
+        "skipped_steps": s.skipped_steps,
+        "inf_steps": s.inf_steps,
+        "nan_steps": s.nan_steps,
+        "bad_loss_steps": s.bad_loss_steps,
+        "overflow_streak": s.overflow_streak,
+    }
 
 
 def _decided_on_host(skipped: bool) -> Optional[Flags]:
@@ -1045,8 +1181,10 @@ def _valid_new_scale(policy, new_scale, device: torch.device):
     tensor on the state's device type; ValueError naming it otherwise."""
     if isinstance(new_scale, torch.Tensor):
         if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
-            raise ValueError("new_scale must be a float or a 1-element floating-point tensor with requires_grad="
-                             f"False; got a {new_scale.dtype} tensor of shape {tuple(new_scale.shape)}.")
+            raise ValueError(
+                "new_scale must be a float or a 1-element floating-point tensor with requires_grad="
+                f"False; got a {new_scale.dtype} tensor of shape {tuple(new_scale.shape)}."
+            )
         if new_scale.device.type != device.type:
             raise ValueError(f"new_scale is on {new_scale.device} but the scaler's state is on {device}.")
         return new_scale
@@ -1054,8 +1192,10 @@ def _valid_new_scale(policy, new_scale, device: torch.device):
     if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
         raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
     if not SMALLEST_SCALE <= f32(new_scale) < float("inf"):
-        raise ValueError(f"new_scale={new_scale!r} must be finite and within float32's normal range "
-                         "[2**-126, 3.4e38], where the scale is kept.")
+        raise ValueError(
+            f"new_scale={new_scale!r} must be finite and within float32's normal range "
+            "[2**-126, 3.4e38], where the scale is kept."
+        )
     lo, hi = policy.scale_bounds()
     if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
         raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
@@ -1082,15 +1222,18 @@ def _refuse_unscalable(outputs: Any) -> None:
     iterables are checked as they are consumed), or a tensor on the meta device (it holds no values)."""
     if isinstance(outputs, torch.Tensor):
         if outputs.device.type == "meta":
-            raise ValueError("scale() got a tensor on the meta device, which holds no values; scale the loss of a "
-                             "real forward (the scaler's state lives on the loss's device).")
+            raise ValueError(
+                "scale() got a tensor on the meta device, which holds no values; scale the loss of a "
+                "real forward (the scaler's state lives on the loss's device)."
+            )
         return
     if isinstance(outputs, (dict, list, tuple)):
         for value in outputs.values() if isinstance(outputs, dict) else outputs:
             _refuse_unscalable(value)
     elif not isinstance(outputs, abc.Iterable) or isinstance(outputs, (str, bytes)):
         raise ValueError(
-            f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}.")
+            f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}."
+        )
 
 
 def _map_tensors(fn: Callable, value: Any) -> Any:

@@ -77,8 +77,14 @@ class StaticPolicy(PolicyBase):
         """The state before the first step."""
         return StaticState(scale=f32(self.scale))
 
-    def update(self, state: StaticState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None, bad_loss: bool = False) -> StaticState:
+    def update(
+        self,
+        state: StaticState,
+        found_inf: bool,
+        found_nan: bool = False,
+        amax: Optional[float] = None,
+        bad_loss: bool = False,
+    ) -> StaticState:
         """Counts the step; the scale never changes. A step with a non-finite loss (``bad_loss``)
         leaves the clean-step tracker as it was."""
         if bad_loss:

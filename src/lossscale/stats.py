@@ -1,31 +1,33 @@
 """Gradient statistics: how many values a format would flush, keep, or overflow, at any scale.
 
-:func:`grad_stats` reads a list of gradients once and returns a :class:`GradStats`: exact counts
+``grad_stats`` reads a list of gradients once and returns a ``GradStats``: exact counts
 of what storing ``x * scale`` in a format (fp16 by default) would do to every element, plus a
-histogram from which :meth:`GradStats.at` answers the same question for another scale without
-touching the gradients again.  :func:`recommend_scale` turns that into a loss scale.
+histogram from which ``GradStats.at`` answers the same question for another scale without
+touching the gradients again.  ``recommend_scale`` turns that into a loss scale.
 
-How it works (the whole algorithm)::
+How it works (the whole algorithm):
 
-    # Every input is a float32 value (fp16 and bf16 values are float32 values too), and the
-    # order of non-negative float32 values is the order of their bit patterns read as integers.
-    # So "what does the cast of x * scale do" is decided by where A = bits(|x|) falls among
-    # three integer boundaries, found once per (format, scale) by binary search with an exact
-    # pure-Python model of torch's cast:
-    #     B1 = first A that survives (not flushed), B2 = first A that rounds to a normal number,
-    #     B3 = first A that overflows.
-    # Each A is binned by (exponent field, class), class = how many of four mantissa
-    # thresholds T its mantissa reaches, with T = {1} + the mantissas of B1, B2, B3:
-    for x in gradients:
-        A = bits(x) & 0x7FFFFFFF                      # |x|
-        field, mantissa = A >> 23, A & 0x7FFFFF
-        hist[5 * field + sum(mantissa >= t for t in T)] += 1
-    # Every boundary is the start of a bin, so each bin lies wholly inside one category and
-    # summing bins per category gives exact counts.  The threshold 1 separates 0 from fp32
-    # subnormals, inf from NaN, and exact powers of two from the rest (the fp16 flush tie).
-    # Fewer than four distinct thresholds leave some classes empty (the slot holds 2^23).
+```python
+# Every input is a float32 value (fp16 and bf16 values are float32 values too), and the
+# order of non-negative float32 values is the order of their bit patterns read as integers.
+# So "what does the cast of x * scale do" is decided by where A = bits(|x|) falls among
+# three integer boundaries, found once per (format, scale) by binary search with an exact
+# pure-Python model of torch's cast:
+#     B1 = first A that survives (not flushed), B2 = first A that rounds to a normal number,
+#     B3 = first A that overflows.
+# Each A is binned by (exponent field, class), class = how many of four mantissa
+# thresholds T its mantissa reaches, with T = {1} + the mantissas of B1, B2, B3:
+for x in gradients:
+    A = bits(x) & 0x7FFFFFFF                      # |x|
+    field, mantissa = A >> 23, A & 0x7FFFFF
+    hist[5 * field + sum(mantissa >= t for t in T)] += 1
+# Every boundary is the start of a bin, so each bin lies wholly inside one category and
+# summing bins per category gives exact counts.  The threshold 1 separates 0 from fp32
+# subnormals, inf from NaN, and exact powers of two from the rest (the fp16 flush tie).
+# Fewer than four distinct thresholds leave some classes empty (the slot holds 2^23).
+```
 
-At another scale ``s2`` the boundaries move; :meth:`GradStats.at` recomputes them and sums the
+At another scale ``s2`` the boundaries move; ``GradStats.at`` recomputes them and sums the
 bins again.  A bin that a new boundary cuts in two ("straddles") cannot be split without the
 data: its count goes to the side of its lower end and into ``error_bound``, so every count
 figure of ``stats.at(s2)`` is within ``error_bound`` of a fresh measurement at ``s2``.  When
@@ -43,19 +45,20 @@ and bf16 inputs are histogrammed by their 16-bit pattern directly (one mask and 
 chunk, the per-pattern counts mapped to bins at the end).  Many small tensors are packed into
 one chunk by ``torch._foreach_copy_`` instead of a Python loop of kernels each.  Nothing is
 read back to the host: the histogram and ``amax`` stay device tensors inside the
-:class:`GradStats`, and **reading a figure syncs host and device** (once; the figures are
+``GradStats``, and **reading a figure syncs host and device** (once; the figures are
 then cached).
 
->>> import torch
->>> from lossscale.stats import grad_stats, recommend_scale
->>> g = torch.tensor([2.0**-26, 2.0**-25, 2.0**-24, 1.0, 70000.0, 0.0])
->>> s = grad_stats([g], scale=1.0, fmt="fp16")
->>> (s.zeros, s.flushed, s.subnormal, s.overflow)
-(1, 2, 1, 1)
->>> s.at(2.0**10).flushed      # scaled by 1024, the tiny ones survive...
-0
->>> s.at(2.0**10).overflow     # ...and 1.0 * 1024 still fits, 70000 * 1024 does not
-1
+Examples:
+    >>> import torch
+    >>> from lossscale.stats import grad_stats, recommend_scale
+    >>> g = torch.tensor([2.0**-26, 2.0**-25, 2.0**-24, 1.0, 70000.0, 0.0])
+    >>> s = grad_stats([g], scale=1.0, fmt="fp16")
+    >>> (s.zeros, s.flushed, s.subnormal, s.overflow)
+    (1, 2, 1, 1)
+    >>> s.at(2.0**10).flushed      # scaled by 1024, the tiny ones survive...
+    0
+    >>> s.at(2.0**10).overflow     # ...and 1.0 * 1024 still fits, 70000 * 1024 does not
+    1
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ _F32_MAX = 3.4028234663852886e38  # largest finite float32
 _NUM_FIELDS = 256  # float32 exponent field values; 255 holds inf and NaN
 _NUM_THRESHOLDS = 4
 _NUM_CLASSES = _NUM_THRESHOLDS + 1
-#: Length of :attr:`GradStats.hist`: (exponent field, mantissa class) pairs.
+#: Length of ``GradStats.hist``: (exponent field, mantissa class) pairs.
 NUM_BINS = _NUM_FIELDS * _NUM_CLASSES
 
 # Category rows of the bin -> category matrix, in magnitude order, plus the straddle row.
@@ -128,7 +131,7 @@ def _boundaries(fmt: FloatFormat, scale: float) -> Tuple[int, int, int]:
     """``(B1, B2, B3)``: the first float32 bit patterns |x| that survive / are normal / overflow.
 
     Exact by construction: a binary search over all positive float32 patterns, judged by
-    :func:`lossscale.formats.classify` of ``x * scale`` in float64 rounded via float32 -- the
+    ``lossscale.formats.classify`` of ``x * scale`` in float64 rounded via float32 -- the
     path ``(x.double() * scale).to(dtype)`` takes in torch.  The category only ever grows with
     |x| (multiplication by a positive scale and rounding are monotone), so the search is valid.
     A boundary no finite input reaches is reported as the inf pattern.
@@ -176,7 +179,7 @@ def _category_matrix(thresholds: Tuple[int, ...], bounds: Tuple[int, int, int], 
     ``torch.tensor(list, device=...)`` or a ``.to(device)`` from pageable host memory waits for the
     stream (a hidden sync, and an error inside CUDA-graph capture).  All integer arithmetic, so it is
     the same matrix on every device; ``tests/test_stats.py`` checks it bit for bit against the
-    pure-Python definition.  Cached per device by :func:`_cached_on`.
+    pure-Python definition.  Cached per device by ``_cached_on``.
     """
     i64 = torch.int64
     edges = (0, *thresholds, _MANT_ONE)
@@ -220,7 +223,7 @@ def _cached_on(make, args: Tuple[Any, ...], device: torch.device):
     """``make(*args, device)``, cached per device.
 
     ``make`` builds its tensors on ``device`` with device ops (no host-to-device copy; see
-    :func:`_category_matrix`), so a first call costs a few small kernels and no sync.
+    ``_category_matrix``), so a first call costs a few small kernels and no sync.
     """
     key = (make.__name__, args, str(device))
     value = _device_tables.get(key)
@@ -240,7 +243,7 @@ def _cached_on(make, args: Tuple[Any, ...], device: torch.device):
 class GradStats:
     """What storing ``x * scale`` in ``fmt`` would do to a set of gradients.
 
-    Made by :func:`grad_stats` (a measurement) or :meth:`at` (the same histogram judged at another
+    Made by ``grad_stats`` (a measurement) or ``at`` (the same histogram judged at another
     scale or format).  The raw data are two device tensors; every figure below is a read-only
     property computed from them.  **Reading a figure syncs host and device** -- once: all
     figures are fetched together and cached.
@@ -248,7 +251,7 @@ class GradStats:
     Fields:
         fmt: the storage format judged.
         scale: the scale multiplied into every value before storing.
-        hist: int64 tensor of :data:`NUM_BINS` counts, bin ``5 * exponent_field + class`` of
+        hist: int64 tensor of ``NUM_BINS`` counts, bin ``5 * exponent_field + class`` of
             ``|x|``'s float32 bits (see the module docstring).  Sum it across ranks to combine.
         amax_tensor: 0-dim float32 tensor, max ``|x|`` over finite inputs (0 if none); unscaled.
             Max-reduce it across ranks.
@@ -266,13 +269,13 @@ class GradStats:
         amax: max ``|x|`` over finite inputs, unscaled.
         headroom_bits: ``log2(fmt.max / (amax * scale))``; negative means the largest value
             overflows; ``inf`` when ``amax == 0``.
-        error_bound: 0 for a measurement; for :meth:`at`, the number of elements in bins that a
+        error_bound: 0 for a measurement; for ``at``, the number of elements in bins that a
             boundary cuts, which bounds the error of every count figure.
         zeros_frac, flushed_frac, subnormal_frac, normal_frac, overflow_frac, nonfinite_frac:
             the counts divided by ``numel`` (0.0 when ``numel == 0``).
 
-    Views: :meth:`frac_of_nonzero` (a count over the nonzero finite inputs, so exact zeros do not
-    dilute it) and :meth:`binades` (the exponent histogram of ``x * scale``).
+    Views: ``frac_of_nonzero`` (a count over the nonzero finite inputs, so exact zeros do not
+    dilute it) and ``binades`` (the exponent histogram of ``x * scale``).
 
     ``numel == zeros + flushed + subnormal + normal + overflow + inf + nan`` always.
 
@@ -306,7 +309,7 @@ class GradStats:
                           self.hist.to(torch.float64)])
 
     def _take(self, values: List[float]) -> None:
-        """Cache the figures from a host copy of :meth:`_packed`."""
+        """Cache the figures from a host copy of ``_packed``."""
         counts = [int(v) for v in values[:_NUM_ROWS]]
         names = ("zeros", "flushed", "subnormal", "normal", "overflow", "inf", "nan", "error_bound")
         fig = dict(zip(names, counts))
@@ -431,7 +434,7 @@ class GradStats:
     def binades(self) -> Dict[int, int]:
         """``{e: count}`` of the nonzero finite inputs with ``2**e <= |x * scale| < 2**(e+1)``.
 
-        Read from :attr:`hist` (no pass over the gradients): a binade is one exponent field, its
+        Read from ``hist`` (no pass over the gradients): a binade is one exponent field, its
         five mantissa classes summed.  Exact only when ``scale`` is a power of two, which shifts
         every binade by ``log2(scale)`` without moving any value across a binade edge; any other
         scale raises ValueError.  Float32 subnormal inputs (``|x| < 2^-126``) all land in the
@@ -463,7 +466,7 @@ class GradStats:
         Uses only the histogram: no pass over the gradients, no sync until a figure is read.
         Exact when ``scale / self.scale`` is a power of two and ``fmt`` is unchanged (boundaries
         inside float32's normal range); otherwise each count figure is within ``error_bound``
-        of a fresh :func:`grad_stats` at that scale.
+        of a fresh ``grad_stats`` at that scale.
         """
         f = self.fmt if fmt is None else _check_fmt(fmt)
         s = _check_scale(scale)
@@ -475,7 +478,7 @@ class GradStats:
         Both must have been measured with the same ``fmt`` and ``scale``.  The result lives on
         ``self``'s device: ``other``'s histogram and ``amax`` are moved there first (no sync
         between accelerators; onto the CPU the copy waits for the accelerator, as in
-        :func:`grad_stats`).
+        ``grad_stats``).
         """
         if not isinstance(other, GradStats):
             raise ValueError(f"other={other!r} is not a GradStats; merge two grad_stats() results")
@@ -505,7 +508,7 @@ class GradStats:
     )
 
     def to_dict(self) -> Dict[str, Any]:
-        """Every figure as plain Python numbers, plus what :meth:`from_dict` needs to rebuild.
+        """Every figure as plain Python numbers, plus what ``from_dict`` needs to rebuild.
 
         Keys: ``fmt`` (name), ``scale``, the figures above, ``thresholds`` and ``hist`` (the
         nonzero bins as ``{bin_index: count}``).  Syncs once (it reads the figures).
@@ -519,7 +522,7 @@ class GradStats:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], device: "str | torch.device" = "cpu") -> "GradStats":
-        """Rebuild a :class:`GradStats` from :meth:`to_dict` output (JSON keys may be strings).
+        """Rebuild a ``GradStats`` from ``to_dict`` output (JSON keys may be strings).
 
         Reads the keys ``fmt``, ``scale``, ``amax``, ``thresholds`` and ``hist``; the figures in
         ``d`` are recomputed from them, not read.  Raises ValueError naming the key that is
@@ -662,7 +665,7 @@ def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ----- the kernels ------------------------------------------------------------------------------
 
 
-#: The histogram methods :func:`grad_stats` accepts (see its ``method`` argument).
+#: The histogram methods ``grad_stats`` accepts (see its ``method`` argument).
 METHODS = ("auto", "bincount", "index_add", "histc", "sort")
 
 
@@ -686,10 +689,10 @@ def _count_into(hist: torch.Tensor, keys: torch.Tensor, method: str, ones: torch
     All methods give the same int64 histogram bit for bit (they only count):
 
     * ``bincount`` -- CPU only: the fastest CPU histogram (one plain loop).  On CUDA it reads the
-      keys' max on the host (a sync), so :func:`grad_stats` refuses it there.
+      keys' max on the host (a sync), so ``grad_stats`` refuses it there.
     * ``index_add`` -- ``hist.index_add_(keys, 1)``: one int64 atomic add per element in global
       memory.  The accelerator default; exact, but gradients crowd into a few dozen hot bins, so
-      the atomics contend (issue 14, item 13: unmeasured on a GPU so far).
+      the atomics contend (not measured on a GPU yet).
     * ``histc`` -- ``torch.histc`` over the keys as float32 with ``min=0, max=nbins``: on CUDA a
       kernel that counts per thread block in shared memory and merges the partial histograms
       (when ``nbins`` floats fit in shared memory: the 1,280 bins of the float32 path do, the
@@ -804,8 +807,8 @@ def _pattern_tables(dtype: torch.dtype, thresholds: Tuple[int, ...], device: tor
     """For every 15-bit magnitude pattern of a 16-bit float dtype: its bin and its value, on ``device``.
 
     The value is 0 for inf/NaN patterns, so a max over present patterns is the finite amax.  Built
-    on the device from an ``arange`` (no host-to-device copy, see :func:`_category_matrix`); cached
-    per device by :func:`_cached_on`.
+    on the device from an ``arange`` (no host-to-device copy, see ``_category_matrix``); cached
+    per device by ``_cached_on``.
     """
     # arange in int32 (every backend has it), narrowed on the device: the values are < 2^15.
     patterns = torch.arange(1 << 15, dtype=torch.int32, device=device).to(torch.int16)
@@ -862,7 +865,7 @@ def grad_stats(
             on any devices; ``None`` entries are skipped; an empty iterable gives empty stats).
         scale: positive finite multiplier applied before storing (the loss scale).
         fmt: the storage format: a name such as ``"fp16"``, ``"bf16"``, ``"fp8_e4m3"``,
-            ``"fp8_e5m2"``, ``"fp32"``, a ``torch.dtype`` or a :class:`FloatFormat`.
+            ``"fp8_e5m2"``, ``"fp32"``, a ``torch.dtype`` or a ``FloatFormat``.
         device: where the result's tensors live.  Default: the first tensor's device, or the CPU
             when ``tensors`` holds none (pass it so that a rank with nothing to measure can still
             join a NCCL all-reduce).
@@ -873,7 +876,7 @@ def grad_stats(
             adds); see below.
 
     Returns:
-        A :class:`GradStats`.  Its counts are exactly what a real cast
+        A ``GradStats``.  Its counts are exactly what a real cast
         ``(x.double() * scale).to(dtype)`` gives element by element (torch rounds float64 via
         float32; overflow for e4m3 is "rounds past 448" whatever the cast stores).
 
@@ -955,7 +958,7 @@ def _measure(ts: List[torch.Tensor], thresholds: Tuple[int, ...], method: str) -
 
 
 class ScaleRecommendation(NamedTuple):
-    """What :func:`recommend_scale` suggests.
+    """What ``recommend_scale`` suggests.
 
     Attributes:
         scale: the largest power of two ``S`` with ``amax * S <= fmt.max / 2^margin_bits``;
@@ -963,7 +966,7 @@ class ScaleRecommendation(NamedTuple):
         flushed: nonzero gradients still flushed to 0 at ``scale``.
         flushed_frac: ``flushed / numel``.
         headroom_bits: ``log2(fmt.max / (amax * scale))``, at least ``margin_bits``.
-        error_bound: bound on the error of ``flushed`` (0 when exact; see :meth:`GradStats.at`).
+        error_bound: bound on the error of ``flushed`` (0 when exact; see ``GradStats.at``).
     """
 
     scale: Optional[float]
@@ -983,7 +986,7 @@ def recommend_scale(
     """The loss scale that lifts gradients furthest off the underflow cliff without overflow.
 
     Args:
-        stats: a :class:`GradStats` (any scale; only its histogram and ``amax`` are used).
+        stats: a ``GradStats`` (any scale; only its histogram and ``amax`` are used).
         fmt: the format to fit; defaults to ``stats.fmt``.
         margin_bits: binades to keep free above the largest gradient (>= 0), so that growth
             until the next measurement does not overflow at once.
@@ -991,9 +994,9 @@ def recommend_scale(
             or NaN inputs.  By default such statistics are refused (see Raises).
 
     Returns:
-        A :class:`ScaleRecommendation`: the largest power of two ``S`` with
+        A ``ScaleRecommendation``: the largest power of two ``S`` with
         ``amax * S * 2^margin_bits <= fmt.max`` and the flushed count/fraction at ``S``
-        (from :meth:`GradStats.at`, exact when ``S / stats.scale`` is a power of two).
+        (from ``GradStats.at``, exact when ``S / stats.scale`` is a power of two).
         The scale may exceed what a float32 loss-scale tensor holds for tiny ``amax``; clamp
         it to your scaler's bounds.
 

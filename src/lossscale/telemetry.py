@@ -8,8 +8,8 @@ What the figures measure depends on the gradients' dtype, and every record says 
 
 * FP32 parameter gradients (autocast with FP32 master weights): ``flushed``/``subnormal``/
   ``overflow`` are what FP16 *would* do to these scaled gradients (``grad/measured`` =
-  "fp32 as fp16", in :meth:`GradScaler.metric_labels`). The flushing that really happens under autocast is in the FP16 activation
-  gradients: see :mod:`lossscale.hooks`.
+  "fp32 as fp16", in :meth:`GradScaler.metric_labels`). The flushing that really happens under autocast
+  is in the FP16 activation gradients: see :mod:`lossscale.hooks`.
 * FP16 parameter gradients: they are measured as stored (``grad/measured`` = "fp16 as stored"), so a
   value that flushed is already 0 and counted among ``zeros``.
 """
@@ -38,8 +38,21 @@ _MEASURABLE = (torch.float32, torch.float16, torch.bfloat16)
 def flatten_stats(prefix: str, stats: GradStats) -> Dict[str, float]:
     """``{prefix/field: value}`` for the figures of ``stats`` worth a chart. Syncs."""
     d = stats.to_dict()
-    keep = ("flushed_frac", "subnormal_frac", "zeros_frac", "overflow_frac", "headroom_bits", "amax", "numel",
-            "zeros", "flushed", "subnormal", "overflow", "inf", "nan")
+    keep = (
+        "flushed_frac",
+        "subnormal_frac",
+        "zeros_frac",
+        "overflow_frac",
+        "headroom_bits",
+        "amax",
+        "numel",
+        "zeros",
+        "flushed",
+        "subnormal",
+        "overflow",
+        "inf",
+        "nan",
+    )
     return {f"{prefix}/{k}": d[k] for k in keep if k in d}
 
 
@@ -115,8 +128,16 @@ class Telemetry(Feature):
         if value is not None:
             self.iteration = value
 
-    def observe(self, params: List[torch.Tensor], grads: List[torch.Tensor], name_of: Callable, scale: torch.Tensor,
-                *, all_params: Optional[List[torch.Tensor]] = None, sharded: bool = False) -> None:
+    def observe(
+        self,
+        params: List[torch.Tensor],
+        grads: List[torch.Tensor],
+        name_of: Callable,
+        scale: torch.Tensor,
+        *,
+        all_params: Optional[List[torch.Tensor]] = None,
+        sharded: bool = False,
+    ) -> None:
         """Collect the statistics of one optimizer's scaled gradients (called by the scaler).
 
         ``grads[i]`` is the checked tensor of ``params[i]``; ``name_of``: ``param -> name or None``;
@@ -138,9 +159,11 @@ class Telemetry(Feature):
             if not self._warned_dtype:
                 self._warned_dtype = True
                 dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads if g.dtype not in _MEASURABLE})
-                warn(f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
-                              "(they measure float32, float16 and bfloat16 gradients against fp16's range; a "
-                              "float64 model needs no loss scaling). Training is not affected.")
+                warn(
+                    f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
+                    "(they measure float32, float16 and bfloat16 gradients against fp16's range; a "
+                    "float64 model needs no loss scaling). Training is not affected."
+                )
             params, grads = [p for p, _ in measurable], [g for _, g in measurable]
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
@@ -189,8 +212,9 @@ class Telemetry(Feature):
         """
         return self.metrics_with(group, device)[0]
 
-    def metrics_with(self, group=None, device: Optional[torch.device] = None, also: Sequence[torch.Tensor] = ()
-                     ) -> Tuple[Dict[str, float], List[List[float]]]:
+    def metrics_with(
+        self, group=None, device: Optional[torch.device] = None, also: Sequence[torch.Tensor] = ()
+    ) -> Tuple[Dict[str, float], List[List[float]]]:
         """:meth:`metrics`, and the values of the tensors ``also`` read in the same transfer (one sync)."""
         overall, groups = self.overall, self.groups
         if group is not None:

@@ -20,6 +20,22 @@ Why two steps, by default: one bad batch names whatever module its bad values re
 upcasting on it would slow a healthy model for nothing; a module named first on two steps is the
 systematic overflow unsloth-zoo PR #600 and #866 found by hand. ``upcast_after=1`` acts at once.
 
+``on_backward_overflow="upcast"``: the backward that overflows at any scale. A module whose backward
+overflows FP16 while its forward stays finite (an internal gradient past 65504) is the scale's business
+until the scale reaches its floor (``min_scale``, 1 by default); there no scale fixes it::
+
+    the step was skipped at the floor (the scale it ran with <= min_scale), its forward clean
+        -> name = the trace's first backward overflow: the first module, in backward order, whose input
+           gradient was non-finite (one host read, on such steps only); none -> nothing (a weight
+           gradient that overflows names no module: lower min_scale, as the stuck warning says)
+        name not kept: seen_backward[name] += 1; at upcast_after -> keep_fp32(model, [name]), warned
+        name kept already (for its backward) -> its FP32 backward did not end it: the gradient overflows
+           again where it is cast back to FP16 at the module's edge (its input is FP16). Widen at once
+           to the enclosing module (keep_fp32 on the parent), warned; the whole model -> said, nothing kept
+
+With ``min_scale=None`` (torch's unbounded backoff) the scale never reaches a floor and nothing is
+upcast for the backward: the scale backs off below 1 as torch's does.
+
 The modules kept are reported in ``health()`` (``upcast_modules``), in the overflow report of the step
 that triggered one (``"upcast"``), counted as ``upcasts`` (``counters()``, ``metrics()``), and saved in
 the scaler's checkpoint (``"upcast_modules"``, with the counts so far): loading it keeps those modules
@@ -45,40 +61,56 @@ AFTER = 2
 
 
 class Upcast(Feature):
-    """The upcast rule's account: how often each module was the first forward overflow, which were kept."""
+    """The upcast rules' account: how often each module was the first forward (or, at the floor,
+    backward) overflow, which were kept, and which of them for their backward."""
 
-    def __init__(self, model, after: int):
+    def __init__(self, model, after: int, forward: bool = True, backward: bool = False):
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise ValueError(f"upcast_after={after!r} must be an int >= 1 (the steps a module must be the first "
                              "forward overflow on before it is kept in FP32).")
         self.after = after
+        self.forward, self.backward = forward, backward  # which rules are on
         self._model = weakref.ref(model)
         self.seen: Counter = Counter()
         self.kept: List[str] = []  # in the order they were kept
         self.still = Counter()  # kept modules named first again (not an FP16 range problem)
+        self.seen_backward: Counter = Counter()  # first backward overflow at the floor
+        self.kept_backward: List[str] = []  # the kept modules kept for their backward (also in kept)
+        self.widest = False  # the backward rule reached the whole model: said once, nothing more to widen
 
     @classmethod
-    def of(cls, mode: str, after: int, trace: bool, model) -> Optional["Upcast"]:
-        """``GradScaler(on_forward_overflow=mode, upcast_after=after)``: None for "skip"; ValueError for
-        an unknown mode, or "upcast" without ``trace=True`` (the trace names the module)."""
-        if mode not in MODES:
-            raise ValueError(f"on_forward_overflow={mode!r} must be one of {MODES}.")
-        if mode == "skip":
+    def of(cls, mode: str, after: int, trace: bool, model, backward: str = "skip") -> Optional["Upcast"]:
+        """``GradScaler(on_forward_overflow=mode, upcast_after=after, on_backward_overflow=backward)``:
+        None when both are "skip"; ValueError for an unknown mode, or "upcast" without ``trace=True``
+        (the trace names the module)."""
+        for key, value in (("on_forward_overflow", mode), ("on_backward_overflow", backward)):
+            if value not in MODES:
+                raise ValueError(f"{key}={value!r} must be one of {MODES}.")
+        if mode == backward == "skip":
             if after != AFTER:
-                raise ValueError(f"upcast_after={after!r} applies only with on_forward_overflow='upcast'.")
+                raise ValueError(f"upcast_after={after!r} applies only with on_forward_overflow='upcast' or "
+                                 "on_backward_overflow='upcast'.")
             return None
         if not trace:
-            raise ValueError("on_forward_overflow='upcast' needs trace=True (and model=): the trace names the "
-                             "module whose forward overflowed.")
-        return cls(model, after)
+            key = "on_forward_overflow" if mode == "upcast" else "on_backward_overflow"
+            raise ValueError(f"{key}='upcast' needs trace=True (and model=): the trace names the module whose "
+                             f"{key.split('_')[1]} overflowed.")
+        return cls(model, after, forward=mode == "upcast", backward=backward == "upcast")
 
-    def learn(self, state, evidence: Optional[Dict[str, Any]], tracer) -> None:
+    def learn(self, state, evidence: Optional[Dict[str, Any]], tracer, at_floor: bool = False) -> None:
         """One landed state: on a skipped step, read the trace's first forward overflow (a sync) and keep
-        the module in FP32 once it is named ``after`` times."""
+        the module in FP32 once it is named ``after`` times; with the backward rule and ``at_floor`` (the
+        step ran at the scale's floor), the same for the first backward overflow, widening to the
+        enclosing module when a module kept for its backward is named again."""
         if not state.last_step_skipped or not evidence or evidence.get("trace") is None:
             return
-        name = tracer.names_of(evidence["trace"])["forward"]
+        names = tracer.names_of(evidence["trace"])
+        name = names["forward"]
         if name is None:
+            if self.backward and at_floor and names["backward"] is not None:
+                self._learn_backward(names["backward"], evidence)
+            return
+        if not self.forward:
             return
         if name in self.kept:
             self.still[name] += 1
@@ -94,6 +126,49 @@ class Upcast(Feature):
                           "runs in FP32 (on_forward_overflow='upcast'). Its inputs are cast to float32 and its "
                           "output stays float32.", UserWarning, stacklevel=5)
 
+    def _learn_backward(self, name: str, evidence: Dict[str, Any]) -> None:
+        """The backward rule for a step skipped at the floor whose first backward overflow was ``name``."""
+        kept_as = self._kept_ancestor(name)
+        if kept_as is not None:  # it, or a module around it, runs in FP32 already: not enough
+            self._widen(kept_as, evidence)
+            return
+        self.seen_backward[name] += 1
+        if self.seen_backward[name] >= self.after and self._keep([name]):
+            self.kept_backward.append(name)
+            evidence["upcast"] = name
+            warnings.warn(f"lossscale: the backward of `{name}` overflowed FP16 at the scale's floor on "
+                          f"{self.seen_backward[name]} steps (its forward finite); it now runs in FP32 "
+                          "(on_backward_overflow='upcast').", UserWarning, stacklevel=5)
+
+    def _kept_ancestor(self, name: str) -> Optional[str]:
+        """The outermost kept module that is ``name`` or encloses it (the trace names leaves: the first
+        leaf of a kept module is named when the overflow is at that module's edge), or None."""
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            if ".".join(parts[:i]) in self.kept:
+                return ".".join(parts[:i])
+        return None
+
+    def _widen(self, name: str, evidence: Dict[str, Any]) -> None:
+        """``name`` runs in FP32 and its backward still overflows: the gradient is cast back to FP16 at
+        its edge. Keep its enclosing module in FP32 (at once: the evidence is the module's own)."""
+        parent = name.rpartition(".")[0]
+        if not parent:  # a top-level module: the next one out is the whole model, FP32 training
+            if not self.widest:
+                self.widest = True
+                warnings.warn(f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward "
+                              "still overflows FP16 where its input gradient is cast back; no enclosing module "
+                              "is left to keep in FP32 but the whole model. Lower the scale's floor "
+                              "(GradScaler(min_scale=2**-8), or None for torch's unbounded backoff).",
+                              RuntimeWarning, stacklevel=5)
+            return
+        if self._keep([parent]):
+            self.kept_backward.append(parent)
+            evidence["upcast"] = parent
+            warnings.warn(f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward still "
+                          f"overflowed FP16 where its gradient is cast back at its edge; its enclosing module "
+                          f"`{parent}` now runs in FP32.", UserWarning, stacklevel=5)
+
     def _keep(self, names: List[str]) -> bool:
         """Keep ``names`` of the model in FP32 (those not kept yet); False without a model."""
         from .fp32 import keep_fp32, kept_modules
@@ -108,35 +183,47 @@ class Upcast(Feature):
 
     # The scaler's opt-in feature protocol (lossscale._features.Feature).
     def counts(self) -> Dict[str, int]:
-        """``upcasts``: the modules kept in FP32 so far."""
+        """``upcasts``: the modules kept in FP32 so far (for their forward or their backward)."""
         return {"upcasts": len(self.kept)}
 
     def entries(self) -> Dict[str, Any]:
-        """The checkpoint's entry: the modules kept, and how often each module was named."""
-        return {"upcast_modules": list(self.kept), "upcast_seen": dict(self.seen)}
+        """The checkpoint's entries: the modules kept, and how often each module was named; with the
+        backward rule, which of them were kept for their backward and its counts."""
+        out = {"upcast_modules": list(self.kept), "upcast_seen": dict(self.seen)}
+        if self.backward:
+            out.update(upcast_backward=list(self.kept_backward), upcast_backward_seen=dict(self.seen_backward))
+        return out
 
     def loadable(self, state_dict: Dict[str, Any]):
         """The checkpoint's modules and counts, validated against the model (None when absent)."""
         kept, seen = state_dict.get("upcast_modules"), state_dict.get("upcast_seen", {})
         if kept is None:
             return None
-        if not isinstance(kept, list) or not all(isinstance(n, str) for n in kept):
-            raise ValueError(f"state dict 'upcast_modules'={kept!r} must be a list of module names.")
-        if not isinstance(seen, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                                                 and v >= 0 for k, v in seen.items()):
-            raise ValueError(f"state dict 'upcast_seen'={seen!r} must map module names to counts >= 0.")
+        backward = state_dict.get("upcast_backward", [])
+        backward_seen = state_dict.get("upcast_backward_seen", {})
+        for key, names in (("upcast_modules", kept), ("upcast_backward", backward)):
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"state dict '{key}'={names!r} must be a list of module names.")
+        if not set(backward) <= set(kept):
+            raise ValueError(f"state dict 'upcast_backward'={backward!r} must be among 'upcast_modules'={kept!r}.")
+        for key, counts in (("upcast_seen", seen), ("upcast_backward_seen", backward_seen)):
+            if not isinstance(counts, dict) or not all(isinstance(k, str) and isinstance(v, int)
+                                                       and not isinstance(v, bool) and v >= 0
+                                                       for k, v in counts.items()):
+                raise ValueError(f"state dict '{key}'={counts!r} must map module names to counts >= 0.")
         model = self._model()
         if model is not None:
             from .fp32 import _resolve
 
             _resolve(model, kept)  # ValueError naming a module this model does not have
-        return kept, seen
+        return kept, seen, backward, backward_seen
 
     def load(self, value) -> None:
         """Take what :meth:`loadable` returned: those modules of the model are kept in FP32 again."""
         if value is not None:
-            kept, seen = value
+            kept, seen, backward, backward_seen = value
             self.kept, self.seen, self.still = [], Counter(seen), Counter()
+            self.kept_backward, self.seen_backward, self.widest = list(backward), Counter(backward_seen), False
             if kept and not self._keep(kept):
                 self.kept = list(kept)
 

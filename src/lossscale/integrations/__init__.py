@@ -1,20 +1,21 @@
 """lossscale inside training frameworks: a few lines each, imported only when used.
 
-* :mod:`lossscale.integrations.accelerate`: ``attach(accelerator)`` (HF accelerate).
-* :mod:`lossscale.integrations.transformers`: ``attach(trainer)`` (HF transformers ``Trainer``).
-* :mod:`lossscale.integrations.lightning`: ``MixedPrecision()`` (``lightning.Trainer``) and
-  ``FabricMixedPrecision()`` (``lightning.Fabric``) precision plugins.
-* :mod:`lossscale.integrations.loggers`: ``log_tensorboard(writer, scaler, step)``.
-* :mod:`lossscale.integrations.deepspeed`: ``attach(engine)`` (a ``DeepSpeedEngine``, torch_autocast or
-  classic fp16, ZeRO-0 to 3) and ``log_health(engine)``.
-* :mod:`lossscale.integrations.megatron`: ``GradScaler(...)``, a Megatron-core ``MegatronGradScaler``,
-  and ``attach(optimizer)``.
+- `lossscale.integrations.accelerate`: `attach(accelerator)` (Hugging Face accelerate).
+- `lossscale.integrations.transformers`: `attach(trainer)` (the Hugging Face transformers `Trainer`).
+- `lossscale.integrations.lightning`: the `MixedPrecision()` (`lightning.Trainer`) and
+  `FabricMixedPrecision()` (`lightning.Fabric`) precision plugins.
+- `lossscale.integrations.deepspeed`: `attach(engine)` (a `DeepSpeedEngine`, torch_autocast or classic
+  fp16, ZeRO-0 to 3) and `log_health(engine)`.
+- `lossscale.integrations.megatron`: `GradScaler(...)`, a Megatron-core `MegatronGradScaler`, and
+  `attach(optimizer)`.
+- `lossscale.integrations.loggers`: `log_tensorboard(writer, scaler, step)`.
 
 Importing this package, or any of its modules, imports no framework: each framework is imported by
-the function or class that needs it. See docs/integrations.md for what each integration changes in
-its framework's behaviour and the versions tested. A framework that is not installed is named
-with the extra that installs it.
+the function or class that needs it. A framework that is not installed is named with the extra that
+installs it (`pip install "lossscale[integrations]"`). What each integration changes in its framework,
+and the versions tested: the how-to guides and the Compatibility page of the documentation.
 """
+
 
 import importlib
 

@@ -3,7 +3,7 @@
 DeepSpeed's classic fp16 optimizers and Megatron-core's optimizers unscale, check for inf/NaN and
 skip on their own, then hand the decision to their loss scaler as one host bool
 (``update_scale(overflow)``, ``update(found_inf)``); they already synced to get it. What lossscale
-adds there is the rule and the account, not the gradient pass: :class:`HostPolicy` keeps a pure
+adds there is the rule and the account, not the gradient pass: ``HostPolicy`` keeps a pure
 policy's state (``lossscale.DynamicPolicy`` and friends: ``policy.update(state, found_inf, ...)``),
 feeds every update to the run-health account (``lossscale.health.Health``), reacts to a stuck run
 with the policy's ``on_stuck`` and ``lossscale.diagnose``'s text, and skips a step whose loss was
@@ -26,7 +26,7 @@ class HostPolicy:
 
     Args:
         policy: a lossscale policy object (``lossscale.DynamicPolicy(...)``, ``StaticPolicy``, ...).
-        loss_check: keep a flag per :meth:`check_loss` call and, on an overflow step whose loss was
+        loss_check: keep a flag per ``check_loss`` call and, on an overflow step whose loss was
             non-finite before scaling, skip without backing off (``bad_loss``). False: every overflow
             is the scale's (torch's and the frameworks' behaviour).
     """
@@ -93,7 +93,7 @@ class HostPolicy:
         self._bad_loss, self._warned_streak = None, False
 
     def health(self):
-        """The run's health account (:class:`lossscale.HealthReport`). No sync."""
+        """The run's health account (``lossscale.HealthReport``). No sync."""
         return self._health.report(self.policy, self.state, self.scale_before)
 
     def counters(self) -> Dict[str, int]:
@@ -103,7 +103,7 @@ class HostPolicy:
                 "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
 
     def metrics(self) -> Dict[str, Any]:
-        """``loss_scale``, the :meth:`counters` and ``last_step_skipped``: numbers for any logger. No sync."""
+        """``loss_scale``, the ``counters`` and ``last_step_skipped``: numbers for any logger. No sync."""
         return {"loss_scale": self.state.scale, **self.counters(), "last_step_skipped": self.state.overflow_streak > 0}
 
     def state_dict(self) -> Dict[str, Any]:
@@ -113,7 +113,7 @@ class HostPolicy:
         return checkpoint.to_dict(self.policy, self.state)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load :meth:`state_dict`'s format (a ``lossscale.GradScaler``'s or torch's too); ValueError
+        """Load ``state_dict``'s format (a ``lossscale.GradScaler``'s or torch's too); ValueError
         naming the key when it does not validate. The checkpoint's policy wins, as in GradScaler."""
         from .. import checkpoint
 

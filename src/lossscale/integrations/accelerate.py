@@ -1,35 +1,33 @@
-"""HF accelerate: ``attach(accelerator)`` puts a ``lossscale.GradScaler`` where accelerate keeps its scaler.
+"""Hugging Face accelerate: `attach(accelerator)` puts a `lossscale.GradScaler` where accelerate keeps its scaler.
 
-::
+```python
+accelerator = Accelerator(mixed_precision="fp16")
+scaler = lossscale.integrations.accelerate.attach(accelerator)        # before prepare()
+model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+# the loop is unchanged: accelerator.backward(loss), accelerator.clip_grad_norm_(...),
+# optimizer.step(), scheduler.step()
+lossscale.integrations.accelerate.log_health(accelerator)            # after the loop
+```
 
-    accelerator = Accelerator(mixed_precision="fp16")
-    scaler = lossscale.integrations.accelerate.attach(accelerator)        # before prepare()
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    # the loop is unchanged: accelerator.backward(loss), accelerator.clip_grad_norm_(...),
-    # optimizer.step(), scheduler.step()
+What it changes in accelerate (1.x):
 
-What it changes in accelerate (1.x; line numbers are accelerate 1.16.0's):
+- FP16 autocast and loss scaling on CPU too: accelerate enables them only off CPU.
+- `accelerator.optimizer_step_was_skipped` (and so accelerate's prepared schedulers and the
+  transformers Trainer's scheduler) is True exactly on the steps the scaler skipped, fused optimizers
+  included: accelerate infers a skip from whether the inner `optimizer.step()` ran, and a fused
+  optimizer always runs and skips inside its kernel. Reading the flag costs one host sync per step for
+  fused optimizers (none otherwise).
+- `accelerator.load_state` leaves the scaler exactly as saved: torch's distributed-checkpoint loader
+  makes an optimizer's state with a dummy `optimizer.step()`, which through a prepared optimizer
+  would run `scaler.step` and `scaler.update` and move the scale just restored; while `load_state`
+  runs, a prepared optimizer's step is the plain optimizer's.
 
-* FP16 autocast and loss scaling on CPU too: accelerate enables them only off CPU
-  (accelerator.py:536-548).
-* ``accelerator.optimizer_step_was_skipped`` (and so accelerate's wrapped schedulers and the HF
-  Trainer's scheduler) is True exactly on the steps the scaler skipped, fused optimizers included:
-  accelerate infers a skip from whether the inner ``optimizer.step()`` ran (optimizer.py:176-179), and
-  a fused optimizer always runs and skips inside its kernel (accelerate issue #4242). Reading the
-  flag costs one host sync per step for fused optimizers (none otherwise), paid once.
-* ``accelerator.load_state`` leaves the scaler exactly as saved. Torch's distributed-checkpoint
-  loader makes an optimizer's state with a dummy ``optimizer.step()`` on zero gradients
-  (torch/distributed/checkpoint/state_dict.py, ``_init_optim_state``); accelerate up to 1.15 handed it
-  the prepared optimizer, whose step runs ``scaler.step`` + ``scaler.update`` and so moved the scale
-  it had just restored (accelerate issue #4289: 1024 became 2048). While ``load_state`` runs, a step
-  of a prepared optimizer is the plain optimizer's, as accelerate 1.16 does itself (PR #4290/#4291).
+At the end of training, `log_health(accelerator)` prints the scaler's health account on the main
+process and logs its numbers to the accelerator's trackers.
 
-At the end of training, ``log_health(accelerator)`` prints the scaler's run-health account
-(``scaler.health()``: which skips were the scale calibrating, which were bad batches, whether
-training is healthy now) on the main process and logs its numbers to the accelerator's trackers.
-
-Tested with accelerate 1.16.0 (and 1.3.0, the range's oldest, by benchmarks/compat.py) on CPU; see docs/integrations.md.
+Tested with accelerate 1.16.0, and 1.3.0 (the oldest release the extra allows), on CPU.
 """
+
 
 from __future__ import annotations
 
@@ -54,7 +52,7 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
     do not advance then, and ``save_state``/``load_state`` carry the scaler's complete state.
 
     With accelerate's DeepSpeed plugin the engine scales the loss, and it exists only once ``prepare``
-    built it: ``attach`` then returns an :class:`EngineScaler`, which becomes the scaler
+    built it: ``attach`` then returns an ``EngineScaler``, which becomes the scaler
     ``lossscale.integrations.deepspeed.attach`` installs in the engine when ``prepare`` returns (called
     after ``prepare``, it attaches at once). The loop is unchanged.
 
@@ -116,7 +114,7 @@ def attach(accelerator, scaler=None, **scaler_kwargs):
 
 
 class EngineScaler:
-    """What :func:`attach` returns on a DeepSpeed accelerator: the loss scaler
+    """What ``attach`` returns on a DeepSpeed accelerator: the loss scaler
     ``lossscale.integrations.deepspeed.attach`` installs in the engine once ``accelerator.prepare(...)``
     has built it (a ``lossscale.GradScaler`` in torch_autocast mode; a
     ``lossscale.integrations.deepspeed.LossScaler`` in classic fp16 mode, accelerate's default for
@@ -176,7 +174,7 @@ def log_health(accelerator, step=None):
     Prints its paragraph on the main process (``accelerator.print``) and logs its numbers, prefixed
     ``scaler/health/``, to the accelerator's trackers (``accelerator.log``, at ``step`` when given;
     nothing when there are none). One host sync (two with telemetry on). Call it on every process,
-    after the training loop, on an accelerator that :func:`attach` prepared.
+    after the training loop, on an accelerator that ``attach`` prepared.
     """
     _require("accelerate")
     from accelerate import Accelerator
@@ -194,7 +192,7 @@ def log_health(accelerator, step=None):
 
 
 def _training_scaler(accelerator):
-    """The lossscale scaler ``accelerator`` trains with, or None: the one :func:`attach` installed, or
+    """The lossscale scaler ``accelerator`` trains with, or None: the one ``attach`` installed, or
     under DeepSpeed the one in the engine, once ``prepare()`` built it."""
     handle = accelerator.__dict__.get(_ENGINE_SCALER)
     if handle is not None:
@@ -203,7 +201,7 @@ def _training_scaler(accelerator):
 
 
 def _attached(accelerator, scaler, scaler_kwargs):
-    """The scaler an earlier :func:`attach` installed on ``accelerator`` (None: none did), if this call
+    """The scaler an earlier ``attach`` installed on ``accelerator`` (None: none did), if this call
     asks for nothing else; a ValueError if it asks for another scaler."""
     if not getattr(accelerator.prepare_optimizer, "_lossscale", False):
         return None

@@ -1,59 +1,51 @@
-"""DeepSpeed: ``attach(engine)`` puts lossscale where a ``DeepSpeedEngine`` keeps its loss scale.
+"""DeepSpeed: `attach(engine)` puts lossscale where a `DeepSpeedEngine` keeps its loss scale.
 
-::
+```python
+engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+scaler = lossscale.integrations.deepspeed.attach(engine)     # right after initialize()
+# the loop is unchanged: loss = engine(batch); engine.backward(loss); engine.step()
+# engine.save_checkpoint(dir) / engine.load_checkpoint(dir) carry the scaler's state
+lossscale.integrations.deepspeed.log_health(engine)          # after the loop
+```
 
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    scaler = lossscale.integrations.deepspeed.attach(engine)     # right after initialize()
-    # the loop is unchanged: loss = engine(batch); engine.backward(loss); engine.step()
-    # engine.save_checkpoint(dir) / engine.load_checkpoint(dir) carry the scaler's state
-    lossscale.integrations.deepspeed.log_health(engine)          # after the loop
+DeepSpeed has two fp16 modes, and both work, with ZeRO stages 0 to 3:
 
-DeepSpeed has two fp16 modes, and both work (line numbers are deepspeed 0.19.8's):
+- `"torch_autocast": {"enabled": true, "dtype": "torch.float16"}`: the engine builds a
+  `torch.amp.GradScaler`; `attach` replaces it with a `lossscale.GradScaler` and returns it. Two
+  DeepSpeed gaps are closed on the way: ZeRO-1/2/3 check the gradients themselves and return before
+  their scaler's `step`/`update` on an overflow, so a stock scaler never backs off (here the overflow
+  reaches the scaler); ZeRO-0 decides a skipped step from `optimizer.overflow`, which a torch optimizer
+  lacks (here the optimizer reports the scaler's decision: one host sync per step for a fused
+  optimizer, none otherwise).
+- `"fp16": {"enabled": true, ...}` (classic): DeepSpeed keeps the scale itself; `attach` replaces it
+  with a `LossScaler` and returns that.
 
-* ``"torch_autocast": {"enabled": true, "dtype": "torch.float16"}``: the engine builds a stock
-  ``torch.amp.GradScaler``, ``engine.torch_autocast_z0_gradscaler`` without ZeRO (engine.py:668-672)
-  or ``optimizer.torch_autocast_gradscaler`` with ZeRO-1/2/3 (zero/stage_1_and_2.py:608-612,
-  zero/stage3.py:469-473). ``attach`` replaces it with a ``lossscale.GradScaler`` and returns it.
-  Two DeepSpeed gaps are closed on the way:
+``LossScaler(policy, loss_check=True)``
+: Built on first access (it subclasses DeepSpeed's `LossScalerBase`; importing this module must not
+  import DeepSpeed); `attach(engine)` builds it from the engine's fp16 config
+  (`LossScaler.from_engine(engine, **overrides)`: `initial_scale_power`, `loss_scale_window`,
+  `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`, or `loss_scale` for a static scale;
+  `overrides` are `lossscale.DynamicPolicy` fields and `loss_check`). Its arithmetic is DeepSpeed's
+  `DynamicLossScaler`'s, bitwise, including DeepSpeed's growth timing (the first growth after the
+  start or an overflow takes `loss_scale_window + 1` clean steps), plus the loss check, the health
+  account (`health()`, `counters()`, `metrics()`, `get_scale()`, `state()`, `last_step_skipped`) and,
+  where DeepSpeed raised "Current loss scale already at minimum", a diagnosis (`on_stuck="raise"` by
+  default). `cur_scale` (what DeepSpeed logs as the loss scale) is the scale the gradients in flight
+  carry; `get_scale()` is the policy's scale now.
 
-  - ZeRO-1/2/3 check the gradients for inf/NaN themselves and return before their scaler's
-    ``step``/``update`` on an overflow (stage_1_and_2.py:3046-3064, stage3.py:2823-2832): a stock
-    scaler never sees an overflow and never backs off, so a scale that is too large skips every
-    step forever. The overflow reaches the lossscale scaler (through ``optimizer.loss_scaler``,
-    which DeepSpeed calls on that path), which backs off as its policy says.
-  - ZeRO-0 decides a skipped step from ``optimizer.overflow`` (engine.py:3535-3551), which a torch
-    optimizer does not have: ``engine.skipped_steps`` stayed 0 and the LR scheduler stepped on
-    skipped steps. The optimizer now reports the scaler's decision (one host sync per step for a
-    fused optimizer, none otherwise).
+In classic mode two DeepSpeed bugs are fixed: DeepSpeed updates the scale before it unscales, so on a
+growth step the gradients were divided by twice the scale backward used (here they are divided by the
+scale they carry); and without ZeRO `engine.backward` did not scale the loss for the FP16 optimizers,
+whose `step` still divided the gradients by the scale (here the engine scales the loss). DeepSpeed's
+ZeRO-0 optimizers also ignore `hysteresis`; lossscale follows the config.
 
-* ``"fp16": {"enabled": true, ...}`` (classic): DeepSpeed keeps the scale itself, in
-  ``optimizer.loss_scaler`` (a ``DynamicLossScaler``) with ZeRO-1/2/3 and inside ``FP16_Optimizer``
-  / ``FP16_UnfusedOptimizer`` without ZeRO. ``attach`` replaces it with a :class:`LossScaler`, a
-  ``LossScalerBase`` backed by ``lossscale.DynamicPolicy`` with the config's numbers, and returns
-  that. It is DeepSpeed's ``DynamicLossScaler`` arithmetic, bitwise (hysteresis and
-  ``consecutive_hysteresis`` included; a test runs both over random fault sequences), plus the loss
-  check, the health account and a diagnosis where DeepSpeed raised "Current loss scale already at
-  minimum". And it fixes two DeepSpeed bugs:
+Checkpoints: DeepSpeed does not save a torch_autocast scaler (a resumed run restarts at 2**16).
+`attach` adds the scaler's `state_dict()` to the checkpoint's `client_state` under
+`"lossscale_scaler"` in `engine.save_checkpoint` and loads it back in `engine.load_checkpoint`
+(removing it from the client state returned), in every mode and stage.
 
-  - the double division of DeepSpeed PR #8588: DeepSpeed updates the scale before it unscales
-    (fused_optimizer.py:337-344, unfused_optimizer.py:227-228, stage_1_and_2.py:3046-3133), so on a
-    growth step the gradients are divided by twice the scale backward used. :class:`LossScaler`
-    keeps the scale the gradients carry until the next backward.
-  - without ZeRO, ``engine.backward`` does not scale the loss at all for ``FP16_Optimizer`` /
-    ``FP16_UnfusedOptimizer`` (engine.py:3417-3420 scales for ZeRO optimizers and the torch_autocast
-    scaler only), and their ``step`` then divides the true gradients by the scale: the optimizer
-    steps with ``grad / scale``. With lossscale the engine scales the loss (through the
-    ``torch_autocast_z0_gradscaler`` hook it already has), so the optimizer steps with ``grad``.
-    DeepSpeed's ZeRO-0 optimizers also ignore ``hysteresis``; lossscale follows the config.
-
-Checkpoints: DeepSpeed does not save a torch_autocast scaler at all (a resumed run restarts at
-2**16), and keeps classic ZeRO-1/2/3 scalers by pickling the object into the optimizer states
-(stage_1_and_2.py:3370, 3668). ``attach`` adds the scaler's ``state_dict()`` to the checkpoint's
-``client_state`` under ``"lossscale_scaler"`` in ``engine.save_checkpoint`` and loads it back in
-``engine.load_checkpoint`` (removing it from the client state returned), in every mode and stage.
-
-Tested with deepspeed 0.19.8 on CPU (``DS_ACCELERATOR=cpu``, one rank on gloo); see
-docs/integrations.md.
+Tested with deepspeed 0.19.8 on CPU (`DS_ACCELERATOR=cpu`, one rank on gloo), and classic fp16 with
+0.19.6 too (the release OpenRLHF pins; ZeRO torch_autocast needs 0.19.8, see `ZERO_AUTOCAST_MIN`).
 """
 
 from __future__ import annotations
@@ -77,7 +69,7 @@ def attach(engine, scaler=None, **scaler_kwargs):
     Call it right after ``deepspeed.initialize(...)``, before training. In ``torch_autocast`` mode it
     installs a ``lossscale.GradScaler`` (``scaler``, or one built from ``scaler_kwargs``: GradScaler's
     keywords, the device defaulting to DeepSpeed's accelerator) and returns it. In classic ``fp16``
-    mode it installs and returns a :class:`LossScaler` whose numbers are the config's
+    mode it installs and returns a ``LossScaler`` whose numbers are the config's
     (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``,
     ``min_loss_scale``, or ``loss_scale`` for a static scale); ``scaler_kwargs`` are
     ``lossscale.DynamicPolicy`` fields that override them (``on_stuck="warn"``, ...) and
@@ -194,7 +186,7 @@ class _GroupSteps:
     and on a growth step the later groups are unscaled by twice the scale their gradients carry
     (measured here: the scale grew after 2 clean steps of 3). Here each group is one more optimizer of
     the iteration, as in torch's several-optimizers recipe, all unscaled by the scale backward used;
-    ``update()`` waits for ZeRO's ``step()`` to return (:meth:`finish`). Other attributes (``scale``,
+    ``update()`` waits for ZeRO's ``step()`` to return (``finish``). Other attributes (``scale``,
     ``get_scale``, ...) are the scaler's."""
 
     def __init__(self, scaler):
@@ -217,7 +209,7 @@ class _GroupSteps:
         return self.scaler.step(self._views[k], *args, **kwargs)
 
     def update(self):
-        """Nothing yet: ZeRO calls it after each group; :meth:`finish` updates once, after the last."""
+        """Nothing yet: ZeRO calls it after each group; ``finish`` updates once, after the last."""
 
     def finish(self) -> bool:
         """End the iteration (``scaler.update()``) if ZeRO stepped any group (not after an overflow:
@@ -396,7 +388,7 @@ def _loss_scaler_class():
         ``cur_scale`` (and ``loss_scale``) is the scale of the gradients in flight: what the last
         ``scale_loss`` multiplied by. ``update_scale(overflow)`` advances the policy; its new scale
         applies from the next ``scale_loss``, so an unscale after the update divides by the scale
-        backward used (DeepSpeed PR #8588). ``scaler.get_scale()`` is the policy's scale now.
+        backward used. ``scaler.get_scale()`` is the policy's scale now.
 
         Build it with ``attach(engine)``, or ``LossScaler(policy)``.
         """
@@ -506,7 +498,7 @@ def _loss_scaler_class():
             return {"lossscale": self._host.state_dict(), "window_pending": self._window_pending}
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-            """Load :meth:`state_dict`'s format, or a ``lossscale.GradScaler``'s. ValueError naming the key."""
+            """Load ``state_dict``'s format, or a ``lossscale.GradScaler``'s. ValueError naming the key."""
             if not isinstance(state_dict, dict):
                 raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}.")
             inner = state_dict.get("lossscale", state_dict)

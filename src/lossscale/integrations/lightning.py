@@ -1,40 +1,47 @@
-"""Lightning: FP16 precision plugins with a ``lossscale.GradScaler``, for ``Trainer`` and ``Fabric``.
+"""Lightning: FP16 precision plugins with a `lossscale.GradScaler`, for `Trainer` and `Fabric`.
 
-::
+```python
+from lossscale.integrations.lightning import MixedPrecision, FabricMixedPrecision
+trainer = lightning.Trainer(plugins=[MixedPrecision()])        # no precision= argument
+fabric = lightning.Fabric(plugins=[FabricMixedPrecision()])
+```
 
-    from lossscale.integrations.lightning import MixedPrecision, FabricMixedPrecision
-    trainer = lightning.Trainer(plugins=[MixedPrecision()])        # no precision= argument
-    fabric = lightning.Fabric(plugins=[FabricMixedPrecision()])
+Both classes are built on first access (they subclass Lightning's own `MixedPrecision` plugins, and
+importing this module must not import Lightning):
 
-They are Lightning's own ``MixedPrecision`` plugins (lightning 2.x; line numbers are lightning
-2.6.6's) with ``precision="16-mixed"`` and a lossscale scaler, plus:
+``MixedPrecision(scaler=None, device=None, *, precision="16-mixed", **scaler_kwargs)``
+: The `lightning.Trainer` plugin. `scaler`: a `lossscale.GradScaler`, or None to build one from
+  `scaler_kwargs` (`GradScaler` arguments). `device`: the autocast device type; None: "cuda" if
+  available, else "cpu". `precision`: "16-mixed" only (the plugin is FP16); anything else raises
+  `ValueError` saying what to use instead. Given to `Fabric`, it raises `RuntimeError`.
 
-* FP16 autocast on CPU too: ``Trainer(accelerator="cpu", precision="16-mixed")`` silently becomes
-  bf16 without a scaler (pytorch/trainer/connectors/accelerator_connector.py:478-483). ``device``
-  defaults to "cuda" when CUDA is available, else "cpu"; a loss on another device type raises
-  (autocast on the wrong device type is a silent no-op).
-* ``Trainer``: LR schedulers with ``interval="step"`` do not advance on skipped steps. Lightning
-  steps them after every optimizer step (pytorch/loops/training_epoch_loop.py:484-486;
-  Lightning-AI/pytorch-lightning#5558 was closed as "won't fix"); the plugin makes them
-  :func:`lossscale.schedulers.skip_aware` (one host sync per step for fused optimizers, none
-  otherwise). Epoch-interval schedulers step as before.
-* ``Trainer``: ``scaler.metrics()`` go to the module's loggers (``scaler/...``) at the Trainer's
-  logging steps only (``log_every_n_steps``), so reading them costs one sync per logged step.
-* ``Trainer``: at the end of fit (the plugin's ``teardown``, pytorch/trainer/trainer.py:1085, before
-  the loggers are finalized), ``scaler.health()``: its numbers to the loggers (``scaler/health/...``)
-  and its paragraph to Lightning's console log (``rank_zero_info`` when healthy, ``rank_zero_warn``
-  otherwise).
-* Checkpoints: the plugin's state is the scaler's ``state_dict()``, saved under the key
-  "MixedPrecision" as Lightning's own plugin does; either plugin loads the other's checkpoints.
-  With Fabric, put the scaler in the state you save: ``fabric.save(path, {..., "scaler": plugin.scaler})``.
+``FabricMixedPrecision(scaler=None, device=None, *, precision="16-mixed", **scaler_kwargs)``
+: The `lightning.Fabric` plugin, with the same arguments. `plugin.scaler` is its scaler.
 
-Fabric steps no schedulers itself: wrap yours with ``lossscale.schedulers.skip_aware(scheduler,
-plugin.scaler)``, log ``plugin.scaler.metrics()`` with ``fabric.log_dict``, and at the end
-``fabric.print(plugin.scaler.health())``.
+What they change in Lightning (2.x):
 
-The classes are built on first access, so importing this module does not import Lightning.
-Tested with lightning 2.6.6 on CPU; see docs/integrations.md.
+- FP16 autocast on CPU too: `Trainer(accelerator="cpu", precision="16-mixed")` silently becomes bf16
+  without a scaler. A loss on another device type than the plugin's raises (autocast on the wrong
+  device type does nothing).
+- `Trainer`: LR schedulers with `interval="step"` do not advance on skipped steps. Lightning steps
+  them after every optimizer step; before the first step the plugin makes them
+  `lossscale.schedulers.skip_aware` (one host sync per step for fused optimizers, none otherwise).
+  Epoch-interval schedulers step as before.
+- `Trainer`: `scaler.metrics()` go to the module's loggers (`scaler/...`) at the Trainer's logging steps
+  only (`log_every_n_steps`), so reading them costs one sync per logged step.
+- `Trainer`: at the end of fit, `scaler.health()`: its numbers to the loggers (`scaler/health/...`) and
+  its paragraph to Lightning's console log (info when healthy, a warning otherwise).
+- Checkpoints: the plugin's state is the scaler's `state_dict()`, saved under the key
+  "MixedPrecision" as Lightning's own plugin does; either plugin loads the other's checkpoints. With
+  Fabric, put the scaler in the state you save: `fabric.save(path, {..., "scaler": plugin.scaler})`.
+
+Fabric steps no schedulers itself: wrap yours with `lossscale.schedulers.skip_aware(scheduler,
+plugin.scaler)`, log `plugin.scaler.metrics()` with `fabric.log_dict`, and at the end
+`fabric.print(plugin.scaler.health())`.
+
+Tested with lightning 2.6.6, and 2.4.0 (the oldest release the extra allows), on CPU.
 """
+
 
 from __future__ import annotations
 
@@ -147,7 +154,7 @@ def _trainer_plugin():
         Interval-"step" LR schedulers do not advance on skipped steps, the scaler's metrics go to
         the module's loggers at logging steps, and its health account is logged at the end of fit.
         Given to ``Fabric``, it raises ``RuntimeError``: use ``FabricMixedPrecision`` there. See
-        :mod:`lossscale.integrations.lightning`.
+        ``lossscale.integrations.lightning``.
         """
 
         def __init__(self, scaler=None, device=None, *, precision: str = _FP16, **scaler_kwargs: Any) -> None:
@@ -208,7 +215,7 @@ def _fabric_plugin():
             **scaler_kwargs: ``lossscale.GradScaler`` arguments, only when ``scaler`` is None.
 
         Wrap LR schedulers with ``lossscale.schedulers.skip_aware(scheduler, plugin.scaler)``; save
-        ``plugin.scaler`` in ``fabric.save`` states. See :mod:`lossscale.integrations.lightning`.
+        ``plugin.scaler`` in ``fabric.save`` states. See ``lossscale.integrations.lightning``.
         """
 
         def __init__(self, scaler=None, device=None, *, precision: str = _FP16, **scaler_kwargs: Any) -> None:

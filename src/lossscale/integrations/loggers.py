@@ -1,15 +1,16 @@
-"""Scaler metrics into loggers: TensorBoard in one call; anything dict-shaped takes ``metrics()`` as is.
+"""Scaler metrics into loggers: TensorBoard in one call; anything dict-shaped takes `metrics()` as is.
 
-::
+```python
+writer = torch.utils.tensorboard.SummaryWriter("runs/exp")
+lossscale.integrations.loggers.log_tensorboard(writer, scaler, step)   # every logging step
+wandb.log(scaler.metrics(), step=step)                                 # W&B, MLflow, ...: a flat dict
+```
 
-    writer = torch.utils.tensorboard.SummaryWriter("runs/exp")
-    lossscale.integrations.loggers.log_tensorboard(writer, scaler, step)   # every logging step
-    wandb.log(scaler.metrics(), step=step)                                 # W&B, MLflow, ...: a flat dict
-
-``scaler.metrics()`` holds numbers only (int, float, bool); text such as what the gradient figures
-measured is in ``scaler.metric_labels()``. Reading the metrics syncs host and device once, so log
-them every N steps, not every step.
+`scaler.metrics()` holds numbers only (int, float, bool); text such as what the gradient figures
+measured is in `scaler.metric_labels()`. Reading the metrics syncs host and device once, so log them
+every N steps, not every step.
 """
+
 
 from __future__ import annotations
 

@@ -1,43 +1,51 @@
-"""Megatron-core: ``GradScaler``, a ``MegatronGradScaler`` backed by a lossscale policy.
+"""Megatron-core: `GradScaler`, a `MegatronGradScaler` backed by a lossscale policy.
 
-Megatron-core's fp16 optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``,
-``ChainedOptimizer``; NeMo, verl-megatron and slime build on them) take a grad scaler with
-``scale``, ``inv_scale``, ``update(found_inf)``, ``state_dict`` and ``load_state_dict``
-(megatron/core/optimizer/grad_scaler.py). They unscale and check the gradients themselves and call
-``update(found_inf)`` with a host bool (optimizer.py:519-553). This one is a drop-in for its
-``DynamicGradScaler``::
+Megatron-core's fp16 optimizers (`Float16OptimizerWithFloat16Params`, `DistributedOptimizer`,
+`ChainedOptimizer`; NeMo, verl's Megatron backend and slime build on them) take a grad scaler with
+`scale`, `inv_scale`, `update(found_inf)`, `state_dict` and `load_state_dict`. They unscale and check
+the gradients themselves and call `update(found_inf)` with a host bool. This one is a drop-in for
+their `DynamicGradScaler`:
 
-    from lossscale.integrations import megatron as ls_megatron
+```python
+from lossscale.integrations import megatron as ls_megatron
 
-    optimizer = get_megatron_optimizer(config, model_chunks)          # fp16=True
-    scaler = ls_megatron.attach(optimizer)                             # or GradScaler(...) by hand
-    model_config.grad_scale_func = scaler.scale_loss                   # optional: the loss check
-    ...
-    ls_megatron.log_health(optimizer)                                  # after training
+optimizer = get_megatron_optimizer(config, model_chunks)          # fp16=True
+scaler = ls_megatron.attach(optimizer)                             # or GradScaler(...) by hand
+model_config.grad_scale_func = scaler.scale_loss                   # optional: the loss check
+...
+ls_megatron.log_health(optimizer)                                  # after training
+```
 
-Configured the same, it is bitwise Megatron's ``DynamicGradScaler``: the same float32 scale after
-every update, hysteresis included (``lossscale.DynamicPolicy`` with ``hysteresis=H`` and
-``consecutive_hysteresis=False`` is Megatron's rule; a test drives both with random fault
-sequences). What it adds:
+``GradScaler(initial_scale=2**32, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, hysteresis=2, *, policy=None, device=None, loss_check=True, on_stuck="warn", max_consecutive_skips=None)``
+: Built on first access (it subclasses Megatron-core's `MegatronGradScaler`, and importing this module
+  must not import Megatron). The six numbers are `DynamicGradScaler`'s, in its order, with the defaults
+  of Megatron-core's `OptimizerConfig`. `policy`: a lossscale policy object instead of the six numbers
+  (`lossscale.DynamicPolicy(..., consecutive_hysteresis=True)`, `lossscale.StaticPolicy(scale=...)`).
+  `device`: where `scale` lives (Megatron: "cuda"); default CUDA when available, else CPU.
+  `loss_check`: skip a step whose loss was non-finite before scaling without backing off, where the
+  loss goes through `scale_loss`. `on_stuck`, `max_consecutive_skips`: as in `lossscale.DynamicPolicy`.
+  Besides Megatron's interface it has `scale_loss(loss)`, `update(found_inf, found_nan=None)`,
+  `health()`, `counters()`, `metrics()` and `get_scale()`.
 
-* the health account (``scaler.health()``: which skips were the scale calibrating, which were bad
-  batches, whether training is healthy now) and ``scaler.counters()``;
-* inf told from NaN: :func:`attach` lets the scaler look at the optimizer's main gradients on an
-  overflow step (one pass, on overflow steps only), or pass ``update(found_inf, found_nan=...)``;
-* a bad-loss skip: with ``grad_scale_func = scaler.scale_loss`` (Megatron's pipeline schedules
-  scale the loss through it, pipeline_parallel/schedules.py:477) a loss that was already inf/NaN
-  before scaling skips the step without backing the scale off (the data, not the scale);
-* a diagnosis (``lossscale.diagnose``) when an overflow comes at ``min_scale``, per ``on_stuck``,
-  where Megatron would halve on forever at the floor without a word.
+Configured the same, it is bitwise Megatron's `DynamicGradScaler`: the same float32 scale after every
+update, hysteresis included. What it adds:
 
-``state_dict()`` is Megatron's three keys (``scale`` a 1-element tensor, ``growth_tracker``,
-``hysteresis_tracker``) plus lossscale's complete state under ``"lossscale"``; ``load_state_dict``
-takes either (a Megatron checkpoint continues exactly as Megatron's scaler would).
+- the health account (`scaler.health()`) and `scaler.counters()`;
+- inf told from NaN: `attach` lets the scaler look at the optimizer's main gradients on an overflow
+  step (one pass, on overflow steps only), or pass `update(found_inf, found_nan=...)`;
+- a bad-loss skip: with `grad_scale_func = scaler.scale_loss` (Megatron's pipeline schedules scale the
+  loss through it) a loss already inf/NaN before scaling skips the step without backing the scale off;
+- a diagnosis (`lossscale.diagnose`) when an overflow comes at `min_scale`, per `on_stuck`, where
+  Megatron halves on at the floor without a word.
 
-Megatron-core's own classes put their tensors on ``device='cuda'`` (grad_scaler.py:15, 88-94), so
-they do not run on CPU; this one takes ``device=`` (default: CUDA when available, else CPU). Tested
-with megatron-core 0.16.1 on CPU; see docs/integrations.md.
+`state_dict()` is Megatron's three keys (`scale` a 1-element tensor, `growth_tracker`,
+`hysteresis_tracker`) plus lossscale's complete state under `"lossscale"`; `load_state_dict` takes
+either (a Megatron checkpoint continues exactly as Megatron's scaler would).
+
+Tested with megatron-core 0.16.1 and 0.16.0 on CPU (Megatron's own classes put their tensors on CUDA;
+the tests run them on CPU through a test-only function mode).
 """
+
 
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ _KEY = "lossscale"
 
 
 def _require_megatron() -> None:
-    """:func:`lossscale.integrations._require` for megatron-core, whose pip name is not its import name."""
+    """``lossscale.integrations._require`` for megatron-core, whose pip name is not its import name."""
     try:
         _require("megatron")
     except ModuleNotFoundError as error:
@@ -85,7 +93,7 @@ def _build_class():
                 ``lossscale.StaticPolicy(scale=...)``); then none of them may be given.
             device: where ``scale`` lives (Megatron: "cuda"); default CUDA when available, else CPU.
             loss_check: skip a step whose loss was non-finite before scaling without backing off,
-                where the loss goes through :meth:`scale_loss`.
+                where the loss goes through ``scale_loss``.
             on_stuck, max_consecutive_skips: as in ``lossscale.DynamicPolicy`` ("warn" by default:
                 a diagnosis when an overflow comes at ``min_scale``; "raise" stops training).
         """
@@ -125,7 +133,7 @@ def _build_class():
         def update(self, found_inf: bool, found_nan=None) -> None:
             """One iteration: ``found_inf`` as Megatron's optimizer passes it (optimizer.py:553).
             ``found_nan``: whether NaN was among the non-finite gradients; None: look at the main
-            gradients of the optimizers :func:`attach` linked (on overflow steps only), else inf.
+            gradients of the optimizers ``attach`` linked (on overflow steps only), else inf.
             One host-to-device copy of the scale when it moves."""
             found_inf = bool(found_inf)
             if found_nan is None:
@@ -183,7 +191,7 @@ def _build_class():
                     "hysteresis_tracker": int(getattr(s, "hysteresis_tracker", 1)), _KEY: self._host.state_dict()}
 
         def load_state_dict(self, state_dict: Dict) -> None:
-            """Load :meth:`state_dict`'s, Megatron's ``DynamicGradScaler``'s or a ``lossscale.GradScaler``'s
+            """Load ``state_dict``'s, Megatron's ``DynamicGradScaler``'s or a ``lossscale.GradScaler``'s
             state dict. Megatron's continues as Megatron would: its scale and trackers (a spent hysteresis,
             <= 0 in Megatron, is 1 here: the next overflow backs off), this scaler's counters at zero."""
             if not isinstance(state_dict, dict):
@@ -230,7 +238,7 @@ def _from_megatron(policy, sd: Dict) -> tuple:
 
 
 def attach(optimizer, scaler=None, **scaler_kwargs):
-    """Give a Megatron-core fp16 optimizer a lossscale :class:`GradScaler`; returns the scaler.
+    """Give a Megatron-core fp16 optimizer a lossscale ``GradScaler``; returns the scaler.
 
     ``optimizer`` is what ``get_megatron_optimizer`` returns: a ``MixedPrecisionOptimizer``
     (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``) or a ``ChainedOptimizer`` of
@@ -267,7 +275,7 @@ def attach(optimizer, scaler=None, **scaler_kwargs):
 
 
 def _from_holder(cls, old, constant_cls, dynamic_cls, kwargs):
-    """A :class:`GradScaler` with the numbers and the state of Megatron's ``old`` scaler."""
+    """A ``GradScaler`` with the numbers and the state of Megatron's ``old`` scaler."""
     from ..static import StaticPolicy
 
     device = kwargs.pop("device", old.scale.device)
@@ -292,7 +300,7 @@ def _from_holder(cls, old, constant_cls, dynamic_cls, kwargs):
 def log_health(optimizer_or_scaler, logger=None):
     """Report the run's health after training; returns the ``lossscale.HealthReport``.
 
-    Takes the optimizer :func:`attach` prepared (or the scaler). Logs the paragraph on the
+    Takes the optimizer ``attach`` prepared (or the scaler). Logs the paragraph on the
     ``lossscale`` logger (or ``logger``): INFO when healthy, WARNING otherwise. No sync.
     """
     import logging

@@ -1,29 +1,29 @@
-"""HF transformers: ``attach(trainer)`` gives a ``Trainer`` a ``lossscale.GradScaler``.
+"""Hugging Face transformers: `attach(trainer)` gives a `Trainer` a `lossscale.GradScaler`.
 
-::
+```python
+args = TrainingArguments(..., fp16=True)              # use_cpu=True works too
+trainer = Trainer(model=model, args=args, train_dataset=ds)
+scaler = lossscale.integrations.transformers.attach(trainer)
+trainer.train()
+```
 
-    args = TrainingArguments(..., fp16=True)              # use_cpu=True works too
-    trainer = Trainer(model=model, args=args, train_dataset=ds)
-    scaler = lossscale.integrations.transformers.attach(trainer)
-    trainer.train()
+The Trainer runs on accelerate: this is `lossscale.integrations.accelerate.attach` on
+`trainer.accelerator` (FP16 on CPU too; skipped steps reported exactly, fused optimizers included, so
+the Trainer's `if not accelerator.optimizer_step_was_skipped: lr_scheduler.step()` holds the LR on
+skipped steps), plus a callback. The callback adds `scaler.metrics()` (prefixed `scaler/`) to the
+Trainer's training logs: `trainer.state.log_history` and every `report_to` logger. At the end of
+training it adds the scaler's health account (`scaler.health().metrics()`, prefixed `scaler/health/`)
+to the Trainer's final training log (the one with `train_runtime`, which `train()` returns) and writes
+its paragraph to the Trainer's logger `transformers.trainer` (INFO when healthy, WARNING otherwise).
+The Trainer's checkpoints save and restore the scaler (`scaler.pt`, loaded with `weights_only=True`).
 
-The Trainer runs on accelerate: this is :func:`lossscale.integrations.accelerate.attach` on
-``trainer.accelerator`` (FP16 on CPU too, skipped steps reported exactly, fused optimizers
-included, so the Trainer's ``if not accelerator.optimizer_step_was_skipped: lr_scheduler.step()``
-(trainer.py:1949, transformers 5.24.0) holds the LR on skipped steps), plus a callback that adds
-``scaler.metrics()`` (prefixed ``scaler/``) to the Trainer's training logs: ``trainer.state.log_history``
-and every ``report_to`` logger. At the end of training it adds the scaler's run-health account
-(``scaler.health().metrics()``, prefixed ``scaler/``) to the Trainer's final training log (the one
-with ``train_runtime``, trainer.py:2022), and writes its paragraph to the Trainer's own logger
-(``transformers.trainer``: INFO when healthy, WARNING otherwise). The Trainer's checkpoints already
-save and restore the scaler (``scaler.pt``, trainer.py:3605 and 4023, loaded with ``weights_only=True``).
+With `TrainingArguments(deepspeed=...)` the scaler is accelerate's `EngineScaler`: `train()` builds the
+DeepSpeed engine and installs the scaler there, before the Trainer loads a DeepSpeed checkpoint; the
+engine's checkpoints carry it.
 
-With ``TrainingArguments(deepspeed=...)`` the scaler is accelerate's ``EngineScaler``: ``train()``'s
-``accelerator.prepare(...)`` builds the DeepSpeed engine and installs it there (before the Trainer
-loads a DeepSpeed checkpoint), and the engine's checkpoints carry it.
-
-Tested with transformers 5.24.0 (accelerate 1.16.0) on CPU; see docs/integrations.md.
+Tested with transformers 5.24.0 (accelerate 1.16.0) on CPU.
 """
+
 
 from __future__ import annotations
 
@@ -46,10 +46,10 @@ def attach(trainer, scaler=None, **scaler_kwargs):
     final log, its paragraph in the Trainer's logger); checkpoints and ``resume_from_checkpoint``
     restore the scaler. With ``TrainingArguments(deepspeed=...)`` it returns an ``EngineScaler`` that
     ``train()`` points at the scaler installed in the DeepSpeed engine
-    (:func:`lossscale.integrations.accelerate.attach`).
+    (``lossscale.integrations.accelerate.attach``).
 
     Called again on the same Trainer, it returns the same scaler (a different scaler or scaler
-    keywords then raise ``ValueError``, as in :func:`lossscale.integrations.accelerate.attach`).
+    keywords then raise ``ValueError``, as in ``lossscale.integrations.accelerate.attach``).
 
     Args:
         trainer: a ``transformers.Trainer`` whose ``args.fp16`` is True.

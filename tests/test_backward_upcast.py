@@ -1,0 +1,156 @@
+"""``GradScaler(trace=True, on_backward_overflow="upcast")``: a module whose backward overflows FP16 at the
+scale's floor is kept in FP32, widened to its enclosing module when that does not end it.
+
+The evidence is benchmarks/bench_backward_overflow.py's model (built from its Config): one block whose
+backward overflows FP16 at any scale >= 1 while its forward stays finite, trained with AdamW under CPU
+FP16 autocast. Without the option the default floor holds the scale at 1 and no step is taken.
+"""
+
+import copy
+import importlib.util
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+import lossscale
+from lossscale.fp32 import kept_modules
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 24
+
+
+def _bench():
+    path = os.path.join(HERE, "..", "benchmarks", "bench_backward_overflow.py")
+    spec = importlib.util.spec_from_file_location("bench_backward_overflow", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+CFG = bench.Config(steps=STEPS)
+
+
+def _iteration(model, opt, scaler, step):
+    x, y = bench.data(CFG, step)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(bench.loss_of(model, x, y, fp16=True)).backward()
+    scaler.step(opt)
+    scaler.update()
+    return not scaler.last_step_skipped
+
+
+def test_stuck_without_it_trains_after_it():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stuck warning of the default run
+        stuck = bench.train(CFG, "lossscale")
+    assert not any(not s for s in stuck["skipped"]) and stuck["scale"][-1] == 1.0  # stuck at the floor
+
+    model = bench.Model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr)
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")
+    taken, reports = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            taken.append(_iteration(model, opt, scaler, step))
+            reports.append(scaler.overflow_report())
+    messages = [str(w.message) for w in caught if w.category is UserWarning]
+    # The first skip at the floor is reported stuck (on_stuck="warn", once) before the rule has its
+    # second naming; the trace's line in it names the module.
+    stuck = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(stuck) == 1 and "the backward of `block.up` overflowed fp16 at scale 2^0" in stuck[0]
+    # 2**16 backs off to the floor 1 in 16 skips; named at the floor twice -> block.up kept in FP32;
+    # named again (its FP32 backward casts the gradient back to FP16 at its edge) -> the block; trains.
+    assert taken == [False] * 19 + [True] * (STEPS - 19)
+    assert "the backward of `block.up` overflowed FP16 at the scale's floor on 2 steps" in messages[0]
+    assert "its enclosing module `block` now runs in FP32" in messages[1] and len(messages) == 2
+    assert [r["backward"] for r in reports[16:19]] == ["block.up"] * 3 and reports[16]["upcast"] is None
+    assert reports[17]["upcast"] == "block.up" and reports[18]["upcast"] == "block"
+    assert "now runs in FP32 (on_backward_overflow='upcast')" in reports[18]["cause"]
+    assert kept_modules(model) == ["block", "block.up"]
+    health = scaler.health()
+    assert health.upcast_modules == ("block.up", "block") and health.backward_upcasts == ("block.up", "block")
+    assert health.upcasts == 2 and scaler.counters()["upcasts"] == 2
+    assert "after their backward overflowed FP16 at the scale's floor (on_backward_overflow='upcast'): " \
+           "block.up, block." in health.text and "forward overflows" not in health.text
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    # Kept in the checkpoint: a fresh model and scaler loading it keep the block in FP32 and train at once.
+    state = scaler.state_dict()
+    assert state["upcast_backward"] == ["block.up", "block"] and state["upcast_backward_seen"] == {"block.up": 2}
+    fresh = bench.Model(CFG)
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=CFG.lr)
+    fresh_opt.load_state_dict(opt.state_dict())
+    resumed = lossscale.GradScaler(model=fresh, trace=True, on_backward_overflow="upcast")
+    resumed.load_state_dict(state)
+    assert kept_modules(fresh) == ["block", "block.up"] and resumed.health().backward_upcasts == ("block.up", "block")
+    assert _iteration(fresh, fresh_opt, resumed, STEPS)
+    scaler.close()
+    resumed.close()
+
+
+def test_no_floor_no_backward_upcast():
+    # min_scale=None backs off as torch's does: below 1, where this block fits; nothing is kept.
+    model = bench.Model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr)
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast", min_scale=None)
+    taken = [_iteration(model, opt, scaler, step) for step in range(STEPS)]
+    assert kept_modules(model) == [] and scaler.get_scale() < 1 and any(taken)
+    assert taken == [not s for s in bench.train(CFG, "torch")["skipped"]]  # step for step torch's
+    scaler.close()
+
+
+def test_a_top_level_module_that_still_overflows_says_to_lower_the_floor():
+    # The block itself at the top: kept, named again, nothing encloses it but the model.
+    cfg = CFG
+    model = bench.Block(cfg)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(cfg.d, cfg.d_out)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast", upcast_after=1,
+                                  init_scale=1.0)
+    x = torch.randn(cfg.batch, cfg.d) * 4
+    caught = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = head(model(x.half()))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            scaler.scale(out.float().pow(2).sum() * 64).backward()
+            scaler.step(opt)
+            scaler.update()
+        caught += [str(m.message) for m in w]
+    assert kept_modules(model) == ["up"]
+    assert sum("no enclosing module is left" in m and "min_scale=2**-8" in m for m in caught) == 1
+    scaler.close()
+
+
+def test_the_option_is_validated():
+    model = bench.Model(CFG)
+    with pytest.raises(ValueError, match="on_backward_overflow='upcast' needs trace=True"):
+        lossscale.GradScaler(model=model, on_backward_overflow="upcast")
+    with pytest.raises(ValueError, match="on_backward_overflow='fp32' must be one of"):
+        lossscale.GradScaler(model=model, trace=True, on_backward_overflow="fp32")
+    with pytest.raises(ValueError, match="upcast_after=3 applies only"):
+        lossscale.GradScaler(upcast_after=3)
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")
+    bad = {"upcast_modules": ["block"], "upcast_seen": {}, "upcast_backward": ["block.up"],
+            "upcast_backward_seen": {}}
+    base = scaler.state_dict()
+    with pytest.raises(ValueError, match="must be among 'upcast_modules'"):
+        scaler.load_state_dict({**base, **bad})
+    assert kept_modules(model) == []  # validated before anything changed
+    assert copy.deepcopy(scaler)._upcast.backward  # a copy keeps the rule
+    scaler.close()
+
+
+def test_off_by_default_nothing_is_held():
+    assert lossscale.GradScaler()._upcast is None
+    assert lossscale.GradScaler(model=bench.Model(CFG), trace=True)._upcast is None
