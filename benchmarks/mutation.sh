@@ -8,7 +8,9 @@
 # fresh folder ($MUTATION_DIR, default /tmp/lossscale-mutation), this checkout's setup.cfg (the
 # [mutmut] section: which modules, which tests) is laid over it, and mutmut runs there with one
 # worker. mutmut itself lives in its own virtual environment ($MUTATION_VENV), made on first use
-# on top of the project's environment (torch, pytest, hypothesis).
+# on top of the project's environment: the `python` on PATH, so activate the project's venv first
+# (torch, pytest, hypothesis; `python -m venv --system-site-packages` would see the interpreter's
+# own site-packages, not that venv's, so a .pth file names the venv's instead).
 set -euo pipefail
 
 main() {  # one function, read whole before it runs: editing this file mid-run cannot derail it
@@ -18,7 +20,9 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     work="${MUTATION_DIR:-/tmp/lossscale-mutation}"
     venv="${MUTATION_VENV:-/tmp/lossscale-mutmut-venv}"
     if ! "$venv/bin/mutmut" --version 2>/dev/null | grep -q "$version"; then
-        python -m venv --system-site-packages "$venv"
+        python -m venv "$venv"
+        python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+            > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-env.pth"
         "$venv/bin/pip" install -q "mutmut==$version"
     fi
     case "$work" in "$repo"|"$repo"/*) echo "MUTATION_DIR must lie outside the checkout" >&2; exit 2;; esac

@@ -1,7 +1,8 @@
 """The structure's promises: a torch-free policy core, one code path on every device (the snapshots
 that feed the stuck check run on CPU as on CUDA), in-place state, a fused step and update that trace
-without a graph break, and a core a newcomer can follow (issue 30: its size, one iteration's calls,
-the opt-in features loaded only when used)."""
+without a graph break, no import cycle, and the opt-in features loaded only when used. Sizes (lines,
+functions per iteration) are measured and reported (``benchmarks/count_iteration.py``,
+docs/architecture.md), never gated on: a budget shapes the code to the count."""
 
 import math
 import subprocess
@@ -315,99 +316,25 @@ def test_no_import_cycle_anywhere_the_demo_included():
     assert not cycles, cycles[:5]
 
 
-# ------------------------------------------------------------------ a core a newcomer can read (issue 30)
-#: The core: the scaler, the gradient check, the state, the checkpoints, the default policies and their
-#: helpers. The optional policies (adaptive, LogMax) are counted apart.
-CORE = ("scaler", "_check", "_state", "checkpoint", "policy", "dynamic", "static", "hysteresis", "_validate",
-        "_keywords", "_names", "_hints")
-OPTIONAL_POLICIES = ("adaptive", "logmax")
-
-
-def _source(name: str) -> str:
-    import importlib
-    import inspect
-
-    return inspect.getsource(importlib.import_module(f"lossscale.{name}"))
-
-
-def _lines(name: str) -> int:
-    return len(_source(name).splitlines())
-
-
-def _code_lines(name: str) -> int:
-    """Lines of code: without docstrings, comments and blank lines."""
-    import ast
-
-    source = _source(name)
-    docs = set()
-    for node in ast.walk(ast.parse(source)):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
-                isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
-            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
-    return sum(1 for i, line in enumerate(source.splitlines(), 1)
-               if line.strip() and not line.strip().startswith("#") and i not in docs)
-
-
-def test_the_core_is_at_most_2000_lines_of_code():
-    """Issue 30's measure, as lines of code, every policy included (1,997 on 2026-12-03, with issue 31's
-    compatibility surface; 1,972 with issue 33's spike and micro-batch wiring, once the opt-in features
-    shared one account, lossscale._features). The physical lines (docstrings, comments and blank lines
-    too) are held where they stand, 3,478 that day (3,465 after): above the issue's 2,000, which a core
-    with its pseudocode, argument docs and why-comments does not meet (docs/architecture.md)."""
-    modules = CORE + OPTIONAL_POLICIES
-    assert sum(_code_lines(m) for m in modules) <= 2000, {m: _code_lines(m) for m in modules}
-    assert sum(_lines(m) for m in modules) <= 3500, {m: _lines(m) for m in modules}
-
-
+# ------------------------------------------------------------------ structure, not size
 def test_the_scaler_is_one_class_without_mixins():
     assert lossscale.GradScaler.__mro__ == (lossscale.GradScaler, object)
 
 
-def _iteration_calls(kind: str):
-    """The lossscale functions one warm iteration of the default ``GradScaler()`` runs, traced with
-    ``sys.setprofile``: ``{(file, function)}``, lambdas and generator expressions included. Warm: the 60th iteration (past the first calls' bf16
-    hint and the health account's calibration stretch, 50 clean steps at the defaults)."""
+def test_no_test_instrument_lives_in_the_package():
+    # A launch or sync counter, a profiler hook, a stand-in device: tests/ and benchmarks/, never what a
+    # user imports.
     import os
 
     root = os.path.dirname(lossscale.__file__)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    opt = (torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if kind == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
-    scaler = lossscale.GradScaler()
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-
-    def iteration():
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    for _ in range(59):
-        iteration()
-    calls = set()
-
-    def profile(frame, event, arg):
-        # Comprehensions are not counted: Python 3.12 inlines them (PEP 709), 3.11 runs each as a frame.
-        if event == "call" and frame.f_code.co_filename.startswith(root) and not frame.f_code.co_name.endswith("comp>"):
-            calls.add((os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name))
-
-    sys.setprofile(profile)
-    try:
-        iteration()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
-@pytest.mark.parametrize("kind", ["sgd", "fused_adamw"])
-def test_one_iteration_runs_at_most_30_functions_in_6_files(kind):
-    calls = _iteration_calls(kind)
-    files = {f for f, _ in calls}
-    assert len(calls) <= 30 and len(files) <= 6, sorted(calls)
+    found = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(dirpath, f), encoding="utf-8").read()
+                found += [(f, word) for word in ("TorchDispatchMode", "_python_dispatch", "setprofile", "settrace",
+                                                 "count_host_syncs", "count_device_work") if word in text]
+    assert not found, found
 
 
 def test_the_opt_in_features_load_when_first_used():

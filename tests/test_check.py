@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lossscale import GradScaler, _check
-from lossscale.scaler import _combined
+from lossscale._check import combine, found_inf
 
 CPU = torch.device("cpu")
 KERNELS = [_check._amax_aminmax, _check._amax_foreach_norm]
@@ -17,14 +17,26 @@ KERNELS = [_check._amax_aminmax, _check._amax_foreach_norm]
 
 def test_flags_of_several_checks_combine_to_one_not_a_sum():
     # The flag contract: 0.0 or 1.0 whatever is combined; torch's fused kernels skip only on found_inf == 1.0.
-    def flags(inf, nan=False, bad=False, amax=None):
-        return _check.Flags(torch.tensor(float(inf)), torch.tensor(nan), torch.tensor(bad),
-                            None if amax is None else torch.tensor(amax))
+    def flags(inf, nan=False, bad=False, amax=None, spike=None):
+        return _check.Flags(torch.tensor(bool(inf)), torch.tensor(nan), torch.tensor(bad),
+                            None if spike is None else torch.tensor(spike), None if amax is None else torch.tensor(amax))
 
-    f = _combined([flags(1, True), flags(1), flags(0, amax=3.0), flags(0, amax=5.0)], CPU)
-    assert (f.found_inf.item(), f.found_nan.item(), f.bad_loss.item(), f.amax.item()) == (1.0, True, False, 5.0)
-    f = _combined([flags(0), flags(0, bad=True)], CPU)
-    assert (f.found_inf.item(), f.found_nan.item(), f.bad_loss.item(), f.amax) == (0.0, False, True, None)
+    f = combine([flags(1, True), flags(1), flags(0, amax=3.0), flags(0, amax=5.0)], CPU)
+    assert (found_inf(f).item(), f.nan.item(), f.bad_loss.item(), f.amax.item()) == (1.0, True, False, 5.0)
+    f = combine([flags(0), flags(0, bad=True)], CPU)
+    assert (found_inf(f).item(), f.overflow.item(), f.bad_loss.item(), f.amax) == (1.0, False, True, None)
+    f = combine([flags(0, spike=True), flags(0, spike=True)], CPU)
+    assert (found_inf(f).item(), f.overflow.item(), f.spike.item()) == (1.0, False, True)
+    assert found_inf(f).dtype == torch.float32
+
+
+def test_a_finite_spike_skips_without_being_an_overflow():
+    # One notion of a skip, with its reason: a spike skips the step, and it is no overflow for the scale.
+    check = _check.GradientCheck(lambda p: None, None)
+    no = torch.tensor(False)
+    flags = check.flags(no, no, no, spike=torch.tensor(True), sync=True)
+    assert flags.skipped is True and flags.skip.item() and not flags.overflow.item()
+    assert found_inf(flags).item() == 1.0  # what a fused optimizer reads: it skips
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
@@ -54,9 +66,10 @@ def test_the_read_only_pass_gives_max_abs_per_tensor_nan_and_negative_inf_includ
 ], ids=["clean, near float32's max", "inf", "nan", "bad loss", "bad loss and nan"])
 def test_the_flags_from_the_worst_value_and_the_loss_check(worst, bad_loss, expected):
     check = _check.GradientCheck(lambda p: None, None)
-    flags = check.flags_of(torch.tensor(worst), torch.tensor(bad_loss), None, True, [], [])
-    assert (flags.found_inf.item(), flags.found_nan.item()) == expected
-    assert flags.found_inf.dtype == torch.float32 and flags.skipped == bool(expected[0])
+    worst = torch.tensor(worst)
+    flags = check.flags(~torch.isfinite(worst), torch.isnan(worst), torch.tensor(bad_loss), sync=True)
+    assert (found_inf(flags).item(), flags.nan.item()) == expected
+    assert found_inf(flags).dtype == torch.float32 and flags.skipped == bool(expected[0])
 
 
 def test_the_accelerator_kernel_launches_a_constant_number_of_ops():

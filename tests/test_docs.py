@@ -66,7 +66,8 @@ def test_readme_keeps_the_two_setup_commands_and_ci_runs_the_test_one():
     assert _blocks(checkout, "bash")[0].splitlines() == SETUP
     # CI runs that very line (quietly) in a venv it has just made, so it tests what a fresh machine gets.
     ci = _read(".ci/run").splitlines()
-    line = ci.index(SETUP[1].replace("pip install", "pip install -q", 1))
+    # In a subshell, so that a failed install stops CI (`set -e` ignores the first command of an && list).
+    line = ci.index("(" + SETUP[1].replace("pip install", "pip install -q", 1) + ")")
     made = next(i for i, c in enumerate(ci) if c.startswith('python -m venv "$work/test-env"'))
     assert ci[made + 1 : line] == ['source "$work/test-env/bin/activate"']
 

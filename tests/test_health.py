@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import lossscale
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
-from lossscale.health import SETTLE, Health, HealthReport, settle_steps
+from lossscale.health import SETTLE, Health, HealthReport
 from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from test_stuck import _model  # Linear, Tanh, Blowup (factor=inf: a non-finite forward), Linear
 
@@ -113,7 +113,7 @@ def test_calibration_ends_after_a_clean_stretch_and_later_overflows_are_steady()
     # growth_interval=10: the stretch is 10 clean steps. Grown to 2**11 the scale overflows right away:
     # the dynamic policy probing upward, one overflow per growth, each right after it.
     policy = DynamicPolicy(growth_interval=10)
-    assert settle_steps(policy) == 10
+    assert policy.settle_steps() == 10
     s, r, _ = script(policy, above(2.0**10), 100)
     assert r.calibration == 6  # 2**16 .. 2**11
     assert r.overflow == r.overflow_after_growth > 0
@@ -210,7 +210,7 @@ def test_adaptive_calibration_is_the_search_then_a_clean_stretch():
     # Gradients of amax 2**-2: at 2**20 the first step overflows, the policy searches down 16 binades
     # at once, measures the amax, jumps to its target (2**12), and trains.
     policy = AdaptivePolicy(init_scale=2.0**20, growth_interval=20)
-    assert settle_steps(policy) == 20
+    assert policy.settle_steps() == 20
     rule, amax = above(2.0**17), lambda scale: scale * 2.0**-2
     s, r, _ = script(policy, rule, 100, amax=amax)
     assert s.calibrated and s.scale == 2.0**12
@@ -227,7 +227,7 @@ def test_adaptive_calibration_is_the_search_then_a_clean_stretch():
 
 def test_logmax_settles_after_SETTLE_steps():
     policy = LogMaxPolicy()
-    assert settle_steps(policy) == SETTLE
+    assert policy.settle_steps() == SETTLE
     _, r, _ = script(policy, at([3, SETTLE + 30]), SETTLE + 40, amax=lambda scale: scale * 2.0**-20)
     assert kinds(r) == {"calibration": 1, "overflow": 1}
 

@@ -36,7 +36,7 @@ def _scheduler(kind):
 
 
 def _run(scaler_kind, fused, schedule="warmup", steps=range(STEPS), inject=(K,), save=None, load=None,
-         count_syncs=False, register=None, load_as_fsdp2=False):
+         count_syncs=False, register=None, lazy_init=False):
     """One accelerate training script; ``scaler_kind`` "lossscale" (attach) or "torch" (torch's
     GradScaler installed by hand, as accelerate would on CUDA: the reference where it works)."""
     AcceleratorState._reset_state(True)
@@ -54,17 +54,17 @@ def _run(scaler_kind, fused, schedule="warmup", steps=range(STEPS), inject=(K,),
     model, opt, sched = accelerator.prepare(model, opt, sched)
     if register is not None:
         accelerator.register_for_checkpointing(register(accelerator))
-    loaded_state = None
+    loaded_state = lazy = None
     if load is not None:
-        with pytest.MonkeyPatch.context() as patch:
-            if load_as_fsdp2:  # accelerate 1.15 took a separate scaler branch in load_state for FSDP2
-                patch.setattr(Accelerator, "is_fsdp2", property(lambda self: True), raising=False)  # absent before 1.x
-            accelerator.load_state(load)
+        accelerator.load_state(load)
+        if lazy_init:  # what accelerate up to 1.15.0 did after loading the scaler on FSDP2
+            scaler._lazy_init_scale_growth_tracker(scaler._device)
+            lazy = (scaler._scale.clone(), scaler._growth_tracker.clone())
         loaded_state = scaler.state_dict()
     probe = DtypeProbe(model[0])
     InfAt(model[2].weight, inject, start=steps[0])
     out = dict(scales=[], skipped=[], lrs=[], norms=[], syncs=[], scaler=scaler, accelerator=accelerator,
-               opt=opt, make_scheduler=make_scheduler, loaded_state=loaded_state)
+               opt=opt, make_scheduler=make_scheduler, loaded_state=loaded_state, lazy=lazy)
     for step in steps:
         x, y = batch(step)
         logits = model(x)
@@ -174,17 +174,34 @@ class DummyStepOnLoad:
         _init_optim_state(fresh)  # zero grads, lr 0, fresh.step(): through the scaler, if it lets it
 
 
-@pytest.mark.parametrize("fake_fsdp2", [False, True], ids=["plain", "fsdp2-faked"])
-def test_load_state_restores_the_saved_scaler_bitwise_and_training_continues(tmp_path, fake_fsdp2):
+def test_load_state_restores_the_saved_scaler_bitwise_and_training_continues(tmp_path):
     # Save at step 12, after the skip at 9 (scale halved, tracker restarted), resume in a fresh
-    # accelerator. fsdp2-faked: the accelerator reports FSDP2 while load_state runs (accelerate 1.15
-    # took its own scaler branch there; nothing else in load_state reads is_fsdp2).
+    # accelerator. accelerate 1.16 loads the scaler the same way on every distributed type, FSDP2's
+    # included: load_state (accelerator.py:3768-3811) hands self.scaler to load_accelerator_state, which
+    # calls scaler.load_state_dict(torch.load("scaler.pt")) (checkpointing.py:276-279) and nothing else.
     whole = _run("lossscale", fused=False, save=(12, tmp_path / "ckpt"))
-    resumed = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "ckpt",
-                   load_as_fsdp2=fake_fsdp2)
+    resumed = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "ckpt")
     assert resumed["loaded_state"] == whole["saved_state"]  # every key and value: scale, trackers, counters
     assert resumed["scales"] == whole["scales"][13:]
     assert all_equal(resumed["params"], whole["params"])
+
+
+def test_lazy_init_after_load_state_starts_the_loaded_state_as_torchs_does(tmp_path):
+    # accelerate up to 1.15.0 (FSDP2 load_state, accelerator.py:3867-3873 of 1.15.0), like torch's own
+    # graphed-optimizer tests, loads a state into a fresh scaler and then calls
+    # scaler._lazy_init_scale_growth_tracker(scaler._device), so the state exists on the device before the
+    # first scale(). Here after accelerate 1.16's load_state, for lossscale and for torch's GradScaler.
+    for kind in ("lossscale", "torch"):
+        _run(kind, fused=False, save=(12, tmp_path / kind))
+    ours = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "lossscale", lazy_init=True)
+    ref = _run("torch", fused=False, steps=range(13, STEPS), load=tmp_path / "torch", lazy_init=True)
+    # The loaded scale and growth tracker, on the device, as tensors of torch's dtypes and values.
+    for a, b in zip(ours["lazy"], ref["lazy"]):
+        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    assert ours["lazy"][0].item() == ours["loaded_state"]["scale"] < INIT_SCALE  # the loaded scale, not the initial one
+    assert ours["lazy"][1].item() == ref["loaded_state"]["_growth_tracker"] > 0
+    assert ours["scales"] == ref["scales"]
+    assert all_equal(ours["params"], ref["params"])
 
 
 def test_a_checkpoint_loaders_dummy_step_leaves_the_loaded_scaler_alone(tmp_path):

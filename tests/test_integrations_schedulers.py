@@ -244,3 +244,29 @@ def test_public_integration_names_have_docstrings():
             for attr, member in vars(obj).items() if isinstance(obj, type) else ():
                 if not attr.startswith("_") and callable(member):
                     assert member.__doc__, f"{module.__name__}.{name}.{attr} has no docstring"
+
+
+def test_a_deep_copy_follows_the_live_scaler():
+    # A deep copy used to carry a frozen copy of the scaler, which never saw a later skip: the copy's
+    # last_epoch advanced on a step the live scaler skipped.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = lossscale.GradScaler("cpu", init_scale=INIT_SCALE, **TORCH_LIKE)
+    sched = skip_aware(lrs.StepLR(opt, 1, gamma=0.5), scaler)
+    clone = copy.deepcopy(sched)
+    assert type(clone)._lossscale_scaler is scaler and clone.optimizer is not opt
+    InfAt(model[2].weight, (0,))
+    epochs = []
+    for step in range(2):  # step 0 skipped (inf gradient), step 1 taken
+        x, y = batch(step)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        clone.step()
+        epochs.append((scaler.last_step_skipped, sched.last_epoch, clone.last_epoch))
+    assert epochs == [(True, 0, 0), (False, 1, 1)]
+    # Copied together, the scheduler's copy follows the scaler's copy.
+    scaler2, sched2 = copy.deepcopy((scaler, sched))
+    assert type(sched2)._lossscale_scaler is scaler2 and scaler2 is not scaler

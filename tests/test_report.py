@@ -427,3 +427,41 @@ def test_a_layer_named_like_mathtext_is_drawn_as_written(tmp_path):
     _write_lines(path, [schema.dumps_record(r) for r in recs])
     render_run_report(str(path), str(tmp_path / "out"))
     assert (tmp_path / "out" / "layers_act.png").exists()
+
+
+_HUGE = 10**399  # a 400-digit JSON integer: valid JSON, beyond every float and int64
+
+
+@pytest.mark.parametrize("field, line", [
+    ("loss_scale", '{"step": 5, "loss_scale": %d}' % _HUGE),
+    ("step", '{"step": %d, "loss_scale": 1024}' % _HUGE),
+    ("grad/amax", '{"step": 5, "loss_scale": 1024, "grad/amax": %d}' % _HUGE),
+    ("skipped_steps", '{"step": 5, "loss_scale": 1024, "skipped_steps": %d}' % _HUGE),
+    ("act/", '{"step": 5, "loss_scale": 1024, "act/\\ud800/flushed_frac": 0.1}'),  # a lone surrogate
+    ("'model'", '{"meta": {"model": "\\ud800"}}'),
+])
+def test_a_huge_integer_or_a_lone_surrogate_is_one_bad_line_naming_the_field(tmp_path, capsys, field, line):
+    # Before: an OverflowError traceback (the integers) or one from matplotlib (the surrogate).
+    main = cli.main
+    path = tmp_path / "run.jsonl"
+    good = [schema.dumps_record(r) for r in _records(5)]
+    _write_lines(path, good + [line])
+    assert main(["report", str(path), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"line {len(good) + 1}: " in err and field in err
+    # Alone in its file, it is the one-line error that refuses the file (exit status 2).
+    _write_lines(path, [line])
+    assert main(["report", str(path), "--out", str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 1: " in err and field in err
+    with pytest.raises(ValueError, match=f"run.jsonl:1: .*{re.escape(field)}"):
+        schema.read_jsonl(str(path), strict=True)
+
+
+def test_an_integer_beyond_the_digits_python_reads_is_one_bad_line(tmp_path):
+    path = tmp_path / "run.jsonl"
+    good = [schema.dumps_record(r) for r in _records(5)]
+    _write_lines(path, good + ['{"step": 5, "loss_scale": 1%s}' % ("0" * 5000)])
+    with pytest.warns(UserWarning, match=rf"line {len(good) + 1}: not readable as JSON \(Exceeds the limit"):
+        tel = schema.read_jsonl(str(path))
+    assert len(tel.step) == 5

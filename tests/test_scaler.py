@@ -475,7 +475,7 @@ def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
 @pytest.mark.filterwarnings("ignore:lossscale. .* consecutive skipped:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:lossscale. backoff_factor=0.7 is not a power of two:UserWarning")
 def test_the_device_rules_agree_with_the_host_rule_on_a_cuda_device(policy_kwargs, device):
-    """The agreement above on a CUDA device (a GPU when there is one; the stand-in always), where the
+    """The agreement above on a CUDA device (only where there is one: skipped on CPU, tests/README.md), where the
     flags are one matrix product and the rules run on the device's kernels: the read-only check's
     ``mv``, float64 constants, a float32 inverse of a power-of-two scale, bool flags. Kills on a GPU:
     a kernel that rounds or flushes where the CPU does not."""

@@ -20,15 +20,26 @@ from lossscale._state import Snapshot, TensorState
 CPU = torch.device("cpu")
 
 
-def test_field_kind_for_a_new_state_type():
-    """Kills: ``Optional[float]`` and the other field types mapped to the wrong device dtype."""
-    from lossscale.policy import field_kind
-    fields = dataclasses.fields(dataclasses.make_dataclass(
-        "S", [("a", "float"), ("b", "Optional[float]"), ("c", "int"), ("d", "bool"),
-              ("e", "float", dataclasses.field(default=0.0, metadata={"dtype": "f64"}))]))
-    assert [field_kind(f) for f in fields] == ["f32", "f32", "i64", "i64", "f64"]
-    with pytest.raises(TypeError, match="no device form"):
-        field_kind(dataclasses.fields(dataclasses.make_dataclass("T", [("x", "str")]))[0])
+def test_field_kind_is_what_each_field_declares_never_its_annotation():
+    """Kills: a kind read from the annotation (``float | None`` would break it) or a default kind for a
+    field that declares none."""
+    from lossscale.policy import BOOL, F32, F64, I32, I64, SIGNED, field_kind, host_type
+
+    fields = dataclasses.fields(dataclasses.make_dataclass("S", [
+        (name, "float | None", dataclasses.field(default=0, metadata=meta))
+        for name, meta in zip("abcdef", (F32, F64, I64, I32, BOOL, SIGNED))]))
+    assert [field_kind(f) for f in fields] == ["f32", "f64", "i64", "i32", "bool", "i64"]
+    assert [host_type(f) for f in fields] == [float, float, int, int, bool, int]
+    with pytest.raises(TypeError, match="declares no device form"):
+        field_kind(dataclasses.fields(dataclasses.make_dataclass("T", [("x", "float")]))[0])
+
+
+def test_every_state_field_of_every_policy_declares_its_device_form():
+    from lossscale.policy import field_kind, registered
+
+    for cls in registered():
+        for f in dataclasses.fields(cls.state_type):
+            field_kind(f)  # TypeError naming the field otherwise
 
 
 def test_each_field_is_a_tensor_of_its_dtype_and_torch_names_are_the_state():

@@ -15,10 +15,10 @@ import importlib
 
 from . import formats
 from .adaptive import AdaptivePolicy, AdaptiveState
-from .dynamic import DynamicPolicy, DynamicState
-from .logmax import LogMaxPolicy, LogMaxState
 from .diagnosis import diagnose
+from .dynamic import DynamicPolicy, DynamicState
 from .health import HealthReport
+from .logmax import LogMaxPolicy, LogMaxState
 from .policy import Policy, ScaleState, is_power_of_two
 from .static import StaticPolicy, StaticState
 

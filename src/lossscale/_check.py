@@ -30,7 +30,17 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
-__all__ = ["Gathered", "Flags", "GradientCheck", "largest_magnitudes", "inverse", "clip_scaled_", "validate_clip"]
+__all__ = [
+    "Gathered",
+    "Flags",
+    "found_inf",
+    "combine",
+    "GradientCheck",
+    "largest_magnitudes",
+    "inverse",
+    "clip_scaled_",
+    "validate_clip",
+]
 
 Groups = Dict[torch.device, Dict[torch.dtype, List[torch.Tensor]]]
 
@@ -113,29 +123,81 @@ class Gathered:
 
 @dataclass
 class Flags:
-    """What one optimizer's check learned, on the scale's device, reduced across ranks.
+    """Why one optimizer's step is skipped, if it is: what its check learned, on the state's device and
+    reduced across ranks. Each reason is a bool 0-dim tensor (0 or 1: combined with ``|``, reduced with
+    a MAX); several may hold at once.
 
     Attributes:
-        found_inf: float32 0-dim, 1.0 when a gradient was inf or NaN or the loss was non-finite
-            before scaling (the step is skipped), else 0.0: what a fused optimizer reads.
-        found_nan: bool 0-dim, a gradient held NaN (False on a clean step of the check+unscale kernel).
-        bad_loss: bool 0-dim, the loss (or a traced forward output) was non-finite before scaling.
+        overflow: a gradient was inf or NaN: the scale's business (the policy backs off).
+        nan: a gradient held NaN. The synced path learns it after its readout, on overflow steps only
+            (:meth:`GradientCheck.nan_pass`); until then it is False.
+        bad_loss: a loss (or a traced forward output) was non-finite before scaling, or every
+            micro-batch was dropped (``bad_microbatch``): skipped, the scale kept.
+        spike: ``skip_if`` judged the finite step a spike: skipped, the scale kept. None without it.
         amax: max|g| of the scaled gradients (float32 0-dim) for a measuring policy, else None.
-        skipped: the skip decision as a host bool where the check read it, else None (on device).
-        spike: with ``skip_if``, ``(spike, overflow, learn)``: the spike flag (folded into ``found_inf``),
-            the overflow alone (what the policy answers), and ``(windows, norm, loss)`` for ``update()``.
+        skipped: the skip decision read on the host (the one readout: where the check read it, else on
+            the first :meth:`was_skipped`), None until read.
         params, amax_vectors: the parameters and their max|g| (NaN/inf where one held it), in the
             same order, for ``overflow_report``; empty where not measured.
+        skip: derived, never given: ``overflow | bad_loss | spike``, THE device flag of the decision.
+            torch's ``found_inf`` is ``skip`` as float32 (:func:`found_inf`), made where a torch
+            kernel or API needs it.
     """
 
-    found_inf: torch.Tensor
-    found_nan: torch.Tensor
+    overflow: torch.Tensor
+    nan: torch.Tensor
     bad_loss: torch.Tensor
+    spike: Optional[torch.Tensor] = None
     amax: Optional[torch.Tensor] = None
     skipped: Optional[bool] = None
     params: List[torch.Tensor] = field(default_factory=list)
     amax_vectors: List[torch.Tensor] = field(default_factory=list)
-    spike: Optional[Any] = None  # skip_if: (spike flag, the overflow alone, what update() learns from)
+    skip: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        skip = self.overflow | self.bad_loss
+        self.skip = skip if self.spike is None else skip | self.spike
+
+    def was_skipped(self) -> bool:
+        """The decision on the host: :attr:`skipped`, else ``skip`` read now (one sync) and kept."""
+        if self.skipped is None:
+            self.skipped = bool(self.skip.item())
+        return self.skipped
+
+    def learn_nan(self, nan: torch.Tensor, params: List[torch.Tensor], vectors: List[torch.Tensor]) -> None:
+        """What :meth:`GradientCheck.nan_pass` found after a synced overflow (the reasons' one late news)."""
+        self.nan, self.params, self.amax_vectors = nan, params, vectors
+
+
+def found_inf(flags: Flags) -> torch.Tensor:
+    """torch's ``found_inf`` for ``flags``: the skip flag as a float32 0-dim tensor holding 0.0 or 1.0,
+    what a fused optimizer reads (and skips on when it is 1.0) and torch's records hold."""
+    return flags.skip.float()
+
+
+def combine(flags: List[Flags], device: torch.device) -> Flags:
+    """The flags of several checks (one per optimizer) as one: each reason OR-ed, amax the largest (the
+    flag contract: never a sum). The host decision is known when every one's is."""
+    if len(flags) == 1:
+        return flags[0]
+    amaxes = [f.amax.to(device) for f in flags if f.amax is not None]
+    spikes = [f.spike.to(device) for f in flags if f.spike is not None]
+    known = [f.skipped for f in flags]
+    return Flags(
+        overflow=_any([f.overflow for f in flags], device),
+        nan=_any([f.nan for f in flags], device),
+        bad_loss=_any([f.bad_loss for f in flags], device),
+        spike=_any(spikes, device) if spikes else None,
+        amax=torch.stack(amaxes).max() if amaxes else None,
+        skipped=None if None in known else any(known),
+    )
+
+
+def _any(flags: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    out = flags[0].to(device)
+    for flag in flags[1:]:
+        out = out | flag.to(device)
+    return out
 
 
 class GradientCheck:
@@ -199,7 +261,8 @@ class GradientCheck:
                 "under torch.autocast(device_type, dtype=torch.float16) (FP32 master weights), use an "
                 "optimizer that unscales itself in float32 (e.g. torch.optim.AdamW(fused=True)), or accept "
                 "the flushing with GradScaler(allow_fp16=True), as torch's ShardedGradScaler does (the "
-                "flushed values are counted in metrics() and health()).")
+                "flushed values are counted in metrics() and health())."
+            )
         return Gathered(params, grads, every, sharded)
 
     def claim(self, gathered: Gathered, unscaled: Set[int]) -> None:
@@ -216,12 +279,18 @@ class GradientCheck:
                 f"{', ...' if len(names) > 5 else ''}): unscale_()/clip_grad_norm_() reached them through "
                 "another optimizer object over the same parameters (an optimizer wrapper such as Fabric's "
                 "or accelerate's, and its inner optimizer). Dividing by the scale twice would shrink them "
-                "silently; unscale through one of the two objects only.")
+                "silently; unscale through one of the two objects only."
+            )
         unscaled |= ids
 
     # ------------------------------------------------------------------------------ the checks
-    def unscale_(self, gathered: Gathered, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                 flushed: Optional[torch.Tensor] = None):
+    def check_and_unscale(
+        self,
+        gathered: Gathered,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        flushed: Optional[torch.Tensor] = None,
+    ):
         """torch's fused check+unscale over the gathered gradients, per (device, dtype); returns
         ``{device: found_inf}``, as torch's ``_unscale_grads_`` (``found_inf`` is the entry on its
         own device, set to 1.0 where a gradient was inf or NaN). ``flushed``: see :func:`_counting_flushed`."""
@@ -237,8 +306,9 @@ class GradientCheck:
             per_device[device] = flag
         return per_device
 
-    def multiply_(self, gathered: Gathered, inv_scale: torch.Tensor, unscaled: Set[int],
-                  flushed: Optional[torch.Tensor] = None) -> None:
+    def multiply_(
+        self, gathered: Gathered, inv_scale: torch.Tensor, unscaled: Set[int], flushed: Optional[torch.Tensor] = None
+    ) -> None:
         """Unscale the gathered gradients by ``inv_scale`` where the check already ran (the read-only
         pass): a plain multiply per (device, dtype), the same values as torch's check+unscale kernel (which
         multiplies in the same precision) at half its cost on CPU (3.4 against 7.3 ms for 7.9M values, one
@@ -253,59 +323,44 @@ class GradientCheck:
                 else:
                     _counting_flushed(flushed, torch._foreach_mul_, grads, inv)
 
-    def decide(self, per_device: Dict[torch.device, torch.Tensor], device: torch.device, bad_loss: torch.Tensor,
-               sync: bool, amax: Optional[torch.Tensor] = None) -> Flags:
-        """The flags from the check+unscale kernel's ``per_device`` found_inf and the loss check,
-        reduced across ranks; with ``sync``, the skip decision read on the host (THE sync of the
-        iteration, as torch's ``.item()`` in ``step()``). NaN is not known yet: see :meth:`tell_nan`."""
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        for flag in per_device.values():
-            found = torch.maximum(found, flag.to(device))
-        return self._finish(torch.where(bad_loss, 1.0, found), torch.zeros_like(bad_loss), bad_loss, amax, sync)
-
-    def tell_nan(self, flags: Flags, gathered: Gathered, device: torch.device) -> None:
-        """After a synced overflow: whether it held NaN, and which gradients were bad (for the report).
-        One more read pass; on overflow steps only, so every rank (the decision was reduced) runs it."""
-        vectors, amax, order = largest_magnitudes(gathered.grads, device)
-        found_nan = torch.isnan(amax)
+    def flags(
+        self,
+        overflow: torch.Tensor,
+        nan: torch.Tensor,
+        bad_loss: torch.Tensor,
+        spike: Optional[torch.Tensor] = None,
+        amax: Optional[torch.Tensor] = None,
+        sync: bool = False,
+        params=(),
+        vectors=(),
+    ) -> Flags:
+        """This rank's reasons (bool 0-dim tensors on the state's device) as :class:`Flags`, reduced across
+        ranks in one collective (a measuring policy's ``amax`` riding along); with ``sync`` the decision is
+        read on the host (THE sync of the iteration, as torch's ``.item()`` in ``step()``)."""
         group = self.group()
         if group is not None:
             from . import distributed
 
-            found_nan = distributed.all_reduce_flags(found_nan.float(), found_nan.float(), None, group)[1] > 0
-        flags.found_nan = found_nan
-        flags.params, flags.amax_vectors = [gathered.params[i] for i in order], vectors
-
-    def read_only(self, gathered: Gathered, device: torch.device, bad_loss: torch.Tensor, needs_amax: bool,
-                  sync: bool) -> Flags:
-        """The check without writing, from the gradients' largest magnitudes (one read). With ``sync``
-        the decision is read on the host."""
-        vectors, amax, order = largest_magnitudes(gathered.grads, device)
-        return self.flags_of(amax, bad_loss, amax if needs_amax else None, sync, [gathered.params[i] for i in order],
-                             vectors)
-
-    def flags_of(self, worst: torch.Tensor, bad_loss: torch.Tensor, amax: Optional[torch.Tensor], sync: bool,
-                 params: List[torch.Tensor], vectors: List[torch.Tensor]) -> Flags:
-        """The flags from ``worst``, a value that is NaN where a gradient held NaN and inf where one held
-        an inf (the largest magnitude, or a norm), and the loss check; reduced across ranks (one
-        collective, ``amax`` riding along), read on the host with ``sync``."""
-        found_inf = torch.where(torch.isfinite(worst) & ~bad_loss, 0.0, 1.0)
-        return self._finish(found_inf, torch.isnan(worst), bad_loss, amax, sync, params, vectors)
-
-    def _finish(self, found_inf, found_nan, bad_loss, amax, sync: bool, params=(), vectors=()) -> Flags:
-        """The flags reduced across ranks (one collective, ``amax`` riding along) and, with ``sync``, the
-        decision read on the host (THE sync of the iteration, as torch's ``.item()`` in ``step()``)."""
-        group = self.group()
-        if group is not None:
-            from . import distributed
-
-            found_inf, nan, amax, bad = distributed.all_reduce_flags(found_inf, found_nan.float(), amax, group,
-                                                                     bad_loss)
-            found_nan, bad_loss = nan > 0, bad > 0
-        flags = Flags(found_inf, found_nan, bad_loss, amax, params=list(params), amax_vectors=list(vectors))
+            overflow, nan, bad_loss, spike, amax = distributed.all_reduce_flags(
+                overflow, nan, bad_loss, spike, amax, group
+            )
+        flags = Flags(overflow, nan, bad_loss, spike, amax, params=list(params), amax_vectors=list(vectors))
         if sync:
-            flags.skipped = bool(found_inf.item())
+            flags.was_skipped()
         return flags
+
+    def nan_pass(self, gathered: Gathered, device: torch.device):
+        """After a synced overflow: whether it held NaN, and which gradients were bad (for the report), as
+        ``(nan, params, vectors)`` for :meth:`Flags.learn_nan`. One more read pass; on overflow steps only,
+        so every rank (the decision was reduced) runs it, and joins its one collective."""
+        vectors, amax, order = largest_magnitudes(gathered.grads, device)
+        nan = torch.isnan(amax)
+        group = self.group()
+        if group is not None:
+            from . import distributed
+
+            nan = distributed.all_reduce_any(nan, group)
+        return nan, [gathered.params[i] for i in order], vectors
 
 
 def _counting_flushed(flushed: torch.Tensor, unscale: Callable, grads: List[torch.Tensor], *args) -> None:
@@ -332,7 +387,8 @@ def validate_clip(max_norm, norm_type) -> float:
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
         raise ValueError(
             f"norm_type={norm_type!r} must be > 0 or inf (2.0 is the usual choice); the 0-'norm' and "
-            "negative orders do not scale with the gradients, so they cannot be taken from scaled ones.")
+            "negative orders do not scale with the gradients, so they cannot be taken from scaled ones."
+        )
     return float(norm_type)
 
 
@@ -340,13 +396,21 @@ def _torch_groups(grads: List[torch.Tensor]):
     """``(tensors, their indices in grads)`` per (device, dtype), in torch's clip_grad_norm_ order."""
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-    return [(tensors[0], indices) for tensors, indices in
-            _group_tensors_by_device_and_dtype([grads], with_indices=True).values()]
+    return [
+        (tensors[0], indices)
+        for tensors, indices in _group_tensors_by_device_and_dtype([grads], with_indices=True).values()
+    ]
 
 
-def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, inv_scale: torch.Tensor, max_norm: float,
-                 norm_type: float, counted: Optional[List[bool]] = None,
-                 reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+def clip_scaled_(
+    grads: List[torch.Tensor],
+    scale: torch.Tensor,
+    inv_scale: torch.Tensor,
+    max_norm: float,
+    norm_type: float,
+    counted: Optional[List[bool]] = None,
+    reduce_norm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+):
     """Unscale and clip the *scaled* ``grads`` in place by their true total norm, in two passes, not three.
 
     torch's recipe (``unscale_`` then ``clip_grad_norm_``) reads every gradient three times and writes
@@ -395,11 +459,15 @@ def clip_scaled_(grads: List[torch.Tensor], scale: torch.Tensor, inv_scale: torc
         mine = [n for n, i in zip(moved, order) if counted is None or counted[i]]
         local = total
         if len(mine) < len(moved):
-            local = (torch.linalg.vector_norm(torch.stack(mine), norm_type) if mine
-                     else torch.zeros((), dtype=torch.float32, device=first))
+            local = (
+                torch.linalg.vector_norm(torch.stack(mine), norm_type)
+                if mine
+                else torch.zeros((), dtype=torch.float32, device=first)
+            )
             # A copy counted elsewhere adds nothing, unless it holds inf/NaN: then so does the total.
-            copies = torch.linalg.vector_norm(torch.stack([n for n, i in zip(moved, order) if not counted[i]]),
-                                              norm_type)
+            copies = torch.linalg.vector_norm(
+                torch.stack([n for n, i in zip(moved, order) if not counted[i]]), norm_type
+            )
             local = local + torch.where(torch.isfinite(copies), 0.0, copies)
         total = reduce_norm(local.to(device))
         bad = bad.to(device) | ~torch.isfinite(total)

@@ -1,28 +1,45 @@
-"""What the scaler's opt-in features share: their account in counters, health and the checkpoint.
+"""The protocol every opt-in feature of the scaler implements, and what they share.
 
-An opt-in feature (``telemetry=``, ``allow_fp16=True``, ``skip_if=``, ``bad_microbatch=``,
-``on_forward_overflow="upcast"``) is an object the scaler holds, None when off, whose module loads only
-when the feature is asked for. Beside its own calls on the iteration's path, each answers four calls the
-scaler makes in one loop, so it adds nothing to ``counters()``, ``metrics()``, ``health()``,
-``state_dict()`` or ``load_state_dict()`` but itself::
-
-    counts()               -> {name: int}     counters(), metrics() and health() (health.HealthReport's field)
-    state()                -> {key: value}    the checkpoint's entries
-    loadable(state_dict)   -> value           its entries validated (ValueError naming the key); no change
-    load(value)            -> None            take them: called only once every feature validated
-
-This module holds the shared pieces: :func:`saved_count` and the ``allow_fp16`` count.
+An opt-in feature is an object the scaler holds, None when off: :class:`~lossscale.telemetry.Telemetry`
+(``telemetry=``), :class:`~lossscale.trace.Tracer` (``trace=True``), :class:`Fp16Flushed`
+(``allow_fp16=True``), :class:`~lossscale.spikes.SpikeSkipper` (``skip_if=``),
+:class:`~lossscale.microbatches.MicroBatches` (``bad_microbatch=``) and :class:`~lossscale.upcast.Upcast`
+(``on_forward_overflow="upcast"``). Beside its own calls on the iteration's path, each answers the
+four calls of :class:`Feature`, which the scaler makes for all of them in one loop, so a feature adds
+nothing to ``counters()``, ``metrics()``, ``health()``, ``state_dict()`` or ``load_state_dict()`` but
+itself. A feature with nothing to count or keep subclasses :class:`Feature` and takes its defaults.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Protocol, runtime_checkable
 
 import torch
 
 from ._validate import plain_number
 
-__all__ = ["saved_count", "Fp16Flushed"]
+__all__ = ["Feature", "saved_count", "Fp16Flushed"]
+
+
+@runtime_checkable
+class Feature(Protocol):
+    """What the scaler asks of an opt-in feature (each method's body is the default a subclass takes)."""
+
+    def counts(self) -> Dict[str, int]:
+        """Its counters, for ``counters()``, ``metrics()`` and ``health()`` (at most a sync each)."""
+        return {}
+
+    def entries(self) -> Dict[str, Any]:
+        """Its entries in the scaler's checkpoint (``state_dict()``), as plain values."""
+        return {}
+
+    def loadable(self, state_dict: Dict[str, Any]) -> Any:
+        """Its entries of ``state_dict`` validated (ValueError naming the key); changes nothing. None:
+        the checkpoint holds none."""
+        return None
+
+    def load(self, value: Any) -> None:
+        """Take what :meth:`loadable` returned; called only once every feature has validated its own."""
 
 
 def saved_count(state_dict: Dict[str, Any], key: str) -> Optional[int]:
@@ -36,7 +53,7 @@ def saved_count(state_dict: Dict[str, Any], key: str) -> Optional[int]:
     return value
 
 
-class Fp16Flushed:
+class Fp16Flushed(Feature):
     """``allow_fp16=True``: the gradient values the unscale of FP16 (and bf16) gradients flushed to zero,
     an int64 counter on the state's device that the unscale adds to (no sync); checkpointed."""
 
@@ -56,7 +73,7 @@ class Fp16Flushed:
         """The count so far (one sync)."""
         return {self.KEY: self.start if self.tensor is None else int(self.tensor.item())}
 
-    def state(self) -> Dict[str, Any]:
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entry."""
         return self.counts()
 

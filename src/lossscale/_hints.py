@@ -6,11 +6,12 @@ has spoken.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from ._warnings import warn
 
 __all__ = ["warn_if_bf16"]
 
@@ -38,18 +39,21 @@ def warn_if_bf16(outputs: Any, passthrough: bool) -> None:
         return
     device_type = outputs.device.type
     try:
-        autocast_bf16 = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+        autocast_bf16 = (
+            torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+        )
     except (TypeError, AttributeError):  # torch < 2.4 has no per-device query: no hint
         autocast_bf16 = False
-    why = "the loss is bf16" if outputs.dtype == torch.bfloat16 else "bf16 autocast is active" if autocast_bf16 else None
+    why = (
+        "the loss is bf16" if outputs.dtype == torch.bfloat16 else "bf16 autocast is active" if autocast_bf16 else None
+    )
     if why is None:
         return
     _warned_bf16 = True
-    warnings.warn(
+    warn(
         f"lossscale.GradScaler.scale(): {why}. bf16 has fp32's exponent range, so nothing underflows that "
         "loss scaling would save, and this scaler multiplies the loss by its scale (2^16 by default) and "
         "unscales every gradient for nothing. For bf16 use lossscale.GradScaler.passthrough() (scale fixed "
         "at 1, no unscale pass, non-finite steps still skipped); for FP16 autocast with dtype=torch.float16. "
-        "(Warned once.)",
-        stacklevel=3,  # the caller of scale()
+        "(Warned once.)"
     )

@@ -11,6 +11,7 @@ import dataclasses
 import warnings
 
 from ._validate import plain_number, positive_finite
+from ._warnings import warn
 from .policy import policy_class, policy_names, registered
 
 __all__ = ["policy_from_keywords"]
@@ -25,8 +26,10 @@ def policy_from_keywords(name: str, **given):
         field = cls.keyword_aliases.get(key, key)
         if field in named:  # the field under both its names (static: init_scale and scale)
             first = named[field]
-            raise ValueError(f"{first}={given[first]!r} and {key}={value!r} both set policy={cls.name!r}'s {field}; "
-                             "pass one of them.")
+            raise ValueError(
+                f"{first}={given[first]!r} and {key}={value!r} both set policy={cls.name!r}'s {field}; "
+                "pass one of them."
+            )
         if field in names:
             kwargs[field], named[field] = value, key
         else:
@@ -35,12 +38,10 @@ def policy_from_keywords(name: str, **given):
         _validate_elsewhere(cls, key, given[key])
     _lift_default_bounds(cls, kwargs)
     if ignored:
-        warnings.warn(
+        warn(
             f"lossscale.GradScaler: {', '.join(f'{k}={given[k]!r}' for k in ignored)} do(es) not apply to "
             f"policy={cls.name!r} and is ignored; its keywords are: "
-            f"{', '.join(sorted(names | set(cls.keyword_aliases)))}.",
-            UserWarning,
-            stacklevel=4,
+            f"{', '.join(sorted(names | set(cls.keyword_aliases)))}."
         )
     return cls(**kwargs)
 
@@ -57,11 +58,11 @@ def _lift_default_bounds(cls, kwargs) -> None:
         default = defaults[bound]
         if bound not in kwargs and default is not None and (init - default) * side > 0:
             kwargs[bound] = float(init)
-            warnings.warn(
+            warn(
                 f"lossscale.GradScaler: init_scale={init!r} is {'above' if side > 0 else 'below'} the default "
                 f"{bound}={default!r}, so {bound} is set to init_scale: the scale starts where asked and never goes "
-                f"past it. Pass {bound}= to choose the bound ({bound}=None: none, as torch).",
-                UserWarning, stacklevel=5)  # the caller of GradScaler(): here <- policy_from_keywords <- _make_policy <- __init__
+                f"past it. Pass {bound}= to choose the bound ({bound}=None: none, as torch)."
+            )
 
 
 def _validate_elsewhere(cls, key: str, value) -> None:

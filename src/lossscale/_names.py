@@ -24,16 +24,21 @@ class ParamNames:
 
     def add(self, model_or_named_parameters: Any) -> None:
         """Learn the names of an ``nn.Module``'s parameters, or of ``(name, param)`` pairs."""
-        named = (model_or_named_parameters.named_parameters()
-                 if isinstance(model_or_named_parameters, torch.nn.Module) else model_or_named_parameters)
+        named = (
+            model_or_named_parameters.named_parameters()
+            if isinstance(model_or_named_parameters, torch.nn.Module)
+            else model_or_named_parameters
+        )
         try:
             pairs = [(str(n), p) for n, p in named]
         except (TypeError, ValueError):
             raise ValueError("model must be an nn.Module or an iterable of (name, parameter) pairs.") from None
         bad = [n for n, p in pairs if not isinstance(p, torch.Tensor)]
         if bad:
-            raise ValueError(f"model: {bad[0]!r} is paired with a {type(dict(pairs)[bad[0]]).__name__}, not a "
-                             "parameter; pass an nn.Module or (name, parameter) pairs.")
+            raise ValueError(
+                f"model: {bad[0]!r} is paired with a {type(dict(pairs)[bad[0]]).__name__}, not a "
+                "parameter; pass an nn.Module or (name, parameter) pairs."
+            )
         for name, param in pairs:
             self._remember(param, name)
 

@@ -1,10 +1,9 @@
 """Why a step was skipped: the first-cause report (``GradScaler.overflow_report``) from one iteration's evidence.
 
 The scaler keeps, for every iteration that may have been skipped, what the report needs as device
-tensors (no sync while training): the losses, the trace's snapshot and the per-parameter amax vectors. :func:`report` reads them (it syncs),
-names what held inf and NaN, and says in one line whether the scale or the model and data were the
-cause.
-"""
+tensors (no sync while training): the losses, the trace's snapshot and the per-parameter amax vectors.
+:func:`report` reads them (it syncs), names what held inf and NaN, and says in one line whether the
+scale or the model and data were the cause."""
 
 from __future__ import annotations
 
@@ -18,8 +17,17 @@ from . import formats
 __all__ = ["NOT_SKIPPED", "report", "explain", "names_of"]
 
 #: The report of a step that was not skipped.
-NOT_SKIPPED = {"inf": [], "nan": [], "loss": "finite", "forward": None, "backward": None, "scale": None,
-               "spike": False, "upcast": None, "cause": "the last step was not skipped."}
+NOT_SKIPPED = {
+    "inf": [],
+    "nan": [],
+    "loss": "finite",
+    "forward": None,
+    "backward": None,
+    "scale": None,
+    "spike": False,
+    "upcast": None,
+    "cause": "the last step was not skipped.",
+}
 
 
 def names_of(values: List[float], params: List[torch.Tensor], name_of: Callable) -> Dict[str, List[str]]:
@@ -49,7 +57,9 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
         out.update(tracer.names_of(evidence["trace"]))
     out["scale"] = evidence["scale"] if evidence.get("scale") is not None else scale
     out["spike"] = any(bool(s.item()) for s in evidence.get("spikes") or [])
-    out["upcast"] = evidence.get("upcast")  # on_forward/backward_overflow="upcast" kept this module in FP32 on this step
+    out["upcast"] = evidence.get(
+        "upcast"
+    )  # on_forward/backward_overflow="upcast" kept this module in FP32 on this step
     out["cause"] = explain(out)
     return out
 
@@ -59,17 +69,26 @@ def explain(rep: Dict[str, Any]) -> str:
     kind = "NaN" if rep["nan"] or rep["loss"] == "nan" else "inf"
     scale = "?" if rep["scale"] is None else formats.pow2_label(rep["scale"])
     if rep.get("spike") and not (rep["inf"] or rep["nan"]) and rep["loss"] == "finite":
-        return ("skipped by skip_if: a spike (the gradient norm or the loss far above its recent run; every "
-                "value finite), not the loss scale (kept).")
+        return (
+            "skipped by skip_if: a spike (the gradient norm or the loss far above its recent run; every "
+            "value finite), not the loss scale (kept)."
+        )
     if rep["forward"] is not None:
-        upcast = (f" `{rep['upcast']}` now runs in FP32 (on_forward_overflow='upcast')." if rep.get("upcast") else "")
-        return (f"inf/NaN first appeared in the forward output of `{rep['forward']}` (before any scaling): "
-                f"a model or data problem, not the loss scale (kept).{upcast}")
+        upcast = f" `{rep['upcast']}` now runs in FP32 (on_forward_overflow='upcast')." if rep.get("upcast") else ""
+        return (
+            f"inf/NaN first appeared in the forward output of `{rep['forward']}` (before any scaling): "
+            f"a model or data problem, not the loss scale (kept).{upcast}"
+        )
     if rep["loss"] != "finite":
-        return (f"the loss itself was {rep['loss']} before scaling: a data or model problem (a bad batch, "
-                "log of 0, an overflowed fp16 activation), not the loss scale (kept).")
+        return (
+            f"the loss itself was {rep['loss']} before scaling: a data or model problem (a bad batch, "
+            "log of 0, an overflowed fp16 activation), not the loss scale (kept)."
+        )
     if rep["backward"] is not None:
-        upcast = (f" `{rep['upcast']}` now runs in FP32 (on_backward_overflow='upcast')." if rep.get("upcast") else "")
-        return f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: the loss scale (backed off).{upcast}"
+        upcast = f" `{rep['upcast']}` now runs in FP32 (on_backward_overflow='upcast')." if rep.get("upcast") else ""
+        return (
+            f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: the loss scale (backed off)."
+            f"{upcast}"
+        )
     where = ", ".join(rep["nan"] + rep["inf"])[:200] or "some gradient"
     return f"{kind} in the gradients ({where}) at scale {scale}: the loss scale (backed off)."

@@ -1,12 +1,11 @@
 """A policy's state where torch keeps its scale: on the device, one 0-dim tensor per field.
 
-The state has one home, the device. :class:`TensorState` holds each field of a policy's state
-dataclass as a 0-dim tensor (float fields float32 unless marked float64, ints int64 unless marked
-int32: :func:`lossscale.policy.field_kind`), so ``t.scale`` and ``t.growth_tracker`` are what torch's
-``GradScaler`` calls ``_scale`` and ``_growth_tracker``, and torch's update kernel writes them in
-place. The tensor rules read and write the fields in place too; their identities never change, so a
-CUDA graph captured over ``scale()`` or ``update()`` keeps reading the live values, also across
-:meth:`TensorState.load_`.
+The state has one home, the device. :class:`TensorState` holds each field of a policy's state dataclass
+as a 0-dim tensor of the dtype the field declares (:func:`lossscale.policy.field_kind`), so ``t.scale``
+and ``t.growth_tracker`` are what torch's ``GradScaler`` calls ``_scale`` and ``_growth_tracker``, and
+torch's update kernel writes them in place. The tensor rules read and write the fields in place too;
+their identities never change, so a CUDA graph captured over ``scale()`` or ``update()`` keeps reading
+the live values, also across :meth:`TensorState.load_`.
 
 The host reads the state in two ways:
 
@@ -24,11 +23,11 @@ from typing import Any, Tuple
 
 import torch
 
-from .policy import ScaleState, field_kind
+from .policy import ScaleState, field_kind, host_type
 
 __all__ = ["TensorState", "Snapshot", "DTYPES"]
 
-DTYPES = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64, "i32": torch.int32}
+DTYPES = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64, "i32": torch.int32, "bool": torch.int64}
 
 
 class TensorState:
@@ -41,8 +40,9 @@ class TensorState:
         self.device = torch.device(device)
         self._fields = dataclasses.fields(state)
         for f in self._fields:  # torch.full: a fill on the device, no copy from host memory
-            setattr(self, f.name, torch.full((), getattr(state, f.name), dtype=DTYPES[field_kind(f)],
-                                             device=self.device))
+            setattr(
+                self, f.name, torch.full((), getattr(state, f.name), dtype=DTYPES[field_kind(f)], device=self.device)
+            )
         # float64: the scale it holds is a float32 value (exact), and it makes values() one float64 cat.
         self.scale_before = torch.full((), state.scale, dtype=torch.float64, device=self.device)
         self._pieces = [getattr(self, f.name).view(1) for f in self._fields] + [self.scale_before.view(1)]
@@ -63,10 +63,7 @@ class TensorState:
 
     def decode(self, values) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from :meth:`values` read on the host (a list of floats)."""
-        fields = {}
-        for f, v in zip(self._fields, values):
-            kind = str(f.type)
-            fields[f.name] = bool(v) if kind == "bool" else int(v) if kind == "int" else float(v)
+        fields = {f.name: host_type(f)(v) for f, v in zip(self._fields, values)}
         return self.state_type(**fields), float(values[-1])
 
     def read(self) -> Tuple[ScaleState, float]:

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import Any, Optional
 
+from ._warnings import warn
 from .formats import f32, is_power_of_two
 
-__all__ = ["plain_number", "plain_bool", "validate_stuck", "validate_backoff", "validate_int", "positive_finite",
-           "validate_bounds", "warn_not_powers_of_two", "MAX_INT", "STUCK_REACTIONS", "SMALLEST_SCALE"]
+__all__ = [
+    "plain_number",
+    "plain_bool",
+    "validate_stuck",
+    "validate_backoff",
+    "validate_int",
+    "positive_finite",
+    "validate_bounds",
+    "warn_not_powers_of_two",
+    "MAX_INT",
+    "STUCK_REACTIONS",
+    "SMALLEST_SCALE",
+]
 
 STUCK_REACTIONS = ("raise", "warn", "ignore")
 
@@ -88,8 +99,9 @@ def positive_finite(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0.")
     if not SMALLEST_SCALE <= f32(value) < math.inf:
-        raise ValueError(f"{name}={value!r} is outside float32's normal range [2**-126, 3.4e38], where the "
-                         "device keeps the scale.")
+        raise ValueError(
+            f"{name}={value!r} is outside float32's normal range [2**-126, 3.4e38], where the device keeps the scale."
+        )
 
 
 def validate_bounds(policy) -> None:
@@ -117,11 +129,8 @@ def warn_not_powers_of_two(policy, names) -> None:
     """Warn (once per config) about the ``names`` of ``policy`` that are not powers of two, and why."""
     bad = [f"{n}={getattr(policy, n)!r}" for n in off_powers_of_two(policy, names)]
     if bad:
-        warnings.warn(
+        warn(
             "lossscale: " + ", ".join(bad) + " is not a power of two, so the loss scale can leave the "
             "powers of two. Multiplying by a power of two only shifts the exponent and is exact; any "
-            "other scale rounds every gradient when it is scaled and again when unscaled.",
-            UserWarning,
-            stacklevel=4,  # the user's constructor call: helper <- __post_init__ <- __init__ <- user
+            "other scale rounds every gradient when it is scaled and again when unscaled."
         )
-

@@ -92,8 +92,20 @@ from typing import Optional, Tuple
 from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import (SIGNED, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, exact_pow2, f32,
-                     register, stuck_at_bound_or_streak)
+from .policy import (
+    BOOL,
+    I64,
+    SIGNED,
+    SMALLEST_SCALE,
+    PolicyBase,
+    ScaleState,
+    count,
+    count_tensor,
+    exact_pow2,
+    f32,
+    register,
+    stuck_at_bound_or_streak,
+)
 
 __all__ = ["AdaptivePolicy", "AdaptiveState", "NO_AMAX"]
 
@@ -135,10 +147,15 @@ class AdaptiveState(ScaleState):
             window; ``NO_AMAX`` when the window measured nothing.
     """
 
-    growth_tracker: int = 0
-    hysteresis_tracker: int = 1
-    calibrated: bool = False
+    growth_tracker: int = field(default=0, metadata=I64)
+    hysteresis_tracker: int = field(default=1, metadata=I64)
+    calibrated: bool = field(default=False, metadata=BOOL)
     window_exp: int = field(default=NO_AMAX, metadata=SIGNED)
+
+    @property
+    def searching(self) -> bool:
+        """Before its first measurement the scale searches (the health account's calibration)."""
+        return not self.calibrated
 
 
 @register
@@ -237,8 +254,14 @@ class AdaptivePolicy(PolicyBase):
         """The state before the first step (not yet calibrated)."""
         return AdaptiveState(scale=f32(self.init_scale), hysteresis_tracker=self.hysteresis)
 
-    def update(self, state: AdaptiveState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None, bad_loss: bool = False) -> AdaptiveState:
+    def update(
+        self,
+        state: AdaptiveState,
+        found_inf: bool,
+        found_nan: bool = False,
+        amax: Optional[float] = None,
+        bad_loss: bool = False,
+    ) -> AdaptiveState:
         """The next state after one iteration.
 
         ``found_inf``: any inf or NaN; ``found_nan``: NaN among them; ``amax``: max |g| of the scaled
@@ -257,8 +280,9 @@ class AdaptivePolicy(PolicyBase):
             if found_inf:
                 scale = _shift(scale, -self.search_bits, lo, hi)
             elif measured:
-                return counted.replace(scale=_shift(scale, top - _binade(amax), lo, hi), growth_tracker=0,
-                                       calibrated=True)
+                return counted.replace(
+                    scale=_shift(scale, top - _binade(amax), lo, hi), growth_tracker=0, calibrated=True
+                )
             elif amax == 0:  # every gradient flushed (or truly zero)
                 scale = _shift(scale, self.search_bits, lo, hi)
             return counted.replace(scale=scale, growth_tracker=0)
@@ -284,6 +308,7 @@ class AdaptivePolicy(PolicyBase):
         neither an overflow the scale answers nor a clean step, so no line below moves anything on one.
         """
         import torch  # here, not at the top: the policies import without torch
+
         count_tensor(t, found_inf, found_nan, bad_loss)
         overflow, clean = found_inf & ~bad_loss, ~found_inf
         calibrated = t.calibrated > 0
@@ -316,8 +341,9 @@ class AdaptivePolicy(PolicyBase):
         factor = torch.where(back_off, self.backoff_factor, exact_pow2(move))
         torch.mul(t.scale, factor, out=t.scale)  # in float64, rounded once to float32
         t.scale.clamp_(*self.bounds())
-        track_tensor_(t.hysteresis_tracker, answered, window_step if self.consecutive_hysteresis else window_end,
-                      self.hysteresis)
+        track_tensor_(
+            t.hysteresis_tracker, answered, window_step if self.consecutive_hysteresis else window_end, self.hysteresis
+        )
         reset = overflow | window_end
         t.growth_tracker.masked_fill_(reset, 0)
         t.window_exp.masked_fill_(reset, NO_AMAX)
@@ -339,14 +365,20 @@ class AdaptivePolicy(PolicyBase):
         """Generic checks, plus the window's invariants."""
         super().check_state(state)
         if not 1 <= state.hysteresis_tracker <= self.hysteresis:
-            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} must be in [1, "
-                             f"hysteresis={self.hysteresis}].")
+            raise ValueError(
+                f"state.hysteresis_tracker={state.hysteresis_tracker} must be in [1, hysteresis={self.hysteresis}]."
+            )
         if state.growth_tracker >= self.growth_interval:
-            raise ValueError(f"state.growth_tracker={state.growth_tracker} must be below "
-                             f"growth_interval={self.growth_interval}.")
+            raise ValueError(
+                f"state.growth_tracker={state.growth_tracker} must be below growth_interval={self.growth_interval}."
+            )
         if state.window_exp != NO_AMAX and not (state.calibrated and -160 <= state.window_exp <= 140):
-            raise ValueError(f"state.window_exp={state.window_exp} must be NO_AMAX ({NO_AMAX}) or a float32 binade "
-                             "of a calibrated policy.")
+            raise ValueError(
+                f"state.window_exp={state.window_exp} must be NO_AMAX ({NO_AMAX}) or a float32 binade "
+                "of a calibrated policy."
+            )
         if not state.calibrated and state.growth_tracker != 0:
-            raise ValueError(f"state.growth_tracker={state.growth_tracker} must be 0 before calibration (every "
-                             "uncalibrated step resets it).")
+            raise ValueError(
+                f"state.growth_tracker={state.growth_tracker} must be 0 before calibration (every "
+                "uncalibrated step resets it)."
+            )

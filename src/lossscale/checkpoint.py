@@ -30,9 +30,10 @@ import numbers
 import warnings
 from typing import Any, Dict, Tuple
 
-from .dynamic import DynamicPolicy
 from ._validate import plain_bool, plain_number
-from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, policy_types
+from ._warnings import warn
+from .dynamic import DynamicPolicy
+from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, host_type, policy_types
 
 __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
 
@@ -62,16 +63,20 @@ def load(state_dict: Any, current) -> Tuple[Any, ScaleState]:
         return _load_lossscale(state_dict, current)
     ours = [k for k in ("policy_type", "policy", "state") if k in state_dict]
     if ours:  # read as a torch dict, it would silently drop the policy and every counter
-        raise ValueError(f"state dict has {ours} but no 'lossscale_version': a lossscale state dict that lost "
-                         f"its version key. Add 'lossscale_version': {STATE_DICT_VERSION}.")
+        raise ValueError(
+            f"state dict has {ours} but no 'lossscale_version': a lossscale state dict that lost "
+            f"its version key. Add 'lossscale_version': {STATE_DICT_VERSION}."
+        )
     return _load_torch(state_dict, current)
 
 
 def _load_lossscale(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     version = sd["lossscale_version"]
     if isinstance(version, bool) or not isinstance(version, int) or version != STATE_DICT_VERSION:
-        raise ValueError(f"state dict 'lossscale_version'={version!r} is not supported: this lossscale reads "
-                         f"version {STATE_DICT_VERSION} (earlier versions came from pre-release builds).")
+        raise ValueError(
+            f"state dict 'lossscale_version'={version!r} is not supported: this lossscale reads "
+            f"version {STATE_DICT_VERSION} (earlier versions came from pre-release builds)."
+        )
     missing = [k for k in ("policy_type", "policy", "state") if k not in sd]
     if missing:
         raise ValueError(f"state dict is missing {missing}.")
@@ -125,22 +130,26 @@ def _check_keys(key: str, given: Dict[str, Any], cls, version: int) -> None:
     unknown, absent = sorted(map(str, set(given) - names)), sorted(names - set(given))
     if unknown or absent:
         parts = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {absent}"] if absent else [])
-        raise ValueError(f"state dict '{key}' does not fit {cls.__name__} of 'lossscale_version'={version}: "
-                         f"{', '.join(parts)}.")
+        raise ValueError(
+            f"state dict '{key}' does not fit {cls.__name__} of 'lossscale_version'={version}: {', '.join(parts)}."
+        )
 
 
 def _plain_fields(state_type, fields: Dict[str, Any]) -> Dict[str, Any]:
     """Each field as a Python number or bool (numpy's converted, so the state saves as plain numbers
     again); the policy's ``check_state`` then checks the types, naming the key."""
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(state_type)}
-    return {name: plain_bool(f"state dict state.{name}", value) if kinds[name] == "bool" else
-            plain_number(f"state dict state.{name}", value, integral=kinds[name] == "int")
-            for name, value in fields.items()}
+    kinds = {f.name: host_type(f) for f in dataclasses.fields(state_type)}
+    return {
+        name: plain_bool(f"state dict state.{name}", value)
+        if kinds[name] is bool
+        else plain_number(f"state dict state.{name}", value, integral=kinds[name] is int)
+        for name, value in fields.items()
+    }
 
 
 def _as_held(f: dataclasses.Field, value):
     """A float field as the device holds it (float32 or float64); ints and bools as they are."""
-    if str(f.type) != "float":
+    if host_type(f) is not float:
         return value
     return f32(float(value)) if field_kind(f) == "f32" else float(value)
 
@@ -152,8 +161,10 @@ def _torch_number(sd: Dict[str, Any], key: str, kind: type):
         if n != 1:
             raise ValueError(f"state dict '{key}' must hold one number, got {n}.")
         if getattr(v, "is_meta", False):
-            raise ValueError(f"state dict '{key}' is a tensor on the meta device, which holds no value; load the "
-                             "checkpoint with map_location='cpu' (or the training device).")
+            raise ValueError(
+                f"state dict '{key}' is a tensor on the meta device, which holds no value; load the "
+                "checkpoint with map_location='cpu' (or the training device)."
+            )
         v = v.item()
     v = plain_number(f"state dict '{key}'", v, integral=kind is int and isinstance(v, numbers.Integral))
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -173,21 +184,32 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     if missing:
         raise ValueError(f"state dict is missing {missing} (expected a lossscale or torch GradScaler state).")
     if not isinstance(current, DynamicPolicy):
-        raise ValueError("a torch GradScaler state dict needs a dynamic policy; this scaler's is "
-                         f"{type(current).__name__}.")
+        raise ValueError(
+            f"a torch GradScaler state dict needs a dynamic policy; this scaler's is {type(current).__name__}."
+        )
     scale = _torch_number(sd, "scale", float)
-    values = {"growth_factor": _torch_number(sd, "growth_factor", float),
-              "backoff_factor": _torch_number(sd, "backoff_factor", float),
-              "growth_interval": _torch_number(sd, "growth_interval", int)}
+    values = {
+        "growth_factor": _torch_number(sd, "growth_factor", float),
+        "backoff_factor": _torch_number(sd, "backoff_factor", float),
+        "growth_interval": _torch_number(sd, "growth_interval", int),
+    }
     tracker = _torch_number(sd, "_growth_tracker", int)
     if not SMALLEST_SCALE <= f32(scale) < math.inf:
-        raise ValueError(f"state dict 'scale'={scale!r} must be > 0 and within float32's normal range "
-                         "[2**-126, 3.4e38], where the scale is kept.")
+        raise ValueError(
+            f"state dict 'scale'={scale!r} must be > 0 and within float32's normal range "
+            "[2**-126, 3.4e38], where the scale is kept."
+        )
     # torch's scale is unbounded: a scale beyond this scaler's bounds moves the bound to it (as an
     # init_scale beyond them does), said in the one warning below, rather than refuse a torch checkpoint.
     lo, hi = current.min_scale, current.max_scale
-    moved = {bound: scale for bound, outside in (("min_scale", lo is not None and scale < f32(lo)),
-                                                 ("max_scale", hi is not None and scale > f32(hi))) if outside}
+    moved = {
+        bound: scale
+        for bound, outside in (
+            ("min_scale", lo is not None and scale < f32(lo)),
+            ("max_scale", hi is not None and scale > f32(hi)),
+        )
+        if outside
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for key, value in values.items():
@@ -204,9 +226,12 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
     except ValueError as e:
         raise ValueError(f"state dict (torch format) gives {e}") from None
     if policy != current:
-        note = "".join(f" The torch checkpoint's scale={scale!r} is {'below' if bound == 'min_scale' else 'above'} "
-                       f"{bound}={getattr(current, bound)!r} (torch's scale has no bounds), so {bound} is set to "
-                       f"it: the run continues where it was saved. Pass {bound}= to choose the bound." for bound in moved)
+        note = "".join(
+            f" The torch checkpoint's scale={scale!r} is {'below' if bound == 'min_scale' else 'above'} "
+            f"{bound}={getattr(current, bound)!r} (torch's scale has no bounds), so {bound} is set to "
+            f"it: the run continues where it was saved. Pass {bound}= to choose the bound."
+            for bound in moved
+        )
         _warn_replaced(current, policy, note)
     return policy, state
 
@@ -217,9 +242,7 @@ def _warn_replaced(current, loaded, note: str = "") -> None:
     else:
         a, b = current.config(), loaded.config()
         what = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
-    warnings.warn(
+    warn(
         f"lossscale: the checkpoint's policy replaces the one this scaler was built with ({what}).{note} A "
         "checkpoint restores the run it saved; build the scaler with the same settings to silence this.",
-        UserWarning,
-        stacklevel=5,  # the user's load_state_dict call: here <- _load_* <- load <- load_state_dict <- user
     )

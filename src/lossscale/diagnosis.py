@@ -12,8 +12,10 @@ from .policy import ScaleState
 __all__ = ["diagnose"]
 
 #: A line of every diagnosis: where the whole run's account is.
-HEALTH_POINTER = ("scaler.health() tells the run's skips apart (the scale calibrating, overflows, bad batches, "
-                  "persistent NaN) and says whether training is healthy now.")
+HEALTH_POINTER = (
+    "scaler.health() tells the run's skips apart (the scale calibrating, overflows, bad batches, "
+    "persistent NaN) and says whether training is healthy now."
+)
 
 
 def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
@@ -30,9 +32,14 @@ def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
             "scale is not the cause (it only multiplies the backward). This is a data or model problem: a "
             "bad batch (NaN/inf inputs or labels), a log or sqrt of zero or a negative, a division by zero, "
             "an fp16 activation that overflowed in the forward, or weights that are already NaN."
-            + ("" if tracing else " GradScaler(model=model, trace=True) names the first module whose output was "
-               "non-finite (overflow_report()['forward']).")
-            + "\n" + HEALTH_POINTER
+            + (
+                ""
+                if tracing
+                else " GradScaler(model=model, trace=True) names the first module whose output was "
+                "non-finite (overflow_report()['forward'])."
+            )
+            + "\n"
+            + HEALTH_POINTER
         )
     lines = [
         f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "

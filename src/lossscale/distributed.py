@@ -35,8 +35,18 @@ import torch
 
 from .policy import ScaleState
 
-__all__ = ["reduction_group", "resolve_group", "all_reduce_flags", "norm_reduction",
-           "all_reduce_norm", "replica_copies", "check_consistency", "init_stage", "reduce_stats"]
+__all__ = [
+    "reduction_group",
+    "resolve_group",
+    "all_reduce_flags",
+    "all_reduce_any",
+    "norm_reduction",
+    "all_reduce_norm",
+    "replica_copies",
+    "check_consistency",
+    "init_stage",
+    "reduce_stats",
+]
 
 
 def _dist_ready() -> bool:
@@ -73,32 +83,46 @@ def reduction_group(scaler) -> Optional["torch.distributed.ProcessGroup"]:
     return resolve_group(scaler.process_group)
 
 
-def all_reduce_flags(found_inf: torch.Tensor, found_nan: torch.Tensor, amax: Optional[torch.Tensor], group,
-                     bad_loss: Optional[torch.Tensor] = None):
-    """MAX-reduce ``[found_inf, found_nan(, bad_loss)(, amax)]`` over ``group`` in ONE collective;
-    returns the four (``amax``/``bad_loss`` None when not given). No host sync.
+def all_reduce_flags(
+    overflow: torch.Tensor,
+    nan: torch.Tensor,
+    bad_loss: torch.Tensor,
+    spike: Optional[torch.Tensor],
+    amax: Optional[torch.Tensor],
+    group,
+):
+    """MAX-reduce the check's reasons (bool 0-dim tensors; ``spike`` and ``amax`` where given) over
+    ``group`` in ONE collective; returns them in the same order and types. No host sync.
 
     ``amax`` (a needs_amax policy's max |g|) is sent as 0 where it is inf or NaN: a MAX over a NaN
     is not reliably NaN on gloo or NCCL (gloo keeps or drops it by rank order), and it need not be.
     A non-finite amax has set this rank's flags, which reduce exactly, and a needs_amax policy
     ignores the amax of an overflow step.
     """
-    parts = [found_inf, found_nan]
-    if bad_loss is not None:
-        parts.append(bad_loss.to(found_inf.dtype))
-    if amax is not None:
-        parts.append(amax.nan_to_num(0.0, 0.0, 0.0))
-    flags = torch.stack(parts)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    values = list(flags.unbind(0))
-    reduced_amax = values.pop() if amax is not None else None
-    reduced_bad = values.pop() if bad_loss is not None else None
-    return values[0], values[1], reduced_amax, reduced_bad
+    parts = [overflow, nan, bad_loss] + ([spike] if spike is not None else [])
+    values = [p.float() for p in parts] + ([amax.nan_to_num(0.0, 0.0, 0.0)] if amax is not None else [])
+    stacked = torch.stack(values)
+    torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX, group=group)
+    reduced = list(stacked.unbind(0))
+    reduced_amax = reduced.pop() if amax is not None else None
+    flags = [r > 0 for r in reduced]
+    return flags[0], flags[1], flags[2], flags[3] if spike is not None else None, reduced_amax
 
 
-def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], norm_type: float, norm_group: Any = None,
-                   expert_parallel: Any = None
-                   ) -> Tuple[Optional[Callable[[torch.Tensor], torch.Tensor]], Optional[List[bool]]]:
+def all_reduce_any(flag: torch.Tensor, group) -> torch.Tensor:
+    """A bool 0-dim ``flag`` OR-ed over ``group`` (a MAX of 0/1: exact on every backend). No host sync."""
+    value = flag.float()
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return value > 0
+
+
+def norm_reduction(
+    all_params: List[torch.Tensor],
+    params: List[torch.Tensor],
+    norm_type: float,
+    norm_group: Any = None,
+    expert_parallel: Any = None,
+) -> Tuple[Optional[Callable[[torch.Tensor], torch.Tensor]], Optional[List[bool]]]:
     """How ``clip_grad_norm_`` turns this rank's gradients into the total norm: ``(reduce, counted)``.
 
     ``reduce`` maps the norm of the gradients this rank counts to the norm of all of them (one
@@ -146,8 +170,9 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
 
         if norm_group is GroupMember.NON_GROUP_MEMBER:
             raise ValueError("clip_grad_norm_: this rank is not in norm_group; pass a group that holds it.")
-    if norm_group is not None and not (torch.distributed.is_available()
-                                       and isinstance(norm_group, torch.distributed.ProcessGroup)):
+    if norm_group is not None and not (
+        torch.distributed.is_available() and isinstance(norm_group, torch.distributed.ProcessGroup)
+    ):
         raise ValueError(
             f"norm_group={norm_group!r} ({type(norm_group).__name__}) must be None (derived from the DTensor "
             "gradients) or a torch.distributed ProcessGroup holding every rank whose gradients make up the "
@@ -181,8 +206,8 @@ def norm_reduction(all_params: List[torch.Tensor], params: List[torch.Tensor], n
         distinct = {(tuple(m.shape), tuple(m.mesh.flatten().tolist())) for m in meshes}
         if len(distinct) > 1 or plain:
             raise ValueError(
-                "clip_grad_norm_: the gradients " + ("lie on several device meshes" if len(distinct) > 1
-                                                      else "mix DTensors and plain tensors")
+                "clip_grad_norm_: the gradients "
+                + ("lie on several device meshes" if len(distinct) > 1 else "mix DTensors and plain tensors")
                 + ", so lossscale cannot tell which ranks hold copies of a gradient and which hold other "
                 "parts. Put every parameter on one mesh (torch's clip_grad_norm_ needs that too), or pass "
                 "norm_group=<the group of every rank whose gradients make up the norm> (then a rank's plain "
@@ -221,12 +246,16 @@ def _expert_parallel(value) -> Tuple[set, "torch.distributed.ProcessGroup"]:
         params, group = value
         ids = {id(p) for p in params}
     except (TypeError, ValueError):
-        raise ValueError(f"expert_parallel={value!r} must be a pair (expert parameters, expert-parallel process "
-                         "group): the parameters of this rank's experts and the group over which the experts are "
-                         "split.") from None
+        raise ValueError(
+            f"expert_parallel={value!r} must be a pair (expert parameters, expert-parallel process "
+            "group): the parameters of this rank's experts and the group over which the experts are "
+            "split."
+        ) from None
     if not (torch.distributed.is_available() and isinstance(group, torch.distributed.ProcessGroup)):
-        raise ValueError(f"expert_parallel: the group {group!r} must be a torch.distributed ProcessGroup (the "
-                         "expert-parallel group: the ranks that hold different experts); this rank must be in it.")
+        raise ValueError(
+            f"expert_parallel: the group {group!r} must be a torch.distributed ProcessGroup (the "
+            "expert-parallel group: the ranks that hold different experts); this rank must be in it."
+        )
     return ids, group
 
 
@@ -238,14 +267,17 @@ def _expert_reduction(params, experts, ep_group, meshes, copies, norm_type, norm
     ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
     rank = torch.distributed.get_rank()
     if rank not in ep_ranks or not set(ep_ranks) <= set(members):
-        raise ValueError(f"clip_grad_norm_: expert_parallel's group holds ranks {ep_ranks[:8]}, which must include "
-                         f"this rank ({rank}) and lie within the reduction group (norm_group, else the world).")
+        raise ValueError(
+            f"clip_grad_norm_: expert_parallel's group holds ranks {ep_ranks[:8]}, which must include "
+            f"this rank ({rank}) and lie within the reduction group (norm_group, else the world)."
+        )
     for mesh in meshes:
         if sorted(mesh.mesh.flatten().tolist()) != sorted(members):
             raise ValueError(
                 f"clip_grad_norm_: with expert_parallel, DTensor gradients must lie on a mesh of every rank of the "
                 f"reduction group ({len(members)} ranks), not on {mesh}: lossscale cannot tell which other ranks "
-                "hold copies of their shards.")
+                "hold copies of their shards."
+            )
     first = min(members)
     ep_first = first in ep_ranks  # this EP group's experts are the counted copy of every expert
     counted = []
@@ -335,9 +367,7 @@ def check_consistency(scaler, group=None) -> ScaleState:
     """
     _require_scaler(scaler, "check_consistency()")
     if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
-        raise ValueError(
-            f"group={group!r} must be None (the scaler's group) or a torch.distributed ProcessGroup."
-        )
+        raise ValueError(f"group={group!r} must be None (the scaler's group) or a torch.distributed ProcessGroup.")
     state = scaler.state()  # the sync
     if not _dist_ready():
         return state
@@ -363,8 +393,7 @@ def check_consistency(scaler, group=None) -> ScaleState:
     def show(i, v):
         return repr(v) if "scale" in names[i] else str(int(v))
 
-    lines = [f"  {names[i]}: " + ", ".join(f"rank {rk}: {show(i, r[i])}" for rk, r in zip(ranks, rows))
-             for i in shown]
+    lines = [f"  {names[i]}: " + ", ".join(f"rank {rk}: {show(i, r[i])}" for rk, r in zip(ranks, rows)) for i in shown]
     raise RuntimeError(
         f"lossscale.GradScaler state differs across the {world} ranks of the group "
         f"(differing: {', '.join(names[i] for i in differing)}):\n" + "\n".join(lines) + "\n"
@@ -447,15 +476,24 @@ def reduce_stats(stats, group=None):
     # Statistics of a model spread over several devices of one rank (model parallel) are reduced on
     # the collective's device: their histograms are small, and the copies are blocking onto the CPU.
     device = _collective_device(group or torch.distributed.group.WORLD, items[0].hist.device if items else None)
-    items = [s if s.hist.device == device else
-             dataclasses.replace(s, hist=s.hist.to(device), amax_tensor=s.amax_tensor.to(device)) for s in items]
+    items = [
+        s
+        if s.hist.device == device
+        else dataclasses.replace(s, hist=s.hist.to(device), amax_tensor=s.amax_tensor.to(device))
+        for s in items
+    ]
     # A signature of the structure, below 2**48 so float64 holds it exactly. MAX-reducing it and its
     # negation gives max and -min: equal on every rank iff every rank passed the same structure.
     layout = repr((kind, names, [(s.fmt.name, s.scale, tuple(s.thresholds), s.hist.numel()) for s in items]))
     sig = float(int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=6).digest(), "big"))
-    maxed = torch.cat([torch.stack([s.amax_tensor.reshape(()).double() for s in items]) if items
-                       else torch.zeros(0, dtype=torch.float64, device=device),
-                       torch.tensor([sig, -sig], dtype=torch.float64, device=device)])
+    maxed = torch.cat(
+        [
+            torch.stack([s.amax_tensor.reshape(()).double() for s in items])
+            if items
+            else torch.zeros(0, dtype=torch.float64, device=device),
+            torch.tensor([sig, -sig], dtype=torch.float64, device=device),
+        ]
+    )
     torch.distributed.all_reduce(maxed, op=torch.distributed.ReduceOp.MAX, group=group)
     hi, neg_lo = maxed[-2:].tolist()  # the host read: every rank sees the same values, so all raise or none
     if hi != -neg_lo:
@@ -468,8 +506,10 @@ def reduce_stats(stats, group=None):
         return stats
     hists = torch.stack([s.hist for s in items])
     torch.distributed.all_reduce(hists, op=torch.distributed.ReduceOp.SUM, group=group)
-    out = [dataclasses.replace(s, hist=hists[i], amax_tensor=maxed[i].to(s.amax_tensor.dtype).reshape(()))
-           for i, s in enumerate(items)]
+    out = [
+        dataclasses.replace(s, hist=hists[i], amax_tensor=maxed[i].to(s.amax_tensor.dtype).reshape(()))
+        for i, s in enumerate(items)
+    ]
     if kind == "one":
         return out[0]
     if kind == "dict":

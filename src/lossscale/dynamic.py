@@ -55,8 +55,18 @@ from ._validate import (
     warn_not_powers_of_two,
 )
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
-from .policy import (I32, SMALLEST_SCALE, PolicyBase, ScaleState, count, count_tensor, f32, register,
-                     stuck_at_bound_or_streak)
+from .policy import (
+    I32,
+    I64,
+    SMALLEST_SCALE,
+    PolicyBase,
+    ScaleState,
+    count,
+    count_tensor,
+    f32,
+    register,
+    stuck_at_bound_or_streak,
+)
 
 __all__ = ["DynamicPolicy", "DynamicState"]
 
@@ -74,7 +84,7 @@ class DynamicState(ScaleState):
     """
 
     growth_tracker: int = field(default=0, metadata=I32)  # int32 on device: torch's update kernel takes it
-    hysteresis_tracker: int = 1
+    hysteresis_tracker: int = field(default=1, metadata=I64)
 
 
 @register
@@ -126,8 +136,10 @@ class DynamicPolicy(PolicyBase):
     def __post_init__(self):
         self._plain_numbers()
         positive_finite("init_scale", self.init_scale)
-        if isinstance(self.growth_factor, bool) or not isinstance(self.growth_factor, (int, float)) or not (
-            math.isfinite(self.growth_factor) and self.growth_factor > 1.0
+        if (
+            isinstance(self.growth_factor, bool)
+            or not isinstance(self.growth_factor, (int, float))
+            or not (math.isfinite(self.growth_factor) and self.growth_factor > 1.0)
         ):
             raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1.0 (e.g. 2.0).")
         validate_backoff(self.backoff_factor)
@@ -143,11 +155,17 @@ class DynamicPolicy(PolicyBase):
         """The state before the first step."""
         return DynamicState(scale=f32(self.init_scale), hysteresis_tracker=self.hysteresis)
 
-    def update(self, state: DynamicState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None, bad_loss: bool = False) -> DynamicState:
+    def update(
+        self,
+        state: DynamicState,
+        found_inf: bool,
+        found_nan: bool = False,
+        amax: Optional[float] = None,
+        bad_loss: bool = False,
+    ) -> DynamicState:
         """The next state after one iteration. ``found_inf``: any inf or NaN; ``found_nan``: NaN among
-        them; ``amax`` is not used by this policy. ``bad_loss``: the loss was non-finite before scaling (not the scale's doing): the step is
-        skipped and counted, the scale and trackers are left as they were."""
+        them; ``amax`` is not used by this policy. ``bad_loss``: the loss was non-finite before scaling (not
+        the scale's doing): the step is skipped and counted, the scale and trackers are left as they were."""
         if bad_loss:
             return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)
@@ -176,6 +194,7 @@ class DynamicPolicy(PolicyBase):
         floor can only act on an overflow and the cap only on a growth: both are one clamp.
         """
         import torch  # here, not at the top: the policies import without torch
+
         count_tensor(t, found_inf, found_nan, bad_loss)
         overflow = found_inf & ~bad_loss  # the overflow the scale answers (a bad loss is not the scale's)
         # The bounds as Python floats: clamp compares a float32 tensor with them and stores a float32, so
@@ -188,8 +207,9 @@ class DynamicPolicy(PolicyBase):
         # A bad loss must leave the scale and the tracker alone: the kernel sees no overflow, and the
         # tracker steps back first, so the kernel's + 1 lands where it was (and cannot reach the interval).
         t.growth_tracker.sub_(bad_loss.int())
-        torch._amp_update_scale_(t.scale, t.growth_tracker, overflow.float(), self.growth_factor,
-                                 self.backoff_factor, self.growth_interval)  # refuses a non-finite growth
+        torch._amp_update_scale_(
+            t.scale, t.growth_tracker, overflow.float(), self.growth_factor, self.backoff_factor, self.growth_interval
+        )  # refuses a non-finite growth
         t.scale.clamp_(min=floor)
         if self.max_scale is not None:
             t.scale.clamp_(max=self.max_scale)
@@ -215,8 +235,10 @@ class DynamicPolicy(PolicyBase):
         """Generic checks, plus: the trackers within this configuration's range."""
         super().check_state(state)
         if not 1 <= state.hysteresis_tracker <= self.hysteresis:
-            raise ValueError(f"state.hysteresis_tracker={state.hysteresis_tracker} must be in [1, "
-                             f"hysteresis={self.hysteresis}].")
+            raise ValueError(
+                f"state.hysteresis_tracker={state.hysteresis_tracker} must be in [1, hysteresis={self.hysteresis}]."
+            )
         if state.growth_tracker >= self.growth_interval:
-            raise ValueError(f"state.growth_tracker={state.growth_tracker} must be below "
-                             f"growth_interval={self.growth_interval}.")
+            raise ValueError(
+                f"state.growth_tracker={state.growth_tracker} must be below growth_interval={self.growth_interval}."
+            )

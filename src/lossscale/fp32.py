@@ -167,16 +167,20 @@ def _kept_class(base: type, cast_back: bool) -> type:
     key = (base, cast_back)
     cls = _KEPT_CLASSES.get(key)
     if cls is None:
-        cls = type(base.__name__, (base,), {
-            # The base's names, so code that matches modules by class name still matches.
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "__doc__": base.__doc__,
-            "_lossscale_fp32_base": base,
-            "_lossscale_fp32_cast_back": cast_back,
-            "forward": _forward,
-            "__reduce_ex__": _reduce_ex,
-        })
+        cls = type(
+            base.__name__,
+            (base,),
+            {
+                # The base's names, so code that matches modules by class name still matches.
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_lossscale_fp32_base": base,
+                "_lossscale_fp32_cast_back": cast_back,
+                "forward": _forward,
+                "__reduce_ex__": _reduce_ex,
+            },
+        )
         _KEPT_CLASSES[key] = cls
     return cls
 
@@ -194,8 +198,9 @@ def _unkeep(module: torch.nn.Module) -> None:
 # ------------------------------------------------------------------ selecting modules
 def _check_model(model) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model={model!r} must be a torch.nn.Module (the model that holds the modules to keep "
-                         "in FP32).")
+        raise ValueError(
+            f"model={model!r} must be a torch.nn.Module (the model that holds the modules to keep in FP32)."
+        )
     return model
 
 
@@ -207,8 +212,10 @@ def _resolve(model: torch.nn.Module, modules) -> List[Tuple[str, torch.nn.Module
     try:
         wanted = list(modules)
     except TypeError:
-        raise ValueError(f"modules={modules!r} must be a list of module names (as in model.named_modules()) "
-                         "or module objects of the model.") from None
+        raise ValueError(
+            f"modules={modules!r} must be a list of module names (as in model.named_modules()) "
+            "or module objects of the model."
+        ) from None
     named = dict(model.named_modules(remove_duplicate=False))
     names_of = {}
     for name, m in named.items():
@@ -223,8 +230,10 @@ def _resolve(model: torch.nn.Module, modules) -> List[Tuple[str, torch.nn.Module
             out.setdefault(m, named[m])
         elif isinstance(m, torch.nn.Module):
             if id(m) not in names_of:
-                raise ValueError(f"modules: {type(m).__name__} object is not a submodule of the model; pass "
-                                 "one of model's own modules (after a deepcopy, the copy's) or its name.")
+                raise ValueError(
+                    f"modules: {type(m).__name__} object is not a submodule of the model; pass "
+                    "one of model's own modules (after a deepcopy, the copy's) or its name."
+                )
             out.setdefault(names_of[id(m)], m)
         else:
             raise ValueError(f"modules entries must be module names or module objects, got {m!r}.")
@@ -233,14 +242,17 @@ def _resolve(model: torch.nn.Module, modules) -> List[Tuple[str, torch.nn.Module
 
 def _check_keepable(name: str, module: torch.nn.Module) -> None:
     if isinstance(module, torch.jit.ScriptModule):
-        raise ValueError(f"modules: {name!r} is a TorchScript module, whose class cannot change; keep the "
-                         "eager module before scripting.")
+        raise ValueError(
+            f"modules: {name!r} is a TorchScript module, whose class cannot change; keep the "
+            "eager module before scripting."
+        )
     for pname, p in module.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(
                 f"modules: {name!r} has a {str(p.dtype).replace('torch.', '')} parameter {pname!r}; keep_fp32 "
                 "runs a module on float32 inputs with its own parameters, which autocast's recipe keeps in "
-                f"float32. Convert it first (model.get_submodule({name!r}).float()).")
+                f"float32. Convert it first (model.get_submodule({name!r}).float())."
+            )
 
 
 # ------------------------------------------------------------------ the public functions
@@ -278,8 +290,9 @@ class KeepFP32Handle:
         return f"KeepFP32Handle(names={self.names!r})"
 
 
-def keep_fp32(model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Module]], *,
-              cast_back: bool = False) -> KeepFP32Handle:
+def keep_fp32(
+    model: torch.nn.Module, modules: Iterable[Union[str, torch.nn.Module]], *, cast_back: bool = False
+) -> KeepFP32Handle:
     """Run ``modules`` of ``model`` outside autocast, in FP32; returns a handle whose ``remove()`` undoes it.
 
     Args:

@@ -24,11 +24,13 @@ dropped. Nothing is added to an iteration but a few integer operations on the ho
   of the next two kinds.
 * **calibration**: any other skip (a finite loss) that came while the scale was still searching: after
   the start or a checkpoint load, before the first *clean stretch*, ``settle`` consecutive steps
-  without an overflow (skipped bad batches do not break a stretch). ``settle`` per policy:
+  without an overflow (skipped bad batches do not break a stretch). ``settle`` is the policy's
+  ``settle_steps()``, a method of the policy protocol:
 
   - ``dynamic``: ``min(growth_interval, SETTLE)`` (50 with torch's 2000): the backoffs from
     ``init_scale`` down to the level the gradients fit;
-  - ``adaptive``: the search before ``calibrated`` (the first measured amax), then the same stretch,
+  - ``adaptive``: the search while its state is ``searching`` (before the first measured amax), then
+    the same stretch,
     ``min(growth_interval, SETTLE)``, counted from the update that calibrated;
   - ``logmax`` and policies lossscale does not know: ``SETTLE`` steps (LogMax's averages warm up);
   - ``static``: 0: the scale never searches, so no skip is calibration.
@@ -93,34 +95,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .adaptive import AdaptivePolicy, AdaptiveState
-from .dynamic import DynamicPolicy
-from .formats import pow2_label
-from .policy import BAD_LOSS_STREAK, ScaleState
-from .static import StaticPolicy
+from ._health_text import paragraph
+from .policy import SETTLE, ScaleState
 
-__all__ = ["Health", "HealthReport", "settle_steps", "disabled", "SETTLE", "KEEP_CAUSES", "VERDICTS"]
+__all__ = ["Health", "HealthReport", "disabled", "SETTLE", "KEEP_CAUSES", "VERDICTS"]
 
-#: Consecutive steps without an overflow that end calibration (capped by a policy's growth interval),
-#: and that end "recovering" after a stuck streak.
-SETTLE = 50
+# SETTLE (lossscale.policy): the consecutive steps without an overflow that end calibration (a
+# policy's settle_steps() may cap it), and that end "recovering" after a stuck streak.
 #: The bad batches whose first cause (with ``trace=True``) a report gives: the last few.
 KEEP_CAUSES = 3
 #: The verdicts, in order of concern; :meth:`HealthReport.metrics` gives the index as ``verdict``.
 VERDICTS = ("healthy", "recovering", "stuck")
-#: A flushed share above this (1%) gets advice in the report.
-FLUSHED_WARN = 0.01
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
 _TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules", "backward_upcasts")
-
-
-def settle_steps(policy) -> int:
-    """Steps without an overflow that end calibration for ``policy`` (0: it never calibrates)."""
-    if isinstance(policy, StaticPolicy):
-        return 0
-    if isinstance(policy, (DynamicPolicy, AdaptivePolicy)):
-        return min(policy.growth_interval, SETTLE)
-    return SETTLE
 
 
 @dataclass(frozen=True)
@@ -204,15 +191,11 @@ class HealthReport:
         return {prefix + k: v for k, v in out.items()}
 
 
-def _number(x) -> str:
-    """An int as it is (a token count of millions stays exact), a float short."""
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
 def disabled() -> HealthReport:
     """The report of a disabled scaler: nothing was counted."""
-    return HealthReport("disabled", "lossscale health: loss scaling is disabled (GradScaler(enabled=False)); "
-                                    "no step was counted.")
+    return HealthReport(
+        "disabled", "lossscale health: loss scaling is disabled (GradScaler(enabled=False)); no step was counted."
+    )
 
 
 class _Streak:
@@ -256,16 +239,16 @@ class Health:
     def reset(self, state: ScaleState) -> None:
         """Start the account again from ``state`` (after a checkpoint load): calibration starts again,
         and the state's own skips (bad batches apart) become ``earlier``."""
-        self._steps, self._skipped, self._nan, self._bad = (state.steps, state.skipped_steps, state.nan_steps,
-                                                            state.bad_loss_steps)
-        self._scale = state.scale
+        self._seen = state  # the last state recorded: its counters are read, the deltas taken from them
         self._earlier = state.skipped_steps - state.bad_loss_steps
         self._base = state.steps
         self._calibration = self._overflow = self._after_growth = self._persistent = 0
         self._open = _Streak()
         self._calibrating = True
-        calibrated = isinstance(state, AdaptiveState) and state.calibrated
-        self._calibrated_at: Optional[int] = state.steps if calibrated else None
+        # A policy that searches for its first scale by a rule of its own (``state.searching``: adaptive,
+        # before its first measurement) starts its clean stretch where the search ended.
+        self._search_pending = state.searching
+        self._search_ended: Optional[int] = None
         self._last_overflow: Optional[int] = None
         self._scale_since = state.steps
         self._grown_at: Optional[int] = None
@@ -275,7 +258,7 @@ class Health:
     @property
     def seen(self) -> int:
         """The step count of the last state recorded (or reset to)."""
-        return self._steps
+        return self._seen.steps
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
@@ -286,18 +269,17 @@ class Health:
     def record(self, policy, state: ScaleState, scale_before: float, cause: Any = None) -> None:
         """Account for the updates up to ``state`` (an update's result; ``scale_before``: the scale that
         update ran with). ``cause``: that update's evidence of a first cause, kept if it was a bad batch."""
-        k = state.steps - self._steps
+        seen = self._seen
+        k = state.steps - seen.steps
         if k < 0:
             return  # a snapshot older than what was seen (the host path got ahead of the ring)
-        if k == 1 and self._one_clean_step(state):
-            return
         # k == 0: no step, but news of the last one (a NaN learned after the host counted the overflow
         # as inf), or update(new_scale=...) without a check, which moves only the scale.
-        if self._calibrating and settle_steps(policy) == 0:
+        if self._calibrating and policy.settle_steps() == 0:
             self._calibrating = False
-        skips = state.skipped_steps - self._skipped
-        nan = state.nan_steps - self._nan
-        bad = state.bad_loss_steps - self._bad
+        skips = state.skipped_steps - seen.skipped_steps
+        nan = state.nan_steps - seen.nan_steps
+        bad = state.bad_loss_steps - seen.bad_loss_steps
         if skips < k:  # a clean step in between: the streak open before it has ended
             streak = min(state.overflow_streak, skips)
             cur_nan = min(state.streak_nan_steps, nan)
@@ -311,31 +293,12 @@ class Health:
             self._add(skips, nan, bad, state.steps)
         if k and state.overflow_streak and not self._open.stuck:
             self._open.stuck = bool(policy.is_stuck(state, scale_before))
-        if state.scale != self._scale:
-            self._moved(state)
+        if state.scale != seen.scale:
+            self._grown_at = state.steps if state.scale > seen.scale else None
+            self._scale_since = state.steps  # (in a gap: the latest update it can have been)
         if k == 1 and bad == 1 and cause is not None:
             self._causes.append((state.steps, cause, scale_before))
-        self._steps, self._skipped, self._nan, self._bad = (state.steps, state.skipped_steps, state.nan_steps,
-                                                            state.bad_loss_steps)
-        self._scale = state.scale
-
-    def _one_clean_step(self, state: ScaleState) -> bool:
-        """Account for the common step, clean after clean ones and past calibration, as the general
-        path of :meth:`record` would (every other count is 0 then) without its calls: record() runs
-        every step. False, and nothing done, for any other step."""
-        if (self._calibrating or self._open.skips or state.skipped_steps != self._skipped
-                or state.nan_steps != self._nan):
-            return False
-        if state.scale != self._scale:
-            self._moved(state)
-        self._steps = state.steps
-        return True
-
-    def _moved(self, state: ScaleState) -> None:
-        """The scale changed, by the update that produced ``state`` (in a gap: the latest it can have)."""
-        self._grown_at = state.steps if state.scale > self._scale else None
-        self._scale_since = state.steps
-        self._scale = state.scale
+        self._seen = state
 
     def _add(self, skips: int, nan: int, bad: int, last: int) -> None:
         """``skips`` more skips in the open streak (``bad`` of them bad batches), the last at step
@@ -374,28 +337,37 @@ class Health:
         """End calibration at step ``at`` (a clean step) once a clean stretch is complete."""
         if not self._calibrating:
             return
-        settle = settle_steps(policy)
+        settle = policy.settle_steps()
         if settle == 0:
             self._calibrating = False
             return
         start = self._base if self._last_overflow is None else self._last_overflow
-        if isinstance(state, AdaptiveState):
-            if not state.calibrated:
-                return
-            if self._calibrated_at is None:
-                self._calibrated_at = at  # (in a gap: the latest step it can have happened)
-            start = max(start, self._calibrated_at)
+        if state.searching:
+            return
+        if self._search_pending:  # the search ended by this step (in a gap: the latest it can have)
+            self._search_pending, self._search_ended = False, at
+        if self._search_ended is not None:
+            start = max(start, self._search_ended)
         if at - start >= settle:
             self._calibrating = False
 
     # ------------------------------------------------------------------------------------ report
-    def report(self, policy, state: ScaleState, scale_before: Optional[float] = None, flushed: Optional[float] = None,
-               flushed_step: Optional[int] = None, describe: Optional[Callable[[Any, float], str]] = None,
-               fp16_flushed: Optional[int] = None, spike_steps: Optional[int] = None,
-               dropped_microbatches: Optional[int] = None, dropped_weight: Optional[float] = None,
-               upcasts: Optional[int] = None,
-               upcast_modules: Optional[Tuple[str, ...]] = None,
-               backward_upcasts: Optional[Tuple[str, ...]] = None) -> HealthReport:
+    def report(
+        self,
+        policy,
+        state: ScaleState,
+        scale_before: Optional[float] = None,
+        flushed: Optional[float] = None,
+        flushed_step: Optional[int] = None,
+        describe: Optional[Callable[[Any, float], str]] = None,
+        fp16_flushed: Optional[int] = None,
+        spike_steps: Optional[int] = None,
+        dropped_microbatches: Optional[int] = None,
+        dropped_weight: Optional[float] = None,
+        upcasts: Optional[int] = None,
+        upcast_modules: Optional[Tuple[str, ...]] = None,
+        backward_upcasts: Optional[Tuple[str, ...]] = None,
+    ) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
         Args:
@@ -405,13 +377,15 @@ class Health:
             flushed, flushed_step: the telemetry's flushed share and the iteration it was sampled at.
             describe: ``(cause, scale_before) -> text`` for the kept causes (default ``str``).
         """
-        if state.steps < self._steps:
-            raise ValueError(f"state.steps={state.steps} is older than the last state recorded ({self._steps}); "
-                             "report() takes the current state.")
+        if state.steps < self._seen.steps:
+            raise ValueError(
+                f"state.steps={state.steps} is older than the last state recorded ({self._seen.steps}); "
+                "report() takes the current state."
+            )
         h = copy.copy(self)
         h._open = copy.copy(self._open)
         h._causes = deque(self._causes, maxlen=KEEP_CAUSES)
-        h.record(policy, state, self._scale if scale_before is None else scale_before)
+        h.record(policy, state, self._seen.scale if scale_before is None else scale_before)
         calibration, overflow, after_growth, persistent = h._open.kinds()
         streak = state.overflow_streak
         recent_stuck = h._stuck_ended is not None and state.steps - h._stuck_ended < SETTLE
@@ -423,125 +397,31 @@ class Health:
             verdict = "healthy"
         describe = describe or (lambda cause, scale: str(cause))
         report = HealthReport(
-            verdict=verdict, text="", steps=state.steps, skipped=state.skipped_steps,
-            calibration=h._calibration + calibration, overflow=h._overflow + overflow,
-            overflow_after_growth=h._after_growth + after_growth, bad_batch=state.bad_loss_steps,
-            persistent_nan=h._persistent + persistent, earlier=h._earlier, streak=streak,
+            verdict=verdict,
+            text="",
+            steps=state.steps,
+            skipped=state.skipped_steps,
+            calibration=h._calibration + calibration,
+            overflow=h._overflow + overflow,
+            overflow_after_growth=h._after_growth + after_growth,
+            bad_batch=state.bad_loss_steps,
+            persistent_nan=h._persistent + persistent,
+            earlier=h._earlier,
+            streak=streak,
             steps_since_overflow=None if h._last_overflow is None else state.steps - h._last_overflow,
-            scale=state.scale, scale_held=state.steps - h._scale_since, calibrating=h._calibrating and
-            settle_steps(policy) > 0, flushed=flushed, flushed_step=flushed_step, fp16_flushed=fp16_flushed,
-            spike_steps=spike_steps, dropped_microbatches=dropped_microbatches, dropped_weight=dropped_weight,
+            scale=state.scale,
+            scale_held=state.steps - h._scale_since,
+            calibrating=h._calibrating and policy.settle_steps() > 0,
+            flushed=flushed,
+            flushed_step=flushed_step,
+            fp16_flushed=fp16_flushed,
+            spike_steps=spike_steps,
+            dropped_microbatches=dropped_microbatches,
+            dropped_weight=dropped_weight,
             upcasts=upcasts,
-            upcast_modules=upcast_modules, backward_upcasts=backward_upcasts,
-            causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes))
-        text = _paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
+            upcast_modules=upcast_modules,
+            backward_upcasts=backward_upcasts,
+            causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes),
+        )
+        text = paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
         return dataclasses.replace(report, text=text)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _paragraph(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuck_ended: Optional[int]) -> str:
-    """The report's paragraph: the counts, the state now, what to do."""
-    parts = [f"lossscale health: {r.verdict}."]
-    if r.steps == 0:
-        parts.append("No step yet.")
-    else:
-        counts = f"{_plural(r.steps, 'step')}, " + ("none skipped" if not r.skipped else
-                                                    f"{r.skipped} skipped ({r.skipped / r.steps:.1%})")
-        kinds = []
-        if r.calibration:
-            kinds.append(f"{r.calibration} while the scale calibrated (expected after the start or a checkpoint load: "
-                         "it backs off until the gradients fit FP16)")
-        if r.overflow:
-            probes = (f", {r.overflow_after_growth} right after the scale grew (the policy probing for a larger "
-                      "scale: expected)" if r.overflow_after_growth else "")
-            kinds.append(f"{_plural(r.overflow, 'overflow')} in steady training or while stuck{probes}")
-        if r.bad_batch:
-            kinds.append(f"{r.bad_batch} bad batch{'' if r.bad_batch == 1 else 'es'} (the loss was inf/NaN "
-                         "before scaling: the data or the model, not the scale, which was kept)")
-        if r.persistent_nan:
-            kinds.append(f"{r.persistent_nan} with NaN that persisted although the scale fell or could not "
-                         "(not the scale's doing)")
-        if r.earlier:
-            kinds.append(f"{r.earlier} before the last checkpoint load (of unknown kind)")
-        parts.append(counts + (": " + "; ".join(kinds) if kinds else "") + ".")
-        if r.streak:
-            parts.append(f"The last {_plural(r.streak, 'step')} {'was' if r.streak == 1 else 'were'} skipped.")
-        elif r.steps_since_overflow is not None:
-            parts.append(f"No overflow in the last {_plural(r.steps_since_overflow, 'step')}.")
-        parts.append(f"The scale is {pow2_label(r.scale)}, unchanged for {_plural(r.scale_held, 'step')}.")
-    if r.spike_steps:
-        parts.append(f"{_plural(r.spike_steps, 'spike')} (a gradient norm or loss far above its recent run) "
-                     "skipped by skip_if, the scale kept.")
-    forward_upcasts = [m for m in r.upcast_modules or () if m not in (r.backward_upcasts or ())]
-    if forward_upcasts:
-        parts.append(f"Kept in FP32 after repeated forward overflows (on_forward_overflow='upcast'): "
-                     f"{', '.join(forward_upcasts)}.")
-    if r.backward_upcasts:
-        parts.append(f"Kept in FP32 after their backward overflowed FP16 at the scale's floor "
-                     f"(on_backward_overflow='upcast'): {', '.join(r.backward_upcasts)}.")
-    if r.dropped_microbatches:
-        one = r.dropped_microbatches == 1
-        parts.append(f"{r.dropped_microbatches} micro-batch{'' if one else 'es'} with a non-finite loss "
-                     f"{'was' if one else 'were'} left out of {'its step' if one else 'their steps'} "
-                     "(bad_microbatch); the other micro-batches stepped"
-                     + ("." if r.dropped_weight in (None, r.dropped_microbatches) else
-                        f", renormalised by their weights ({_number(r.dropped_weight)} of it dropped)."))
-    if r.fp16_flushed:
-        parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
-    if r.flushed is not None:
-        parts.append(f"{r.flushed:.2%} of the gradients sampled at iteration {r.flushed_step} flush to zero in "
-                     "FP16 at their scale.")
-    if r.causes:
-        parts.append("First causes of the last bad batches: "
-                     + "; ".join(f"step {s}: {c.rstrip('.')}" for s, c in r.causes) + ".")
-    parts.append("What to do: " + _advice(r, policy, state, streak, stuck_ended))
-    if r.flushed is not None and r.flushed > FLUSHED_WARN:
-        parts.append(f"More than {FLUSHED_WARN:.0%} of the gradients flush: a larger scale keeps them (raise "
-                     "max_scale, or policy='adaptive'), or train in bf16.")
-    return " ".join(parts)
-
-
-def _advice(r: HealthReport, policy, state: ScaleState, streak: _Streak, stuck_ended: Optional[int]) -> str:
-    lowest = policy.scale_bounds()[0]
-    if r.verdict == "stuck":
-        if state.streak_bad_loss_steps == r.streak:
-            return ("the loss was inf/NaN before scaling in every one of them: a data or model problem (NaN/inf in "
-                    "inputs or labels, a log or division by zero, an fp16 activation that overflowed in the "
-                    "forward, weights already NaN); the scale cannot fix it. GradScaler(model=model, trace=True) "
-                    "names the first module whose output was non-finite.")
-        if streak.nan >= 2:
-            return (f"NaN kept coming while the scale went from {pow2_label(state.streak_start_scale)} to "
-                    f"{pow2_label(state.scale)}: "
-                    "a smaller scale cures inf, never NaN, so look in the model or the data (0/0, log or sqrt of "
-                    "a negative or zero, inf - inf, NaN already in the weights or inputs; "
-                    "torch.autograd.set_detect_anomaly(True) finds the op). scaler.overflow_report() names the "
-                    "parameters.")
-        if isinstance(policy, StaticPolicy):
-            return ("a static scale cannot back off: lower init_scale, or use the default dynamic policy. "
-                    "scaler.overflow_report() names the parameters.")
-        floor = "" if lowest is None else f" ({lowest:g})"
-        return (f"gradients overflow even at the lowest scale allowed{floor}: the overflow is in the fp16 "
-                "forward/backward itself (a value above 65504). Keep that layer in fp32, lower the learning rate "
-                "or clip gradients, or train in bf16 (GradScaler.passthrough()); if the overflows are rare and "
-                "isolated, lower min_scale. scaler.overflow_report() names the parameters.")
-    if r.verdict == "recovering":
-        if r.streak and state.streak_bad_loss_steps == r.streak:
-            limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
-            return (f"the loss was inf/NaN before scaling in the last {r.streak} steps: check the data; after "
-                    f"{limit} in a row lossscale warns that training is stuck.")
-        if r.streak and streak.calibration and not streak.steady:
-            return ("nothing: the scale is still calibrating (backing off until the gradients fit FP16). Only "
-                    "if it reaches its lowest scale and still overflows does lossscale warn that training is stuck.")
-        if r.streak:
-            return (f"nothing yet: the scale is backing off after {r.streak} skipped steps in a row and recovers by "
-                    "itself; if it overflows at its lowest scale, lossscale warns that training is stuck.")
-        return (f"nothing now: training steps again after being stuck until step {stuck_ended}. If it gets "
-                "stuck again, the stuck warning's diagnosis says why.")
-    if r.bad_batch:
-        return "nothing for the scale. Look at the data of the bad batches" + (
-            " (their first causes are above)." if r.causes else
-            " (GradScaler(model=model, trace=True) names the first module whose output was non-finite).")
-    return "nothing."

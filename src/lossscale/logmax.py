@@ -53,8 +53,18 @@ from typing import Optional
 
 from . import formats
 from ._validate import validate_stuck
-from .policy import (F64, PolicyBase, ScaleState, count, count_tensor, exact_pow2, f32, is_power_of_two,
-                     register, stuck_at_bound_or_streak)
+from .policy import (
+    F64,
+    PolicyBase,
+    ScaleState,
+    count,
+    count_tensor,
+    exact_pow2,
+    f32,
+    is_power_of_two,
+    register,
+    stuck_at_bound_or_streak,
+)
 
 __all__ = ["LogMaxPolicy", "LogMaxState"]
 
@@ -110,11 +120,15 @@ class LogMaxPolicy(PolicyBase):
         for name in ("init_scale", "min_scale", "max_scale"):
             v = getattr(self, name)
             if not is_power_of_two(v) or not 2.0**-126 <= v <= 2.0**127:
-                raise ValueError(f"{name}={v!r} must be a power of two in float32's normal range: the rule "
-                                 "takes log2(scale) exactly.")
+                raise ValueError(
+                    f"{name}={v!r} must be a power of two in float32's normal range: the rule "
+                    "takes log2(scale) exactly."
+                )
         if not self.min_scale <= self.init_scale <= self.max_scale:
-            raise ValueError(f"init_scale={self.init_scale!r} is outside [min_scale={self.min_scale!r}, "
-                             f"max_scale={self.max_scale!r}].")
+            raise ValueError(
+                f"init_scale={self.init_scale!r} is outside [min_scale={self.min_scale!r}, "
+                f"max_scale={self.max_scale!r}]."
+            )
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < 1.0:
@@ -162,8 +176,14 @@ class LogMaxPolicy(PolicyBase):
         slow_mu = slow / unbias
         return x_hat, slow, xsq, b1c, b2c, mu, e_xsq - slow_mu * slow_mu
 
-    def update(self, state: LogMaxState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None, bad_loss: bool = False) -> LogMaxState:
+    def update(
+        self,
+        state: LogMaxState,
+        found_inf: bool,
+        found_nan: bool = False,
+        amax: Optional[float] = None,
+        bad_loss: bool = False,
+    ) -> LogMaxState:
         """The next state after one iteration; ``amax``: max |g| of the *scaled* gradients (None: not
         measured, then only the step is counted). A non-finite ``amax`` counts as an overflow.
         ``bad_loss`` (a loss non-finite before scaling): skipped and counted, nothing learned."""
@@ -185,8 +205,14 @@ class LogMaxPolicy(PolicyBase):
         sigma = math.sqrt(max(var, 0.0))
         lo, hi = self._exponent_range()
         k = min(max(math.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)), lo), hi)
-        return counted.replace(scale=math.ldexp(1.0, k), x_hat=x_hat, slow_x_hat=slow, xsquared_hat=xsq,
-                               b1_correction=b1c, b2_correction=b2c)
+        return counted.replace(
+            scale=math.ldexp(1.0, k),
+            x_hat=x_hat,
+            slow_x_hat=slow,
+            xsquared_hat=xsq,
+            b1_correction=b1c,
+            b2_correction=b2c,
+        )
 
     def tensor_update(self, t, found_inf, found_nan, bad_loss, amax=None) -> None:
         """:meth:`update` on device tensors, in place, without a host sync (float64 arithmetic in
@@ -194,6 +220,7 @@ class LogMaxPolicy(PolicyBase):
         :meth:`lossscale.DynamicPolicy.tensor_update`, already counting a non-finite ``amax`` as an
         overflow (the scaler's check derives both from the same read)."""
         import torch  # here, not at the top: the policies import without torch
+
         count_tensor(t, found_inf, found_nan, bad_loss)
         overflow = found_inf & ~bad_loss  # a bad loss's overflow learns nothing (see learn)
         if amax is None:  # not measured: only an overflow carries information
@@ -209,8 +236,14 @@ class LogMaxPolicy(PolicyBase):
         sigma = torch.sqrt(var.clamp_min(0.0))
         lo, hi = self._exponent_range()
         k = torch.floor(self.limit_exp - (mu + self.overflow_std_dev * sigma)).clamp(lo, hi).to(torch.int64)
-        for name, value in (("x_hat", x_hat), ("slow_x_hat", slow), ("xsquared_hat", xsq), ("b1_correction", b1c),
-                            ("b2_correction", b2c), ("scale", exact_pow2(k).float())):
+        for name, value in (
+            ("x_hat", x_hat),
+            ("slow_x_hat", slow),
+            ("xsquared_hat", xsq),
+            ("b1_correction", b1c),
+            ("b2_correction", b2c),
+            ("scale", exact_pow2(k).float()),
+        ):
             field = getattr(t, name)
             torch.where(learn, value, field, out=field)
 
@@ -225,8 +258,9 @@ class LogMaxPolicy(PolicyBase):
         # Only numbers are made positive; anything else (None, a string) meets the generic rule, which
         # raises ValueError naming the field.
         values = {n: getattr(state, n) for n in x_fields}
-        probe = state.replace(**{n: abs(v) for n, v in values.items()
-                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        probe = state.replace(
+            **{n: abs(v) for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        )
         super().check_state(probe)
         if not is_power_of_two(state.scale):
             raise ValueError(f"state.scale={state.scale!r} must be a power of two for the logmax policy.")
@@ -239,5 +273,7 @@ class LogMaxPolicy(PolicyBase):
         for n in x_fields:
             bound = X_BOUND**2 if n == "xsquared_hat" else X_BOUND
             if not -bound <= getattr(state, n) <= bound or (n == "xsquared_hat" and state.xsquared_hat < 0):
-                raise ValueError(f"state.{n}={getattr(state, n)!r} must be in [{0 if n == 'xsquared_hat' else -bound}, "
-                                 f"{bound}] (an average of log2 amaxes{' squared' if n == 'xsquared_hat' else ''}).")
+                raise ValueError(
+                    f"state.{n}={getattr(state, n)!r} must be in [{0 if n == 'xsquared_hat' else -bound}, "
+                    f"{bound}] (an average of log2 amaxes{' squared' if n == 'xsquared_hat' else ''})."
+                )

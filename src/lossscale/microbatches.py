@@ -47,6 +47,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ._features import Feature, saved_count
+
 __all__ = ["MODES", "MicroBatches", "valid_weight"]
 
 #: ``GradScaler(bad_microbatch=...)``: "skip" (the default, torch's: a bad loss skips the whole step),
@@ -82,7 +84,7 @@ def valid_weight(weight, outputs) -> Union[int, float]:
     return weight
 
 
-class MicroBatches:
+class MicroBatches(Feature):
     """One scaler's micro-batch account: this iteration's micro-batches and weights, total and kept, and
     the dropped ones over the run."""
 
@@ -93,6 +95,11 @@ class MicroBatches:
         self.dropped = 0  # micro-batches over the run (checkpointed)
         self.dropped_weight: Union[int, float] = 0  # their weight over the run (checkpointed)
         self.new_iteration()
+
+    @classmethod
+    def of(cls, mode: str) -> Optional["MicroBatches"]:
+        """``GradScaler(bad_microbatch=mode)``: None for "skip" (torch's behaviour: nothing to keep)."""
+        return None if mode == "skip" else cls(mode)
 
     def new_iteration(self) -> None:
         """Forget the iteration's micro-batches (the scaler's ``update()`` and ``discard_iteration()``)."""
@@ -139,15 +146,13 @@ class MicroBatches:
         """For ``counters()``, ``metrics()`` and ``health()``."""
         return {_KEY: self.dropped, _WEIGHT_KEY: self.dropped_weight}
 
-    def state(self) -> Dict[str, Any]:
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entries."""
         return self.counts()
 
     def loadable(self, state_dict: Dict[str, Any]) -> Optional[Tuple[int, Union[int, float]]]:
         """The counts a checkpoint holds (None when absent), validated (ValueError naming the key). A
         checkpoint from before weights counts its dropped micro-batches as their weight."""
-        from ._features import saved_count
-
         dropped = saved_count(state_dict, _KEY)
         if dropped is None:
             return None

@@ -38,20 +38,45 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 from ._validate import SMALLEST_SCALE, plain_number
 from .formats import f32, is_power_of_two
 
 __all__ = [
-    "ScaleState", "Policy", "PolicyBase", "register", "policy_class", "policy_names", "policy_types",
-    "count", "count_tensor", "exact_pow2", "stuck_at_bound_or_streak", "field_kind", "F64", "I32", "SIGNED",
-    "f32", "is_power_of_two", "SMALLEST_SCALE", "BAD_LOSS_STREAK",
+    "ScaleState",
+    "Policy",
+    "PolicyBase",
+    "register",
+    "policy_class",
+    "policy_names",
+    "policy_types",
+    "count",
+    "count_tensor",
+    "exact_pow2",
+    "stuck_at_bound_or_streak",
+    "field_kind",
+    "host_type",
+    "F32",
+    "F64",
+    "I64",
+    "I32",
+    "BOOL",
+    "SIGNED",
+    "f32",
+    "is_power_of_two",
+    "SMALLEST_SCALE",
+    "BAD_LOSS_STREAK",
+    "SETTLE",
 ]
 
 #: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
 BAD_LOSS_STREAK = 10
+#: Consecutive steps without an overflow that end the scale's calibration (``settle_steps``), for the
+#: health account (lossscale.health).
+SETTLE = 50
 
 
 def exact_pow2(k):
@@ -60,6 +85,46 @@ def exact_pow2(k):
     import torch  # here, not at the top: the policies import without torch
 
     return ((k + 1023) << 52).view(torch.float64)
+
+
+# ------------------------------------------------------------------------------- field metadata
+# How each field of a state dataclass is held on device, declared on the field itself
+# (``field(default=0, metadata=I64)``): the device state, the host's read and the checkpoint's
+# validation all take it from there, never from the annotation.
+
+#: A float held in float32 on device (the scale: torch's dtype).
+F32 = {"dtype": "f32"}
+#: A float held in float64 (running averages whose precision matters).
+F64 = {"dtype": "f64"}
+#: An int held in int64 (a counter; exact through the host's float64 read up to 2**53).
+I64 = {"dtype": "i64"}
+#: An int held in int32: a tracker torch's own kernels take (``_amp_update_scale_``'s growth tracker).
+I32 = {"dtype": "i32"}
+#: A bool, held as an int64 0 or 1.
+BOOL = {"dtype": "bool"}
+#: An int held in int64 that may be negative (the checkpoint's validation allows it).
+SIGNED = {"dtype": "i64", "signed": True}
+#: The Python type each device kind reads back as on the host.
+HOST_TYPES = {"f32": float, "f64": float, "i64": int, "i32": int, "bool": bool}
+#: The ints a field of each device dtype holds exactly, as the host reads it (through float64: 2**53).
+_INT_LIMIT = {"i64": 2**53, "i32": 2**31 - 1}
+
+
+def field_kind(f: dataclasses.Field) -> str:
+    """How a state field is held on device, as its metadata declares: "f32", "f64", "i64", "i32" or
+    "bool". TypeError for a field that declares none."""
+    kind = f.metadata.get("dtype")
+    if kind not in HOST_TYPES:
+        raise TypeError(
+            f"state field {f.name} declares no device form: give it field(metadata=F32, F64, I64, I32, "
+            "BOOL or SIGNED) from lossscale.policy."
+        )
+    return kind
+
+
+def host_type(f: dataclasses.Field) -> type:
+    """The Python type of a state field on the host (float, int or bool), from its declared kind."""
+    return HOST_TYPES[field_kind(f)]
 
 
 # ----------------------------------------------------------------------------------------- state
@@ -84,16 +149,16 @@ class ScaleState:
             streak runs, the scale of the last step (where the next streak would begin).
     """
 
-    scale: float
-    steps: int = 0
-    skipped_steps: int = 0
-    inf_steps: int = 0
-    nan_steps: int = 0
-    bad_loss_steps: int = 0
-    overflow_streak: int = 0
-    streak_nan_steps: int = 0
-    streak_bad_loss_steps: int = 0
-    streak_start_scale: float = 0.0
+    scale: float = field(metadata=F32)
+    steps: int = field(default=0, metadata=I64)
+    skipped_steps: int = field(default=0, metadata=I64)
+    inf_steps: int = field(default=0, metadata=I64)
+    nan_steps: int = field(default=0, metadata=I64)
+    bad_loss_steps: int = field(default=0, metadata=I64)
+    overflow_streak: int = field(default=0, metadata=I64)
+    streak_nan_steps: int = field(default=0, metadata=I64)
+    streak_bad_loss_steps: int = field(default=0, metadata=I64)
+    streak_start_scale: float = field(default=0.0, metadata=F32)
 
     def replace(self, **changes) -> "ScaleState":
         """A copy with ``changes`` applied (the state itself is frozen); ``dataclasses.replace``."""
@@ -104,28 +169,11 @@ class ScaleState:
         """Whether the iteration that produced this state was skipped."""
         return self.overflow_streak > 0
 
-
-#: Field metadata marking a float field held in float64 on device (default for floats: float32).
-F64 = {"dtype": "f64"}
-#: Field metadata marking an int field held in int32 on device (default for ints: int64), for a
-#: tracker that torch's own kernels take (``_amp_update_scale_`` wants torch's int32 growth tracker).
-I32 = {"dtype": "i32"}
-#: Field metadata marking an int field that may be negative (checkpoint validation).
-SIGNED = {"signed": True}
-#: The ints a field of each device dtype holds exactly, as the host reads it (through float64: 2**53).
-_INT_LIMIT = {"i64": 2**53, "i32": 2**31 - 1}
-
-
-def field_kind(f: dataclasses.Field) -> str:
-    """How a state field is held on device: "f32" or "f64" (float), "i64" (int and bool) or "i32"."""
-    if f.metadata.get("dtype"):
-        return f.metadata["dtype"]
-    kind = str(f.type)
-    if kind in ("float", "Optional[float]"):
-        return "f32"
-    if kind in ("int", "bool"):
-        return "i64"
-    raise TypeError(f"state field {f.name}: type {kind!r} has no device form; use float, int or bool.")
+    @property
+    def searching(self) -> bool:
+        """Whether the policy is still searching for its first scale by a rule of its own (an adaptive
+        policy before its first measurement): the health account's calibration lasts until then."""
+        return False
 
 
 def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = False) -> ScaleState:
@@ -138,8 +186,13 @@ def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = 
     bad_loss = bool(bad_loss)
     start = state.scale if state.overflow_streak == 0 else state.streak_start_scale
     if not (found_inf or bad_loss):
-        return state.replace(steps=state.steps + 1, overflow_streak=0, streak_nan_steps=0, streak_bad_loss_steps=0,
-                             streak_start_scale=start)
+        return state.replace(
+            steps=state.steps + 1,
+            overflow_streak=0,
+            streak_nan_steps=0,
+            streak_bad_loss_steps=0,
+            streak_start_scale=start,
+        )
     return state.replace(
         steps=state.steps + 1,
         skipped_steps=state.skipped_steps + 1,
@@ -213,8 +266,9 @@ class Policy(Protocol):
     def init_state(self) -> ScaleState:
         """The state before the first step."""
 
-    def update(self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None,
-               bad_loss: bool = False):
+    def update(
+        self, state, found_inf: bool, found_nan: bool = False, amax: Optional[float] = None, bad_loss: bool = False
+    ):
         """The next state after one iteration (pure). ``bad_loss``: the loss was non-finite before
         scaling: skip without touching the scale or the trackers."""
 
@@ -239,6 +293,10 @@ class Policy(Protocol):
     def check_state(self, state) -> None:
         """Raise ValueError naming the field when ``state`` could not have come from this policy."""
 
+    def settle_steps(self) -> int:
+        """The consecutive steps without an overflow after which the health account (lossscale.health)
+        takes the scale as calibrated; 0 for a scale that never searches (a fixed one)."""
+
 
 class PolicyBase:
     """Defaults for the :class:`Policy` protocol; policies subclass it beside ``@dataclass(frozen=True)``.
@@ -255,11 +313,18 @@ class PolicyBase:
     def _plain_numbers(self) -> None:
         """Store every number field as a Python float or int (numpy's included; an int beyond float
         range raises ValueError naming the field). Every policy's ``__post_init__`` calls it first."""
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            kind = str(f.type)
-            if kind in ("float", "Optional[float]", "int", "Optional[int]"):
-                value = plain_number(f.name, getattr(self, f.name), integral="int" in kind)
+            kinds = set(typing.get_args(hints[f.name])) - {type(None)} or {hints[f.name]}  # Optional[x], x | None
+            if kinds <= {float, int}:
+                value = plain_number(f.name, getattr(self, f.name), integral=kinds == {int})
                 object.__setattr__(self, f.name, value)
+
+    def settle_steps(self) -> int:
+        """:data:`SETTLE`, capped by the growth interval where the policy has one (the backoffs from
+        ``init_scale`` come within it)."""
+        interval = getattr(self, "growth_interval", None)
+        return SETTLE if interval is None else min(interval, SETTLE)
 
     def scale_bounds(self) -> Tuple[Optional[float], Optional[float]]:
         """(min_scale, max_scale) as configured; None where unbounded."""
@@ -280,7 +345,11 @@ class PolicyBase:
 
     def torch_state(self, state) -> Dict[str, Any]:
         """torch's five keys: the scale and tracker, with :meth:`torch_factors`."""
-        return {"scale": state.scale, **self.torch_factors(), "_growth_tracker": int(getattr(state, "growth_tracker", 0))}
+        return {
+            "scale": state.scale,
+            **self.torch_factors(),
+            "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
+        }
 
     def check_state(self, state) -> None:
         """Raise ValueError naming the first field of ``state`` that this policy could not have produced.
@@ -293,10 +362,10 @@ class PolicyBase:
         for f in dataclasses.fields(state):
             v = getattr(state, f.name)
             kind = field_kind(f)
-            if str(f.type) == "bool":
+            if kind == "bool":
                 if not isinstance(v, bool):
                     raise ValueError(f"state.{f.name}={v!r} must be a bool.")
-            elif str(f.type) == "int":
+            elif host_type(f) is int:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ValueError(f"state.{f.name}={v!r} must be an int.")
                 if v < 0 and not f.metadata.get("signed"):
@@ -311,8 +380,10 @@ class PolicyBase:
                 if kind == "f32" and not math.isfinite(f32(v)):
                     raise ValueError(f"state.{f.name}={v!r} is outside float32's range, in which the device holds it.")
         if not SMALLEST_SCALE <= f32(state.scale) < math.inf:
-            raise ValueError(f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
-                             "where the device keeps the scale (a zero scale would step on NaN gradients).")
+            raise ValueError(
+                f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
+                "where the device keeps the scale (a zero scale would step on NaN gradients)."
+            )
         lo, hi = self.scale_bounds()
         if (lo is not None and state.scale < f32(lo)) or (hi is not None and state.scale > f32(hi)):
             raise ValueError(f"state.scale={state.scale!r} is outside this policy's [min_scale={lo}, max_scale={hi}].")
@@ -320,8 +391,11 @@ class PolicyBase:
             raise ValueError("state counters disagree: skipped_steps must be <= steps and equal inf_steps + nan_steps.")
         if state.overflow_streak > state.skipped_steps or state.streak_nan_steps > state.overflow_streak:
             raise ValueError("state.overflow_streak / streak_nan_steps exceed the skipped steps they count.")
-        if (state.bad_loss_steps > state.skipped_steps or state.streak_bad_loss_steps > state.overflow_streak
-                or state.streak_bad_loss_steps > state.bad_loss_steps):
+        if (
+            state.bad_loss_steps > state.skipped_steps
+            or state.streak_bad_loss_steps > state.overflow_streak
+            or state.streak_bad_loss_steps > state.bad_loss_steps
+        ):
             raise ValueError("state.bad_loss_steps / streak_bad_loss_steps exceed the skipped steps they count.")
 
 

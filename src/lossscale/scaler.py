@@ -23,25 +23,29 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import importlib
 import inspect
-import warnings
 from collections import abc
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import _hints, checkpoint
-from ._check import Flags, GradientCheck, inverse
+from ._check import Flags, GradientCheck, combine, found_inf, inverse, largest_magnitudes
+from ._features import Feature, Fp16Flushed
 from ._keywords import policy_from_keywords
 from ._names import ParamNames
 from ._state import Snapshot, TensorState
 from ._validate import SMALLEST_SCALE, plain_bool, plain_number
+from ._warnings import warn
 from .formats import f32
 from .health import Health, HealthReport
+from .microbatches import MicroBatches, valid_weight
 from .policy import Policy, ScaleState, count_tensor
+from .spikes import SpikeSkipper
 from .static import StaticPolicy
+from .upcast import AFTER as UPCAST_AFTER
+from .upcast import Upcast
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
@@ -64,16 +68,15 @@ _DEFAULT = _Default()
 
 @dataclasses.dataclass
 class _Record:
-    """One optimizer's record of the iteration: its stage (torch's), what the check learned, and the
-    skip decision once the host knows it (None: not read; the flags' device flag holds it)."""
+    """What the scaler knows about one optimizer in the iteration: its stage (torch's) and what its check
+    learned (None: not checked yet), the skip decision included."""
 
     stage: OptState = OptState.READY
     flags: Optional[Flags] = None
-    skipped: Optional[bool] = None
 
     def torch_view(self) -> Dict[str, Any]:
         """The record as torch's ``_per_optimizer_states`` holds it: its stage and ``{device: found_inf}``."""
-        found = {} if self.flags is None else {self.flags.found_inf.device: self.flags.found_inf}
+        found = {} if self.flags is None else {self.flags.skip.device: found_inf(self.flags)}
         return {"stage": self.stage, "found_inf_per_device": found}
 
 
@@ -132,23 +135,46 @@ class GradScaler:
             scaler.step_scheduler(lr_scheduler)             # does not advance on skipped steps
     """
 
-    def __init__(self, device: Union[str, torch.device, None] = None, init_scale: float = _DEFAULT,
-                 growth_factor: float = _DEFAULT, backoff_factor: float = _DEFAULT, growth_interval: int = _DEFAULT,
-                 enabled: bool = True, *, policy: Any = "dynamic", model: Any = None,
-                 process_group: Any = DEFAULT_GROUP, telemetry: Any = None, loss_check: bool = True,
-                 trace: bool = False, allow_fp16: bool = False, skip_if: Any = None, bad_microbatch: str = "skip",
-                 on_forward_overflow: str = "skip", upcast_after: int = 2, on_backward_overflow: str = "skip",
-                 **policy_keywords: Any) -> None:
+    def __init__(
+        self,
+        device: Union[str, torch.device, None] = None,
+        init_scale: float = _DEFAULT,
+        growth_factor: float = _DEFAULT,
+        backoff_factor: float = _DEFAULT,
+        growth_interval: int = _DEFAULT,
+        enabled: bool = True,
+        *,
+        policy: Any = "dynamic",
+        model: Any = None,
+        process_group: Any = DEFAULT_GROUP,
+        telemetry: Any = None,
+        loss_check: bool = True,
+        trace: bool = False,
+        allow_fp16: bool = False,
+        skip_if: Any = None,
+        bad_microbatch: str = "skip",
+        on_forward_overflow: str = "skip",
+        upcast_after: int = UPCAST_AFTER,
+        on_backward_overflow: str = "skip",
+        **policy_keywords: Any,
+    ) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
             raise ValueError(f"device={device!r} must be None, a string such as 'cpu'/'cuda', or a torch.device.")
         self._device_type = None if device is None else torch.device(device).type
         self._enabled = plain_bool("enabled", enabled)
         if self._enabled and self._device_type == "cuda" and not torch.cuda.is_available():
-            warnings.warn("lossscale.GradScaler: device='cuda' but CUDA is not available; disabling scaling.",
-                          stacklevel=2)
+            warn("lossscale.GradScaler: device='cuda' but CUDA is not available; disabling scaling.")
             self._enabled = False
-        given = {k: v for k, v in dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                                       growth_interval=growth_interval).items() if v is not _DEFAULT}
+        given = {
+            k: v
+            for k, v in dict(
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+            ).items()
+            if v is not _DEFAULT
+        }
         self._policy = _make_policy(policy, {**given, **policy_keywords})
         for name, value in (("loss_check", loss_check), ("trace", trace), ("allow_fp16", allow_fp16)):
             if not isinstance(value, bool):
@@ -156,33 +182,43 @@ class GradScaler:
         if trace and not isinstance(model, torch.nn.Module):
             raise ValueError("trace=True hooks the model's modules: pass model=<the nn.Module> as well.")
         self._loss_check, self._allow_fp16 = loss_check, allow_fp16
-        # The opt-in features: None when off, their modules loaded only when asked for.
-        self._telemetry = None if telemetry is None else _opt_in("telemetry").Telemetry.from_arg(telemetry)
-        self._flushed = _opt_in("_features").Fp16Flushed() if allow_fp16 else None  # the values it flushed
-        self._spikes = None if skip_if is None else _opt_in("spikes").SpikeSkipper.of(skip_if)
-        self._microbatches = None if bad_microbatch == "skip" else _opt_in("microbatches").MicroBatches(bad_microbatch)
-        self._upcast = None if (on_forward_overflow, upcast_after, on_backward_overflow) == ("skip", 2, "skip") else \
-            _opt_in("upcast").Upcast.of(on_forward_overflow, upcast_after, trace, model, on_backward_overflow)
-        # Those with an account (lossscale._features): counts(), state(), loadable() and load().
-        self._features = [f for f in (self._telemetry, self._flushed, self._spikes, self._microbatches, self._upcast)
-                          if f is not None]
+        # The opt-in features (lossscale._features.Feature), each None when off. Telemetry and the trace
+        # import their modules (statistics, hooks) only when asked for.
+        self._telemetry = None
+        if telemetry is not None:
+            from .telemetry import Telemetry
+
+            self._telemetry = Telemetry.from_arg(telemetry)
+        self._flushed = Fp16Flushed() if allow_fp16 else None  # the values the FP16 unscale flushed
+        self._spikes = SpikeSkipper.of(skip_if)
+        self._microbatches = MicroBatches.of(bad_microbatch)
+        self._upcast = Upcast.of(on_forward_overflow, upcast_after, trace, model, on_backward_overflow)
+        self._tracer = None
+        if trace and self._enabled:  # a disabled scaler checks nothing: hooks would only pile up records
+            from .trace import Tracer
+
+            self._tracer = Tracer(model)
+        self._features: List[Feature] = [
+            f
+            for f in (self._telemetry, self._tracer, self._flushed, self._spikes, self._microbatches, self._upcast)
+            if f is not None
+        ]
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
         if isinstance(process_group, str) and process_group != DEFAULT_GROUP:
-            raise ValueError(f"process_group={process_group!r} is not a process group; pass 'default' (the default "
-                             "group when torch.distributed runs), None (no reduction) or a group.")
+            raise ValueError(
+                f"process_group={process_group!r} is not a process group; pass 'default' (the default "
+                "group when torch.distributed runs), None (no reduction) or a group."
+            )
         self._check = GradientCheck(self._names, process_group)
-        # A disabled scaler checks nothing, and its update() (which hands each iteration's trace over)
-        # returns at once: hooks there would only pile up their records.
-        self._tracer = _opt_in("trace").Tracer(model) if trace and self._enabled else None
         self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
         self._hint_checks = _hints.CALLS_CHECKED
         self._stale_gradients = False  # a mid-iteration load left gradients scaled by the old scale
         self._new_iteration()
-        self._last = _Record()  # the last update's combined flags and decision, as a record
+        self._last: Optional[Flags] = None  # the last update's flags (None: nothing checked)
         self._graphed = False  # an update ran under CUDA-graph capture or compile: replays move the state
         self._snapshots: collections.deque = collections.deque(maxlen=SNAPSHOTS)
         self._warned_streak = False
@@ -199,14 +235,19 @@ class GradScaler:
         having. Takes ``on_stuck``, ``max_consecutive_skips`` and the scaler's other keywords.
         """
         stuck = {k: kwargs.pop(k) for k in ("on_stuck", "max_consecutive_skips") if k in kwargs}
-        scale_keys = sorted(set(kwargs) - {"enabled", "model", "process_group", "telemetry", "loss_check", "trace",
-                                           "allow_fp16", "skip_if", "bad_microbatch", "on_forward_overflow",
-                                           "upcast_after", "on_backward_overflow"})
+        # The scaler's own keywords (keyword-only in its signature, and torch's enabled) apply; the scale's not.
+        own = {"enabled"} | {
+            name
+            for name, p in inspect.signature(cls).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name != "policy"
+        }
+        scale_keys = sorted(set(kwargs) - own)
         if scale_keys:
             raise ValueError(
                 f"passthrough() fixes the scale at 1 (bf16 and fp32 need no scaling), so {', '.join(scale_keys)} "
                 "do(es) not apply. For a fixed scale S use GradScaler(policy='static', init_scale=S); for FP16 "
-                "use GradScaler().")
+                "use GradScaler()."
+            )
         return cls(device, policy=StaticPolicy(scale=1.0, **stuck), **kwargs)
 
     def name_parameters(self, model_or_named_parameters) -> None:
@@ -260,11 +301,15 @@ class GradScaler:
         never call :meth:`scale` (pipeline stages) and frameworks that load a checkpoint first. No sync.
         ValueError if the state already lives on another device, or for the meta device."""
         device = torch.device(device)
+        if self._t is not None:
+            if self._t.device != _indexed(device):
+                raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
+            return
         if device.type == "meta":
-            raise ValueError("init_device got device=meta, which holds no values: the scale and the counters must "
-                             "live where the gradients are checked; pass the training device ('cpu', 'cuda', ...).")
-        if self._t is not None and self._start(device).device != _indexed(device):
-            raise ValueError(f"the scaler already runs on {self._t.device}; init_device got device={device}.")
+            raise ValueError(
+                "init_device got device=meta, which holds no values: the scale and the counters must "
+                "live where the gradients are checked; pass the training device ('cpu', 'cuda', ...)."
+            )
         self._start(device)
 
     def _start(self, device: torch.device) -> TensorState:
@@ -277,8 +322,9 @@ class GradScaler:
         """The device state; RuntimeError naming ``call`` without one (callers write ``self._t or
         self._require(call)``: a TensorState is always true)."""
         if self._t is None:
-            raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() first in the "
-                               "iteration.")
+            raise RuntimeError(
+                f"{call} was called before scale(): call scaler.scale(loss).backward() first in the iteration."
+            )
         return self._t
 
     def state(self) -> ScaleState:
@@ -299,9 +345,11 @@ class GradScaler:
             _refuse_unscalable(outputs)  # before anything changes: a failed call leaves no trace
         if weight is not None:
             if self._microbatches is None:
-                raise ValueError("scale(weight=...) gives a micro-batch's share for dropping bad micro-batches; build "
-                                 "the scaler with bad_microbatch='drop' (or leave weight out).")
-            weight = _opt_in("microbatches").valid_weight(weight, outputs)
+                raise ValueError(
+                    "scale(weight=...) gives a micro-batch's share for dropping bad micro-batches; build "
+                    "the scaler with bad_microbatch='drop' (or leave weight out)."
+                )
+            weight = valid_weight(weight, outputs)
         if self._microbatches is not None:
             self._microbatches.expect(weight)
         if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
@@ -347,12 +395,13 @@ class GradScaler:
         """The opt-in features that look at the scaled gradients: telemetry (when due) and the trace."""
         if self._telemetry is not None and self._telemetry.due():
             g = gathered or self._check.gather(optimizer, allow_half=True)
-            self._telemetry.observe(g.params, g.grads, self._names, self._t.scale, all_params=g.all_params,
-                                    sharded=g.sharded)
+            self._telemetry.observe(
+                g.params, g.grads, self._names, self._t.scale, all_params=g.all_params, sharded=g.sharded
+            )
         if self._tracer is not None:
             self._tracer.end_backward()
 
-    def _check_optimizer(self, optimizer, rec: Dict[str, Any], unscale: bool, sync: bool) -> Flags:
+    def _check_optimizer(self, optimizer, rec: _Record, unscale: bool, sync: bool) -> Flags:
         """Check (and with ``unscale``, unscale) ``optimizer``'s gradients; keep the flags in its record.
         ``sync``: read the skip decision on the host now (one sync)."""
         t = self._t
@@ -364,33 +413,57 @@ class GradScaler:
         if synced:  # torch's check+unscale kernel, then the one read
             gathered = self._check.gather(optimizer, allow_half=True)
             self._check.claim(gathered, self._unscaled)  # before any unscale
-            found_inf = torch.zeros((), dtype=torch.float32, device=t.device)
-            per_device = self._unscale_grads_(optimizer, inverse(self._carried), found_inf, self._allow_fp16)
-            flags = self._check.decide(per_device, t.device, bad_loss, sync and not self._spikes)
+            kernel_flag = torch.zeros((), dtype=torch.float32, device=t.device)  # torch's found_inf, for its kernel
+            per_device = self._unscale_grads_(optimizer, inverse(self._carried), kernel_flag, self._allow_fp16)
+            overflow = kernel_flag > 0  # (another device's flag joins it: rare)
+            for flag in per_device.values():
+                if flag is not kernel_flag:
+                    overflow = overflow | (flag.to(t.device) > 0)
+            spike = self._spike(optimizer, gathered.grads, scale=None)  # of the unscaled gradients
+            flags = self._check.flags(overflow, torch.zeros_like(bad_loss), bad_loss, spike, sync=sync)
+            if flags.skipped:  # rare: tell NaN from inf, and which gradients held them
+                flags.learn_nan(*self._check.nan_pass(gathered, t.device))
         else:  # the read-only pass first: it measures the *scaled* gradients
             gathered = self._check.gather(optimizer, allow_half=self._allow_fp16 or not unscale)
-            flags = self._check.read_only(gathered, t.device, bad_loss, self._policy.needs_amax,
-                                          sync and not self._spikes)
+            vectors, worst, order = largest_magnitudes(gathered.grads, t.device)
             if unscale:
-                self._check.multiply_(gathered, inverse(self._carried), self._unscaled,
-                                      None if self._flushed is None else self._flushed.counter(t.device))
-        if self._spikes is not None:  # skip_if: a spike joins the decision before it is read
-            self._spikes.fold(optimizer, flags, t.device, self._losses, self._check.group(), sync, gathered.grads,
-                              None if unscale else self._carried)
-        if synced and flags.skipped:  # an overflow (rare): tell NaN from inf, and which gradients held them
-            self._check.tell_nan(flags, gathered, t.device)
+                self._check.multiply_(
+                    gathered,
+                    inverse(self._carried),
+                    self._unscaled,
+                    None if self._flushed is None else self._flushed.counter(t.device),
+                )
+            spike = self._spike(optimizer, gathered.grads, scale=None if unscale else self._carried)
+            flags = self._check.flags(
+                ~torch.isfinite(worst),
+                torch.isnan(worst),
+                bad_loss,
+                spike,
+                worst if self._policy.needs_amax else None,
+                sync,
+                [gathered.params[i] for i in order],
+                vectors,
+            )
         rec.flags = flags
         return flags
 
-    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: Optional[bool] = None):
+    def _spike(self, optimizer, grads, scale=None, norm=None) -> Optional[torch.Tensor]:
+        """With ``skip_if``: whether this step is a spike on this rank (see lossscale.spikes); else None."""
+        if self._spikes is None:
+            return None
+        return self._spikes.judge(optimizer, self._t.device, self._losses, grads, scale, norm)
+
+    def _unscale_grads_(
+        self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: Optional[bool] = None
+    ):
         """torch's private primitive, with torch's signature and result: unscale ``optimizer``'s gradients
         by ``inv_scale`` in place, set ``found_inf`` where one was inf or NaN, return ``{device:
         found_inf}`` (``allow_fp16`` None: this scaler's setting, as ``ShardedGradScaler``'s default). The
         synced check calls it, so code that wraps or patches it changes what it does, as with torch."""
         allow = self._allow_fp16 if allow_fp16 is None else allow_fp16
         flushed = self._flushed.counter(found_inf.device) if allow and self._flushed is not None else None
-        return self._check.unscale_(self._check.gather(optimizer, allow_half=allow), inv_scale, found_inf, flushed)
+        gathered = self._check.gather(optimizer, allow_half=allow)
+        return self._check.check_and_unscale(gathered, inv_scale, found_inf, flushed)
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale (in place) and check them for inf/NaN.
@@ -409,8 +482,9 @@ class GradScaler:
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
         self._keep(optimizer, rec, OptState.UNSCALED)
 
-    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None,
-                        expert_parallel: Any = None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, optimizer, max_norm: float, norm_type: float = 2.0, *, norm_group: Any = None, expert_parallel: Any = None
+    ) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients by their true total norm; return that norm.
 
         Replaces ``unscale_(optimizer)`` + ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with two
@@ -422,7 +496,7 @@ class GradScaler:
         Mixture-of-experts: ``expert_parallel=(this rank's expert parameters, the expert-parallel group)``
         (:func:`lossscale.distributed.norm_reduction`).
         """
-        from ._check import clip_scaled_, largest_magnitudes, validate_clip
+        from ._check import clip_scaled_, validate_clip
         from .distributed import norm_reduction
 
         max_norm = plain_number("max_norm", max_norm)
@@ -433,12 +507,13 @@ class GradScaler:
             if rec.stage is OptState.UNSCALED:
                 raise RuntimeError(
                     "clip_grad_norm_() unscales the gradients itself, and unscale_() (or clip_grad_norm_()) was "
-                    "already called on this optimizer since the last update(); call only one of them per iteration.")
+                    "already called on this optimizer since the last update(); call only one of them per iteration."
+                )
         with torch.no_grad():
-            gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(),
-                                          coalesce=True)
-            reduce_norm, counted = norm_reduction(gathered.all_params, gathered.params, norm_type, norm_group,
-                                                  expert_parallel)
+            gathered = self._check.gather(optimizer, allow_half=not self._enabled or self._passthrough(), coalesce=True)
+            reduce_norm, counted = norm_reduction(
+                gathered.all_params, gathered.params, norm_type, norm_group, expert_parallel
+            )
             if not self._enabled:  # torch's clip, or the same reduced norm as when enabled, at scale 1
                 if reduce_norm is None:
                     return torch.nn.utils.clip_grad_norm_(gathered.all_params, max_norm, norm_type)
@@ -450,16 +525,22 @@ class GradScaler:
             if self._policy.needs_amax:  # of the *scaled* gradients, before they are rewritten
                 amax = largest_magnitudes(gathered.grads, t.device)[1]
             bad_loss = self._bad_loss(t.device)
-            true_norm, total, per_tensor, order = clip_scaled_(gathered.grads, self._carried, inverse(self._carried),
-                                                               max_norm, norm_type, counted, reduce_norm)
+            true_norm, total, per_tensor, order = clip_scaled_(
+                gathered.grads, self._carried, inverse(self._carried), max_norm, norm_type, counted, reduce_norm
+            )
+            spike = self._spike(optimizer, gathered.grads, norm=true_norm)  # the clip's true norm: no pass more
             # A per-tensor norm is NaN for a tensor holding a NaN, inf for one holding an inf: it names
             # the parameters in the overflow report as an amax vector does.
-            rec.flags = self._check.flags_of(total, bad_loss, amax,
-                                                not _fused(optimizer) and not self._spikes,
-                                                [gathered.params[i] for i in order], [per_tensor] if order else [])
-            if self._spikes is not None:  # the clip's true norm: no pass more
-                self._spikes.fold(optimizer, rec.flags, t.device, self._losses, self._check.group(),
-                                  not _fused(optimizer), gathered.grads, norm=true_norm)
+            rec.flags = self._check.flags(
+                ~torch.isfinite(total),
+                torch.isnan(total),
+                bad_loss,
+                spike,
+                amax,
+                not _fused(optimizer),
+                [gathered.params[i] for i in order],
+                [per_tensor] if order else [],
+            )
         self._keep(optimizer, rec, OptState.UNSCALED)
         return true_norm
 
@@ -474,25 +555,30 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        t = self._t or self._require("step()")
+        self._t or self._require("step()")
         rec = self._record(optimizer, "step()")
         if rec.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if not getattr(optimizer, "_step_supports_amp_scaling", False):  # see _fused
             flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=True, sync=True)
-            retval = None if flags.skipped else optimizer.step(*args, **kwargs)
+            retval = None if flags.was_skipped() else optimizer.step(*args, **kwargs)
         elif _takes_grad_scaler(optimizer.step):
-            warnings.warn("lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; "
-                          "prefer optimizers that read grad_scale/found_inf.", FutureWarning, stacklevel=2)
+            warn(
+                "lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating; "
+                "prefer optimizers that read grad_scale/found_inf.",
+                FutureWarning,
+            )
             retval = optimizer.step(*args, grad_scaler=self, **kwargs)
         else:
             host = _first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
             flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=False, sync=host)
-            if host and flags.skipped:
+            if host and flags.was_skipped():
                 retval = None
             else:
                 unscaled = rec.stage is OptState.UNSCALED
-                retval = _step_with_flags(optimizer, None if unscaled else self._carried, flags.found_inf, args, kwargs)
+                retval = _step_with_flags(
+                    optimizer, None if unscaled else self._carried, found_inf(flags), args, kwargs
+                )
         self._keep(optimizer, rec, OptState.STEPPED)
         return retval
 
@@ -500,15 +586,18 @@ class GradScaler:
         """``optimizer``'s record of this iteration (a fresh one is kept only by :meth:`_keep`, so a call
         that fails leaves nothing behind)."""
         if not hasattr(optimizer, "param_groups"):
-            raise ValueError(f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
-                             "torch.optim optimizer whose gradients were scaled.")
+            raise ValueError(
+                f"{call}: optimizer={optimizer!r} is not an optimizer (no param_groups); pass the "
+                "torch.optim optimizer whose gradients were scaled."
+            )
         if self._stale_gradients:
             raise RuntimeError(
                 f"{call}: load_state_dict() was called in mid-iteration, after the gradients were scaled by the "
                 "scale from before the load; unscaled by the loaded one they would take a wrong step. Those "
                 "gradients belong to the run before the load: zero the gradients and run a new "
                 "scaler.scale(loss).backward() (a rank that calls no scale(), such as a pipeline stage, calls "
-                "scaler.discard_iteration() once they are zeroed).")
+                "scaler.discard_iteration() once they are zeroed)."
+            )
         rec = self._records.get(id(optimizer))
         if rec is None or (rec.stage is OptState.READY and rec.flags is None):
             return _Record()
@@ -535,34 +624,63 @@ class GradScaler:
         t = self._t or self._require("update()")
         if new_scale is not None:
             new_scale = _valid_new_scale(self._policy, new_scale, t.device)
+        flags = self._iteration_flags(required=new_scale is None)
+        self._advance(t, flags, new_scale)
+        evidence = self._close_iteration(flags)
+        for callback in list(self._step_callbacks.values()):  # on_step: the host's bool, else the device flag
+            callback(True if flags is None else not flags.skipped if flags.skipped is not None else ~flags.skip)
+        self._send_state(t, evidence)
+
+    def _iteration_flags(self, required: bool) -> Optional[Flags]:
+        """The iteration's flags, its optimizers' combined; None when none was checked (``update(new_scale)``
+        alone; RuntimeError when ``required``)."""
         checked = [rec.flags for rec in self._records.values() if rec.flags is not None]
-        if not checked and new_scale is None:
-            raise RuntimeError("update() found no inf checks since the last update(): call scaler.step(optimizer) "
-                               "(or unscale_) for each optimizer before update().")
-        flags = checked[0] if len(checked) == 1 else _combined(checked, t.device)
-        # skip_if: a spike is skipped, but for the scale it is a clean step
-        overflow = flags.found_inf > 0 if self._spikes is None else self._spikes.learn(checked, t.device)
+        if not checked:
+            if required:
+                raise RuntimeError(
+                    "update() found no inf checks since the last update(): call "
+                    "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
+                )
+            return None
+        return combine(checked, self._t.device)
+
+    def _advance(self, t: TensorState, flags: Optional[Flags], new_scale) -> None:
+        """The policy's tensor rule on the device state, or ``new_scale`` set (the iteration still counted;
+        torch leaves the trackers alone). No sync. The policy's ``found_inf`` is a skip the scale or the
+        loss caused: a spike (``skip_if``) is a clean step for the scale."""
+        found = None if flags is None else flags.overflow | flags.bad_loss
         if new_scale is None:
-            self._policy.tensor_update(t, overflow, flags.found_nan, flags.bad_loss, flags.amax)
-        else:  # the iteration still happened: count it; torch leaves the trackers alone
-            if checked:
-                count_tensor(t, overflow, flags.found_nan, flags.bad_loss)
-            _set_scale(self._policy, t, new_scale)
-        known = [f.skipped for f in checked]
-        self._last = _Record(OptState.STEPPED, flags if checked else None, any(known) if None not in known else None)
-        evidence = None
-        if self._last.skipped is not False and checked:  # possibly skipped: keep what the report needs
-            evidence = dict(losses=self._losses, source=[(f.params, f.amax_vectors) for f in checked],
-                            spikes=[f.spike[0] for f in checked if f.spike],
-                            trace=None if self._tracer is None else self._tracer.snapshot())
+            self._policy.tensor_update(t, found, flags.nan, flags.bad_loss, flags.amax)
+            return
+        if flags is not None:
+            count_tensor(t, found, flags.nan, flags.bad_loss)
+        _set_scale(self._policy, t, new_scale)
+
+    def _close_iteration(self, flags: Optional[Flags]) -> Optional[Dict[str, Any]]:
+        """Keep the iteration's decision, let the features learn the step, start the next iteration.
+        Returns what the first-cause report needs if the step may have been skipped (device tensors)."""
+        if self._spikes is not None:
+            self._spikes.learn({key: rec.flags for key, rec in self._records.items()})
+        self._last, evidence = flags, None
+        if flags is not None and flags.skipped is not False:  # possibly skipped: keep what the report needs
+            checked = [rec.flags for rec in self._records.values() if rec.flags is not None]
+            evidence = dict(
+                losses=self._losses,
+                source=[(f.params, f.amax_vectors) for f in checked],
+                spikes=[f.spike for f in checked if f.spike is not None],
+                trace=None if self._tracer is None else self._tracer.snapshot(),
+            )
             self._evidence, self._last_report = evidence, None
         elif self._tracer is not None:
             self._tracer.snapshot()  # the next iteration starts afresh
         self._new_iteration()
         if self._telemetry is not None:
             self._telemetry.iteration += 1
-        for callback in list(self._step_callbacks.values()):  # on_step: the host's bool, else the device flag
-            callback(not self._last.skipped if self._last.skipped is not None else flags.found_inf == 0)
+        return evidence
+
+    def _send_state(self, t: TensorState, evidence: Optional[Dict[str, Any]]) -> None:
+        """Start a snapshot of the state to the host; feed the landed ones to the health account and the
+        stuck check. Under CUDA-graph capture or torch.compile nothing reaches the host."""
         if torch.compiler.is_compiling() or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._graphed = True  # replays move the state without update(): never trust a kept decision
             return
@@ -586,9 +704,13 @@ class GradScaler:
         gradients itself and skipped its step, as DeepSpeed's ZeRO does): the policy answers it as one of
         its own check's, in place of :meth:`update`; the gradients are not touched. No sync."""
         t = self._t or self._require("record_overflow()")
-        flags = Flags(torch.ones((), device=t.device), torch.full((), nan, device=t.device),
-                      torch.zeros((), dtype=torch.bool, device=t.device), skipped=True)
-        self._records = {id(self): _Record(OptState.STEPPED, flags, skipped=True)}
+        flags = Flags(
+            overflow=torch.ones((), dtype=torch.bool, device=t.device),
+            nan=torch.full((), nan, dtype=torch.bool, device=t.device),
+            bad_loss=torch.zeros((), dtype=torch.bool, device=t.device),
+            skipped=True,
+        )
+        self._records = {id(self): _Record(OptState.STEPPED, flags)}
         self.update()
 
     def _new_iteration(self) -> None:
@@ -607,8 +729,9 @@ class GradScaler:
             if self._upcast is not None:  # a skipped step's first forward (at the floor: backward) overflow:
                 # one read, on skipped steps only
                 floor = self._policy.scale_bounds()[0]
-                self._upcast.learn(state, snap.evidence, self._tracer,
-                                   at_floor=floor is not None and scale_before <= floor)
+                self._upcast.learn(
+                    state, snap.evidence, self._tracer, at_floor=floor is not None and scale_before <= floor
+                )
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
 
@@ -628,7 +751,7 @@ class GradScaler:
             raise RuntimeError(message)
         if not self._warned_streak:
             self._warned_streak = True
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn(message, RuntimeWarning)
 
     def check_stuck(self) -> None:
         """Run the stuck check on the state now (warn or raise per ``on_stuck``); one sync. :meth:`update`
@@ -655,13 +778,19 @@ class GradScaler:
         self._learn_landed()
         state, before = (self._init_state, None) if self._t is None else self._t.read()
         sampled = self._telemetry is not None and self._telemetry.overall is not None
-        return self._health.report(self._policy, state, before,
-                                   self._telemetry.overall.flushed_frac if sampled else None,
-                                   self._telemetry.step_collected if sampled else None, self._describe,
-                                   upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
-                                   backward_upcasts=None if self._upcast is None or not self._upcast.backward
-                                   else tuple(self._upcast.kept_backward),
-                                   **self._opt_in_counts())
+        return self._health.report(
+            self._policy,
+            state,
+            before,
+            self._telemetry.overall.flushed_frac if sampled else None,
+            self._telemetry.step_collected if sampled else None,
+            self._describe,
+            upcast_modules=None if self._upcast is None else tuple(self._upcast.kept),
+            backward_upcasts=None
+            if self._upcast is None or not self._upcast.backward
+            else tuple(self._upcast.kept_backward),
+            **self._opt_in_counts(),
+        )
 
     def overflow_report(self) -> Dict[str, Any]:
         """Why the last step was skipped, as a dict: ``"inf"``, ``"nan"`` (the parameters whose gradients
@@ -678,55 +807,54 @@ class GradScaler:
             self._last_report = _overflow.report(self._evidence or {}, self._names, self._tracer, scale)
         return self._last_report
 
-    def _decided(self, optimizer=None):
-        """The records that say whether the last step was skipped: this iteration's steps so far
+    def _decided(self, optimizer=None) -> List[Optional[Flags]]:
+        """The flags that say whether the last step was skipped: this iteration's steps so far
         (``optimizer``'s when it has stepped), else the last update's. RuntimeError between a check and
         the first step: nothing is decided yet."""
         rec = self._records.get(id(optimizer)) if optimizer is not None else None
         if rec is not None and rec.stage is OptState.STEPPED:
-            return [rec]
-        stepped = [r for r in self._records.values() if r.stage is OptState.STEPPED]
+            return [rec.flags]
+        stepped = [r.flags for r in self._records.values() if r.stage is OptState.STEPPED]
         if not stepped and any(r.flags is not None for r in self._records.values()):
             raise RuntimeError(
                 "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, "
-                "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer).")
+                "step() did not), so whether it is skipped is not known. Ask after scaler.step(optimizer)."
+            )
         return stepped or [self._last]
 
-    def _read_skipped(self, rec) -> bool:
-        """A record's decision: the host's, or its device flag read once (a sync, fused optimizers only;
-        every time after an update under CUDA-graph capture, whose replays move it)."""
-        if rec.skipped is None:
-            flags = rec.flags
-            skipped = False if flags is None else flags.skipped if flags.skipped is not None else \
-                bool(flags.found_inf.item())
-            if rec is self._last and self._graphed:
-                return skipped
-            rec.skipped = skipped
-        return rec.skipped
+    def _read_skipped(self, flags: Optional[Flags]) -> bool:
+        """Whether ``flags`` skipped their step: the host's decision, or the device flag read once (a
+        sync, fused optimizers only; every time for the last update's under CUDA-graph capture, whose
+        replays move it)."""
+        if flags is None:
+            return False
+        if flags is self._last and self._graphed:
+            return bool(flags.skip.item())
+        return flags.was_skipped()
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last :meth:`step` was skipped: this iteration's (any optimizer so far) between
         :meth:`step` and :meth:`update`, otherwise the last iteration's. Free where the host decided the
         step; for fused optimizers the first read syncs."""
-        stepped = [r for r in self._records.values() if r.stage is OptState.STEPPED]
-        return any(self._read_skipped(r) for r in stepped or [self._last])
+        stepped = [r.flags for r in self._records.values() if r.stage is OptState.STEPPED]
+        return any(self._read_skipped(f) for f in stepped or [self._last])
 
     def step_was_skipped(self, optimizer=None) -> bool:
         """Whether ``optimizer``'s last step was skipped (each optimizer skips on its own gradients, as in
         torch; None: the iteration's so far), for code that acts on it. After :meth:`update`, the last
         iteration's. RuntimeError between a check and the first step. May sync: see :attr:`last_step_skipped`."""
-        return any(self._read_skipped(r) for r in self._decided(optimizer))
+        return any(self._read_skipped(f) for f in self._decided(optimizer))
 
     def skip_flag(self, optimizer=None) -> Union[bool, torch.Tensor]:
         """:meth:`step_was_skipped` without a sync: a bool where the host decided the step, else a bool
         0-dim tensor on the state's device (fused optimizers), to gate device work with ``torch.where``."""
         if not self._enabled:
             return False
-        records = self._decided(optimizer)
-        if all(r.skipped is not None or r.flags is None or r.flags.skipped is not None for r in records):
-            return any(self._read_skipped(r) for r in records)
-        return _combined([r.flags for r in records if r.flags is not None], self._t.device).found_inf > 0
+        decided = [f for f in self._decided(optimizer) if f is not None]
+        if all(f.skipped is not None for f in decided):
+            return any(f.skipped for f in decided)
+        return combine(decided, self._t.device).skip
 
     @property
     def skipped_steps(self) -> int:
@@ -802,12 +930,21 @@ class GradScaler:
         elif hasattr(self._t, "growth_tracker"):
             self._t.growth_tracker.fill_(int(value))
 
-    _growth_factor = property(lambda self: self.get_growth_factor(), lambda self, v: self.set_growth_factor(v),
-                              doc="torch's attribute: :meth:`get_growth_factor` / :meth:`set_growth_factor`.")
-    _backoff_factor = property(lambda self: self.get_backoff_factor(), lambda self, v: self.set_backoff_factor(v),
-                               doc="torch's attribute: :meth:`get_backoff_factor` / :meth:`set_backoff_factor`.")
-    _growth_interval = property(lambda self: self.get_growth_interval(), lambda self, v: self.set_growth_interval(v),
-                                doc="torch's attribute: :meth:`get_growth_interval` / :meth:`set_growth_interval`.")
+    _growth_factor = property(
+        lambda self: self.get_growth_factor(),
+        lambda self, v: self.set_growth_factor(v),
+        doc="torch's attribute: :meth:`get_growth_factor` / :meth:`set_growth_factor`.",
+    )
+    _backoff_factor = property(
+        lambda self: self.get_backoff_factor(),
+        lambda self, v: self.set_backoff_factor(v),
+        doc="torch's attribute: :meth:`get_backoff_factor` / :meth:`set_backoff_factor`.",
+    )
+    _growth_interval = property(
+        lambda self: self.get_growth_interval(),
+        lambda self, v: self.set_growth_interval(v),
+        doc="torch's attribute: :meth:`get_growth_interval` / :meth:`set_growth_interval`.",
+    )
 
     def _lazy_init_scale_growth_tracker(self, device) -> None:
         """torch's private name for :meth:`init_device`."""
@@ -902,7 +1039,7 @@ class GradScaler:
             return {}
         out = checkpoint.to_dict(self._policy, self.state())
         for feature in self._features:
-            out.update(feature.state())
+            out.update(feature.entries())
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -926,11 +1063,13 @@ class GradScaler:
         # Everything is validated: now swap.
         in_flight = self._in_flight()
         if in_flight:
-            warnings.warn(
+            warn(
                 "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()): the "
                 "state is loaded and the iteration in flight is discarded (nothing of it is counted). Its "
                 "gradients carry the old scale, so unscale_() and step() refuse them: zero the gradients and run "
-                "a new scaler.scale(loss).backward().", RuntimeWarning, stacklevel=2)
+                "a new scaler.scale(loss).backward().",
+                RuntimeWarning,
+            )
         for feature, value in loaded:
             feature.load(value)
         self._policy = policy
@@ -945,7 +1084,7 @@ class GradScaler:
         self._snapshots.clear()
         self._warned_streak = False
         self._health.reset(state)
-        self._last, self._evidence, self._last_report = _Record(), None, None
+        self._last, self._evidence, self._last_report = None, None, None
 
     def discard_iteration(self) -> None:
         """Forget the iteration in flight: what :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_`
@@ -959,19 +1098,26 @@ class GradScaler:
 
     def _in_flight(self) -> bool:
         """Whether an iteration has begun: scale() or a check ran since the last update()."""
-        return self._began or any(r.flags is not None or r.stage is not OptState.READY
-                                  for r in self._records.values())
+        return self._began or any(r.flags is not None or r.stage is not OptState.READY for r in self._records.values())
 
     def __getstate__(self) -> Dict[str, Any]:
         # As torch: not once an optimizer was checked (after scale() is fine: the copy starts afresh).
         if any(r.flags is not None or r.stage is not OptState.READY for r in self._records.values()):
-            raise RuntimeError("A GradScaler can be pickled only at the beginning of an iteration, before any "
-                               "unscale_(), clip_grad_norm_() or step() (as torch's), or after update().")
+            raise RuntimeError(
+                "A GradScaler can be pickled only at the beginning of an iteration, before any "
+                "unscale_(), clip_grad_norm_() or step() (as torch's), or after update()."
+            )
         state = self.__dict__.copy()
         # The state as numbers; the copy makes its tensors afresh on the next scale(), as torch's does.
-        state.update(_init_state=self.state(), _t=None, _snapshots=collections.deque(maxlen=SNAPSHOTS),
-                     _evidence=None, _last_report=None, _last=_Record(skipped=self._read_skipped(self._last)),
-                     _step_callbacks=collections.OrderedDict())
+        state.update(
+            _init_state=self.state(),
+            _t=None,
+            _snapshots=collections.deque(maxlen=SNAPSHOTS),
+            _evidence=None,
+            _last_report=None,
+            _last=_decided_on_host(self._read_skipped(self._last)),
+            _step_callbacks=collections.OrderedDict(),
+        )
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -990,14 +1136,11 @@ class GradScaler:
 
 
 # ------------------------------------------------------------------------------------- helpers
-def _opt_in(module: str):
-    """``lossscale.<module>``, imported on first use: the default scaler loads no opt-in feature."""
-    return importlib.import_module(f"lossscale.{module}")
-
-
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with its index: "cuda" alone means the current CUDA device."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    )
 
 
 def _make_policy(policy, given: Dict[str, Any]):
@@ -1006,25 +1149,31 @@ def _make_policy(policy, given: Dict[str, Any]):
     if not isinstance(policy, Policy):
         raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
     if given:
-        raise ValueError(f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
-                         "to GradScaler as well.")
+        raise ValueError(
+            f"policy is a policy object, so {', '.join(given)} must be set on the object, not passed "
+            "to GradScaler as well."
+        )
     return policy
 
 
 def _counters(s: ScaleState) -> Dict[str, int]:
-    return {"steps": s.steps, "skipped_steps": s.skipped_steps, "inf_steps": s.inf_steps,
-            "nan_steps": s.nan_steps, "bad_loss_steps": s.bad_loss_steps, "overflow_streak": s.overflow_streak}
+    return {
+        "steps": s.steps,
+        "skipped_steps": s.skipped_steps,
+        "inf_steps": s.inf_steps,
+        "nan_steps": s.nan_steps,
+        "bad_loss_steps": s.bad_loss_steps,
+        "overflow_streak": s.overflow_streak,
+    }
 
 
-def _combined(flags, device: torch.device) -> Flags:
-    """The flags of several checks (one per optimizer) as one: a maximum of each (the flag contract)."""
-    found_inf = torch.zeros((), dtype=torch.float32, device=device)
-    found_nan = bad_loss = torch.zeros((), dtype=torch.bool, device=device)
-    amaxes = [f.amax.to(device) for f in flags if f.amax is not None]
-    for f in flags:
-        found_inf = torch.maximum(found_inf, f.found_inf.to(device))
-        found_nan, bad_loss = found_nan | f.found_nan.to(device), bad_loss | f.bad_loss.to(device)
-    return Flags(found_inf, found_nan, bad_loss, torch.stack(amaxes).max() if amaxes else None)
+def _decided_on_host(skipped: bool) -> Optional[Flags]:
+    """Flags that say only whether a step was skipped (a copy of the scaler keeps that, not the device
+    flags): None for a step taken."""
+    if not skipped:
+        return None
+    no = torch.zeros((), dtype=torch.bool)
+    return Flags(overflow=torch.ones((), dtype=torch.bool), nan=no, bad_loss=no, skipped=True)
 
 
 def _valid_new_scale(policy, new_scale, device: torch.device):
@@ -1032,8 +1181,10 @@ def _valid_new_scale(policy, new_scale, device: torch.device):
     tensor on the state's device type; ValueError naming it otherwise."""
     if isinstance(new_scale, torch.Tensor):
         if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
-            raise ValueError("new_scale must be a float or a 1-element floating-point tensor with requires_grad="
-                             f"False; got a {new_scale.dtype} tensor of shape {tuple(new_scale.shape)}.")
+            raise ValueError(
+                "new_scale must be a float or a 1-element floating-point tensor with requires_grad="
+                f"False; got a {new_scale.dtype} tensor of shape {tuple(new_scale.shape)}."
+            )
         if new_scale.device.type != device.type:
             raise ValueError(f"new_scale is on {new_scale.device} but the scaler's state is on {device}.")
         return new_scale
@@ -1041,8 +1192,10 @@ def _valid_new_scale(policy, new_scale, device: torch.device):
     if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
         raise ValueError(f"new_scale={new_scale!r} must be a float or a 1-element tensor.")
     if not SMALLEST_SCALE <= f32(new_scale) < float("inf"):
-        raise ValueError(f"new_scale={new_scale!r} must be finite and within float32's normal range "
-                         "[2**-126, 3.4e38], where the scale is kept.")
+        raise ValueError(
+            f"new_scale={new_scale!r} must be finite and within float32's normal range "
+            "[2**-126, 3.4e38], where the scale is kept."
+        )
     lo, hi = policy.scale_bounds()
     if (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi):
         raise ValueError(f"new_scale={new_scale!r} is outside [min_scale={lo}, max_scale={hi}].")
@@ -1069,15 +1222,18 @@ def _refuse_unscalable(outputs: Any) -> None:
     iterables are checked as they are consumed), or a tensor on the meta device (it holds no values)."""
     if isinstance(outputs, torch.Tensor):
         if outputs.device.type == "meta":
-            raise ValueError("scale() got a tensor on the meta device, which holds no values; scale the loss of a "
-                             "real forward (the scaler's state lives on the loss's device).")
+            raise ValueError(
+                "scale() got a tensor on the meta device, which holds no values; scale the loss of a "
+                "real forward (the scaler's state lives on the loss's device)."
+            )
         return
     if isinstance(outputs, (dict, list, tuple)):
         for value in outputs.values() if isinstance(outputs, dict) else outputs:
             _refuse_unscalable(value)
     elif not isinstance(outputs, abc.Iterable) or isinstance(outputs, (str, bytes)):
         raise ValueError(
-            f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}.")
+            f"scale() takes a tensor or (nested) lists, tuples or dicts of tensors, got {type(outputs).__name__}."
+        )
 
 
 def _map_tensors(fn: Callable, value: Any) -> Any:

@@ -32,7 +32,8 @@ subclass of its own class whose ``step()`` (``update_parameters()``) asks the sc
 (a method patched onto it would land in every checkpoint and break ``torch.load(weights_only=True)``):
 the scaler lives on the per-object subclass. The state dict is the plain object's, loadable into a
 plain scheduler or ``AveragedModel`` and back; pickling, ``copy.deepcopy`` and ``torch.save`` of the
-whole object keep it skip-aware.
+whole object keep it skip-aware. A pickle carries a copy of the scaler; a deep copy follows the live
+scaler (or the scaler's copy, where the same ``copy.deepcopy`` call copied the scaler before it).
 
 Host syncs. Where the host decided the step (optimizers without amp-scaling support: the scaler
 synced once already to decide), reading the decision is free: a skipped update returns at once, a
@@ -72,6 +73,7 @@ be wrapped: it would skip a whole epoch's update when the epoch's last batch was
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, TypeVar
 
 __all__ = ["skip_aware", "is_skip_aware"]
@@ -92,12 +94,16 @@ def _check_scaler(scaler) -> None:
 def _rebuild(base: type, scaler, state: dict, optimizer=None):
     """Unpickle a skip-aware object: a ``base`` instance with ``state``, made skip-aware again."""
     obj = base.__new__(base)
+    _set_state(obj, state)
+    return skip_aware(obj, scaler, optimizer=optimizer)
+
+
+def _set_state(obj, state: dict) -> None:
     setstate = getattr(obj, "__setstate__", None)  # nn.Module's restores its hook dicts
     if setstate is not None:
         setstate(state)
     else:
         obj.__dict__.update(state)
-    return skip_aware(obj, scaler, optimizer=optimizer)
 
 
 def _step(self, *args: Any, **kwargs: Any):
@@ -190,6 +196,19 @@ def _ema_tensors(ema):
     return out
 
 
+def _deepcopy(self, memo):
+    # copy.deepcopy copies the object, not the scaler it asks: the copy follows the live scaler (a frozen
+    # copy would never see another skip), or the scaler's copy where the same deepcopy copied the scaler
+    # first (copy.deepcopy((scaler, scheduler))). The optimizer of an AveragedModel or an EMA likewise.
+    cls = type(self)
+    base = cls._lossscale_base
+    obj = base.__new__(base)
+    memo[id(self)] = obj  # before the state: a state that refers back to the object gets the copy
+    _set_state(obj, copy.deepcopy(dict(self.__getstate__()), memo))
+    scaler, optimizer = cls._lossscale_scaler, cls._lossscale_optimizer
+    return skip_aware(obj, memo.get(id(scaler), scaler), optimizer=memo.get(id(optimizer), optimizer))
+
+
 def _reduce_ex(self, protocol):
     # The per-object class is not importable by name: pickle as (base class, scaler, state, optimizer).
     cls = type(self)
@@ -256,6 +275,7 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
         "_lossscale_scaler": scaler,
         "_lossscale_optimizer": optimizer,
         "__reduce_ex__": _reduce_ex,
+        "__deepcopy__": _deepcopy,
         **method,
     })
     obj.__class__ = skip_cls

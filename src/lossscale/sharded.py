@@ -21,9 +21,25 @@ class ShardedGradScaler(GradScaler):
     order and ``process_group``, FP16 gradients unscaled (``allow_fp16=True``), lossscale's everything else
     (pass ``allow_fp16=False`` to refuse them, or any :class:`lossscale.GradScaler` keyword)."""
 
-    def __init__(self, device=None, init_scale=_DEFAULT, backoff_factor=_DEFAULT, growth_factor=_DEFAULT,
-                 growth_interval=_DEFAULT, enabled: bool = True, process_group: Any = DEFAULT_GROUP,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        device=None,
+        init_scale=_DEFAULT,
+        backoff_factor=_DEFAULT,
+        growth_factor=_DEFAULT,
+        growth_interval=_DEFAULT,
+        enabled: bool = True,
+        process_group: Any = DEFAULT_GROUP,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("allow_fp16", True)
-        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
-                         process_group=process_group, **kwargs)
+        super().__init__(
+            device,
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            enabled,
+            process_group=process_group,
+            **kwargs,
+        )

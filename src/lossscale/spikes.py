@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ._features import Feature
+
 __all__ = ["SkipIf", "SpikeSkipper", "SpikeWindows"]
 
 
@@ -59,16 +61,18 @@ class SkipIf:
     def __post_init__(self):
         for name in ("grad_norm_above", "grad_norm_zscore", "loss_zscore"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                  or v <= 0):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+            ):
                 raise ValueError(f"skip_if: {name}={v!r} must be a finite number > 0, or None (off).")
         for name, lo in (("window", 2), ("min_steps", 2)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"skip_if: {name}={v!r} must be an int >= {lo}.")
         if self.min_steps > self.window:
-            raise ValueError(f"skip_if: min_steps={self.min_steps} is above window={self.window}: the z-scores "
-                             "would never apply.")
+            raise ValueError(
+                f"skip_if: min_steps={self.min_steps} is above window={self.window}: the z-scores would never apply."
+            )
         if self.grad_norm_above is None and self.grad_norm_zscore is None and self.loss_zscore is None:
             raise ValueError("skip_if has no rule: set grad_norm_above, grad_norm_zscore or loss_zscore.")
 
@@ -79,8 +83,10 @@ class SkipIf:
             return value
         if isinstance(value, dict):
             return cls(**value)
-        raise ValueError(f"skip_if={value!r} must be None, a lossscale.SkipIf or a dict of its fields "
-                         "(grad_norm_above, grad_norm_zscore, loss_zscore, window, min_steps).")
+        raise ValueError(
+            f"skip_if={value!r} must be None, a lossscale.SkipIf or a dict of its fields "
+            "(grad_norm_above, grad_norm_zscore, loss_zscore, window, min_steps)."
+        )
 
     @property
     def needs_norm(self) -> bool:
@@ -127,8 +133,9 @@ class SpikeWindows:
             spike = spike & torch.isfinite(x)
         return spike
 
-    def learn(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], spike: torch.Tensor,
-              taken: torch.Tensor) -> None:
+    def learn(
+        self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], spike: torch.Tensor, taken: torch.Tensor
+    ) -> None:
         """After the step: a taken step's values join the windows; a spike is counted. No sync."""
         slot = (self.count % self.rule.window).reshape(1)
         for x, values in ((norm, self.norms), (loss, self.losses)):
@@ -139,23 +146,29 @@ class SpikeWindows:
 
     def state(self) -> Dict[str, Any]:
         """The windows as plain numbers, for a checkpoint (one sync)."""
-        return {"norms": self.norms.tolist(), "losses": self.losses.tolist(), "count": int(self.count.item()),
-                "spikes": int(self.spikes.item())}
+        return {
+            "norms": self.norms.tolist(),
+            "losses": self.losses.tolist(),
+            "count": int(self.count.item()),
+            "spikes": int(self.spikes.item()),
+        }
 
     def load(self, saved: Dict[str, Any]) -> None:
         """Fill the windows from :meth:`state` (ValueError naming what does not fit)."""
         if not isinstance(saved, dict) or set(saved) != {"norms", "losses", "count", "spikes"}:
             raise ValueError(f"state dict 'skip_if' entries must hold norms, losses, count and spikes; got {saved!r}.")
         if len(saved["norms"]) != self.rule.window or len(saved["losses"]) != self.rule.window:
-            raise ValueError(f"state dict 'skip_if' windows hold {len(saved['norms'])} values; this rule's window is "
-                             f"{self.rule.window}.")
+            raise ValueError(
+                f"state dict 'skip_if' windows hold {len(saved['norms'])} values; this rule's window is "
+                f"{self.rule.window}."
+            )
         self.norms.copy_(torch.tensor(saved["norms"], dtype=torch.float64))
         self.losses.copy_(torch.tensor(saved["losses"], dtype=torch.float64))
         self.count.fill_(int(saved["count"]))
         self.spikes.fill_(int(saved["spikes"]))
 
 
-class SpikeSkipper:
+class SpikeSkipper(Feature):
     """What ``GradScaler(skip_if=...)`` holds: the rule, each optimizer's :class:`SpikeWindows` (in the
     order they were first checked) and a loaded checkpoint's windows for the optimizers still to come."""
 
@@ -163,55 +176,61 @@ class SpikeSkipper:
         self.rule = rule
         self.windows: Dict[int, SpikeWindows] = {}  # by id(optimizer)
         self.saved: List[Dict[str, Any]] = []
+        self.pending: Dict[int, tuple] = {}  # this iteration's (windows, norm, loss) by id(optimizer)
 
     @classmethod
-    def of(cls, skip_if) -> "SpikeSkipper":
-        """For ``GradScaler(skip_if=...)``: a SkipIf or a dict of its fields (ValueError otherwise)."""
-        return cls(SkipIf.of(skip_if))
+    def of(cls, skip_if) -> Optional["SpikeSkipper"]:
+        """For ``GradScaler(skip_if=...)``: None (off), a SkipIf or a dict of its fields (ValueError otherwise)."""
+        rule = SkipIf.of(skip_if)
+        return None if rule is None else cls(rule)
 
-    def fold(self, optimizer, flags, device: torch.device, losses: List[torch.Tensor], group, sync: bool,
-             grads: List[torch.Tensor], scale: Optional[torch.Tensor] = None,
-             norm: Optional[torch.Tensor] = None) -> None:
-        """Fold this step's spike flag into ``flags.found_inf`` before the decision is read (then read it,
-        with ``sync``: the check's one sync), keeping what :meth:`learn` needs in ``flags.spike``.
-        ``norm``: the true gradient norm where the clip computed it; else one more read pass over
-        ``grads`` (scaled by ``scale``, when not None). ``group``: the check's process group, over which
-        the spike is all-reduced (MAX) so every rank skips together."""
+    def judge(
+        self,
+        optimizer,
+        device: torch.device,
+        losses: List[torch.Tensor],
+        grads: List[torch.Tensor],
+        scale: Optional[torch.Tensor] = None,
+        norm: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Whether this rank sees ``optimizer``'s step as a spike (a bool 0-dim tensor on ``device``, no
+        sync); the check reduces it across ranks with its flags, so every rank skips together. ``norm``:
+        the true gradient norm where the clip computed it; else one more read pass over ``grads``
+        (scaled by ``scale``, when not None). What :meth:`learn` needs is kept until the update."""
         windows = self.windows.get(id(optimizer))
         if windows is None:
-            windows = self.windows[id(optimizer)] = SpikeWindows(self.rule, device,
-                                                                 self.saved.pop(0) if self.saved else None)
+            windows = self.windows[id(optimizer)] = SpikeWindows(
+                self.rule, device, self.saved.pop(0) if self.saved else None
+            )
         if norm is None and self.rule.needs_norm:
             norm = true_norm(grads, scale, device)
         loss = sum(x.float().sum() for x in losses) if self.rule.loss_zscore and losses else None
         spike = windows.check(norm, loss)
-        if group is not None:
-            spike = spike.float()
-            torch.distributed.all_reduce(spike, op=torch.distributed.ReduceOp.MAX, group=group)
-            spike = spike > 0
-        flags.spike = (spike, flags.found_inf, (windows, norm, loss))
-        flags.found_inf = torch.where(spike, 1.0, flags.found_inf)
-        if sync:
-            flags.skipped = bool(flags.found_inf.item())
+        self.pending[id(optimizer)] = (windows, norm, loss)
+        return spike
 
-    def learn(self, checked, device: torch.device) -> torch.Tensor:
-        """In ``update()``: each checked optimizer's windows learn its step; returns whether any optimizer
-        overflowed, spikes left out (what the loss-scale policy answers: a spike is a clean step for it)."""
-        overflow = torch.zeros((), dtype=torch.bool, device=device)
-        for f in checked:
-            if f.spike:
-                spike, alone, (windows, norm, loss) = f.spike
-                windows.learn(norm, loss, spike, taken=f.found_inf == 0)
-            overflow = overflow | ((f.spike[1] if f.spike else f.found_inf) > 0).to(device)
-        return overflow
+    def learn(self, decided: Dict[int, Any]) -> None:
+        """In ``update()``: each judged optimizer's windows learn its step (``decided``: its flags, by
+        ``id(optimizer)``): a taken step's values join them, a spike is counted. No sync."""
+        for key, (windows, norm, loss) in self.pending.items():
+            flags = decided.get(key)
+            if flags is not None and flags.spike is not None:
+                windows.learn(norm, loss, flags.spike, taken=~flags.skip)
+        self.pending = {}
+
+    def new_iteration(self) -> None:
+        """Forget what the iteration judged (``update()`` learned it, or the iteration was discarded)."""
+        self.pending = {}
 
     def counts(self) -> Dict[str, int]:
         """The steps skipped as spikes so far, for ``counters()``, ``metrics()``, ``health()`` (a sync per
         optimizer)."""
-        return {"spike_steps": sum(int(w.spikes.item()) for w in self.windows.values()) +
-                sum(w["spikes"] for w in self.saved)}
+        return {
+            "spike_steps": sum(int(w.spikes.item()) for w in self.windows.values())
+            + sum(w["spikes"] for w in self.saved)
+        }
 
-    def state(self) -> Dict[str, Any]:
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entry: every optimizer's windows as plain numbers, in the order first checked."""
         return {"skip_if": [w.state() for w in self.windows.values()] + self.saved}
 
@@ -232,7 +251,7 @@ class SpikeSkipper:
             self.saved, self.windows = list(saved), {}
 
     def __getstate__(self):  # a copy meets other optimizers (ids): it takes the windows as saved ones
-        return {"rule": self.rule, "windows": {}, "saved": self.state()["skip_if"]}
+        return {"rule": self.rule, "windows": {}, "saved": self.entries()["skip_if"], "pending": {}}
 
 
 def true_norm(grads: List[torch.Tensor], scale: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:

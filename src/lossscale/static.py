@@ -14,11 +14,11 @@ skipped rather than written into the weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ._validate import positive_finite, validate_stuck, warn_not_powers_of_two
-from .policy import PolicyBase, ScaleState, count, count_tensor, f32, register, stuck_at_bound_or_streak
+from .policy import I64, PolicyBase, ScaleState, count, count_tensor, f32, register, stuck_at_bound_or_streak
 
 __all__ = ["StaticPolicy", "StaticState"]
 
@@ -30,7 +30,7 @@ _TORCH_NEVER = 2**31 - 1
 class StaticState(ScaleState):
     """:class:`~lossscale.policy.ScaleState` plus ``growth_tracker``: clean steps in a row."""
 
-    growth_tracker: int = 0
+    growth_tracker: int = field(default=0, metadata=I64)
 
 
 @register
@@ -77,8 +77,14 @@ class StaticPolicy(PolicyBase):
         """The state before the first step."""
         return StaticState(scale=f32(self.scale))
 
-    def update(self, state: StaticState, found_inf: bool, found_nan: bool = False,
-               amax: Optional[float] = None, bad_loss: bool = False) -> StaticState:
+    def update(
+        self,
+        state: StaticState,
+        found_inf: bool,
+        found_nan: bool = False,
+        amax: Optional[float] = None,
+        bad_loss: bool = False,
+    ) -> StaticState:
         """Counts the step; the scale never changes. A step with a non-finite loss (``bad_loss``)
         leaves the clean-step tracker as it was."""
         if bad_loss:
@@ -91,6 +97,10 @@ class StaticPolicy(PolicyBase):
         :meth:`lossscale.DynamicPolicy.tensor_update`."""
         count_tensor(t, found_inf, found_nan, bad_loss)
         t.growth_tracker.add_(~found_inf).masked_fill_(found_inf & ~bad_loss, 0)
+
+    def settle_steps(self) -> int:
+        """0: a fixed scale never searches, so no skip is calibration."""
+        return 0
 
     def is_stuck(self, state: StaticState, scale_before: float) -> bool:
         """True after an overflow (when no streak limit is set) or a streak of ``max_consecutive_skips``;

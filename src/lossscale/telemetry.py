@@ -8,8 +8,8 @@ What the figures measure depends on the gradients' dtype, and every record says 
 
 * FP32 parameter gradients (autocast with FP32 master weights): ``flushed``/``subnormal``/
   ``overflow`` are what FP16 *would* do to these scaled gradients (``grad/measured`` =
-  "fp32 as fp16", in :meth:`GradScaler.metric_labels`). The flushing that really happens under autocast is in the FP16 activation
-  gradients: see :mod:`lossscale.hooks`.
+  "fp32 as fp16", in :meth:`GradScaler.metric_labels`). The flushing that really happens under autocast
+  is in the FP16 activation gradients: see :mod:`lossscale.hooks`.
 * FP16 parameter gradients: they are measured as stored (``grad/measured`` = "fp16 as stored"), so a
   value that flushed is already 0 and counted among ``zeros``.
 """
@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import formats
+from ._features import Feature, saved_count
+from ._warnings import warn
 from .stats import GradStats, fetch_figures, grad_stats
 
 __all__ = ["Telemetry", "JsonlLogger", "flatten_stats"]
@@ -37,12 +38,25 @@ _MEASURABLE = (torch.float32, torch.float16, torch.bfloat16)
 def flatten_stats(prefix: str, stats: GradStats) -> Dict[str, float]:
     """``{prefix/field: value}`` for the figures of ``stats`` worth a chart. Syncs."""
     d = stats.to_dict()
-    keep = ("flushed_frac", "subnormal_frac", "zeros_frac", "overflow_frac", "headroom_bits", "amax", "numel",
-            "zeros", "flushed", "subnormal", "overflow", "inf", "nan")
+    keep = (
+        "flushed_frac",
+        "subnormal_frac",
+        "zeros_frac",
+        "overflow_frac",
+        "headroom_bits",
+        "amax",
+        "numel",
+        "zeros",
+        "flushed",
+        "subnormal",
+        "overflow",
+        "inf",
+        "nan",
+    )
     return {f"{prefix}/{k}": d[k] for k in keep if k in d}
 
 
-class Telemetry:
+class Telemetry(Feature):
     """Sampled statistics of the scaled gradients, kept on device until read.
 
     Args:
@@ -98,20 +112,15 @@ class Telemetry:
         """Whether this iteration is sampled."""
         return self.iteration % self.every == 0
 
-    # The scaler's opt-in feature protocol (lossscale._features): the iteration count is checkpointed,
-    # so a resumed run samples at the same iterations.
-    def counts(self) -> Dict[str, int]:
-        """No counters of its own: its figures come from :meth:`metrics`."""
-        return {}
-
-    def state(self) -> Dict[str, Any]:
+    # The scaler's opt-in feature protocol (lossscale._features.Feature): the iteration count is
+    # checkpointed, so a resumed run samples at the same iterations. No counters of its own: its
+    # figures come from metrics().
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entry: the iteration count (the sampling phase)."""
         return {"telemetry_iteration": self.iteration}
 
     def loadable(self, state_dict: Dict[str, Any]) -> Optional[int]:
         """The checkpoint's iteration count, validated (None when absent)."""
-        from ._features import saved_count
-
         return saved_count(state_dict, "telemetry_iteration")
 
     def load(self, value: Optional[int]) -> None:
@@ -119,8 +128,16 @@ class Telemetry:
         if value is not None:
             self.iteration = value
 
-    def observe(self, params: List[torch.Tensor], grads: List[torch.Tensor], name_of: Callable, scale: torch.Tensor,
-                *, all_params: Optional[List[torch.Tensor]] = None, sharded: bool = False) -> None:
+    def observe(
+        self,
+        params: List[torch.Tensor],
+        grads: List[torch.Tensor],
+        name_of: Callable,
+        scale: torch.Tensor,
+        *,
+        all_params: Optional[List[torch.Tensor]] = None,
+        sharded: bool = False,
+    ) -> None:
         """Collect the statistics of one optimizer's scaled gradients (called by the scaler).
 
         ``grads[i]`` is the checked tensor of ``params[i]``; ``name_of``: ``param -> name or None``;
@@ -142,10 +159,11 @@ class Telemetry:
             if not self._warned_dtype:
                 self._warned_dtype = True
                 dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads if g.dtype not in _MEASURABLE})
-                warnings.warn(f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
-                              "(they measure float32, float16 and bfloat16 gradients against fp16's range; a "
-                              "float64 model needs no loss scaling). Training is not affected.",
-                              UserWarning, stacklevel=4)
+                warn(
+                    f"lossscale telemetry: {', '.join(dtypes)} gradients are left out of the statistics "
+                    "(they measure float32, float16 and bfloat16 gradients against fp16's range; a "
+                    "float64 model needs no loss scaling). Training is not affected."
+                )
             params, grads = [p for p, _ in measurable], [g for _, g in measurable]
         if self.step_collected != self.iteration:  # first optimizer of a sampled iteration
             self.step_collected, self.overall, self.groups = self.iteration, None, {}
@@ -194,8 +212,9 @@ class Telemetry:
         """
         return self.metrics_with(group, device)[0]
 
-    def metrics_with(self, group=None, device: Optional[torch.device] = None, also: Sequence[torch.Tensor] = ()
-                     ) -> Tuple[Dict[str, float], List[List[float]]]:
+    def metrics_with(
+        self, group=None, device: Optional[torch.device] = None, also: Sequence[torch.Tensor] = ()
+    ) -> Tuple[Dict[str, float], List[List[float]]]:
         """:meth:`metrics`, and the values of the tensors ``also`` read in the same transfer (one sync)."""
         overall, groups = self.overall, self.groups
         if group is not None:

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ._features import Feature
 
 __all__ = ["Tracer"]
 
@@ -200,7 +201,7 @@ PASS_THROUGH = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.Tanh
                 torch.nn.Hardtanh, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten)
 
 
-class Tracer:
+class Tracer(Feature):
     """Hooks on every leaf module of ``model`` that find the first non-finite forward output and the
     first module whose backward produced a non-finite gradient.
 

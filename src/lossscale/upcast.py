@@ -51,12 +51,16 @@ import weakref
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
+from ._features import Feature
+
 __all__ = ["Upcast"]
 
 MODES = ("skip", "upcast")
+#: ``upcast_after``'s default: a module named first on this many skipped steps is kept in FP32.
+AFTER = 2
 
 
-class Upcast:
+class Upcast(Feature):
     """The upcast rules' account: how often each module was the first forward (or, at the floor,
     backward) overflow, which were kept, and which of them for their backward."""
 
@@ -83,7 +87,7 @@ class Upcast:
             if value not in MODES:
                 raise ValueError(f"{key}={value!r} must be one of {MODES}.")
         if mode == backward == "skip":
-            if after != 2:
+            if after != AFTER:
                 raise ValueError(f"upcast_after={after!r} applies only with on_forward_overflow='upcast' or "
                                  "on_backward_overflow='upcast'.")
             return None
@@ -177,12 +181,12 @@ class Upcast:
         self.kept.extend(n for n in names if n not in self.kept)
         return True
 
-    # The scaler's opt-in feature protocol (lossscale._features).
+    # The scaler's opt-in feature protocol (lossscale._features.Feature).
     def counts(self) -> Dict[str, int]:
         """``upcasts``: the modules kept in FP32 so far (for their forward or their backward)."""
         return {"upcasts": len(self.kept)}
 
-    def state(self) -> Dict[str, Any]:
+    def entries(self) -> Dict[str, Any]:
         """The checkpoint's entries: the modules kept, and how often each module was named; with the
         backward rule, which of them were kept for their backward and its counts."""
         out = {"upcast_modules": list(self.kept), "upcast_seen": dict(self.seen)}

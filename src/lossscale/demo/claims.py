@@ -275,7 +275,7 @@ def _roundtrip_mismatch(g: torch.Tensor, scale: float) -> float:
     return float((back.view(torch.int32) != g.view(torch.int32)).float().mean()) if g.numel() else 0.0
 
 
-def c3_power_of_two_scaling(cfg: TrainConfig, fp32: RunResult, static: RunResult, scale: float,
+def c3_power_of_two_scaling(fp32: RunResult, static: RunResult, scale: float,
                             ref_grads: Mapping[str, torch.Tensor], fp16_scaled_grads: Mapping[str, torch.Tensor],
                             fp16_grads: Mapping[str, torch.Tensor], non_pow2_scale: float) -> ClaimResult:
     """C3: bitwise round trips (power of two vs not), gradients rescued by S, accuracy recovered."""
@@ -361,7 +361,7 @@ def c4_clip_order(fp32: RunResult, right: RunResult, wrong: RunResult, scale: fl
 
 # ---------------------------------------------------------------------------------------------- C5
 def c5_static_sweep(fp32: RunResult, sweep: Sequence[Tuple[int, RunResult]],
-                    ref_grads: Mapping[str, torch.Tensor], chance: float) -> ClaimResult:
+                    ref_grads: Mapping[str, torch.Tensor]) -> ClaimResult:
     """C5: one training run per static scale 2^k, plus what FP16 does to the true gradients at each.
 
     The sweep's runs are shorter than the FP32 run; since every run shares init and batch order, the
@@ -435,7 +435,7 @@ def overflow_envelope(line: Sequence[Optional[float]], window: int) -> List[Opti
     return out
 
 
-def _trajectory_figures(r: ClaimResult, key: str, run: RunResult, label: str, window: int) -> Dict[str, Any]:
+def _trajectory_figures(r: ClaimResult, key: str, run: RunResult, window: int) -> Dict[str, Any]:
     scales = run.series("loss_scale")
     backoffs, growths = scale_moves(scales)
     first = next((i for i, s in enumerate(run.steps) if s["skipped"]), None)
@@ -484,9 +484,9 @@ def c6_dynamic_scaling(fp32: RunResult, dynamic: RunResult, torch_default: RunRe
                 "the activation gradients (lossscale.hooks) at the scale in use.")
     acc32 = r.add("fp32_acc", fp32.final_acc, "FP32 test accuracy")
     r.add("growth_interval", growth_interval, "dynamic run: growth_interval")
-    d = _trajectory_figures(r, "dynamic", dynamic, "dynamic", growth_interval)
-    t = _trajectory_figures(r, "torch_default", torch_default, "torch default", growth_interval)
-    a = _trajectory_figures(r, "adaptive", adaptive, "adaptive", growth_interval)
+    d = _trajectory_figures(r, "dynamic", dynamic, growth_interval)
+    t = _trajectory_figures(r, "torch_default", torch_default, growth_interval)
+    a = _trajectory_figures(r, "adaptive", adaptive, growth_interval)
     labels = {"dynamic": "lossscale dynamic", "torch_default": "torch.amp.GradScaler()", "adaptive": "lossscale adaptive"}
     for key, label in labels.items():
         r.labels[f"{key}.summary"] = label

@@ -362,8 +362,3 @@ def _render(summary: Dict[str, Any], report, out_dir: str) -> str:
                       subtitle=f"A GPT-2-shaped model with one overflowing module, {summary['steps']} steps, seed "
                       f"{summary['seed']}, on the CPU.")
 
-
-def main_summary_line(summary: Dict[str, Any]) -> str:
-    """One line for the terminal: the verdict and the failed checks."""
-    failed = [c["check"] for c in summary["checks"] if not c["passed"]]
-    return f"{summary['verdict']}" + (f"; failed: {', '.join(failed)}" if failed else "")

@@ -242,10 +242,10 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
     results = [
         C.c1_fp16_facts(),
         C.c2_underflow_stalls(tc, runs["fp32"], runs["fp16_noscale"], grads["fp32"], grads["fp16"], chance),
-        C.c3_power_of_two_scaling(tc, runs["fp32"], runs["static"], S, grads["fp32"], grads["fp16_scaled"],
+        C.c3_power_of_two_scaling(runs["fp32"], runs["static"], S, grads["fp32"], grads["fp16_scaled"],
                                   grads["fp16"], cfg.non_pow2_scale),
         C.c4_clip_order(runs["fp32"], runs["clip_right"], runs["clip_wrong"], S, cfg.clip_norm),
-        C.c5_static_sweep(runs["fp32"], sweep, grads["fp32"], chance),
+        C.c5_static_sweep(runs["fp32"], sweep, grads["fp32"]),
         C.c6_dynamic_scaling(runs["fp32"], runs["dynamic"], runs["torch_default"], runs["adaptive"],
                              cfg.growth_interval),
     ]

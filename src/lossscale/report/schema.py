@@ -9,7 +9,7 @@ Step record keys:
 ===========================  ==========  ============================================================
 key                          type        meaning
 ===========================  ==========  ============================================================
-``step``                     int >= 0    optimizer step index (required)
+``step``                     int >= 0    optimizer step index (required; below 2**63, as are the counters)
 ``loss_scale``               number > 0  the loss scale (required; ``scaler.metrics()`` logs it after
                                          ``update()``: the scale the next step uses; the scale the
                                          sampled gradients carried is ``grad/loss_scale``). A broken
@@ -121,6 +121,9 @@ _NONFINITE = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "-inf": -
               "nan": math.nan}
 
 
+_INT_BOUND = 2**63  # step and skipped_steps: what an int64 (numpy, torch, the plots' arrays) holds
+
+
 def _number(value: Any, key: str, where: str) -> Optional[float]:
     if value is None:
         return None
@@ -128,7 +131,44 @@ def _number(value: Any, key: str, where: str) -> Optional[float]:
         return _NONFINITE[value.strip().lower()]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: {key}={value!r} must be a number or null.")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the largest float (JSON integers have no bound)
+        raise ValueError(f"{where}: {key}={_short(value)} is too large for a float (the largest is "
+                         f"about 1.8e308).") from None
+
+
+def _count(value: Any, key: str, where: str) -> int:
+    """An integer field (``step``, ``skipped_steps``): an int in [0, 2**63)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _INT_BOUND:
+        raise ValueError(f"{where}: {key}={_short(value)} must be an int >= 0 and < 2**63.")
+    return value
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, an int of more than 20 digits as its size (a 400-digit number is no help in an
+    error message)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        # from the bit length: str() of an int over 4300 digits raises (sys.get_int_max_str_digits)
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return repr(value)
+
+
+def _text_error(rec: Mapping[str, Any], where: str) -> Optional[str]:
+    """The first key or string value (nested ``meta`` included) that is not text: JSON can spell a lone
+    UTF-16 surrogate (``"\\ud800"``), which no UTF-8 file, plot label or HTML page can hold."""
+    for key, value in rec.items():
+        for text, what in ((key, "key"), (value, f"value of {key!r}")):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"{where}: the {what} ({text!r}) holds a lone surrogate, which is not text."
+        if isinstance(value, Mapping):
+            nested = _text_error(value, where)
+            if nested is not None:
+                return nested
+    return None
 
 
 def _layer_key(key: str) -> Optional[Tuple[str, str, str]]:
@@ -149,9 +189,7 @@ def _parse_step(rec: Mapping[str, Any], where: str, prev_skipped_steps: int):
     missing = [k for k in REQUIRED_KEYS if k not in rec]
     if missing:
         raise ValueError(f"{where}: step record is missing {missing} (required: {list(REQUIRED_KEYS)}).")
-    step = rec["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"{where}: step={step!r} must be an int >= 0.")
+    step = _count(rec["step"], "step", where)
     scale = _number(rec["loss_scale"], "loss_scale", where)
     if scale is None:
         scale = math.nan  # null: how strict JSON writers (dumps_record) store a NaN scale
@@ -162,11 +200,9 @@ def _parse_step(rec: Mapping[str, Any], where: str, prev_skipped_steps: int):
         if not isinstance(skipped, bool):
             raise ValueError(f"{where}: skipped={skipped!r} must be true or false.")
         if "skipped_steps" in rec and isinstance(rec["skipped_steps"], int):
-            prev_skipped_steps = rec["skipped_steps"]
+            prev_skipped_steps = _count(rec["skipped_steps"], "skipped_steps", where)
     elif "skipped_steps" in rec:
-        count = rec["skipped_steps"]
-        if isinstance(count, bool) or not isinstance(count, int):
-            raise ValueError(f"{where}: skipped_steps={count!r} must be an int.")
+        count = _count(rec["skipped_steps"], "skipped_steps", where)
         skipped = count > prev_skipped_steps  # the count includes this step's skip
         prev_skipped_steps = count
     else:
@@ -205,6 +241,9 @@ def _parse(numbered: Iterable[Tuple[int, Any]], source: str, skip_bad: bool, tel
                 raise ValueError(f"{where}: {rec.reason}")
             if not isinstance(rec, Mapping):
                 raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}.")
+            not_text = _text_error(rec, where)
+            if not_text is not None:
+                raise ValueError(not_text)
             if "step" not in rec:
                 meta = rec.get("meta")
                 if isinstance(meta, Mapping):
@@ -261,6 +300,8 @@ def read_jsonl(path: str, *, strict: bool = False) -> Telemetry:
                 records.append((i, _Unparsable("not UTF-8 text; one JSON object per line is expected.")))
             except json.JSONDecodeError as e:
                 records.append((i, _Unparsable(f"not a JSON object ({e.msg}); one JSON object per line is expected.")))
+            except ValueError as e:  # an integer of more digits than Python reads (sys.get_int_max_str_digits)
+                records.append((i, _Unparsable(f"not readable as JSON ({str(e).split(';')[0]}).")))
             except RecursionError:  # the json module recurses once per nesting level
                 records.append((i, _Unparsable("nested too deeply to read; one flat JSON object per line is "
                                                "expected.")))
