@@ -11,20 +11,22 @@ import warnings
 
 import pytest
 import torch
+from _sync import count_host_syncs
 
 import lossscale
-from _sync import count_host_syncs
 from lossscale.policy import Policy, policy_names
 
 
 def test_the_policy_core_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import lossscale.policy, lossscale.dynamic, lossscale.static, lossscale.adaptive, lossscale.logmax\n"
-            "import lossscale.checkpoint, lossscale.formats\n"
-            "from lossscale import DynamicPolicy, AdaptivePolicy, LogMaxPolicy\n"
-            "p = DynamicPolicy(growth_interval=1); s = p.update(p.init_state(), False)\n"
-            "assert s.scale == 2.0**17, s\n"
-            "try:\n    lossscale.GradScaler\nexcept ImportError:\n    print('lazy')\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import lossscale.policy, lossscale.dynamic, lossscale.static, lossscale.adaptive, lossscale.logmax\n"
+        "import lossscale.checkpoint, lossscale.formats\n"
+        "from lossscale import DynamicPolicy, AdaptivePolicy, LogMaxPolicy\n"
+        "p = DynamicPolicy(growth_interval=1); s = p.update(p.init_state(), False)\n"
+        "assert s.scale == 2.0**17, s\n"
+        "try:\n    lossscale.GradScaler\nexcept ImportError:\n    print('lazy')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "lazy"  # the torch-facing names load on first use, and need torch
@@ -40,11 +42,35 @@ def test_every_registered_policy_follows_the_protocol():
 
 def test_the_public_surface_is_pinned():
     assert lossscale.__all__ == [
-        "GradScaler", "ShardedGradScaler", "SkipIf", "OptState", "Policy", "DynamicPolicy", "DynamicState", "StaticPolicy", "StaticState",
-        "AdaptivePolicy", "AdaptiveState", "LogMaxPolicy", "LogMaxState", "ScaleState", "diagnose",
-        "HealthReport", "is_power_of_two", "formats", "grad_stats", "GradStats", "recommend_scale",
-        "ActivationGradRecorder", "activation_grad_probe", "Telemetry", "JsonlLogger",
-        "audit", "AuditReport", "keep_fp32", "check_setup",
+        "GradScaler",
+        "ShardedGradScaler",
+        "SkipIf",
+        "OptState",
+        "Policy",
+        "DynamicPolicy",
+        "DynamicState",
+        "StaticPolicy",
+        "StaticState",
+        "AdaptivePolicy",
+        "AdaptiveState",
+        "LogMaxPolicy",
+        "LogMaxState",
+        "ScaleState",
+        "diagnose",
+        "HealthReport",
+        "is_power_of_two",
+        "formats",
+        "grad_stats",
+        "GradStats",
+        "recommend_scale",
+        "ActivationGradRecorder",
+        "activation_grad_probe",
+        "Telemetry",
+        "JsonlLogger",
+        "audit",
+        "AuditReport",
+        "keep_fp32",
+        "check_setup",
     ]
 
 
@@ -144,8 +170,9 @@ def test_a_checkpoint_load_fills_the_state_in_place():
     scaler.init_device("cpu")
     scale = scaler._get_scale_async()
     other = lossscale.GradScaler("cpu", growth_interval=2)
-    other.load_state_dict({**other.state_dict(), "scale": 2.0**10, "state": {**other.state_dict()["state"],
-                                                                              "scale": 2.0**10}})
+    other.load_state_dict(
+        {**other.state_dict(), "scale": 2.0**10, "state": {**other.state_dict()["state"], "scale": 2.0**10}}
+    )
     scaler.load_state_dict(other.state_dict())
     assert scaler._get_scale_async() is scale is scaler._scale and scale.item() == 2.0**10
 
@@ -164,7 +191,7 @@ def test_device_type_decisions_live_in_three_named_places():
         source = inspect.getsource(module)
         for m in re.finditer(r'== "cpu"|\.numpy\(\)|NO_FLOAT64', source):
             owners = re.findall(r"\n(?:class|def|    def) (\w+)", source[: m.start()])
-            line = source[: m.start()].rsplit("\n", 1)[-1] + source[m.start():].split("\n", 1)[0]
+            line = source[: m.start()].rsplit("\n", 1)[-1] + source[m.start() :].split("\n", 1)[0]
             if line.startswith("NO_FLOAT64 ="):
                 continue  # the set's definition
             assert owners and owners[-1] in allowed, (module.__name__, owners[-1:], line)
@@ -190,8 +217,11 @@ class FusedSGD:
             p.data.copy_(torch.where(skip, p.data, p.data - p.grad / self.grad_scale * self.lr))
 
 
-@pytest.mark.parametrize("settings", [{}, {"hysteresis": 2}, {"policy": "adaptive"}, {"policy": "static"}],
-                         ids=["default", "hysteresis=2", "adaptive", "static"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"hysteresis": 2}, {"policy": "adaptive"}, {"policy": "static"}],
+    ids=["default", "hysteresis=2", "adaptive", "static"],
+)
 def test_a_fused_step_and_update_trace_without_graph_breaks(settings):
     import torch._dynamo
 
@@ -307,7 +337,7 @@ def test_no_import_cycle_anywhere_the_demo_included():
     def visit(mod, path):
         for dep in sorted(graph[mod]):
             if dep in path:
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif len(path) < 40:
                 visit(dep, path + [dep])
 
@@ -332,19 +362,41 @@ def test_no_test_instrument_lives_in_the_package():
         for f in files:
             if f.endswith(".py"):
                 text = open(os.path.join(dirpath, f), encoding="utf-8").read()
-                found += [(f, word) for word in ("TorchDispatchMode", "_python_dispatch", "setprofile", "settrace",
-                                                 "count_host_syncs", "count_device_work") if word in text]
+                found += [
+                    (f, word)
+                    for word in (
+                        "TorchDispatchMode",
+                        "_python_dispatch",
+                        "setprofile",
+                        "settrace",
+                        "count_host_syncs",
+                        "count_device_work",
+                    )
+                    if word in text
+                ]
     assert not found, found
 
 
 def test_the_opt_in_features_load_when_first_used():
-    code = ("import sys, torch, lossscale\n"
-            "s = lossscale.GradScaler()\n"
-            "p = torch.nn.Parameter(torch.ones(2)); o = torch.optim.SGD([p], lr=0.1)\n"
-            "s.scale(p.sum()).backward(); s.step(o); s.update(); s.health(); s.state_dict()\n"
-            "print(sorted(m for m in sys.modules if m.startswith('lossscale.')))\n")
+    code = (
+        "import sys, torch, lossscale\n"
+        "s = lossscale.GradScaler()\n"
+        "p = torch.nn.Parameter(torch.ones(2)); o = torch.optim.SGD([p], lr=0.1)\n"
+        "s.scale(p.sum()).backward(); s.step(o); s.update(); s.health(); s.state_dict()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('lossscale.')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     loaded = {m.split(".")[1] for m in eval(out.stdout)}
-    assert not loaded & {"stats", "hooks", "trace", "report", "demo", "cli", "telemetry", "distributed",
-                         "integrations", "schedulers"}, loaded
+    assert not loaded & {
+        "stats",
+        "hooks",
+        "trace",
+        "report",
+        "demo",
+        "cli",
+        "telemetry",
+        "distributed",
+        "integrations",
+        "schedulers",
+    }, loaded

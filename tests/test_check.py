@@ -18,8 +18,13 @@ KERNELS = [_check._amax_aminmax, _check._amax_foreach_norm]
 def test_flags_of_several_checks_combine_to_one_not_a_sum():
     # The flag contract: 0.0 or 1.0 whatever is combined; torch's fused kernels skip only on found_inf == 1.0.
     def flags(inf, nan=False, bad=False, amax=None, spike=None):
-        return _check.Flags(torch.tensor(bool(inf)), torch.tensor(nan), torch.tensor(bad),
-                            None if spike is None else torch.tensor(spike), None if amax is None else torch.tensor(amax))
+        return _check.Flags(
+            torch.tensor(bool(inf)),
+            torch.tensor(nan),
+            torch.tensor(bad),
+            None if spike is None else torch.tensor(spike),
+            None if amax is None else torch.tensor(amax),
+        )
 
     f = combine([flags(1, True), flags(1), flags(0, amax=3.0), flags(0, amax=5.0)], CPU)
     assert (found_inf(f).item(), f.nan.item(), f.bad_loss.item(), f.amax.item()) == (1.0, True, False, 5.0)
@@ -60,10 +65,17 @@ def test_the_read_only_pass_gives_max_abs_per_tensor_nan_and_negative_inf_includ
     assert torch.equal(grads[0], before[0])  # nothing was written
 
 
-@pytest.mark.parametrize("worst, bad_loss, expected", [
-    (3.0e38, False, (0.0, False)), (math.inf, False, (1.0, False)), (math.nan, False, (1.0, True)),
-    (1.0, True, (1.0, False)), (math.nan, True, (1.0, True)),
-], ids=["clean, near float32's max", "inf", "nan", "bad loss", "bad loss and nan"])
+@pytest.mark.parametrize(
+    "worst, bad_loss, expected",
+    [
+        (3.0e38, False, (0.0, False)),
+        (math.inf, False, (1.0, False)),
+        (math.nan, False, (1.0, True)),
+        (1.0, True, (1.0, False)),
+        (math.nan, True, (1.0, True)),
+    ],
+    ids=["clean, near float32's max", "inf", "nan", "bad loss", "bad loss and nan"],
+)
 def test_the_flags_from_the_worst_value_and_the_loss_check(worst, bad_loss, expected):
     check = _check.GradientCheck(lambda p: None, None)
     worst = torch.tensor(worst)

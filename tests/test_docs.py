@@ -26,8 +26,10 @@ def _blocks(text: str, lang: str):
     return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
 
-SETUP = ['pip install -c constraints.txt -e ".[demo]" && lossscale demo',
-         'pip install -c constraints.txt -e ".[test]" && python -m pytest -q']
+SETUP = [
+    'pip install -c constraints.txt -e ".[demo]" && lossscale demo',
+    'pip install -c constraints.txt -e ".[test]" && python -m pytest -q',
+]
 # The pages users read: README.md, the package page, and the site (docs/ without the two contributor pages,
 # which mkdocs.yml excludes).
 CONTRIBUTOR_PAGES = {"docs/architecture.md", "docs/testing.md"}
@@ -36,8 +38,10 @@ CONTRIBUTOR_PAGES = {"docs/architecture.md", "docs/testing.md"}
 def _user_pages() -> list:
     import glob
 
-    docs = sorted(os.path.relpath(p, ROOT).replace(os.sep, "/")
-                  for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    docs = sorted(
+        os.path.relpath(p, ROOT).replace(os.sep, "/")
+        for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+    )
     return ["README.md", "README.pypi.md"] + [p for p in docs if p not in CONTRIBUTOR_PAGES]
 
 
@@ -51,8 +55,13 @@ def test_readme_reads_in_the_order_a_newcomer_needs_and_stays_short():
     title, pitch = text.split("\n\n")[:2]
     assert title == "# lossscale" and "torch.amp.GradScaler" in pitch and "```" not in pitch
     assert _blocks(text, "bash")[0] == "pip install lossscale\n"  # the first command a user meets
-    assert _sections(text)[:5] == ["Switch from torch", "Defaults that differ from torch's",
-                                   "What no other scaler does", "From a checkout", "Documentation"]
+    assert _sections(text)[:5] == [
+        "Switch from torch",
+        "Defaults that differ from torch's",
+        "What no other scaler does",
+        "From a checkout",
+        "Documentation",
+    ]
     assert text.index("```diff") < text.index("| keyword |") < text.index("## What no other scaler does")
     for picture in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):  # the demo's pictures, committed and small
         assert os.path.getsize(os.path.join(ROOT, picture)) < 150_000, picture
@@ -86,14 +95,21 @@ def test_the_readme_diff_is_the_whole_switch_and_its_new_side_runs():
 
     diff = _blocks(_read("README.md"), "diff")[0].splitlines()
     added = [line[1:] for line in diff if line.startswith("+")]
-    assert added[:2] == ["import lossscale", "scaler = lossscale.GradScaler(model=model)      # model= only names parameters in reports"]
+    assert added[:2] == [
+        "import lossscale",
+        "scaler = lossscale.GradScaler(model=model)      # model= only names parameters in reports",
+    ]
     new_side = "\n".join(line[1:] for line in diff if not line.startswith("-"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = torch.nn.Linear(8, 4).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    namespace = dict(model=model, optimizer=optimizer, loss_fn=torch.nn.functional.cross_entropy,
-                     lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
-                     loader=[(torch.randn(4, 8, device=device), torch.randint(0, 4, (4,), device=device))] * 3)
+    namespace = dict(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=torch.nn.functional.cross_entropy,
+        lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+        loader=[(torch.randn(4, 8, device=device), torch.randint(0, 4, (4,), device=device))] * 3,
+    )
     exec(compile(new_side.replace('"cuda"', repr(device)), "README.md", "exec"), namespace)
     assert namespace["scaler"].counters()["steps"] == 3 and namespace["lr_scheduler"].last_epoch == 3
 
@@ -161,8 +177,9 @@ def test_the_api_reference_covers_every_public_name():
         assert path in directives, path
         module = importlib.import_module(path)
         for name in module.__all__:  # a member rendered, or a class built on first access described in its module
-            assert re.search(rf"^::: {re.escape(path)}\n(    .*\n)*?      members: \[[^\]]*\b{name}\b", page,
-                             flags=re.MULTILINE) or f"``{name}(" in (module.__doc__ or ""), f"{path}.{name}"
+            assert re.search(
+                rf"^::: {re.escape(path)}\n(    .*\n)*?      members: \[[^\]]*\b{name}\b", page, flags=re.MULTILINE
+            ) or f"``{name}(" in (module.__doc__ or ""), f"{path}.{name}"
 
 
 @pytest.mark.parametrize("page", _user_pages())
@@ -181,7 +198,7 @@ def test_user_pages_name_no_issue_commit_or_seed_and_date_only_measurements(page
 
 def test_every_site_page_is_in_the_nav_and_every_nav_entry_exists():
     nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", _read("mkdocs.yml"), flags=re.MULTILINE))
-    site = {p[len("docs/"):] for p in _user_pages() if p.startswith("docs/")}
+    site = {p[len("docs/") :] for p in _user_pages() if p.startswith("docs/")}
     assert nav == site, (sorted(nav - site), sorted(site - nav))
 
 
@@ -200,7 +217,9 @@ def test_package_metadata_license_and_typing_marker():
     assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])  # PEP 639 strings
     assert "Typing :: Typed" in project["classifiers"]
     assert not any(c.startswith("License ::") for c in project["classifiers"])  # PEP 639: the string only
-    versions = {c.rsplit(" ", 1)[-1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")}
+    versions = {
+        c.rsplit(" ", 1)[-1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    }
     assert f"{sys.version_info.major}.{sys.version_info.minor}" in versions
     assert project["requires-python"] == f">={min(versions, key=lambda v: tuple(map(int, v.split('.'))))}"
     assert _read("LICENSE").lstrip().startswith("Apache License\n                           Version 2.0")

@@ -11,19 +11,18 @@ import copy
 import logging
 import math
 import pickle
-import random
 import warnings
 
 import pytest
 import torch
+from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_stuck import _model  # Linear, Tanh, Blowup (factor=inf: a non-finite forward), Linear
 
 import lossscale
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
 from lossscale.health import SETTLE, Health, HealthReport
-from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
-from test_stuck import _model  # Linear, Tanh, Blowup (factor=inf: a non-finite forward), Linear
 
 KINDS = ("calibration", "overflow", "bad_batch", "persistent_nan", "earlier")
 
@@ -47,12 +46,14 @@ def at(steps, **flags):
 
 def both(*rules):
     """The first rule that flags something."""
+
     def rule(step, scale):
         for r in rules:
             flags = r(step, scale)
             if flags.get("found_inf") or flags.get("bad_loss"):
                 return flags
         return {}
+
     return rule
 
 
@@ -86,8 +87,12 @@ def assert_adds_up(r: HealthReport):
 
 
 def test_a_clean_run_is_healthy_under_every_policy():
-    for policy, amax in [(DynamicPolicy(), None), (StaticPolicy(), None),
-                         (AdaptivePolicy(), lambda s: s * 2.0**-20), (LogMaxPolicy(), lambda s: s * 2.0**-20)]:
+    for policy, amax in [
+        (DynamicPolicy(), None),
+        (StaticPolicy(), None),
+        (AdaptivePolicy(), lambda s: s * 2.0**-20),
+        (LogMaxPolicy(), lambda s: s * 2.0**-20),
+    ]:
         s, r, _ = script(policy, clean, 120, amax=amax)
         assert (r.verdict, r.steps, r.skipped, kinds(r), r.streak) == ("healthy", 120, 0, {}, 0), policy.name
         assert r.steps_since_overflow is None and not r.calibrating
@@ -237,7 +242,7 @@ def test_a_checkpoint_load_restarts_calibration_and_keeps_the_loaded_counts():
     loaded, r0, _ = script(policy, both(above(2.0**10), at([200], **BAD)), 300)
     h = Health(loaded)  # what the scaler does at a load: reset to the loaded state
     s = loaded
-    for i in range(100):  # the resumed run's data overflow at 2**10: the scale searches again
+    for _ in range(100):  # the resumed run's data overflow at 2**10: the scale searches again
         before = s.scale
         s = policy.update(s, found_inf=before > 2.0**8)
         h.record(policy, s, before)
@@ -266,14 +271,16 @@ def test_report_validates_and_gives_plain_numbers():
     m = r.metrics()
     assert m["health/verdict"] == 0 and m["health/calibration"] == 4 and "health/flushed" not in m
     assert all(isinstance(v, (int, float, bool)) for v in m.values())
-    assert set(r.metrics(prefix="x/")) == {"x/" + k[len("health/"):] for k in m}
+    assert set(r.metrics(prefix="x/")) == {"x/" + k[len("health/") :] for k in m}
     assert str(r) == r.text
     r = h.report(policy, s, flushed=0.25, flushed_step=7)
     assert r.metrics()["health/flushed"] == 0.25 and "25.00% of the gradients sampled at iteration 7" in r.text
     assert "a larger scale keeps them" in r.text
     assert "flush:" not in h.report(policy, s, flushed=0.001, flushed_step=7).text
-    assert lossscale.health.disabled().metrics() == {"health/verdict": -1, **{
-        f"health/{k}": v for k, v in HealthReport("x", "").metrics(prefix="").items() if k != "verdict"}}
+    assert lossscale.health.disabled().metrics() == {
+        "health/verdict": -1,
+        **{f"health/{k}": v for k, v in HealthReport("x", "").metrics(prefix="").items() if k != "verdict"},
+    }
 
 
 def _flags_sequence(draw_list, policy):
@@ -288,14 +295,20 @@ def _flags_sequence(draw_list, policy):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.sampled_from("ccccccinb"), min_size=1, max_size=120), st.integers(1, 4),
-       st.sampled_from(["dynamic", "static", "small"]))
+@given(
+    st.lists(st.sampled_from("ccccccinb"), min_size=1, max_size=120),
+    st.integers(1, 4),
+    st.sampled_from(["dynamic", "static", "small"]),
+)
 def test_gaps_count_every_skip_exactly(kinds_drawn, every, name):
     """Recording every `every`-th state (snapshots dropped) still counts every skip exactly: the kinds
     add up to the skips, bad batches are exact, and a sparse account that says stuck agrees with the
     full one (it judged the same states)."""
-    policy = {"dynamic": DynamicPolicy(growth_interval=5), "static": StaticPolicy(),
-              "small": DynamicPolicy(init_scale=4.0, growth_interval=3)}[name]
+    policy = {
+        "dynamic": DynamicPolicy(growth_interval=5),
+        "static": StaticPolicy(),
+        "small": DynamicPolicy(init_scale=4.0, growth_interval=3),
+    }[name]
     states = _flags_sequence(kinds_drawn, policy)
     full, sparse = Health(policy.init_state()), Health(policy.init_state())
     for i, (s, before) in enumerate(states):
@@ -315,15 +328,20 @@ def test_gaps_count_every_skip_exactly(kinds_drawn, every, name):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from("ccccccinb"), min_size=1, max_size=120),
-       st.sampled_from(["dynamic", "static", "small", "adaptive"]))
+@given(
+    st.lists(st.sampled_from("ccccccinb"), min_size=1, max_size=120),
+    st.sampled_from(["dynamic", "static", "small", "adaptive"]),
+)
 def test_the_clean_step_shortcut_keeps_the_account_of_the_general_path(kinds_drawn, name):
     """``record`` takes a shortcut for a clean step after clean ones past calibration; an account that
     never takes it ends in the same state and says the same. Kills: a shortcut that skips a scale
     move (the growth probe's), a late NaN, or the end of calibration."""
-    policy = {"dynamic": DynamicPolicy(growth_interval=5), "static": StaticPolicy(),
-              "small": DynamicPolicy(init_scale=4.0, growth_interval=3),
-              "adaptive": AdaptivePolicy(growth_interval=4)}[name]
+    policy = {
+        "dynamic": DynamicPolicy(growth_interval=5),
+        "static": StaticPolicy(),
+        "small": DynamicPolicy(init_scale=4.0, growth_interval=3),
+        "adaptive": AdaptivePolicy(growth_interval=4),
+    }[name]
     states = _flags_sequence(kinds_drawn, policy)
     short, general = Health(policy.init_state()), Health(policy.init_state())
     general._one_clean_step = lambda state: False
@@ -331,8 +349,10 @@ def test_the_clean_step_shortcut_keeps_the_account_of_the_general_path(kinds_dra
         short.record(policy, s, before)
         general.record(policy, s, before)
     del general._one_clean_step
+
     def plain(h):  # the open streak has __slots__ and no __eq__: compare its values
         return {k: [getattr(v, n) for n in v.__slots__] if k == "_open" else v for k, v in vars(h).items()}
+
     assert plain(short) == plain(general)
     last, before = states[-1]
     assert short.report(policy, last, before) == general.report(policy, last, before)
@@ -468,19 +488,29 @@ def test_a_disabled_scaler_and_copies():
 INTEGRATION_STEPS, INTEGRATION_K = 6, 2  # an inf injected into step 2's gradient: a calibration skip
 
 
-def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_thread, fresh_accelerate_state):
+def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_thread, fresh_accelerate_state):  # noqa: F811  the pytest fixture imported from _integration_models
     pytest.importorskip("transformers")
     import logging
 
+    from _integration_models import INIT_SCALE, InfAt, TokenData, tiny_gpt2
     from transformers import Trainer, TrainingArguments
 
-    from _integration_models import INIT_SCALE, InfAt, TokenData, tiny_gpt2
     from lossscale.integrations import transformers as ls_transformers
 
     model = tiny_gpt2()
-    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, per_device_train_batch_size=2,
-                             max_steps=INTEGRATION_STEPS, logging_steps=3, save_strategy="no", report_to=[],
-                             disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        fp16=True,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        max_steps=INTEGRATION_STEPS,
+        logging_steps=3,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=TokenData(2 * INTEGRATION_STEPS, length=8))
     scaler = ls_transformers.attach(trainer, init_scale=INIT_SCALE)
     InfAt(model.transformer.h[0].mlp.c_fc.weight, [INTEGRATION_K])
@@ -513,9 +543,9 @@ def test_transformers_trainer_logs_health_at_the_end_of_training(tmp_path, one_t
 @pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
 def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypatch):
     L = pytest.importorskip("lightning")
+    from _integration_models import INIT_SCALE, InfAt, dataset, mlp, read_tensorboard
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from _integration_models import INIT_SCALE, InfAt, dataset, mlp, read_tensorboard
     from lossscale.integrations.lightning import MixedPrecision
 
     class Module(L.LightningModule):
@@ -549,9 +579,17 @@ def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypat
     module, plugin = Module(), MixedPrecision(init_scale=INIT_SCALE)
     InfAt(module.net[2].weight, [INTEGRATION_K])
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=INTEGRATION_STEPS, plugins=[plugin], logger=logger,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        log_every_n_steps=INTEGRATION_STEPS)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=INTEGRATION_STEPS,
+        plugins=[plugin],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=INTEGRATION_STEPS,
+    )
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         try:
@@ -572,10 +610,10 @@ def test_lightning_logs_health_at_the_end_of_fit(tmp_path, one_thread, monkeypat
     assert len(said) == 1  # only the end of a fit
 
 
-def test_accelerate_log_health_prints_and_logs(capsys, one_thread, fresh_accelerate_state):
+def test_accelerate_log_health_prints_and_logs(capsys, one_thread, fresh_accelerate_state):  # noqa: F811  the pytest fixture imported from _integration_models
+    from _integration_models import INIT_SCALE, InfAt, batch, mlp
     from accelerate import Accelerator
 
-    from _integration_models import INIT_SCALE, InfAt, batch, mlp
     from lossscale.integrations import accelerate as ls_accelerate
 
     with pytest.raises(ValueError, match="attach"):

@@ -5,27 +5,36 @@ import sys
 
 import pytest
 import torch
+from _integration_models import (
+    INIT_SCALE,
+    TORCH_LIKE,
+    DtypeProbe,
+    InfAt,
+    all_equal,
+    batch,
+    fresh_accelerate_state,  # noqa: F401  (fixture)
+    lr_reference,
+    mlp,
+    snapshot,
+    warmup_decay,
+)
+from _sync import count_host_syncs
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradScalerKwargs
 
 import lossscale
-from _sync import count_host_syncs
 from lossscale.integrations import accelerate as ls_accelerate
-from _integration_models import fresh_accelerate_state  # noqa: F401  (fixture)
-from _integration_models import (INIT_SCALE, TORCH_LIKE, DtypeProbe, InfAt, all_equal, batch, lr_reference, mlp,
-                                 snapshot, warmup_decay)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
-K = 9       # the step whose gradient gets an inf
+K = 9  # the step whose gradient gets an inf
 STEPS = 24
 LR = 1e-2
 
 
-
 @pytest.fixture(autouse=True)
-def _fresh(fresh_accelerate_state):
+def _fresh(fresh_accelerate_state):  # noqa: F811  the pytest fixture imported from _integration_models
     """accelerate's process-wide state, reset around every test (see _integration_models)."""
 
 
@@ -35,8 +44,18 @@ def _scheduler(kind):
     return lambda opt: torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
 
 
-def _run(scaler_kind, fused, schedule="warmup", steps=range(STEPS), inject=(K,), save=None, load=None,
-         count_syncs=False, register=None, lazy_init=False):
+def _run(
+    scaler_kind,
+    fused,
+    schedule="warmup",
+    steps=range(STEPS),
+    inject=(K,),
+    save=None,
+    load=None,
+    count_syncs=False,
+    register=None,
+    lazy_init=False,
+):
     """One accelerate training script; ``scaler_kind`` "lossscale" (attach) or "torch" (torch's
     GradScaler installed by hand, as accelerate would on CUDA: the reference where it works)."""
     AcceleratorState._reset_state(True)
@@ -63,8 +82,19 @@ def _run(scaler_kind, fused, schedule="warmup", steps=range(STEPS), inject=(K,),
         loaded_state = scaler.state_dict()
     probe = DtypeProbe(model[0])
     InfAt(model[2].weight, inject, start=steps[0])
-    out = dict(scales=[], skipped=[], lrs=[], norms=[], syncs=[], scaler=scaler, accelerator=accelerator,
-               opt=opt, make_scheduler=make_scheduler, loaded_state=loaded_state, lazy=lazy)
+    out = dict(
+        scales=[],
+        skipped=[],
+        lrs=[],
+        norms=[],
+        syncs=[],
+        scaler=scaler,
+        accelerator=accelerator,
+        opt=opt,
+        make_scheduler=make_scheduler,
+        loaded_state=loaded_state,
+        lazy=lazy,
+    )
     for step in steps:
         x, y = batch(step)
         logits = model(x)
@@ -210,8 +240,7 @@ def test_a_checkpoint_loaders_dummy_step_leaves_the_loaded_scaler_alone(tmp_path
     # With lossscale it runs the plain optimizer: the scaler holds what was saved, and the run goes on
     # as if it had never stopped.
     whole = _run("lossscale", fused=False, save=(12, tmp_path / "ckpt"), register=DummyStepOnLoad)
-    resumed = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "ckpt",
-                   register=DummyStepOnLoad)
+    resumed = _run("lossscale", fused=False, steps=range(13, STEPS), load=tmp_path / "ckpt", register=DummyStepOnLoad)
     assert whole["saved_state"]["state"]["growth_tracker"] > 0  # so a dummy update would show
     assert resumed["loaded_state"] == whole["saved_state"]
     assert resumed["scales"] == whole["scales"][13:]
@@ -260,8 +289,9 @@ def test_prepared_optimizer_pickles_as_the_skip_aware_class():
 
 
 def test_grad_scaler_kwargs_handler_is_honoured():
-    accelerator = Accelerator(mixed_precision="fp16",
-                              kwargs_handlers=[GradScalerKwargs(init_scale=2.0**7, growth_interval=5)])
+    accelerator = Accelerator(
+        mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=2.0**7, growth_interval=5)]
+    )
     scaler = ls_accelerate.attach(accelerator, hysteresis=2)
     assert scaler.get_scale() == 2.0**7
     assert scaler.get_growth_interval() == 5
@@ -313,9 +343,14 @@ def _transformers_attach():
     return transformers.attach(None)
 
 
-@pytest.mark.parametrize("framework, use", [("accelerate", lambda: ls_accelerate.attach(None)),
-                                            ("transformers", _transformers_attach),
-                                            ("lightning", _lightning_plugin)])
+@pytest.mark.parametrize(
+    "framework, use",
+    [
+        ("accelerate", lambda: ls_accelerate.attach(None)),
+        ("transformers", _transformers_attach),
+        ("lightning", _lightning_plugin),
+    ],
+)
 def test_a_missing_framework_names_the_extra_to_install(monkeypatch, framework, use):
     from lossscale.integrations import lightning
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
+from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, all_equal, batch, lr_reference, mlp, snapshot
+from _sync import count_host_syncs
 from torch.optim import lr_scheduler as lrs
 
 import lossscale
-from _sync import count_host_syncs
 from lossscale.schedulers import is_skip_aware, skip_aware
-from _integration_models import INIT_SCALE, TORCH_LIKE, InfAt, all_equal, batch, lr_reference, mlp, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
@@ -36,9 +36,11 @@ SCHEDULERS = {
     "CyclicLR": lambda o: lrs.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=3),
     "OneCycleLR": lambda o: lrs.OneCycleLR(o, max_lr=0.1, total_steps=STEPS + 2),
     "SequentialLR": lambda o: lrs.SequentialLR(
-        o, [lrs.LinearLR(o, start_factor=0.1, total_iters=4), lrs.ExponentialLR(o, gamma=0.8)], milestones=[4]),
+        o, [lrs.LinearLR(o, start_factor=0.1, total_iters=4), lrs.ExponentialLR(o, gamma=0.8)], milestones=[4]
+    ),
     "ChainedScheduler": lambda o: lrs.ChainedScheduler(
-        [lrs.ExponentialLR(o, gamma=0.9), lrs.StepLR(o, step_size=3, gamma=0.5)]),
+        [lrs.ExponentialLR(o, gamma=0.9), lrs.StepLR(o, step_size=3, gamma=0.5)]
+    ),
 }
 
 
@@ -46,8 +48,11 @@ def _run(make_scheduler, kind, wrap, steps=STEPS, inject=(K,)):
     """A hand-written loop. ``wrap``: skip_aware + an unconditional scheduler.step() (what a framework
     does); otherwise a plain scheduler stepped through scaler.step_scheduler (the reference)."""
     model = mlp()
-    opt = (torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9) if kind == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=LR, fused=True))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        if kind == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=LR, fused=True)
+    )
     sched = make_scheduler(opt)
     scaler = lossscale.GradScaler("cpu", init_scale=INIT_SCALE, **TORCH_LIKE)
     if wrap:
@@ -73,8 +78,17 @@ def _run(make_scheduler, kind, wrap, steps=STEPS, inject=(K,)):
             scaler.step_scheduler(sched)
         skipped.append(scaler.last_step_skipped)
         scales.append(scaler.get_scale())
-    return dict(lrs=lrs_used, skipped=skipped, scales=scales, params=snapshot(model.parameters()),
-                sched=sched, before_k=before_k, after_k=after_k, scaler=scaler, opt=opt)
+    return dict(
+        lrs=lrs_used,
+        skipped=skipped,
+        scales=scales,
+        params=snapshot(model.parameters()),
+        sched=sched,
+        before_k=before_k,
+        after_k=after_k,
+        scaler=scaler,
+        opt=opt,
+    )
 
 
 def _tensors_in(value):
@@ -134,9 +148,9 @@ def test_fused_optimizer_one_sync_per_step():
         scaler.scale(loss).backward()
         lrs_used.append(opt.param_groups[0]["lr"])
         with count_host_syncs() as syncs:
-            scaler.step(opt)      # fused: skips on device, no sync
+            scaler.step(opt)  # fused: skips on device, no sync
             scaler.update()
-            sched.step()          # reads the device-side flag: the one sync
+            sched.step()  # reads the device-side flag: the one sync
         counts.append(syncs.count)
     assert counts == [1, 1, 1, 1]
     assert lrs_used == [LR, LR / 2, LR / 3, LR / 3]  # step 2 was skipped on device: the LR held

@@ -31,8 +31,13 @@ def _size(path):
 
 # ---------------------------------------------------------------------------------------------- plots
 def test_number_line(tmp_path):
-    fmt = {"name": "fp16", "max": 65504.0, "smallest_normal": 2.0**-14, "smallest_subnormal": 2.0**-24,
-           "flush_threshold": 2.0**-25}
+    fmt = {
+        "name": "fp16",
+        "max": 65504.0,
+        "smallest_normal": 2.0**-14,
+        "smallest_subnormal": 2.0**-24,
+        "flush_threshold": 2.0**-25,
+    }
     before = {e: 100 - abs(e + 30) * 8 for e in range(-40, -20)}
     after = {e + 16: c for e, c in before.items()}
     p = plots.plot_number_line(str(tmp_path / "n.png"), fmt, before, after, scale_log2=16)
@@ -44,16 +49,35 @@ def test_number_line(tmp_path):
 
 
 def test_layer_flush_curves_sweep_clip(tmp_path):
-    assert _is_png(plots.plot_layer_flush(str(tmp_path / "l.png"), ["fc1", "fc2", "fc3"],
-                                          {"no scaling": [1.0, 1.0, 0.99], "S=2^16": [0.003, None, 0.0]}))
-    runs = {name: {"label": name, "epoch": [0, 1, 2], "train_loss": [2.3, 1.0, float("nan")],
-                   "test_acc": [0.1, 0.5, 0.9]} for name in ("fp32", "fp16_noscale", "mystery")}
+    assert _is_png(
+        plots.plot_layer_flush(
+            str(tmp_path / "l.png"),
+            ["fc1", "fc2", "fc3"],
+            {"no scaling": [1.0, 1.0, 0.99], "S=2^16": [0.003, None, 0.0]},
+        )
+    )
+    runs = {
+        name: {"label": name, "epoch": [0, 1, 2], "train_loss": [2.3, 1.0, float("nan")], "test_acc": [0.1, 0.5, 0.9]}
+        for name in ("fp32", "fp16_noscale", "mystery")
+    }
     assert _is_png(plots.plot_curves(str(tmp_path / "c.png"), runs, chance=0.1))
-    assert _is_png(plots.plot_sweep(str(tmp_path / "s.png"), [0, 8, 16, 24], [0.1, 0.9, 0.95, 0.1],
-                                    [0.0, 0.0, 0.0, 1.0], fp32_acc=0.96, flushed_frac=[1.0, 0.2, 0.0, None],
-                                    overflow_frac=[0, 0, 0, 0.01], window=(8, 16), chance=0.1))
-    clip = {n: {"label": n, "epoch": [0, 1], "test_acc": [0.3, 0.9], "step": [0, 1, 2],
-                "norm_ratio": [1.0, 0.5, None]} for n in ("clip_right", "clip_wrong")}
+    assert _is_png(
+        plots.plot_sweep(
+            str(tmp_path / "s.png"),
+            [0, 8, 16, 24],
+            [0.1, 0.9, 0.95, 0.1],
+            [0.0, 0.0, 0.0, 1.0],
+            fp32_acc=0.96,
+            flushed_frac=[1.0, 0.2, 0.0, None],
+            overflow_frac=[0, 0, 0, 0.01],
+            window=(8, 16),
+            chance=0.1,
+        )
+    )
+    clip = {
+        n: {"label": n, "epoch": [0, 1], "test_acc": [0.3, 0.9], "step": [0, 1, 2], "norm_ratio": [1.0, 0.5, None]}
+        for n in ("clip_right", "clip_wrong")
+    }
     assert _is_png(plots.plot_clip_order(str(tmp_path / "k.png"), clip))
 
 
@@ -84,13 +108,27 @@ def test_scale_trajectory_and_telemetry(tmp_path):
     scale = [2.0 ** (16 + min(s // 5, 8)) for s in steps]
     skipped = [s in (41, 46) for s in steps]
     line = [2.0**23 * (1.5 if s % 3 else 1.0) if not k else None for s, k in zip(steps, skipped)]
-    runs = {"dynamic": {"label": "dyn", "step": steps, "loss_scale": scale, "skipped": skipped, "line": line,
-                        "envelope": line},
-            "torch_default": {"label": "torch", "step": steps, "loss_scale": [2.0**16] * 50, "skipped": [False] * 50}}
+    runs = {
+        "dynamic": {
+            "label": "dyn",
+            "step": steps,
+            "loss_scale": scale,
+            "skipped": skipped,
+            "line": line,
+            "envelope": line,
+        },
+        "torch_default": {"label": "torch", "step": steps, "loss_scale": [2.0**16] * 50, "skipped": [False] * 50},
+    }
     assert _is_png(plots.plot_scale_trajectory(str(tmp_path / "t.png"), runs))
     sampled = [0.01 if s % 5 == 0 else None for s in steps]
-    p = plots.plot_telemetry(str(tmp_path / "tel.png"), steps, scale, skipped, flushed={"all": sampled},
-                             headroom={"all": [3.0] * 50, "fc1": [4.0] * 50})
+    p = plots.plot_telemetry(
+        str(tmp_path / "tel.png"),
+        steps,
+        scale,
+        skipped,
+        flushed={"all": sampled},
+        headroom={"all": [3.0] * 50, "fc1": [4.0] * 50},
+    )
     assert _is_png(p)
     assert _is_png(plots.plot_telemetry(str(tmp_path / "bare.png"), steps, scale, skipped))
 
@@ -107,11 +145,20 @@ def test_plotting_leaves_no_pyplot_state(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- html
 def test_html_escapes_and_links(tmp_path):
-    sec = html.Section("C1 <fp16>", verdict="HELD", claim="a < b & c", text=["x <script>"],
-                       figures=[("max", "65504")], checks=[("ok", True, "d"), ("later", False, "missed")],
-                       images=[("a.png", "cap")], pre="t<able>", anchor="C1")
-    path = html.write_html(str(tmp_path / "i.html"), "T & T", [sec], subtitle="s",
-                           summary=[("C1", "C1 x", "HELD", "figure")], footer="f")
+    sec = html.Section(
+        "C1 <fp16>",
+        verdict="HELD",
+        claim="a < b & c",
+        text=["x <script>"],
+        figures=[("max", "65504")],
+        checks=[("ok", True, "d"), ("later", False, "missed")],
+        images=[("a.png", "cap")],
+        pre="t<able>",
+        anchor="C1",
+    )
+    path = html.write_html(
+        str(tmp_path / "i.html"), "T & T", [sec], subtitle="s", summary=[("C1", "C1 x", "HELD", "figure")], footer="f"
+    )
     text = open(path, encoding="utf-8").read()
     assert "<script>" not in text and "x &lt;script&gt;" in text
     assert 'href="#C1"' in text and 'id="C1"' in text and 'src="a.png"' in text
@@ -126,12 +173,22 @@ def _records(n=30, backoff_at=(12, 20)):
     for step in range(n):
         skipped = step in backoff_at
         skipped_steps += skipped
-        recs.append({"step": step, "loss_scale": scale, "skipped": skipped, "skipped_steps": skipped_steps,
-                     "loss": 2.0 / (1 + step), "grad/flushed_frac": 0.01 * (step % 3),
-                     "grad/headroom_bits": -math.inf if skipped else 2.0 + step % 4,
-                     "act/flushed_frac": 0.02 if step % 5 == 0 else None,
-                     "act/fc1/flushed_frac": 0.03 if step % 5 == 0 else None,
-                     "act/fc2/headroom_bits": 5.0, "grad/fc1.weight/flushed_frac": 0.0, "other": "kept out"})
+        recs.append(
+            {
+                "step": step,
+                "loss_scale": scale,
+                "skipped": skipped,
+                "skipped_steps": skipped_steps,
+                "loss": 2.0 / (1 + step),
+                "grad/flushed_frac": 0.01 * (step % 3),
+                "grad/headroom_bits": -math.inf if skipped else 2.0 + step % 4,
+                "act/flushed_frac": 0.02 if step % 5 == 0 else None,
+                "act/fc1/flushed_frac": 0.03 if step % 5 == 0 else None,
+                "act/fc2/headroom_bits": 5.0,
+                "grad/fc1.weight/flushed_frac": 0.0,
+                "other": "kept out",
+            }
+        )
         if skipped:
             scale /= 2
         elif step % 5 == 4:
@@ -150,22 +207,27 @@ def test_schema_parses_columns_layers_and_meta():
 
 
 def test_schema_derives_skipped_from_the_counter_and_reads_nonfinite_strings():
-    recs = [{"step": i, "loss_scale": 8.0, "skipped_steps": c, "grad/headroom_bits": h}
-            for i, (c, h) in enumerate([(0, 1.0), (1, "-inf"), (1, "nan"), (2, None)])]
+    recs = [
+        {"step": i, "loss_scale": 8.0, "skipped_steps": c, "grad/headroom_bits": h}
+        for i, (c, h) in enumerate([(0, 1.0), (1, "-inf"), (1, "nan"), (2, None)])
+    ]
     tel = schema.parse_records(recs)
     assert tel.skipped == [False, True, False, True]
     assert tel.metrics["grad/headroom_bits"][1] == -math.inf and math.isnan(tel.metrics["grad/headroom_bits"][2])
     assert schema.parse_records([{"step": 0, "loss_scale": 1.0, "last_step_skipped": True}]).skipped == [True]
 
 
-@pytest.mark.parametrize("rec, match", [
-    ({"loss_scale": 1.0, "step": -1}, "step=-1"),
-    ({"step": 0}, "missing"),
-    ({"step": 0, "loss_scale": 0.0}, "loss_scale"),
-    ({"step": 0, "loss_scale": 1.0, "skipped": "no"}, "skipped"),
-    ({"step": 0, "loss_scale": 1.0, "grad/flushed_frac": 1.5}, r"\[0, 1\]"),
-    ({"step": 0, "loss_scale": 1.0, "grad/headroom_bits": "lots"}, "number"),
-])
+@pytest.mark.parametrize(
+    "rec, match",
+    [
+        ({"loss_scale": 1.0, "step": -1}, "step=-1"),
+        ({"step": 0}, "missing"),
+        ({"step": 0, "loss_scale": 0.0}, "loss_scale"),
+        ({"step": 0, "loss_scale": 1.0, "skipped": "no"}, "skipped"),
+        ({"step": 0, "loss_scale": 1.0, "grad/flushed_frac": 1.5}, r"\[0, 1\]"),
+        ({"step": 0, "loss_scale": 1.0, "grad/headroom_bits": "lots"}, "number"),
+    ],
+)
 def test_schema_errors_name_the_line_and_key(rec, match):
     with pytest.raises(ValueError, match=match) as e:
         schema.parse_records([rec], source="run.jsonl")
@@ -204,8 +266,11 @@ def _killed_run(tmp_path, n=12):
 def test_read_jsonl_skips_and_counts_bad_lines_with_one_warning(tmp_path):
     """Issue 12: one bad line (a killed run's truncated last line) refused the whole file."""
     path = _killed_run(tmp_path)
-    with pytest.warns(UserWarning, match=r"killed.jsonl: skipped 2 bad line\(s\) \(line 8: .*loss='lots'.*"
-                                         r"line 13: not a JSON object"):
+    with pytest.warns(
+        UserWarning,
+        match=r"killed.jsonl: skipped 2 bad line\(s\) \(line 8: .*loss='lots'.*"
+        r"line 13: not a JSON object",
+    ):
         tel = schema.read_jsonl(str(path))
     assert [i for i, _ in tel.bad_lines] == [8, 13]
     assert len(tel) == 10 and 6 not in tel.step and 11 not in tel.step  # lines 8 and 13 hold steps 6 and 11
@@ -252,8 +317,9 @@ def test_report_figures_name_the_series_they_are_over(tmp_path):
     assert "act_flushed_frac_max: max over steps of act/flushed_frac (all watched modules together)" in text
     assert "act_flushed_frac_mean: mean over steps of act/flushed_frac (all watched modules together)" in text
     assert "act_flushed_frac_mean_per_layer[fc1]: mean over steps of act/fc1/flushed_frac (fc1 alone)" in text
-    assert ("param_flushed_frac_mean_per_layer[fc1.weight]: mean over steps of grad/fc1.weight/flushed_frac"
-            in text)  # the key as logged (issue 21: it said param/...)
+    assert (
+        "param_flushed_frac_mean_per_layer[fc1.weight]: mean over steps of grad/fc1.weight/flushed_frac" in text
+    )  # the key as logged (issue 21: it said param/...)
     assert "grad_headroom_bits_min_clean: min over unskipped steps of grad/headroom_bits" in text
     assert "A small layer&#x27;s mean can therefore exceed the overall max" in text
 
@@ -315,8 +381,9 @@ def test_report_reads_the_telemetry_logger(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = lossscale.GradScaler("cpu", init_scale=2.0**30, growth_interval=2, max_scale=None, telemetry=1,
-                                 on_stuck="ignore")
+    scaler = lossscale.GradScaler(
+        "cpu", init_scale=2.0**30, growth_interval=2, max_scale=None, telemetry=1, on_stuck="ignore"
+    )
     path = tmp_path / "logged.jsonl"
     with telemetry.JsonlLogger(str(path)) as log:
         for step in range(12):
@@ -343,9 +410,18 @@ def _sparse_run(tmp_path, n_steps=440, every=10, skips=(15, 35, 40, 212)):
             count += 1
             scale /= 2
         if step % every == 0:
-            recs.append({"step": step, "loss_scale": scale, "last_step_skipped": step in skips,
-                         "skipped_steps": count, "grad/flushed_frac": 0.0, "grad/headroom_bits": 3.0,
-                         "grad/0/flushed_frac": 0.01, "grad/0/headroom_bits": 2.0})
+            recs.append(
+                {
+                    "step": step,
+                    "loss_scale": scale,
+                    "last_step_skipped": step in skips,
+                    "skipped_steps": count,
+                    "grad/flushed_frac": 0.0,
+                    "grad/headroom_bits": 3.0,
+                    "grad/0/flushed_frac": 0.01,
+                    "grad/0/headroom_bits": 2.0,
+                }
+            )
     path = tmp_path / "every10.jsonl"
     with open(path, "w", encoding="utf-8") as fh:
         schema.write_jsonl(fh, recs)
@@ -394,7 +470,9 @@ def test_report_legends_name_the_key_as_logged(tmp_path, monkeypatch):
     assert set(headroom) == {"0 (grad/0/headroom_bits)", "all together (grad/headroom_bits)"}
     text = (out / "index.html").read_text()
     assert "param/0" not in text and "one layer each (grad/&lt;layer&gt;/...)" in text
-    assert schema.read_jsonl(str(_sparse_run(tmp_path))).layer_key("param", "0", "flushed_frac") == "grad/0/flushed_frac"
+    assert (
+        schema.read_jsonl(str(_sparse_run(tmp_path))).layer_key("param", "0", "flushed_frac") == "grad/0/flushed_frac"
+    )
 
 
 # ------------------------------------------------------------------ input a report must survive (issue 19)
@@ -422,8 +500,10 @@ def test_deeply_nested_json_is_one_bad_line(tmp_path):
 
 def test_a_layer_named_like_mathtext_is_drawn_as_written(tmp_path):
     path = tmp_path / "run.jsonl"
-    recs = [{"step": i, "loss_scale": 65536.0, "act/$\\foo$/flushed_frac": 0.1, "act/$\\foo$/headroom_bits": 3.0}
-            for i in range(5)]
+    recs = [
+        {"step": i, "loss_scale": 65536.0, "act/$\\foo$/flushed_frac": 0.1, "act/$\\foo$/headroom_bits": 3.0}
+        for i in range(5)
+    ]
     _write_lines(path, [schema.dumps_record(r) for r in recs])
     render_run_report(str(path), str(tmp_path / "out"))
     assert (tmp_path / "out" / "layers_act.png").exists()
@@ -432,14 +512,17 @@ def test_a_layer_named_like_mathtext_is_drawn_as_written(tmp_path):
 _HUGE = 10**399  # a 400-digit JSON integer: valid JSON, beyond every float and int64
 
 
-@pytest.mark.parametrize("field, line", [
-    ("loss_scale", '{"step": 5, "loss_scale": %d}' % _HUGE),
-    ("step", '{"step": %d, "loss_scale": 1024}' % _HUGE),
-    ("grad/amax", '{"step": 5, "loss_scale": 1024, "grad/amax": %d}' % _HUGE),
-    ("skipped_steps", '{"step": 5, "loss_scale": 1024, "skipped_steps": %d}' % _HUGE),
-    ("act/", '{"step": 5, "loss_scale": 1024, "act/\\ud800/flushed_frac": 0.1}'),  # a lone surrogate
-    ("'model'", '{"meta": {"model": "\\ud800"}}'),
-])
+@pytest.mark.parametrize(
+    "field, line",
+    [
+        ("loss_scale", '{"step": 5, "loss_scale": %d}' % _HUGE),
+        ("step", '{"step": %d, "loss_scale": 1024}' % _HUGE),
+        ("grad/amax", '{"step": 5, "loss_scale": 1024, "grad/amax": %d}' % _HUGE),
+        ("skipped_steps", '{"step": 5, "loss_scale": 1024, "skipped_steps": %d}' % _HUGE),
+        ("act/", '{"step": 5, "loss_scale": 1024, "act/\\ud800/flushed_frac": 0.1}'),  # a lone surrogate
+        ("'model'", '{"meta": {"model": "\\ud800"}}'),
+    ],
+)
 def test_a_huge_integer_or_a_lone_surrogate_is_one_bad_line_naming_the_field(tmp_path, capsys, field, line):
     # Before: an OverflowError traceback (the integers) or one from matplotlib (the surrogate).
     main = cli.main

@@ -8,11 +8,22 @@ import warnings
 
 import pytest
 import torch
+from _devices import CUDA_LIKE, on
+from _models import (
+    TORCH_LIKE,
+    backward,
+    batch,
+    drive,
+    inject,
+    make_optimizer,
+    params_equal,
+    states_equal,
+    tiny_mlp,
+    twins,
+    two_optimizer_run,
+)
 
 import lossscale
-from _devices import CUDA_LIKE, on
-from _models import (TORCH_LIKE, backward, batch, drive, inject, make_optimizer, params_equal, states_equal, tiny_mlp,
-                     twins, two_optimizer_run)
 
 
 def snapshot(model, opt):
@@ -113,9 +124,18 @@ def test_checkpoint_continuation_is_bitwise_identical(kind, tmp_path):
 @pytest.mark.filterwarnings("ignore:lossscale. the checkpoint.s policy replaces:UserWarning")  # by design here
 def test_state_dict_round_trip_covers_every_field():
     # jmp's bug: a round trip that forgets a field silently resets it. Make every field non-default.
-    scaler = lossscale.GradScaler(init_scale=2.0**5, growth_factor=4.0, backoff_factor=0.25, growth_interval=9,
-                                  hysteresis=3, consecutive_hysteresis=True, min_scale=2.0**-3,
-                                  max_scale=2.0**20, on_stuck="ignore", max_consecutive_skips=7)
+    scaler = lossscale.GradScaler(
+        init_scale=2.0**5,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        growth_interval=9,
+        hysteresis=3,
+        consecutive_hysteresis=True,
+        min_scale=2.0**-3,
+        max_scale=2.0**20,
+        on_stuck="ignore",
+        max_consecutive_skips=7,
+    )
     drive(scaler, (True, False, True, True))
     sd = scaler.state_dict()
     other = lossscale.GradScaler()
@@ -156,15 +176,18 @@ def test_bad_call_orders_raise_and_change_nothing():
     assert scaler.state_dict()["state"]["steps"] == 1
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(growth_factor=0.9), "growth_factor"),
-    (dict(backoff_factor=2.0), "backoff_factor"),
-    (dict(growth_interval=0), "growth_interval"),
-    (dict(policy="fancy"), "policy"),
-    (dict(policy=lossscale.StaticPolicy(), init_scale=4.0), "init_scale"),
-    (dict(device=3), "device"),
-    (dict(on_stuck="maybe"), "on_stuck"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(growth_factor=0.9), "growth_factor"),
+        (dict(backoff_factor=2.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(policy="fancy"), "policy"),
+        (dict(policy=lossscale.StaticPolicy(), init_scale=4.0), "init_scale"),
+        (dict(device=3), "device"),
+        (dict(on_stuck="maybe"), "on_stuck"),
+    ],
+)
 def test_bad_scaler_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lossscale.GradScaler(**kwargs)
@@ -282,7 +305,7 @@ def test_several_optimizers_and_losses_per_iteration():
     ours = lossscale.GradScaler(min_scale=None, max_scale=None, growth_interval=2)
     ref = torch.amp.GradScaler("cpu", growth_interval=2)
     for step in range(6):
-        for (ma, mb, o1, o2, s) in ((a, b, oa, ob, ours), (ta, tb, toa, tob, ref)):
+        for ma, mb, o1, o2, s in ((a, b, oa, ob, ours), (ta, tb, toa, tob, ref)):
             o1.zero_grad(), o2.zero_grad()
             x, y = batch(step)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -421,8 +444,10 @@ def _two_optimizer_states(policy_kwargs, fused, script, bad_loss_at=(), device="
     scaler = lossscale.GradScaler(device, **policy_kwargs)
     a = torch.nn.Parameter(torch.zeros(3, device=device))
     b = torch.nn.Parameter(torch.zeros(2, device=device))
-    opts = [torch.optim.SGD([a], lr=0.0, fused=fused, foreach=None if fused else True),
-            torch.optim.SGD([b], lr=0.0, fused=fused, foreach=None if fused else True)]
+    opts = [
+        torch.optim.SGD([a], lr=0.0, fused=fused, foreach=None if fused else True),
+        torch.optim.SGD([b], lr=0.0, fused=fused, foreach=None if fused else True),
+    ]
     values = {"clean": 3.0, "small": 1e-3, "zero": 0.0, "inf": math.inf, "nan": math.nan}
     out = []
     for i, (kinds, new_scale) in enumerate(script):
@@ -436,10 +461,18 @@ def _two_optimizer_states(policy_kwargs, fused, script, bad_loss_at=(), device="
     return out
 
 
-@pytest.mark.parametrize("policy_kwargs", [
-    dict(growth_interval=2), dict(growth_interval=2, hysteresis=2), dict(min_scale=None, max_scale=None),
-    dict(policy="adaptive", growth_interval=2), dict(policy="logmax"), dict(policy="static", scale=2.0**4)],
-    ids=["dynamic", "hysteresis", "unbounded", "adaptive", "logmax", "static"])
+@pytest.mark.parametrize(
+    "policy_kwargs",
+    [
+        dict(growth_interval=2),
+        dict(growth_interval=2, hysteresis=2),
+        dict(min_scale=None, max_scale=None),
+        dict(policy="adaptive", growth_interval=2),
+        dict(policy="logmax"),
+        dict(policy="static", scale=2.0**4),
+    ],
+    ids=["dynamic", "hysteresis", "unbounded", "adaptive", "logmax", "static"],
+)
 @pytest.mark.filterwarnings("ignore:lossscale. .* consecutive skipped:RuntimeWarning")  # the script hits the floor
 def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
     """Two optimizers per iteration: synced (SGD foreach: the host knows the flags and runs the pure
@@ -467,11 +500,18 @@ def test_two_optimizers_device_rule_agrees_with_the_host_rule(policy_kwargs):
 
 
 @pytest.mark.parametrize("device", CUDA_LIKE)
-@pytest.mark.parametrize("policy_kwargs", [
-    dict(growth_interval=2), dict(growth_interval=2, hysteresis=2), dict(growth_interval=2, backoff_factor=0.7),
-    dict(min_scale=None, max_scale=None, hysteresis=3, consecutive_hysteresis=True),
-    dict(policy="adaptive", growth_interval=2), dict(policy="logmax")],
-    ids=["dynamic", "hysteresis", "backoff-0.7", "unbounded-deepspeed", "adaptive", "logmax"])
+@pytest.mark.parametrize(
+    "policy_kwargs",
+    [
+        dict(growth_interval=2),
+        dict(growth_interval=2, hysteresis=2),
+        dict(growth_interval=2, backoff_factor=0.7),
+        dict(min_scale=None, max_scale=None, hysteresis=3, consecutive_hysteresis=True),
+        dict(policy="adaptive", growth_interval=2),
+        dict(policy="logmax"),
+    ],
+    ids=["dynamic", "hysteresis", "backoff-0.7", "unbounded-deepspeed", "adaptive", "logmax"],
+)
 @pytest.mark.filterwarnings("ignore:lossscale. .* consecutive skipped:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:lossscale. backoff_factor=0.7 is not a power of two:UserWarning")
 def test_the_device_rules_agree_with_the_host_rule_on_a_cuda_device(policy_kwargs, device):

@@ -9,10 +9,10 @@ import struct
 
 import pytest
 import torch
+from _rules import TensorForm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _rules import TensorForm
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy
 from lossscale._check import inverse
 from lossscale._state import Snapshot, TensorState
@@ -25,9 +25,15 @@ def test_field_kind_is_what_each_field_declares_never_its_annotation():
     field that declares none."""
     from lossscale.policy import BOOL, F32, F64, I32, I64, SIGNED, field_kind, host_type
 
-    fields = dataclasses.fields(dataclasses.make_dataclass("S", [
-        (name, "float | None", dataclasses.field(default=0, metadata=meta))
-        for name, meta in zip("abcdef", (F32, F64, I64, I32, BOOL, SIGNED))]))
+    fields = dataclasses.fields(
+        dataclasses.make_dataclass(
+            "S",
+            [
+                (name, "float | None", dataclasses.field(default=0, metadata=meta))
+                for name, meta in zip("abcdef", (F32, F64, I64, I32, BOOL, SIGNED))
+            ],
+        )
+    )
     assert [field_kind(f) for f in fields] == ["f32", "f64", "i64", "i32", "bool", "i64"]
     assert [host_type(f) for f in fields] == [float, float, int, int, bool, int]
     with pytest.raises(TypeError, match="declares no device form"):

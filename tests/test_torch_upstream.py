@@ -15,22 +15,25 @@ import pickle
 
 import pytest
 import torch
+from _models import TORCH_LIKE
 
 import lossscale
-from _models import TORCH_LIKE
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops, one thread
 
-SKIP_AT = 2        # the iteration whose gradient gets an inf (upstream's skip_iter)
+SKIP_AT = 2  # the iteration whose gradient gets an inf (upstream's skip_iter)
 INIT, GROWTH = 128.0, 2.0
 
 
 def _scalers():
     """torch's scaler and lossscale's, as upstream configures it: growth every step, so that a wrong
     growth or backoff shows at once."""
-    return (torch.amp.GradScaler("cpu", init_scale=INIT, growth_factor=GROWTH, growth_interval=1),
-            lossscale.GradScaler("cpu", **{**TORCH_LIKE, "init_scale": INIT, "growth_factor": GROWTH,
-                                           "growth_interval": 1}))
+    return (
+        torch.amp.GradScaler("cpu", init_scale=INIT, growth_factor=GROWTH, growth_interval=1),
+        lossscale.GradScaler(
+            "cpu", **{**TORCH_LIKE, "init_scale": INIT, "growth_factor": GROWTH, "growth_interval": 1}
+        ),
+    )
 
 
 def _case(optimizer=torch.optim.SGD, models=1, **kwargs):
@@ -71,11 +74,21 @@ def _mse(net, x, y):
     return torch.nn.functional.mse_loss(net(x), y)
 
 
-@pytest.mark.parametrize("optimizer, kwargs", [
-    (torch.optim.SGD, {}), (torch.optim.SGD, {"foreach": True}), (torch.optim.SGD, {"fused": True}),
-    (torch.optim.Adam, {}), (torch.optim.Adam, {"foreach": True}), (torch.optim.Adam, {"fused": True}),
-    (torch.optim.AdamW, {}), (torch.optim.AdamW, {"foreach": True}), (torch.optim.AdamW, {"fused": True})],
-    ids=lambda v: getattr(v, "__name__", None) or ",".join(v) or "default")
+@pytest.mark.parametrize(
+    "optimizer, kwargs",
+    [
+        (torch.optim.SGD, {}),
+        (torch.optim.SGD, {"foreach": True}),
+        (torch.optim.SGD, {"fused": True}),
+        (torch.optim.Adam, {}),
+        (torch.optim.Adam, {"foreach": True}),
+        (torch.optim.Adam, {"fused": True}),
+        (torch.optim.AdamW, {}),
+        (torch.optim.AdamW, {"foreach": True}),
+        (torch.optim.AdamW, {"fused": True}),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) or ",".join(v) or "default",
+)
 @pytest.mark.parametrize("pickled", [False, True], ids=["", "pickled"])
 def test_grad_scaling_autocast(optimizer, kwargs, pickled):
     # FP16 autocast forward; the scaler pickled and unpickled after every update when ``pickled``.
@@ -98,8 +111,7 @@ def test_grad_scaling_autocast(optimizer, kwargs, pickled):
     _agree(recipe, INIT * GROWTH**3 / 2, optimizer, **kwargs)
 
 
-@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW],
-                         ids=lambda o: o.__name__)
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW], ids=lambda o: o.__name__)
 def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(optimizer):
     # Gradients broken after unscale_() were already checked: the step is taken, the parameters go bad,
     # as in torch (the check is unscale_'s, not step's).

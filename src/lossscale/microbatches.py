@@ -70,17 +70,23 @@ def valid_weight(weight, outputs) -> Union[int, float]:
     """``scale(outputs, weight=...)``'s weight as a Python number >= 0; ValueError naming it otherwise
     (nothing changes). A 0-dim tensor is read on the host (a sync)."""
     if not isinstance(outputs, torch.Tensor):
-        raise ValueError("scale(outputs, weight=...): a weight is one micro-batch's share, so outputs must be one "
-                         "loss tensor, not a container of them; scale each loss with its own weight.")
+        raise ValueError(
+            "scale(outputs, weight=...): a weight is one micro-batch's share, so outputs must be one "
+            "loss tensor, not a container of them; scale each loss with its own weight."
+        )
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1:
-            raise ValueError(f"scale(weight=...) got a tensor of shape {tuple(weight.shape)}; pass the micro-batch's "
-                             "weight (its token count) as a number or a 1-element tensor.")
+            raise ValueError(
+                f"scale(weight=...) got a tensor of shape {tuple(weight.shape)}; pass the micro-batch's "
+                "weight (its token count) as a number or a 1-element tensor."
+            )
         weight = weight.item()  # the host read the docstring names
     weight = _plain(weight)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
-        raise ValueError(f"scale(weight={weight!r}): a micro-batch's weight must be a finite number >= 0 (its "
-                         "token count, or any share of the step).")
+        raise ValueError(
+            f"scale(weight={weight!r}): a micro-batch's weight must be a finite number >= 0 (its "
+            "token count, or any share of the step)."
+        )
     return weight
 
 
@@ -113,9 +119,11 @@ class MicroBatches(Feature):
         """ValueError (nothing changed) if ``weight`` breaks the rule that every micro-batch of an
         iteration gives a weight or none does. The scaler asks before ``scale()`` changes anything."""
         if self.weighted is not None and self.weighted != (weight is not None):
-            raise ValueError("scale(weight=...): every micro-batch of an iteration gives a weight, or none does; "
-                             f"this one {'does not' if weight is None else 'does'}, the earlier ones "
-                             f"{'did' if self.weighted else 'did not'}.")
+            raise ValueError(
+                "scale(weight=...): every micro-batch of an iteration gives a weight, or none does; "
+                f"this one {'does not' if weight is None else 'does'}, the earlier ones "
+                f"{'did' if self.weighted else 'did not'}."
+            )
 
     def admit(self, loss: torch.Tensor, weight: Optional[Union[int, float]] = None) -> bool:
         """Whether the micro-batch whose ``loss`` is being scaled is kept (every value finite); ``weight``:

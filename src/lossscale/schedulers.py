@@ -185,8 +185,9 @@ def _ema_tensors(ema):
     modules holding ``module``; ultralytics' holds ``ema``), each once."""
     import torch
 
-    modules = [ema] if isinstance(ema, torch.nn.Module) else [v for v in vars(ema).values()
-                                                                if isinstance(v, torch.nn.Module)]
+    modules = (
+        [ema] if isinstance(ema, torch.nn.Module) else [v for v in vars(ema).values() if isinstance(v, torch.nn.Module)]
+    )
     seen, out = set(), []
     for module in modules:
         for t in module.state_dict(keep_vars=True).values():
@@ -212,8 +213,7 @@ def _deepcopy(self, memo):
 def _reduce_ex(self, protocol):
     # The per-object class is not importable by name: pickle as (base class, scaler, state, optimizer).
     cls = type(self)
-    return _rebuild, (cls._lossscale_base, cls._lossscale_scaler, dict(self.__getstate__()),
-                      cls._lossscale_optimizer)
+    return _rebuild, (cls._lossscale_base, cls._lossscale_scaler, dict(self.__getstate__()), cls._lossscale_optimizer)
 
 
 def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
@@ -223,8 +223,8 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
     ``torch.optim.swa_utils.AveragedModel`` (its ``update_parameters(model)`` leaves the averaged
     parameters, buffers and ``n_averaged`` bitwise as they were), or an EMA of the ``update(model)``
     kind without a ``step()`` (timm's ``ModelEmaV2``/``ModelEmaV3``, ultralytics' ``ModelEMA``: its
-    ``update(model, ...)`` leaves its tensors and host counters bitwise as they were). Returns the same object (its class
-    becomes a subclass of its own class; every attribute and ``isinstance`` check stays as it was).
+    ``update(model, ...)`` leaves its tensors and host counters bitwise as they were). Returns the same
+    object (its class becomes a subclass of its own class; every attribute and ``isinstance`` check stays as it was).
     Works for any ``torch.optim.lr_scheduler`` scheduler, ``ReduceLROnPlateau`` (its ``step(metrics)``
     arguments pass through) and ``SWALR`` included, any object with a ``step()`` method, and any
     ``AveragedModel`` (SWA or EMA; ``avg_fn``, ``multi_avg_fn`` or the default). ``state_dict()`` is
@@ -253,31 +253,45 @@ def skip_aware(obj: S, scaler, *, optimizer=None) -> S:
     ema = not averaged and not callable(getattr(obj, "step", None)) and callable(getattr(obj, "update", None))
     if not averaged and not ema:
         if optimizer is not None:
-            raise ValueError(f"optimizer={type(optimizer).__name__}(...) is for an AveragedModel or an EMA; a scheduler follows "
-                             "its own optimizer (scheduler.optimizer): drop the argument.")
+            raise ValueError(
+                f"optimizer={type(optimizer).__name__}(...) is for an AveragedModel or an EMA; a scheduler follows "
+                "its own optimizer (scheduler.optimizer): drop the argument."
+            )
         if not callable(getattr(obj, "step", None)):
-            raise ValueError(f"obj={type(obj).__name__}(...) has no step() or update(model) method and is not a "
-                             "torch.optim.swa_utils.AveragedModel; pass an LR scheduler, an AveragedModel or an EMA.")
+            raise ValueError(
+                f"obj={type(obj).__name__}(...) has no step() or update(model) method and is not a "
+                "torch.optim.swa_utils.AveragedModel; pass an LR scheduler, an AveragedModel or an EMA."
+            )
     if not hasattr(obj, "__dict__"):
-        raise ValueError(f"obj={obj!r} has no instance __dict__ (__slots__ only); use "
-                         "scaler.step_scheduler(scheduler) in the training loop instead.")
+        raise ValueError(
+            f"obj={obj!r} has no instance __dict__ (__slots__ only); use "
+            "scaler.step_scheduler(scheduler) in the training loop instead."
+        )
     if averaged:
         _keep_count_with_parameters(obj)
     base = getattr(type(obj), "_lossscale_base", type(obj))
     verb = "update" if averaged or ema else "step"
-    method = ({"update_parameters": _update_parameters} if averaged else
-              {"update": _update, "_lossscale_host_counted": getattr(type(obj), "_lossscale_host_counted", False)}
-              if ema else {"step": _step})
-    skip_cls = type(f"SkipAware{base.__name__}", (base,), {
-        "__module__": __name__,
-        "__doc__": f"{base.__name__} that does not {verb} on iterations the lossscale.GradScaler skipped.",
-        "_lossscale_base": base,
-        "_lossscale_scaler": scaler,
-        "_lossscale_optimizer": optimizer,
-        "__reduce_ex__": _reduce_ex,
-        "__deepcopy__": _deepcopy,
-        **method,
-    })
+    method = (
+        {"update_parameters": _update_parameters}
+        if averaged
+        else {"update": _update, "_lossscale_host_counted": getattr(type(obj), "_lossscale_host_counted", False)}
+        if ema
+        else {"step": _step}
+    )
+    skip_cls = type(
+        f"SkipAware{base.__name__}",
+        (base,),
+        {
+            "__module__": __name__,
+            "__doc__": f"{base.__name__} that does not {verb} on iterations the lossscale.GradScaler skipped.",
+            "_lossscale_base": base,
+            "_lossscale_scaler": scaler,
+            "_lossscale_optimizer": optimizer,
+            "__reduce_ex__": _reduce_ex,
+            "__deepcopy__": _deepcopy,
+            **method,
+        },
+    )
     obj.__class__ = skip_cls
     return obj
 
@@ -311,7 +325,7 @@ def _gated_update(averaged, model, skipped) -> None:
         count = averaged.n_averaged
         skipped = skipped.to(count.device)  # no-op on one device; device to device otherwise
         taken, first = ~skipped, count == 0
-        copy_model = first & taken          # torch copies the model on the first update
+        copy_model = first & taken  # torch copies the model on the first update
         drop_average = first | skipped
         if averaged.use_buffers:
             mine = itertools.chain(averaged.module.parameters(), averaged.module.buffers())

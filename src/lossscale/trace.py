@@ -197,8 +197,17 @@ class _OutputsHook(_Hook):
 #: Leaf modules that cannot *originate* a non-finite value: finite inputs give finite outputs and
 #: finite gradients (bounded, or a mask of their input), so a non-finite value there was already
 #: non-finite in a neighbour, which is checked. Not hooking them halves the cost on a plain MLP.
-PASS_THROUGH = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.Tanh, torch.nn.Sigmoid,
-                torch.nn.Hardtanh, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten)
+PASS_THROUGH = (
+    torch.nn.ReLU,
+    torch.nn.ReLU6,
+    torch.nn.LeakyReLU,
+    torch.nn.Tanh,
+    torch.nn.Sigmoid,
+    torch.nn.Hardtanh,
+    torch.nn.Identity,
+    torch.nn.Flatten,
+    torch.nn.Unflatten,
+)
 
 
 class Tracer(Feature):
@@ -227,8 +236,10 @@ class Tracer(Feature):
                 continue  # leaves only (a container's output is its last leaf's), and not pass-throughs
             index = len(self.names)
             self.names.append(name or type(module).__name__)
-            for hook, register in ((_InputsHook(self, index), module.register_forward_pre_hook),
-                                   (_OutputsHook(self, index), module.register_forward_hook)):
+            for hook, register in (
+                (_InputsHook(self, index), module.register_forward_pre_hook),
+                (_OutputsHook(self, index), module.register_forward_hook),
+            ):
                 hook.handle = register(hook)
                 self._hooks.append(hook)
 

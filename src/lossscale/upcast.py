@@ -46,12 +46,12 @@ model (``copy.deepcopy((model, scaler))``... its tracer rejoins the copied model
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
 from ._features import Feature
+from ._warnings import warn
 
 __all__ = ["Upcast"]
 
@@ -66,8 +66,10 @@ class Upcast(Feature):
 
     def __init__(self, model, after: int, forward: bool = True, backward: bool = False):
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
-            raise ValueError(f"upcast_after={after!r} must be an int >= 1 (the steps a module must be the first "
-                             "forward overflow on before it is kept in FP32).")
+            raise ValueError(
+                f"upcast_after={after!r} must be an int >= 1 (the steps a module must be the first "
+                "forward overflow on before it is kept in FP32)."
+            )
         self.after = after
         self.forward, self.backward = forward, backward  # which rules are on
         self._model = weakref.ref(model)
@@ -88,13 +90,17 @@ class Upcast(Feature):
                 raise ValueError(f"{key}={value!r} must be one of {MODES}.")
         if mode == backward == "skip":
             if after != AFTER:
-                raise ValueError(f"upcast_after={after!r} applies only with on_forward_overflow='upcast' or "
-                                 "on_backward_overflow='upcast'.")
+                raise ValueError(
+                    f"upcast_after={after!r} applies only with on_forward_overflow='upcast' or "
+                    "on_backward_overflow='upcast'."
+                )
             return None
         if not trace:
             key = "on_forward_overflow" if mode == "upcast" else "on_backward_overflow"
-            raise ValueError(f"{key}='upcast' needs trace=True (and model=): the trace names the module whose "
-                             f"{key.split('_')[1]} overflowed.")
+            raise ValueError(
+                f"{key}='upcast' needs trace=True (and model=): the trace names the module whose "
+                f"{key.split('_')[1]} overflowed."
+            )
         return cls(model, after, forward=mode == "upcast", backward=backward == "upcast")
 
     def learn(self, state, evidence: Optional[Dict[str, Any]], tracer, at_floor: bool = False) -> None:
@@ -115,16 +121,22 @@ class Upcast(Feature):
         if name in self.kept:
             self.still[name] += 1
             if self.still[name] == 1:
-                warnings.warn(f"lossscale: `{name}` runs in FP32 (on_forward_overflow='upcast') and its forward "
-                              "output was non-finite again: not an FP16 range problem (the data, or a bug). "
-                              "lossscale.audit() on the batch tells more.", RuntimeWarning, stacklevel=5)
+                warn(
+                    f"lossscale: `{name}` runs in FP32 (on_forward_overflow='upcast') and its forward "
+                    "output was non-finite again: not an FP16 range problem (the data, or a bug). "
+                    "lossscale.audit() on the batch tells more.",
+                    RuntimeWarning,
+                )
             return
         self.seen[name] += 1
         if self.seen[name] >= self.after and self._keep([name]):
             evidence["upcast"] = name
-            warnings.warn(f"lossscale: `{name}` was the first forward overflow on {self.seen[name]} steps; it now "
-                          "runs in FP32 (on_forward_overflow='upcast'). Its inputs are cast to float32 and its "
-                          "output stays float32.", UserWarning, stacklevel=5)
+            warn(
+                f"lossscale: `{name}` was the first forward overflow on {self.seen[name]} steps; it now "
+                "runs in FP32 (on_forward_overflow='upcast'). Its inputs are cast to float32 and its "
+                "output stays float32.",
+                UserWarning,
+            )
 
     def _learn_backward(self, name: str, evidence: Dict[str, Any]) -> None:
         """The backward rule for a step skipped at the floor whose first backward overflow was ``name``."""
@@ -136,9 +148,12 @@ class Upcast(Feature):
         if self.seen_backward[name] >= self.after and self._keep([name]):
             self.kept_backward.append(name)
             evidence["upcast"] = name
-            warnings.warn(f"lossscale: the backward of `{name}` overflowed FP16 at the scale's floor on "
-                          f"{self.seen_backward[name]} steps (its forward finite); it now runs in FP32 "
-                          "(on_backward_overflow='upcast').", UserWarning, stacklevel=5)
+            warn(
+                f"lossscale: the backward of `{name}` overflowed FP16 at the scale's floor on "
+                f"{self.seen_backward[name]} steps (its forward finite); it now runs in FP32 "
+                "(on_backward_overflow='upcast').",
+                UserWarning,
+            )
 
     def _kept_ancestor(self, name: str) -> Optional[str]:
         """The outermost kept module that is ``name`` or encloses it (the trace names leaves: the first
@@ -156,18 +171,23 @@ class Upcast(Feature):
         if not parent:  # a top-level module: the next one out is the whole model, FP32 training
             if not self.widest:
                 self.widest = True
-                warnings.warn(f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward "
-                              "still overflows FP16 where its input gradient is cast back; no enclosing module "
-                              "is left to keep in FP32 but the whole model. Lower the scale's floor "
-                              "(GradScaler(min_scale=2**-8), or None for torch's unbounded backoff).",
-                              RuntimeWarning, stacklevel=5)
+                warn(
+                    f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward "
+                    "still overflows FP16 where its input gradient is cast back; no enclosing module "
+                    "is left to keep in FP32 but the whole model. Lower the scale's floor "
+                    "(GradScaler(min_scale=2**-8), or None for torch's unbounded backoff).",
+                    RuntimeWarning,
+                )
             return
         if self._keep([parent]):
             self.kept_backward.append(parent)
             evidence["upcast"] = parent
-            warnings.warn(f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward still "
-                          f"overflowed FP16 where its gradient is cast back at its edge; its enclosing module "
-                          f"`{parent}` now runs in FP32.", UserWarning, stacklevel=5)
+            warn(
+                f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward still "
+                f"overflowed FP16 where its gradient is cast back at its edge; its enclosing module "
+                f"`{parent}` now runs in FP32.",
+                UserWarning,
+            )
 
     def _keep(self, names: List[str]) -> bool:
         """Keep ``names`` of the model in FP32 (those not kept yet); False without a model."""
@@ -207,9 +227,10 @@ class Upcast(Feature):
         if not set(backward) <= set(kept):
             raise ValueError(f"state dict 'upcast_backward'={backward!r} must be among 'upcast_modules'={kept!r}.")
         for key, counts in (("upcast_seen", seen), ("upcast_backward_seen", backward_seen)):
-            if not isinstance(counts, dict) or not all(isinstance(k, str) and isinstance(v, int)
-                                                       and not isinstance(v, bool) and v >= 0
-                                                       for k, v in counts.items()):
+            if not isinstance(counts, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in counts.items()
+            ):
                 raise ValueError(f"state dict '{key}'={counts!r} must map module names to counts >= 0.")
         model = self._model()
         if model is not None:

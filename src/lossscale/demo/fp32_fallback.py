@@ -144,14 +144,20 @@ def markov_batches(steps: int, seed: int = 0, batch_size: int = 16) -> List[torc
     return out
 
 
-def train_run(model: torch.nn.Module, batches: List[torch.Tensor], *, fp16: bool, lr: float = 3e-3,
-              upcast: bool = False) -> Dict[str, Any]:
+def train_run(
+    model: torch.nn.Module, batches: List[torch.Tensor], *, fp16: bool, lr: float = 3e-3, upcast: bool = False
+) -> Dict[str, Any]:
     """Train ``model`` on ``batches`` with AdamW; with ``fp16``, under FP16 autocast with lossscale's
     ``GradScaler`` (with ``upcast``: tracing, ``on_forward_overflow="upcast"``). Returns the per-step
     losses, which steps were skipped (no weight moved), the scales and the modules the scaler upcast."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    scaler = None if not fp16 else GradScaler("cpu", model=model, trace=True, on_forward_overflow="upcast") \
-        if upcast else GradScaler("cpu")
+    scaler = (
+        None
+        if not fp16
+        else GradScaler("cpu", model=model, trace=True, on_forward_overflow="upcast")
+        if upcast
+        else GradScaler("cpu")
+    )
     probe = model.lm_head.weight
     losses, skipped, scales = [], [], []
     for batch in batches:
@@ -212,8 +218,12 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
     print()
 
     runs: Dict[str, Dict[str, Any]] = {}
-    for name, fp16, keep, upcast in (("fp32", False, False, False), ("fp16", True, False, False),
-                                     ("fp16_keep_fp32", True, True, False), ("fp16_upcast", True, False, True)):
+    for name, fp16, keep, upcast in (
+        ("fp32", False, False, False),
+        ("fp16", True, False, False),
+        ("fp16_keep_fp32", True, True, False),
+        ("fp16_upcast", True, False, True),
+    ):
         m = injected_model(seed)
         if keep:
             keep_fp32(m, report.keep_fp32)
@@ -224,29 +234,48 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
         runs[name]["seconds"] = time.perf_counter() - t
         runs[name]["warnings"] = sorted({str(w.message).split("\n")[0] for w in said})
         r = runs[name]
-        print(f"{name:15s} loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}, {sum(r['skipped'])}/{steps} steps skipped "
-              f"({r['seconds']:.1f}s)")
+        print(
+            f"{name:15s} loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}, {sum(r['skipped'])}/{steps} steps skipped "
+            f"({r['seconds']:.1f}s)"
+        )
 
     fp32_end, kept_end = _tail(runs["fp32"]["loss"]), _tail(runs["fp16_keep_fp32"]["loss"])
     up = runs["fp16_upcast"]
     up_end, up_skipped = _tail(up["loss"]), [i for i, s in enumerate(up["skipped"]) if s]
     checks = [
         ("audit names the injected module", report.keep_fp32 == [INJECTED], f"report.keep_fp32 = {report.keep_fp32}"),
-        ("without keep_fp32, FP16 never trains", all(not math.isfinite(v) for v in runs["fp16"]["loss"])
-         and all(runs["fp16"]["skipped"]), f"{sum(runs['fp16']['skipped'])}/{steps} steps skipped, every loss NaN"),
-        ("with keep_fp32, FP16 trains like FP32", all(math.isfinite(v) for v in runs["fp16_keep_fp32"]["loss"])
-         and abs(kept_end - fp32_end) <= 0.1 * fp32_end and kept_end < runs["fp32"]["loss"][0] - 1.0,
-         f"mean loss of the last 5 steps {kept_end:.3f} against FP32's {fp32_end:.3f} "
-         f"(from {runs['fp32']['loss'][0]:.3f})"),
-        ("on_forward_overflow='upcast' gets there by itself", up["upcast"] == [INJECTED] and up_skipped == [0, 1]
-         and all(math.isfinite(v) for v in up["loss"][2:]) and up_end < up["loss"][2] - 1.0,
-         f"upcast {up['upcast']} after steps {up_skipped} were skipped; then from {up['loss'][2]:.3f} to a mean of "
-         f"{up_end:.3f} over the last 5 steps (FP32: {fp32_end:.3f}, two steps more)"),
+        (
+            "without keep_fp32, FP16 never trains",
+            all(not math.isfinite(v) for v in runs["fp16"]["loss"]) and all(runs["fp16"]["skipped"]),
+            f"{sum(runs['fp16']['skipped'])}/{steps} steps skipped, every loss NaN",
+        ),
+        (
+            "with keep_fp32, FP16 trains like FP32",
+            all(math.isfinite(v) for v in runs["fp16_keep_fp32"]["loss"])
+            and abs(kept_end - fp32_end) <= 0.1 * fp32_end
+            and kept_end < runs["fp32"]["loss"][0] - 1.0,
+            f"mean loss of the last 5 steps {kept_end:.3f} against FP32's {fp32_end:.3f} "
+            f"(from {runs['fp32']['loss'][0]:.3f})",
+        ),
+        (
+            "on_forward_overflow='upcast' gets there by itself",
+            up["upcast"] == [INJECTED]
+            and up_skipped == [0, 1]
+            and all(math.isfinite(v) for v in up["loss"][2:])
+            and up_end < up["loss"][2] - 1.0,
+            f"upcast {up['upcast']} after steps {up_skipped} were skipped; then from {up['loss'][2]:.3f} to a mean of "
+            f"{up_end:.3f} over the last 5 steps (FP32: {fp32_end:.3f}, two steps more)",
+        ),
         ("this device's FP16 agrees with FP32", report.hardware.verdict == "ok", report.hardware.detail),
     ]
     summary = {
-        "quick": quick, "seed": seed, "steps": steps, "injected": INJECTED, "factor": FACTOR,
-        "audit": report.to_dict(), "runs": runs,
+        "quick": quick,
+        "seed": seed,
+        "steps": steps,
+        "injected": INJECTED,
+        "factor": FACTOR,
+        "audit": report.to_dict(),
+        "runs": runs,
         "checks": [{"check": c, "passed": bool(ok), "detail": d} for c, ok, d in checks],
         "verdict": "HELD" if all(ok for _, ok, _ in checks) else "NOT HELD",
     }
@@ -273,9 +302,12 @@ def plot_losses(runs: Dict[str, Dict[str, Any]], path: str, amax: float) -> str:
     FP32 output amax, for the title."""
     fig, ax = _figure(7.5, 3.8)
     # FP32 drawn wide and pale underneath: FP16 + keep_fp32 lies on it.
-    style = {"fp32": ("#bbbbbb", "FP32", 4.0), "fp16": ("#d62728", "FP16 + GradScaler", 1.8),
-             "fp16_keep_fp32": ("#1f77b4", "FP16 + GradScaler + keep_fp32", 1.6),
-             "fp16_upcast": ("#2ca02c", "FP16 + GradScaler(on_forward_overflow='upcast')", 1.2)}
+    style = {
+        "fp32": ("#bbbbbb", "FP32", 4.0),
+        "fp16": ("#d62728", "FP16 + GradScaler", 1.8),
+        "fp16_keep_fp32": ("#1f77b4", "FP16 + GradScaler + keep_fp32", 1.6),
+        "fp16_upcast": ("#2ca02c", "FP16 + GradScaler(on_forward_overflow='upcast')", 1.2),
+    }
     finite_all = [v for r in runs.values() for v in r["loss"] if math.isfinite(v)]
     top = max(finite_all) * 1.08 if finite_all else 1.0
     for name, r in runs.items():
@@ -289,8 +321,11 @@ def plot_losses(runs: Dict[str, Dict[str, Any]], path: str, amax: float) -> str:
     ax.set_ylim(0, top * 1.04)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats)")
-    ax.set_title(f"{INJECTED} outputs {amax:.2g}: FP16 overflows in the forward; kept in FP32 (by hand or by "
-                 "the scaler) it trains", fontsize=9)
+    ax.set_title(
+        f"{INJECTED} outputs {amax:.2g}: FP16 overflows in the forward; kept in FP32 (by hand or by "
+        "the scaler) it trains",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="center right")
     fig.savefig(path, dpi=110)
     return path
@@ -311,8 +346,14 @@ def plot_amax(modules: List[Dict[str, Any]], path: str) -> str:
     ax.axhline(formats.FP16.max, color="#d62728", lw=1, ls="--", label="FP16 max 65504")
     for x, m in zip(xs, modules):
         if m["verdict"].startswith("KEEP FP32"):
-            ax.annotate("keep in FP32", (x, m["fp32_amax"]), textcoords="offset points", xytext=(6, 6), fontsize=8,
-                        color="#d62728")
+            ax.annotate(
+                "keep in FP32",
+                (x, m["fp32_amax"]),
+                textcoords="offset points",
+                xytext=(6, 6),
+                fontsize=8,
+                color="#d62728",
+            )
     ax.set_xticks(xs, names, rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("forward output amax")
     ax.set_title("lossscale.audit: where the forward leaves FP16's range")
@@ -329,36 +370,61 @@ def _render(summary: Dict[str, Any], report, out_dir: str) -> str:
     plot_amax(summary["audit"]["modules"], os.path.join(out_dir, "fp32_fallback_amax.png"))
     runs = summary["runs"]
     audit_section = Section(
-        "1. lossscale.audit names the module", verdict=None, anchor="audit",
-        text=[f"One batch under FP16 autocast against an FP32 shadow. {INJECTED}'s weight was multiplied by "
-              f"2^{int(math.log2(FACTOR))}: its own output is finite in FP32 and past FP16's 65504, so the forward "
-              "overflows and no loss scale can help (the scale only touches the backward).",
-              "Every module after it sees inf as input; the audit names the first cause, keeps it in FP32, runs "
-              "the forward again and checks it is finite."]
+        "1. lossscale.audit names the module",
+        verdict=None,
+        anchor="audit",
+        text=[
+            f"One batch under FP16 autocast against an FP32 shadow. {INJECTED}'s weight was multiplied by "
+            f"2^{int(math.log2(FACTOR))}: its own output is finite in FP32 and past FP16's 65504, so the forward "
+            "overflows and no loss scale can help (the scale only touches the backward).",
+            "Every module after it sees inf as input; the audit names the first cause, keeps it in FP32, runs "
+            "the forward again and checks it is finite.",
+        ]
         + [f"The scaler, meanwhile, in the FP16 run: \u201c{w}\u201d" for w in runs["fp16"]["warnings"]],
         pre=str(report),
-        images=[("fp32_fallback_amax.png", "Per-module forward amax, FP16 and FP32, against FP16's max.")])
+        images=[("fp32_fallback_amax.png", "Per-module forward amax, FP16 and FP32, against FP16's max.")],
+    )
     train_section = Section(
-        "2. keep_fp32 makes FP16 train", verdict=summary["verdict"], anchor="train",
-        text=[f"lossscale.keep_fp32(model, {summary['audit']['keep_fp32']!r}): that module runs outside autocast in "
-              "FP32 and returns float32 (the residual stream it joins is float32 already); the rest stays FP16."],
-        figures=[(f"{name}: loss first -> last 5 steps", f"{r['loss'][0]:.3f} -> {_tail(r['loss']):.3f}")
-                 for name, r in runs.items()] + [(f"{name}: steps skipped", f"{sum(r['skipped'])}/{summary['steps']}")
-                                                 for name, r in runs.items()],
+        "2. keep_fp32 makes FP16 train",
+        verdict=summary["verdict"],
+        anchor="train",
+        text=[
+            f"lossscale.keep_fp32(model, {summary['audit']['keep_fp32']!r}): that module runs outside autocast in "
+            "FP32 and returns float32 (the residual stream it joins is float32 already); the rest stays FP16."
+        ],
+        figures=[
+            (f"{name}: loss first -> last 5 steps", f"{r['loss'][0]:.3f} -> {_tail(r['loss']):.3f}")
+            for name, r in runs.items()
+        ]
+        + [(f"{name}: steps skipped", f"{sum(r['skipped'])}/{summary['steps']}") for name, r in runs.items()],
         checks=[(c["check"], c["passed"], c["detail"]) for c in summary["checks"]],
-        images=[("fp32_fallback_loss.png", "Training loss, same weights and batches: FP32, FP16, FP16 + keep_fp32, "
-                 "FP16 + upcast.")])
+        images=[
+            (
+                "fp32_fallback_loss.png",
+                "Training loss, same weights and batches: FP32, FP16, FP16 + keep_fp32, FP16 + upcast.",
+            )
+        ],
+    )
     up = runs["fp16_upcast"]
     upcast_section = Section(
-        "3. on_forward_overflow='upcast' does it by itself", verdict=None, anchor="upcast",
-        text=["GradScaler(model=model, trace=True, on_forward_overflow='upcast'), no audit: the trace names the "
-              "first module whose forward output was non-finite on each skipped step; named on 2 steps, the "
-              "scaler calls keep_fp32 on it and says so."]
+        "3. on_forward_overflow='upcast' does it by itself",
+        verdict=None,
+        anchor="upcast",
+        text=[
+            "GradScaler(model=model, trace=True, on_forward_overflow='upcast'), no audit: the trace names the "
+            "first module whose forward output was non-finite on each skipped step; named on 2 steps, the "
+            "scaler calls keep_fp32 on it and says so."
+        ]
         + [f"The scaler: “{w}”" for w in up["warnings"]],
-        figures=[("modules upcast", ", ".join(up["upcast"]) or "none"),
-                 ("steps skipped", f"{sum(up['skipped'])}/{summary['steps']}")])
-    return write_html(os.path.join(out_dir, "index.html"), "lossscale audit-demo: when loss scaling cannot fix it",
-                      [audit_section, train_section, upcast_section],
-                      subtitle=f"A GPT-2-shaped model with one overflowing module, {summary['steps']} steps, seed "
-                      f"{summary['seed']}, on the CPU.")
-
+        figures=[
+            ("modules upcast", ", ".join(up["upcast"]) or "none"),
+            ("steps skipped", f"{sum(up['skipped'])}/{summary['steps']}"),
+        ],
+    )
+    return write_html(
+        os.path.join(out_dir, "index.html"),
+        "lossscale audit-demo: when loss scaling cannot fix it",
+        [audit_section, train_section, upcast_section],
+        subtitle=f"A GPT-2-shaped model with one overflowing module, {summary['steps']} steps, seed "
+        f"{summary['seed']}, on the CPU.",
+    )

@@ -81,8 +81,16 @@ class DemoConfig:
     @classmethod
     def quick_preset(cls, seed: int = 0, **changes) -> "DemoConfig":
         """The CI smoke-test size (16-27 s measured on 2 shared CPU cores)."""
-        base = dict(quick=True, seed=seed, epochs=8, sweep_epochs=3, sweep_log2=(0, 8, 16, 24, 32, 40),
-                    growth_interval=5, probe_every=8, bad_epochs=8)
+        base = dict(
+            quick=True,
+            seed=seed,
+            epochs=8,
+            sweep_epochs=3,
+            sweep_log2=(0, 8, 16, 24, 32, 40),
+            growth_interval=5,
+            probe_every=8,
+            bad_epochs=8,
+        )
         base.update(changes)
         return cls(**base)
 
@@ -127,22 +135,49 @@ def plan(cfg: DemoConfig, observe) -> Tuple[List[RunSpec], List[Tuple[int, RunSp
     main = [
         RunSpec("fp32", "FP32", fp16=False, observe=observe),
         RunSpec("fp16_noscale", "FP16, no scaling", observe=observe),
-        RunSpec("static", f"FP16, static S=2^{cfg.static_log2}", make_scaler=_lossscale_scaler(**static),
-                observe=observe),
-        RunSpec("dynamic", f"FP16, lossscale dynamic (interval {cfg.growth_interval}, uncapped)",
-                make_scaler=_lossscale_scaler(init_scale=2.0**16, growth_interval=cfg.growth_interval,
-                                              max_scale=None), observe=observe),
+        RunSpec(
+            "static", f"FP16, static S=2^{cfg.static_log2}", make_scaler=_lossscale_scaler(**static), observe=observe
+        ),
+        RunSpec(
+            "dynamic",
+            f"FP16, lossscale dynamic (interval {cfg.growth_interval}, uncapped)",
+            make_scaler=_lossscale_scaler(init_scale=2.0**16, growth_interval=cfg.growth_interval, max_scale=None),
+            observe=observe,
+        ),
         RunSpec("torch_default", "FP16, torch.amp.GradScaler()", make_scaler=_torch_scaler, observe=observe),
-        RunSpec("adaptive", "FP16, lossscale adaptive (default max_scale 2^24)",
-                make_scaler=_lossscale_scaler(policy="adaptive"), observe=observe),
-        RunSpec("clip_right", "unscale_ -> clip -> step", make_scaler=_lossscale_scaler(**static),
-                clip="unscale_then_clip", clip_norm=cfg.clip_norm),
-        RunSpec("clip_wrong", "clip scaled grads -> step", make_scaler=_lossscale_scaler(**static),
-                clip="clip_scaled", clip_norm=cfg.clip_norm),
+        RunSpec(
+            "adaptive",
+            "FP16, lossscale adaptive (default max_scale 2^24)",
+            make_scaler=_lossscale_scaler(policy="adaptive"),
+            observe=observe,
+        ),
+        RunSpec(
+            "clip_right",
+            "unscale_ -> clip -> step",
+            make_scaler=_lossscale_scaler(**static),
+            clip="unscale_then_clip",
+            clip_norm=cfg.clip_norm,
+        ),
+        RunSpec(
+            "clip_wrong",
+            "clip scaled grads -> step",
+            make_scaler=_lossscale_scaler(**static),
+            clip="clip_scaled",
+            clip_norm=cfg.clip_norm,
+        ),
     ]
-    sweep = [(k, RunSpec(f"static_2^{k}", f"static 2^{k}", make_scaler=_lossscale_scaler(policy="static",
-                                                                                           init_scale=2.0**k),
-                         epochs=cfg.sweep_epochs)) for k in cfg.sweep_log2]
+    sweep = [
+        (
+            k,
+            RunSpec(
+                f"static_2^{k}",
+                f"static 2^{k}",
+                make_scaler=_lossscale_scaler(policy="static", init_scale=2.0**k),
+                epochs=cfg.sweep_epochs,
+            ),
+        )
+        for k in cfg.sweep_log2
+    ]
     return main, sweep
 
 
@@ -156,8 +191,9 @@ def _progress_factory(enabled: bool):
     def open_bar(total: int, desc: str):
         if not enabled or tqdm is None:
             return None, (lambda: None)
-        bar = tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, file=sys.stderr,
-                   disable=None)  # None: no bar when stderr is not a terminal (CI logs)
+        bar = tqdm(
+            total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, file=sys.stderr, disable=None
+        )  # None: no bar when stderr is not a terminal (CI logs)
         return bar.update, bar.close
 
     return open_bar
@@ -211,8 +247,10 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
             res = train(spec, tc, data, progress=update)
         finally:
             close()
-        log(f"  {spec.label:<{width}}  acc {100 * res.final_acc:5.1f}%  skipped {res.skipped_steps:4d}  "
-            f"{res.wall_s:5.1f}s")
+        log(
+            f"  {spec.label:<{width}}  acc {100 * res.final_acc:5.1f}%  skipped {res.skipped_steps:4d}  "
+            f"{res.wall_s:5.1f}s"
+        )
         timings[spec.name] = round(res.wall_s, 3)
         return res
 
@@ -222,12 +260,15 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
         runs[spec.name] = do(spec)
     log(f"static-scale sweep: 2^{cfg.sweep_log2[0]} .. 2^{cfg.sweep_log2[-1]}, {cfg.sweep_epochs} epochs each")
     sweep = [(k, do(spec)) for k, spec in sweep_specs]
-    log(f"bad batches: {len(bad_steps)} of {cfg.bad_epochs * spe} batches carry a NaN input row, "
-        f"{cfg.bad_epochs} epochs each")
+    log(
+        f"bad batches: {len(bad_steps)} of {cfg.bad_epochs * spe} batches carry a NaN input row, "
+        f"{cfg.bad_epochs} epochs each"
+    )
     t0 = time.perf_counter()
     bad_runs = {spec.name: do(spec) for spec in bad_specs}
-    bad = B.BadBatches(bad_runs, B.figures(bad_runs, bad_steps), cfg.bad_epochs, cfg.bad_frac,
-                       wall_s=time.perf_counter() - t0)
+    bad = B.BadBatches(
+        bad_runs, B.figures(bad_runs, bad_steps), cfg.bad_epochs, cfg.bad_frac, wall_s=time.perf_counter() - t0
+    )
     timings["bad_batches"] = round(bad.wall_s, 3)
 
     t0 = time.perf_counter()
@@ -242,19 +283,33 @@ def _execute(cfg: DemoConfig, progress: bool, log: Callable[[str], None]) -> Dem
     results = [
         C.c1_fp16_facts(),
         C.c2_underflow_stalls(tc, runs["fp32"], runs["fp16_noscale"], grads["fp32"], grads["fp16"], chance),
-        C.c3_power_of_two_scaling(runs["fp32"], runs["static"], S, grads["fp32"], grads["fp16_scaled"],
-                                  grads["fp16"], cfg.non_pow2_scale),
+        C.c3_power_of_two_scaling(
+            runs["fp32"], runs["static"], S, grads["fp32"], grads["fp16_scaled"], grads["fp16"], cfg.non_pow2_scale
+        ),
         C.c4_clip_order(runs["fp32"], runs["clip_right"], runs["clip_wrong"], S, cfg.clip_norm),
         C.c5_static_sweep(runs["fp32"], sweep, grads["fp32"]),
-        C.c6_dynamic_scaling(runs["fp32"], runs["dynamic"], runs["torch_default"], runs["adaptive"],
-                             cfg.growth_interval),
+        C.c6_dynamic_scaling(
+            runs["fp32"], runs["dynamic"], runs["torch_default"], runs["adaptive"], cfg.growth_interval
+        ),
     ]
-    layer_probe = _layer_probe(tc, data, {"no scaling": 1.0, f"static S=2^{cfg.static_log2}": S,
-                                          "dynamic, final S": runs["dynamic"].steps[-1]["loss_scale"]})
+    layer_probe = _layer_probe(
+        tc,
+        data,
+        {
+            "no scaling": 1.0,
+            f"static S=2^{cfg.static_log2}": S,
+            "dynamic, final S": runs["dynamic"].steps[-1]["loss_scale"],
+        },
+    )
     timings["claims"] = round(time.perf_counter() - t0, 3)
     timings["total_train_and_measure"] = round(time.perf_counter() - t_start, 3)
-    env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-           "torch_threads": torch.get_num_threads(), "lossscale": __version__}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "lossscale": __version__,
+    }
     return DemoResult(cfg, runs, sweep, results, grads, chance, layer_probe, bad, timings, env)
 
 
@@ -271,8 +326,15 @@ def _layer_probe(tc: TrainConfig, data: Data, scales: Dict[str, float]) -> Dict[
     return out
 
 
-def run_demo(out_dir: str = "lossscale-report", *, quick: bool = False, seed: int = 0, progress: bool = True,
-             log: Callable[[str], None] = print, **changes) -> Dict[str, Any]:
+def run_demo(
+    out_dir: str = "lossscale-report",
+    *,
+    quick: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    **changes,
+) -> Dict[str, Any]:
     """Run the demo and write ``out_dir/index.html``, its PNGs and ``summary.json``; returns the summary.
 
     ``changes`` override :class:`DemoConfig` fields (e.g. ``epochs=5``).

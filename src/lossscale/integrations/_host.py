@@ -15,8 +15,9 @@ read only on an overflow step (the framework synced already, so the read does no
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict
+
+from .._warnings import warn
 
 __all__ = ["HostPolicy"]
 
@@ -89,7 +90,7 @@ class HostPolicy:
             raise RuntimeError(diagnose(self.policy, self.state))
         if self.policy.on_stuck == "warn" and not self._warned_streak:
             self._warned_streak = True
-            warnings.warn(diagnose(self.policy, self.state), RuntimeWarning, stacklevel=4)
+            warn(diagnose(self.policy, self.state), RuntimeWarning)
 
     def set_state(self, policy, state) -> None:
         """Continue from a loaded ``policy`` and ``state`` (the health account starts again from it)."""

@@ -67,13 +67,30 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, TextIO, Tuple
 
-__all__ = ["REQUIRED_KEYS", "GLOBAL_METRICS", "LAYER_METRICS", "Telemetry", "parse_records", "read_jsonl",
-           "dumps_record", "write_jsonl"]
+__all__ = [
+    "REQUIRED_KEYS",
+    "GLOBAL_METRICS",
+    "LAYER_METRICS",
+    "Telemetry",
+    "parse_records",
+    "read_jsonl",
+    "dumps_record",
+    "write_jsonl",
+]
 
 REQUIRED_KEYS = ("step", "loss_scale")
 #: The all-gradient figures, one value per step.
-GLOBAL_METRICS = ("grad/flushed_frac", "grad/headroom_bits", "grad/overflow_frac", "grad/subnormal_frac",
-                  "grad/zeros_frac", "grad/amax", "act/flushed_frac", "act/headroom_bits", "loss")
+GLOBAL_METRICS = (
+    "grad/flushed_frac",
+    "grad/headroom_bits",
+    "grad/overflow_frac",
+    "grad/subnormal_frac",
+    "grad/zeros_frac",
+    "grad/amax",
+    "act/flushed_frac",
+    "act/headroom_bits",
+    "loss",
+)
 #: The metrics a per-layer key may end in.
 LAYER_METRICS = ("flushed_frac", "headroom_bits", "overflow_frac", "subnormal_frac")
 _KINDS = {"act": "act", "param": "param", "grad": "param"}
@@ -117,8 +134,14 @@ class Telemetry:
         return self.layer_keys.get((kind, layer, metric), f"{kind}/{layer}/{metric}")
 
 
-_NONFINITE = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf,
-              "nan": math.nan}
+_NONFINITE = {
+    "inf": math.inf,
+    "+inf": math.inf,
+    "infinity": math.inf,
+    "-inf": -math.inf,
+    "-infinity": -math.inf,
+    "nan": math.nan,
+}
 
 
 _INT_BOUND = 2**63  # step and skipped_steps: what an int64 (numpy, torch, the plots' arrays) holds
@@ -134,8 +157,9 @@ def _number(value: Any, key: str, where: str) -> Optional[float]:
     try:
         return float(value)
     except OverflowError:  # an int beyond the largest float (JSON integers have no bound)
-        raise ValueError(f"{where}: {key}={_short(value)} is too large for a float (the largest is "
-                         f"about 1.8e308).") from None
+        raise ValueError(
+            f"{where}: {key}={_short(value)} is too large for a float (the largest is about 1.8e308)."
+        ) from None
 
 
 def _count(value: Any, key: str, where: str) -> int:
@@ -250,7 +274,8 @@ def _parse(numbered: Iterable[Tuple[int, Any]], source: str, skip_bad: bool, tel
                     tel.meta.update(meta)
                 continue
             step, scale, skipped, prev_skipped_steps, count, values, logged = _parse_step(
-                rec, where, prev_skipped_steps)
+                rec, where, prev_skipped_steps
+            )
         except ValueError as e:
             if not skip_bad:
                 raise
@@ -270,8 +295,9 @@ def _parse(numbered: Iterable[Tuple[int, Any]], source: str, skip_bad: bool, tel
     return tel
 
 
-def parse_records(records: Iterable[Mapping[str, Any]], source: str = "<records>", *,
-                  skip_bad: bool = False) -> Telemetry:
+def parse_records(
+    records: Iterable[Mapping[str, Any]], source: str = "<records>", *, skip_bad: bool = False
+) -> Telemetry:
     """Validate step/metadata records (dicts) and return them as :class:`Telemetry` columns.
 
     A bad record raises ValueError naming its position and key; with ``skip_bad=True`` it is left
@@ -303,12 +329,16 @@ def read_jsonl(path: str, *, strict: bool = False) -> Telemetry:
             except ValueError as e:  # an integer of more digits than Python reads (sys.get_int_max_str_digits)
                 records.append((i, _Unparsable(f"not readable as JSON ({str(e).split(';')[0]}).")))
             except RecursionError:  # the json module recurses once per nesting level
-                records.append((i, _Unparsable("nested too deeply to read; one flat JSON object per line is "
-                                               "expected.")))
+                records.append(
+                    (i, _Unparsable("nested too deeply to read; one flat JSON object per line is expected."))
+                )
     tel = _parse(records, path, not strict, Telemetry())
     if not tel.step:
-        skipped = f" ({len(tel.bad_lines)} bad lines skipped, first: line {tel.bad_lines[0][0]}: " \
-                  f"{tel.bad_lines[0][1]})" if tel.bad_lines else ""
+        skipped = (
+            f" ({len(tel.bad_lines)} bad lines skipped, first: line {tel.bad_lines[0][0]}: {tel.bad_lines[0][1]})"
+            if tel.bad_lines
+            else ""
+        )
         raise ValueError(f"{path}: no step records (objects with 'step' and 'loss_scale') found{skipped}.")
     if tel.bad_lines:
         first = "; ".join(f"line {i}: {why}" for i, why in tel.bad_lines[:3])
