@@ -58,6 +58,30 @@ def test_each_field_is_a_tensor_of_its_dtype_and_torch_names_are_the_state():
     assert TensorState(AdaptivePolicy().init_state(), CPU).calibrated.dtype == torch.int64
 
 
+def test_the_counters_are_one_vector_whose_elements_are_the_fields():
+    """count_tensor moves every counter in one add: t.counters must be the fields themselves (views),
+    in ScaleState's order, for every policy's state. Kills: a copy in place of a view, a field order
+    that puts another int64 field among the counters."""
+    from lossscale.policy import COUNTERS, registered
+
+    assert COUNTERS == (
+        "steps",
+        "skipped_steps",
+        "inf_steps",
+        "nan_steps",
+        "bad_loss_steps",
+        "overflow_streak",
+        "streak_nan_steps",
+        "streak_bad_loss_steps",
+    )
+    for cls in registered():
+        t = TensorState(cls().init_state(), CPU)
+        t.counters.copy_(torch.arange(1, len(COUNTERS) + 1))
+        assert [getattr(t, name).item() for name in COUNTERS] == list(range(1, len(COUNTERS) + 1)), cls
+        assert t.streaks.data_ptr() == t.overflow_streak.data_ptr()
+        assert [getattr(t.read()[0], name) for name in COUNTERS] == list(range(1, len(COUNTERS) + 1))
+
+
 def test_a_counter_at_its_limit_reaches_the_device_and_comes_back_exactly():
     """The host reads the state through float64, exact below 2**53: check_state holds every int field
     there. Kills: the limit off by one, an int field read back through float32."""

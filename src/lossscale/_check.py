@@ -103,7 +103,7 @@ def largest_magnitudes(grads: List[torch.Tensor], device: torch.device):
         order += indices
     if not vectors:
         return [], torch.zeros((), dtype=torch.float32, device=device), order
-    return vectors, torch.cat(vectors).max(), order
+    return vectors, (vectors[0] if len(vectors) == 1 else torch.cat(vectors)).max(), order
 
 
 @dataclass

@@ -19,11 +19,11 @@ The host reads the state in two ways:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .policy import ScaleState, field_kind, host_type
+from .policy import COUNTERS, STREAKS, ScaleState, field_kind, host_type
 
 __all__ = ["TensorState", "Snapshot", "DTYPES"]
 
@@ -33,19 +33,43 @@ DTYPES = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64, "i32":
 class TensorState:
     """A :class:`~lossscale.policy.ScaleState` (any subclass) held on ``device``, one 0-dim tensor per
     field (``t.scale``, ``t.steps``, ``t.growth_tracker``, ...), plus ``t.scale_before``: the scale the
-    last update ran with (float64; written by :func:`lossscale.policy.count_tensor`; not a state field)."""
+    last update ran with (float64; written by :func:`lossscale.policy.count_tensor`; not a state field).
+
+    The fields of one dtype live side by side in one vector (``t.scale`` is element 0 of the float32
+    one, and so on), each field a 0-dim view of its element: so the host reads the whole state with one
+    ``cat`` of a few vectors, and :attr:`counters`, the eight counters every state begins with, move in
+    one operation (:func:`lossscale.policy.count_tensor`).
+    """
 
     def __init__(self, state: ScaleState, device: torch.device):
         self.state_type = type(state)
         self.device = torch.device(device)
         self._fields = dataclasses.fields(state)
-        for f in self._fields:  # torch.full: a fill on the device, no copy from host memory
-            setattr(
-                self, f.name, torch.full((), getattr(state, f.name), dtype=DTYPES[field_kind(f)], device=self.device)
-            )
-        # float64: the scale it holds is a float32 value (exact), and it makes values() one float64 cat.
-        self.scale_before = torch.full((), state.scale, dtype=torch.float64, device=self.device)
-        self._pieces = [getattr(self, f.name).view(1) for f in self._fields] + [self.scale_before.view(1)]
+        by_dtype: Dict[torch.dtype, List[str]] = {}
+        for f in self._fields:
+            by_dtype.setdefault(DTYPES[field_kind(f)], []).append(f.name)
+        by_dtype.setdefault(torch.float64, []).append("scale_before")
+        # torch.empty, then load_'s fills: on the device, no copy from host memory (no sync).
+        vectors = {dtype: torch.empty(len(names), dtype=dtype, device=self.device) for dtype, names in by_dtype.items()}
+        order = []
+        for dtype, names in by_dtype.items():
+            for i, name in enumerate(names):
+                setattr(self, name, vectors[dtype][i])
+                order.append(name)
+        self._vectors = list(vectors.values())
+        # Where each field sits in values(): the vectors' elements, one vector after the other.
+        self._position = {name: i for i, name in enumerate(order)}
+        self._host_types = [(f.name, host_type(f), self._position[f.name]) for f in self._fields]
+        #: The counters every state begins with (ScaleState's, ``steps`` to ``streak_bad_loss_steps``), one
+        #: int64 vector: a subclass's fields come after its base's, so they lead the int64 fields.
+        self.counters = vectors[torch.int64][: len(COUNTERS)]
+        self.streaks = self.counters[STREAKS]  # the streak counters: a view, they end at a clean step
+        # Constants (never written): the +1 of count_tensor, and a reason not (yet) found.
+        self.true = torch.ones((), dtype=torch.bool, device=self.device)
+        self.false = torch.zeros((), dtype=torch.bool, device=self.device)
+        if by_dtype[torch.int64][: len(COUNTERS)] != list(COUNTERS):
+            raise TypeError(f"{self.state_type.__name__} must begin with ScaleState's counters, in order: {COUNTERS}.")
+        self.load_(state)
 
     def load_(self, state: ScaleState) -> None:
         """Write ``state`` into the tensors in place (no sync: a fill per field)."""
@@ -56,15 +80,15 @@ class TensorState:
         self.scale_before.fill_(state.scale)
 
     def values(self) -> torch.Tensor:
-        """Every field, then ``scale_before``, as one float64 vector on the device: one ``cat`` (it
-        promotes every dtype to float64, which ``scale_before`` is), no sync. float64 holds each
-        exactly: float32 values, int32 trackers, and counters up to 2**53."""
-        return torch.cat(self._pieces)
+        """Every field and ``scale_before`` as one float64 vector on the device: one ``cat`` of the
+        per-dtype vectors (it promotes each to float64, which ``scale_before``'s is), no sync. float64
+        holds each exactly: float32 values, int32 trackers, and counters up to 2**53."""
+        return torch.cat(self._vectors)
 
     def decode(self, values) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from :meth:`values` read on the host (a list of floats)."""
-        fields = {f.name: host_type(f)(v) for f, v in zip(self._fields, values)}
-        return self.state_type(**fields), float(values[-1])
+        fields = {name: kind(values[i]) for name, kind, i in self._host_types}
+        return self.state_type(**fields), float(values[self._position["scale_before"]])
 
     def read(self) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` now: one copy to the host, which waits for it (a sync). The copy is
@@ -80,21 +104,22 @@ class Snapshot:
 
     ``evidence`` travels with it (what that update's first-cause report needs, kept as device tensors).
     On an accelerator the copy goes to pinned memory and an event (``torch.Event``) says when it is
-    there; on the CPU it is there when made.
+    there. On the CPU the state already is in host memory: the snapshot reads its values at once (a
+    list of numbers, no kernel), so it has landed when made.
     """
 
     __slots__ = ("_t", "_host", "_event", "evidence")
 
     def __init__(self, t: TensorState, evidence: Any = None):
         self._t, self.evidence, self._event = t, evidence, None
-        values = t.values()
         if t.device.type == "cpu":
-            self._host = values
-        else:
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.Event(device=t.device)
-            self._event.record(torch.accelerator.current_stream(t.device))  # the stream the copy went to
+            self._host = [value for vector in t._vectors for value in vector.tolist()]  # values(), uncopied
+            return
+        values = t.values()
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._event = torch.Event(device=t.device)
+        self._event.record(torch.accelerator.current_stream(t.device))  # the stream the copy went to
 
     def landed(self) -> bool:
         """Whether the copy has reached the host (never waits)."""
@@ -102,4 +127,4 @@ class Snapshot:
 
     def read(self) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` of the update this snapshot followed. Call once :meth:`landed`."""
-        return self._t.decode(self._host.tolist())
+        return self._t.decode(self._host if self._event is None else self._host.tolist())

@@ -196,7 +196,9 @@ class DynamicPolicy(PolicyBase):
         import torch  # here, not at the top: the policies import without torch
 
         count_tensor(t, found_inf, found_nan, bad_loss)
-        overflow = found_inf & ~bad_loss  # the overflow the scale answers (a bad loss is not the scale's)
+        # The overflow the scale answers (a bad loss is not the scale's). found_inf includes bad_loss, so
+        # "found_inf and not bad_loss" is their exclusive or: one operation.
+        overflow = found_inf ^ bad_loss
         # The bounds as Python floats: clamp compares a float32 tensor with them and stores a float32, so
         # they act as their float32 roundings do in the pure rule (lowest(), f32(max_scale)).
         floor = SMALLEST_SCALE if self.min_scale is None else self.min_scale
@@ -206,7 +208,7 @@ class DynamicPolicy(PolicyBase):
             floor = torch.where(backs_off_tensor(t.hysteresis_tracker, overflow), floor, t.scale_before)
         # A bad loss must leave the scale and the tracker alone: the kernel sees no overflow, and the
         # tracker steps back first, so the kernel's + 1 lands where it was (and cannot reach the interval).
-        t.growth_tracker.sub_(bad_loss.int())
+        t.growth_tracker.add_(bad_loss, alpha=-1)
         torch._amp_update_scale_(
             t.scale, t.growth_tracker, overflow.float(), self.growth_factor, self.backoff_factor, self.growth_interval
         )  # refuses a non-finite growth

@@ -176,6 +176,12 @@ class ScaleState:
         return False
 
 
+#: The counters every state begins with, in order: ScaleState's int64 fields.
+COUNTERS = tuple(f.name for f in dataclasses.fields(ScaleState) if field_kind(f) == "i64")
+#: The streak counters' place in COUNTERS (they end at a clean step).
+STREAKS = slice(COUNTERS.index("overflow_streak"), len(COUNTERS))
+
+
 def count(state: ScaleState, found_inf: bool, found_nan: bool, bad_loss: bool = False) -> ScaleState:
     """The bookkeeping every policy shares: step, skip, inf/NaN, bad-loss and streak counters (pure form)."""
     if found_nan and not found_inf:
@@ -214,15 +220,13 @@ def count_tensor(t, found_inf, found_nan, bad_loss) -> None:
 
     t.scale_before.copy_(t.scale)  # not a state field: what the stuck check and the health account read
     torch.where(t.overflow_streak == 0, t.scale, t.streak_start_scale, out=t.streak_start_scale)
-    t.steps.add_(1)
-    t.skipped_steps.add_(found_inf)
-    t.inf_steps.add_(found_inf & ~found_nan)
-    t.nan_steps.add_(found_nan)
-    t.bad_loss_steps.add_(bad_loss)
-    # A streak grows through a skipped step and ends at a clean one (times 0).
-    t.overflow_streak.add_(1).mul_(found_inf)
-    t.streak_nan_steps.add_(found_nan).mul_(found_inf)
-    t.streak_bad_loss_steps.add_(bad_loss).mul_(found_inf)
+    inf_only = found_inf ^ found_nan  # "inf and no NaN": found_nan implies found_inf, so their exclusive or
+    # What each counter adds, in COUNTERS order (t.counters holds them as one int64 vector):
+    #   steps, skipped_steps, inf_steps, nan_steps, bad_loss_steps,
+    #   overflow_streak, streak_nan_steps, streak_bad_loss_steps
+    t.counters.add_(torch.stack([t.true, found_inf, inf_only, found_nan, bad_loss, found_inf, found_nan, bad_loss]))
+    # A streak grows through a skipped step (found_inf added 1 above) and ends at a clean one (times 0).
+    t.streaks.mul_(found_inf)
 
 
 def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, lowest: Optional[float]) -> bool:

@@ -420,7 +420,7 @@ class GradScaler:
                 if flag is not kernel_flag:
                     overflow = overflow | (flag.to(t.device) > 0)
             spike = self._spike(optimizer, gathered.grads, scale=None)  # of the unscaled gradients
-            flags = self._check.flags(overflow, torch.zeros_like(bad_loss), bad_loss, spike, sync=sync)
+            flags = self._check.flags(overflow, t.false, bad_loss, spike, sync=sync)  # NaN: learnt below
             if flags.skipped:  # rare: tell NaN from inf, and which gradients held them
                 flags.learn_nan(*self._check.nan_pass(gathered, t.device))
         else:  # the read-only pass first: it measures the *scaled* gradients
@@ -648,7 +648,10 @@ class GradScaler:
         """The policy's tensor rule on the device state, or ``new_scale`` set (the iteration still counted;
         torch leaves the trackers alone). No sync. The policy's ``found_inf`` is a skip the scale or the
         loss caused: a spike (``skip_if``) is a clean step for the scale."""
-        found = None if flags is None else flags.overflow | flags.bad_loss
+        if flags is None:
+            found = None
+        else:  # overflow | bad_loss: the skip flag itself, unless a spike joined it
+            found = flags.skip if flags.spike is None else flags.overflow | flags.bad_loss
         if new_scale is None:
             self._policy.tensor_update(t, found, flags.nan, flags.bad_loss, flags.amax)
             return
