@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -80,6 +82,16 @@ def test_bench_beyond_smoke(tmp_path):
     # Syncs are counts: one read per micro-batch for the drop, none for the others (fused AdamW).
     assert rows["bad_microbatch='drop'"]["syncs"] == {"feature": bench.MICRO_BATCHES, "default": 0}
     assert all(r["syncs"] == {"feature": 0, "default": 0} for name, r in rows.items() if "drop" not in name)
+    assert json.loads((tmp_path / "bench_beyond_quick.json").read_text())["check_setup_ms"] > 0
+
+
+def test_bench_moe_clip_smoke(tmp_path):
+    # Its own process: the ranks it spawns import the script by name, which _run's loading does not give.
+    script = os.path.join(HERE, "..", "benchmarks", "bench_moe_clip.py")
+    subprocess.run([sys.executable, script, "--quick", "--pairs", "2", "--out", str(tmp_path)], check=True, timeout=120)
+    result = json.loads((tmp_path / "bench_moe_clip_quick.json").read_text())
+    assert result["ratio"] > 0 and result["meta"]["ranks"] == 2
+    assert "expert_parallel=(experts, group)" in (tmp_path / "bench_moe_clip_quick.md").read_text()
 
 
 def test_bench_optimizer_side_smoke(tmp_path):
