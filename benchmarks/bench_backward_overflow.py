@@ -1,27 +1,28 @@
 """A backward that overflows FP16 at any scale >= 1: optimizer steps taken, scalers side by side.
 
-The model (:class:`Config`, built in code) has one block whose backward overflows FP16 while its forward
-and the gradient leaving it stay in range: the block divides ``down``'s output by ``gain`` and multiplies
-``up``'s by it, so the forward comes back to its input's size, while the gradient between the two is
-``gain`` times the one arriving (past 65504 at scale 1 for the loss this model trains on: a sum over
-tokens). A scale below 1 fits it; no scale >= 1 does.
+The model, its data and its training are :mod:`lossscale.demo.backward_overflow` (built from a config in
+code; ``lossscale audit-demo`` runs five of these runs too). One block's backward overflows FP16 while
+its forward and the gradient leaving it stay in range; a scale below 1 fits it, no scale >= 1 does.
 
 Runs (AdamW, FP16 autocast on CPU, the same data and initial weights):
 
 * ``torch``: ``torch.amp.GradScaler("cpu")``: its scale backs off below 1.
-* ``lossscale``: ``lossscale.GradScaler()``: the default floor ``min_scale=1`` holds it; it reports stuck.
+* ``lossscale``: ``lossscale.GradScaler()``: the default floor ``min_scale=2**-24`` lets it back off too.
+* ``lossscale_min_scale_1``: ``lossscale.GradScaler(min_scale=1.0)``: a floor at 1 holds it; it reports
+  stuck.
 * ``lossscale_upcast``: ``lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")``.
+* ``lossscale_upcast_min_scale_1``: the same with ``min_scale=1.0``.
 * ``lossscale_min_scale_none``: ``lossscale.GradScaler(min_scale=None)``: torch's unbounded backoff.
-* ``lossscale_min_scale_2**-8``: ``lossscale.GradScaler(min_scale=2**-8)``: a lower floor.
+* ``lossscale_min_scale_2**-8``: ``lossscale.GradScaler(min_scale=2**-8)``.
 * ``fp32_by_hand``: ``lossscale.keep_fp32(model, ["block"])`` before training, ``lossscale.GradScaler()``.
 * ``fp32``: no autocast, no scaler (the reference loss curve).
 
 Usage::
 
-    python benchmarks/bench_backward_overflow.py            # 40 steps, 6 runs, about 10 s on one core
+    python benchmarks/bench_backward_overflow.py            # 40 steps, 9 runs, a few seconds on one core
 
 Also, for the choice of the default floor: how many skipped steps a persistent NaN gradient takes to be
-reported stuck with ``min_scale`` 1, 2**-8 and None.
+reported stuck with ``min_scale`` 1, 2**-24 (the default) and None.
 
 Writes ``benchmarks/results/backward_overflow.json`` (every step's loss, skip and scale, per run) and
 ``backward_overflow.md`` (the table). Nothing is timed.
@@ -34,125 +35,16 @@ import dataclasses
 import json
 import os
 import platform
-import warnings
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
 import lossscale
+from lossscale.demo.backward_overflow import SCALERS, Config, train
 
-RUNS = (
-    "torch",
-    "lossscale",
-    "lossscale_upcast",
-    "lossscale_min_scale_none",
-    "lossscale_min_scale_2**-8",
-    "fp32_by_hand",
-    "fp32",
-)
+RUNS = tuple(SCALERS)
 #: The floors compared for the cost of a lower one: how long a persistent NaN takes to be reported stuck.
-FLOORS = {"1 (default)": 1.0, "2**-8": 2.0**-8, "None": None}
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The model and its training: ``inputs -> inp -> block(down, up) + residual -> head``."""
-
-    d_in: int = 16
-    d: int = 32
-    d_out: int = 8
-    gain: float = 2.0**14  # the block's forward divides by it and multiplies back: its backward's gain
-    batch: int = 256
-    input_scale: float = 4.0
-    lr: float = 1e-3
-    steps: int = 40
-    seed: int = 0
-
-
-class Block(torch.nn.Module):
-    """``x + gain * up(down(x) / gain)``: equal to ``x + up(down(x))`` in exact arithmetic (the trained
-    weights are of the usual size), but in FP16 the gradient arriving at ``up``'s output is ``gain`` times
-    the block's output gradient, while every forward value stays in range."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.gain = cfg.gain
-        self.down = torch.nn.Linear(cfg.d, cfg.d)
-        self.up = torch.nn.Linear(cfg.d, cfg.d, bias=False)
-
-    def forward(self, x):
-        return x + self.gain * self.up(self.down(x) / self.gain)
-
-
-class Model(torch.nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        torch.manual_seed(cfg.seed)
-        self.inp = torch.nn.Linear(cfg.d_in, cfg.d)
-        self.block = Block(cfg)
-        self.head = torch.nn.Linear(cfg.d, cfg.d_out)
-
-    def forward(self, x):
-        return self.head(self.block(torch.relu(self.inp(x))))
-
-
-def data(cfg: Config, step: int):
-    """The batch of ``step``: inputs and a fixed linear target of them."""
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(cfg.batch, cfg.d_in, generator=g) * cfg.input_scale
-    w = torch.randn(cfg.d_in, cfg.d_out, generator=torch.Generator().manual_seed(7)) / cfg.d_in**0.5
-    return x, x @ w
-
-
-def loss_of(model, x, y, fp16: bool):
-    with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
-        out = model(x)
-    return (out.float() - y).pow(2).sum()  # summed over the batch's tokens (the large-gradient case)
-
-
-def _torch_skipped(scaler, opt) -> bool:
-    return any(v.item() > 0 for v in scaler._found_inf_per_device(opt).values())
-
-
-def train(cfg: Config, run: str) -> Dict[str, List]:
-    """One run: per step the loss (before the step), whether it was skipped, the scale it ran with."""
-    model = Model(cfg)
-    if run == "fp32_by_hand":
-        lossscale.keep_fp32(model, ["block"])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    scaler = {
-        "torch": lambda: torch.amp.GradScaler("cpu"),
-        "lossscale": lambda: lossscale.GradScaler(),
-        "lossscale_upcast": lambda: lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast"),
-        "lossscale_min_scale_none": lambda: lossscale.GradScaler(min_scale=None),
-        "lossscale_min_scale_2**-8": lambda: lossscale.GradScaler(min_scale=2.0**-8),
-        "fp32_by_hand": lambda: lossscale.GradScaler(),
-        "fp32": lambda: None,
-    }[run]()
-    out = {"loss": [], "skipped": [], "scale": [], "events": []}
-    for step in range(cfg.steps):
-        x, y = data(cfg, step)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(model, x, y, fp16=run != "fp32")
-        out["loss"].append(loss.item())
-        if scaler is None:
-            loss.backward()
-            opt.step()
-            out["skipped"].append(False)
-            out["scale"].append(1.0)
-            continue
-        out["scale"].append(scaler.get_scale())
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        skipped = _torch_skipped(scaler, opt) if run == "torch" else scaler.last_step_skipped
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            scaler.update()
-        out["skipped"].append(skipped)
-        out["events"] += [f"step {step}: {w.message}" for w in caught if "FP32" in str(w.message)]
-    if run == "lossscale_upcast":
-        out["upcast_modules"] = list(scaler.health().upcast_modules)
-    return out
+FLOORS = {"1": 1.0, "2**-24 (default)": 2.0**-24, "None": None}
 
 
 def stuck_after(min_scale, limit: int = 400):
@@ -215,9 +107,10 @@ def markdown(cfg: Config, results: Dict[str, Dict], stuck: Dict[str, int]) -> st
             f"| {run} | {len(taken)} of {cfg.steps} | {taken[0] if taken else '-'} | {r['scale'][-1]:g} | "
             f"{r['loss'][0]:.4g} | {r['loss'][-1]:.4g} |"
         )
-    events = results["lossscale_upcast"]["events"]
-    if events:
-        lines += ["", 'What `on_backward_overflow="upcast"` did:', ""] + [f"- {e}" for e in events]
+    for run in ("lossscale_upcast", "lossscale_upcast_min_scale_1"):
+        events = results[run]["events"]
+        if events:
+            lines += ["", f'What `on_backward_overflow="upcast"` did in `{run}`:', ""] + [f"- {e}" for e in events]
     lines += [
         "",
         "The price of a lower floor: a NaN gradient on every step (no scale cures it) is reported stuck "

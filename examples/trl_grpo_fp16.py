@@ -95,7 +95,7 @@ def main(steps: int = 40, output_dir: str = "") -> dict:
     scaler = ls_transformers.attach(  # after GRPOTrainer(...), before train()
         trainer,
         growth_interval=200,  # regrow within a short run (torch: 2000)
-        min_scale=1.0,
+        min_scale=2.0**-24,
         max_scale=2.0**24,  # the defaults, spelled out
         skip_if=lossscale.SkipIf(grad_norm_zscore=6.0, min_steps=16),  # finite spikes skipped, not applied
     )

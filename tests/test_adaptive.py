@@ -278,7 +278,7 @@ def test_backs_off_on_overflow_after_calibration_with_hysteresis():
 
 
 def test_stuck_at_the_floor():
-    p = AdaptivePolicy(init_scale=1.0)
+    p = AdaptivePolicy(init_scale=1.0, min_scale=1.0)
     s = p.update(p.init_state(), True)
     assert s.scale == 1.0 and p.is_stuck(s, scale_before=1.0)
     assert not p.is_stuck(p.update(s, False, amax=1.0), scale_before=1.0)

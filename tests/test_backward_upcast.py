@@ -1,37 +1,24 @@
-"""``GradScaler(trace=True, on_backward_overflow="upcast")``: a module whose backward overflows FP16 at the
-scale's floor is kept in FP32, widened to its enclosing module when that does not end it.
+"""``GradScaler(trace=True, on_backward_overflow="upcast")``: a module whose backward overflows FP16 with the
+scale at 1 or below (or at its floor, if higher) is kept in FP32, widened to its enclosing module when
+that does not end it.
 
-The evidence is benchmarks/bench_backward_overflow.py's model (built from its Config): one block whose
-backward overflows FP16 at any scale >= 1 while its forward stays finite, trained with AdamW under CPU
-FP16 autocast. Without the option the default floor holds the scale at 1 and no step is taken.
+The evidence is lossscale.demo.backward_overflow's model (built from its Config; the benchmark
+benchmarks/bench_backward_overflow.py and ``lossscale audit-demo`` run it): one block whose backward
+overflows FP16 at any scale >= 1 while its forward stays finite, trained with AdamW under CPU FP16
+autocast. With a floor at 1 and without the option, no step is taken.
 """
 
 import copy
-import importlib.util
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 
 import lossscale
+from lossscale.demo import backward_overflow as bench
 from lossscale.fp32 import kept_modules
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 24
-
-
-def _bench():
-    path = os.path.join(HERE, "..", "benchmarks", "bench_backward_overflow.py")
-    spec = importlib.util.spec_from_file_location("bench_backward_overflow", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
 CFG = bench.Config(steps=STEPS)
 
 
@@ -44,15 +31,13 @@ def _iteration(model, opt, scaler, step):
     return not scaler.last_step_skipped
 
 
-def test_stuck_without_it_trains_after_it():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the stuck warning of the default run
-        stuck = bench.train(CFG, "lossscale")
+def test_stuck_at_a_floor_of_1_without_it_trains_after_it():
+    stuck = bench.train(CFG, "lossscale_min_scale_1")
     assert not any(not s for s in stuck["skipped"]) and stuck["scale"][-1] == 1.0  # stuck at the floor
 
     model = bench.Model(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr)
-    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast", min_scale=1.0)
     taken, reports = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -64,10 +49,15 @@ def test_stuck_without_it_trains_after_it():
     # second naming; the trace's line in it names the module.
     stuck = [str(w.message) for w in caught if w.category is RuntimeWarning]
     assert len(stuck) == 1 and "the backward of `block.up` overflowed fp16 at scale 2^0" in stuck[0]
+    assert "the loss scale, at its floor (min_scale): it cannot back off" in stuck[0]
+    assert "The backward of `block.up` overflows FP16 (a gradient above 65504) at every scale the floor" in stuck[0]
     # 2**16 backs off to the floor 1 in 16 skips; named at the floor twice -> block.up kept in FP32;
     # named again (its FP32 backward casts the gradient back to FP16 at its edge) -> the block; trains.
     assert taken == [False] * 19 + [True] * (STEPS - 19)
-    assert "the backward of `block.up` overflowed FP16 at the scale's floor on 2 steps" in messages[0]
+    assert (
+        "the backward of `block.up` overflowed FP16 with the scale at 1 or below (or at its floor) on 2 steps"
+        in (messages[0])
+    )
     assert "its enclosing module `block` now runs in FP32" in messages[1] and len(messages) == 2
     assert [r["backward"] for r in reports[16:19]] == ["block.up"] * 3 and reports[16]["upcast"] is None
     assert reports[17]["upcast"] == "block.up" and reports[18]["upcast"] == "block"
@@ -77,7 +67,8 @@ def test_stuck_without_it_trains_after_it():
     assert health.upcast_modules == ("block.up", "block") and health.backward_upcasts == ("block.up", "block")
     assert health.upcasts == 2 and scaler.counters()["upcasts"] == 2
     assert (
-        "after their backward overflowed FP16 at the scale's floor (on_backward_overflow='upcast'): block.up, block."
+        "after their backward overflowed FP16 with the scale at 1 or below, or at its floor "
+        "(on_backward_overflow='upcast'): block.up, block."
         in health.text
         and "forward overflows" not in health.text
     )
@@ -90,12 +81,42 @@ def test_stuck_without_it_trains_after_it():
     fresh.load_state_dict(model.state_dict())
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=CFG.lr)
     fresh_opt.load_state_dict(opt.state_dict())
-    resumed = lossscale.GradScaler(model=fresh, trace=True, on_backward_overflow="upcast")
+    resumed = lossscale.GradScaler(model=fresh, trace=True, on_backward_overflow="upcast", min_scale=1.0)
     resumed.load_state_dict(state)
     assert kept_modules(fresh) == ["block", "block.up"] and resumed.health().backward_upcasts == ("block.up", "block")
     assert _iteration(fresh, fresh_opt, resumed, STEPS)
     scaler.close()
     resumed.close()
+
+
+def test_with_the_default_floor_it_acts_once_the_scale_is_at_1_or_below():
+    # The default floor, 2**-24, lets the scale back off below 1. The rule counts only the steps skipped at
+    # a scale of 1 or below (above 1 the trace names head, then block.up, as the scale calibrates): named at
+    # 1 and at 1/2, block.up is kept in FP32; from 1/4 on it trains, as many steps as torch's scaler takes.
+    model = bench.Model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr)
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast")
+    assert scaler.state().scale == 2.0**16 and lossscale.DynamicPolicy().min_scale == 2.0**-24
+    taken, scales, reports = [], [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            scales.append(scaler.get_scale())
+            taken.append(_iteration(model, opt, scaler, step))
+            reports.append(scaler.overflow_report())
+    assert scales[15:19] == [2.0, 1.0, 0.5, 0.25]
+    assert taken == [False] * 18 + [True] * (STEPS - 18)
+    assert [r["backward"] for r in reports[:18]] == ["head"] * 5 + ["block.up"] * 13  # above 1: not counted
+    assert reports[17]["upcast"] == "block.up" and all(r["upcast"] is None for r in reports[:17])
+    messages = [str(w.message) for w in caught if w.category is UserWarning]
+    assert (
+        len(messages) == 1
+        and "the backward of `block.up` overflowed FP16 with the scale at 1 or below" in (messages[0])
+    )
+    assert not [w for w in caught if w.category is RuntimeWarning]  # never stuck: the scale backs off below 1
+    assert kept_modules(model) == ["block.up"] and scaler.state_dict()["upcast_backward_seen"] == {"block.up": 2}
+    assert sum(taken) == sum(not s for s in bench.train(CFG, "torch")["skipped"])
+    scaler.close()
 
 
 def test_no_floor_no_backward_upcast():
@@ -132,7 +153,7 @@ def test_a_top_level_module_that_still_overflows_says_to_lower_the_floor():
             scaler.update()
         caught += [str(m.message) for m in w]
     assert kept_modules(model) == ["up"]
-    assert sum("no enclosing module is left" in m and "min_scale=2**-8" in m for m in caught) == 1
+    assert sum("no enclosing module is left" in m and "GradScaler(min_scale=2**-24)" in m for m in caught) == 1
     scaler.close()
 
 

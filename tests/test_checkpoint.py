@@ -367,6 +367,26 @@ def test_changed_config_is_named_field_by_field():
     assert scaler.policy == saved.policy
 
 
+def test_a_checkpoint_of_the_floor_at_1_loads_and_keeps_its_floor():
+    # The dynamic policy's default floor was 1.0; it is 2**-24 now. A checkpoint saved with a floor at 1
+    # (the old default, or min_scale=1.0 by name) restores that run: its floor wins, named in the warning;
+    # loaded by a scaler built with min_scale=1.0 it loads silently. A torch checkpoint loads silently.
+    saved = lossscale.GradScaler(min_scale=1.0)
+    drive(saved, (True, True, False))
+    sd = saved.state_dict()
+    assert sd["policy"]["min_scale"] == 1.0
+    scaler = lossscale.GradScaler()
+    with pytest.warns(UserWarning, match=r"min_scale: 5\.96\d*e-08 -> 1\.0"):
+        scaler.load_state_dict(sd)
+    assert scaler.policy.min_scale == 1.0 and scaler.state() == saved.state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lossscale.GradScaler(min_scale=1.0).load_state_dict(sd)
+        fresh = lossscale.GradScaler()
+        fresh.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+    assert fresh.policy.min_scale == 2.0**-24 and fresh.get_scale() == 2.0**16
+
+
 def test_same_policy_loads_silently():
     saved = lossscale.GradScaler(hysteresis=3)
     drive(saved, (True, False))

@@ -1,6 +1,7 @@
 """``lossscale audit-demo``: the audit names the overflowing module of the demo's GPT-2-shaped model, FP16
 never trains without keep_fp32 and trains like FP32 with it, and ``on_forward_overflow="upcast"`` keeps it
-in FP32 by itself; the report, its plots and summary.json."""
+in FP32 by itself; then a backward that overflows at any scale >= 1, where the default floor trains as
+torch's scaler does and a floor at 1 does not; the report, its plots and summary.json."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 import lossscale
 from lossscale import cli
+from lossscale.demo import backward_overflow
 from lossscale.demo import fp32_fallback as demo
 
 pytest.importorskip("matplotlib")
@@ -53,7 +55,7 @@ def test_the_demo_holds_every_check(quick_run):
 
 def test_the_report_has_its_page_plots_and_summary(quick_run):
     _, out, summary, _ = quick_run
-    for png in ("fp32_fallback_loss.png", "fp32_fallback_amax.png"):
+    for png in ("fp32_fallback_loss.png", "fp32_fallback_amax.png", "backward_overflow_loss.png"):
         with open(out / png, "rb") as fh:
             assert fh.read(8) == PNG
     page = (out / "index.html").read_text(encoding="utf-8")
@@ -64,11 +66,46 @@ def test_the_report_has_its_page_plots_and_summary(quick_run):
         demo.INJECTED,
         "HELD",
         "on_forward_overflow",
+        "backward_overflow_loss.png",
+        "on_backward_overflow",
     ):
         assert piece in page
     modules = {m["name"]: m for m in summary["audit"]["modules"]}
     assert modules[demo.INJECTED]["fp32_amax"] > lossscale.formats.FP16.max
     assert not math.isfinite(modules[demo.INJECTED]["fwd_amax"])
+
+
+def test_the_backward_section_prints_what_it_measured(quick_run):
+    """The backward section's table and checks, read back from what the command printed, against the
+    runs in summary.json: every printed figure is a measured one, and every verdict follows from them."""
+    rc, _, summary, printed = quick_run
+    section = summary["backward"]
+    runs, steps = section["runs"], section["config"]["steps"]
+    taken = {name: sum(not s for s in r["skipped"]) for name, r in runs.items()}
+    lines = printed.splitlines()
+    start = lines.index(section["lines"][0])
+    assert lines[start : start + len(section["lines"])] == section["lines"]  # printed as kept
+    header = next(line for line in section["lines"] if line.startswith("  loss at step"))
+    shown = [int(s) for s in header.split()[3:]]  # the steps whose loss the table gives
+    for name, (short, label) in backward_overflow.DEMO_RUNS.items():
+        row, loss_row = (line for line in section["lines"] if line.startswith(f"  {short} "))
+        assert row.endswith(label) and f" {taken[name]} of {steps} " in row
+        if name != "fp32":
+            assert f" {runs[name]['scale'][-1]:g} " in row
+        assert loss_row.split()[-len(shown) :] == [f"{runs[name]['loss'][s]:.4g}" for s in shown]
+    # The verdicts, from the runs: the default floor trains at least as much as torch's scaler, a floor at
+    # 1 trains not at all, the upcast at least as much as torch's, FP32 lowest.
+    expected = [
+        taken["lossscale"] >= taken["torch"],
+        taken["lossscale_min_scale_1"] == 0,
+        taken["lossscale_upcast"] >= taken["torch"] and bool(runs["lossscale_upcast"]["upcast_modules"]),
+        all(r["loss"][-1] >= runs["fp32"]["loss"][-1] for r in runs.values()),
+    ]
+    assert [c["passed"] for c in section["checks"]] == expected == [True] * 4
+    for c in section["checks"]:
+        assert f"  pass  {c['check']}: {c['detail']}" in printed
+    assert f"{taken['lossscale']} and {taken['torch']} of {steps}" in section["checks"][0]["detail"]
+    assert rc == 0 and summary["verdict"] == "HELD"
 
 
 def test_the_mini_gpt_runs_its_linears_in_fp16_on_a_float32_residual_stream():

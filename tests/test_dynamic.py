@@ -174,7 +174,7 @@ def test_deepspeed_consecutive_hysteresis_refills_on_clean_steps():
         (dict(min_scale=-1.0), "min_scale"),
         (dict(min_scale=4.0, max_scale=2.0, init_scale=4.0), "min_scale"),
         (dict(init_scale=2.0**30), "max_scale"),
-        (dict(init_scale=0.5), "min_scale"),
+        (dict(init_scale=0.5, min_scale=1.0), "min_scale"),
         (dict(on_stuck="panic"), "on_stuck"),
         (dict(max_consecutive_skips=0), "max_consecutive_skips"),
     ],

@@ -164,36 +164,44 @@ def test_bad_batch_causes_keep_the_last_few_and_are_described_lazily():
 
 def test_persistent_nan_is_stuck_once_the_scale_cannot_answer():
     # NaN from step 100 on: the scale halves 16 times to min_scale=1, then the policy calls it stuck;
-    # every NaN skip of the streak was the same NaN, not the scale.
-    s, r, _ = script(DynamicPolicy(), at(range(100, 2**62), **NAN), 130)
+    # every NaN skip of the streak was the same NaN. Above FP16's smallest subnormal it may still be a
+    # backward overflow that a lower scale fits: the advice says both.
+    floor_1 = DynamicPolicy(min_scale=1.0)
+    s, r, _ = script(floor_1, at(range(100, 2**62), **NAN), 130)
     assert (r.verdict, kinds(r), r.streak) == ("stuck", {"persistent_nan": 30}, 30)
-    assert r.scale == 1.0 and "NaN kept coming while the scale went from 2^16 to 2^0" in r.text
+    assert r.scale == 1.0 and "NaN kept coming while the scale went from 2^16 to 2^0. It may be a backward" in r.text
+    assert "lower min_scale" in r.text and "Otherwise the scale is not the cause" in r.text
+    # With the default floor, 2**-24, the scale halves 40 times: a NaN still there is not the scale's.
+    s, r, _ = script(DynamicPolicy(), at(range(100, 2**62), **NAN), 150)
+    assert (r.verdict, kinds(r), r.scale) == ("stuck", {"persistent_nan": 50}, 2.0**-24)
+    assert "from 2^16 to 2^-24: a smaller scale cures an overflow, not this NaN" in r.text
     # Before the floor it could still be an overflow (inf - inf is NaN): recovering, counted as such.
-    _, r, _ = script(DynamicPolicy(), at(range(100, 2**62), **NAN), 105)
+    _, r, _ = script(floor_1, at(range(100, 2**62), **NAN), 105)
     assert (r.verdict, kinds(r)) == ("recovering", {"overflow": 5})
     assert "backing off after 5 skipped steps" in r.text
     # A NaN streak that ends once the scale is lower was the scale's: never persistent.
-    _, r, _ = script(DynamicPolicy(), both(above(2.0**12), at(range(100, 103), **NAN)), 200)
+    _, r, _ = script(floor_1, both(above(2.0**12), at(range(100, 103), **NAN)), 200)
     assert kinds(r) == {"calibration": 4, "overflow": 3}
     # One NaN at the floor is stuck for that update, but not persistent.
-    s, r, _ = script(DynamicPolicy(init_scale=1.0), at([100], **NAN), 101)
+    s, r, _ = script(DynamicPolicy(init_scale=1.0, min_scale=1.0), at([100], **NAN), 101)
     assert (r.verdict, kinds(r)) == ("stuck", {"overflow": 1})
 
 
 def test_a_run_stuck_at_min_scale_then_recovering_then_healthy():
     # inf from step 100: 16 backoffs to min_scale=1, then overflows at the floor: stuck.
-    rule = at(range(100, 130))
-    s, r, _ = script(DynamicPolicy(), rule, 130)
+    rule, floor_1 = at(range(100, 130)), DynamicPolicy(min_scale=1.0)
+    s, r, _ = script(floor_1, rule, 130)
     assert (r.verdict, kinds(r), r.streak, r.scale) == ("stuck", {"overflow": 30}, 30, 1.0)
-    assert "lowest scale allowed (1)" in r.text and "overflow_report()" in r.text
+    assert "lowest scale allowed (2^0) with the loss finite: the backward overflows FP16" in r.text
+    assert 'on_backward_overflow="upcast"' in r.text and "lower min_scale" in r.text and "overflow_report()" in r.text
     # It steps again: recovering for SETTLE steps, then healthy.
-    _, r, _ = script(DynamicPolicy(), rule, 130 + SETTLE - 1)
+    _, r, _ = script(floor_1, rule, 130 + SETTLE - 1)
     assert (r.verdict, kinds(r), r.streak) == ("recovering", {"overflow": 30}, 0)
     assert "after being stuck until step 130" in r.text
-    _, r, _ = script(DynamicPolicy(), rule, 130 + SETTLE)
+    _, r, _ = script(floor_1, rule, 130 + SETTLE)
     assert r.verdict == "healthy" and r.steps_since_overflow == SETTLE
     # A streak stuck from the start is not calibration.
-    _, r, _ = script(DynamicPolicy(init_scale=4.0), at(range(0, 10)), 10)
+    _, r, _ = script(DynamicPolicy(init_scale=4.0, min_scale=4.0), at(range(0, 10)), 10)
     assert (r.verdict, kinds(r)) == ("stuck", {"overflow": 10})
     # max_consecutive_skips makes a shorter streak stuck, above the floor.
     _, r, _ = script(DynamicPolicy(max_consecutive_skips=3), at(range(100, 103)), 103)
@@ -361,7 +369,7 @@ def test_the_clean_step_shortcut_keeps_the_account_of_the_general_path(kinds_dra
 def test_a_nan_learned_after_the_step_joins_its_streak():
     # The host may count an overflow as inf and learn its NaN at the next sync (the same step's state,
     # one more NaN): the account takes the news into the streak it belongs to.
-    policy = DynamicPolicy(init_scale=2.0)
+    policy = DynamicPolicy(init_scale=2.0, min_scale=1.0)
     s, h = policy.init_state(), Health(policy.init_state())
     for i in range(6):
         before, s = s.scale, policy.update(s, found_inf=True)  # counted as inf
@@ -420,7 +428,7 @@ def test_the_scaler_counts_each_kind_on_both_paths(fused):
 def test_the_scaler_reports_persistent_nan_and_a_run_stuck_at_min_scale(fused):
     for kind in ("nan", "inf"):
         model = _model()
-        scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, on_stuck="ignore")
+        scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, min_scale=1.0, on_stuck="ignore")
         steps = range(5, 15)
         _train(scaler, model, fused, 15, **{kind: steps})
         r = scaler.health()
@@ -440,7 +448,7 @@ def test_a_clean_run_and_a_stuck_warning_that_points_to_health(fused):
     _train(scaler, model, fused, 10)
     r = scaler.health()
     assert (r.verdict, r.steps, r.skipped, r.scale_held) == ("healthy", 10, 0, 10)
-    scaler = lossscale.GradScaler(model=model, init_scale=1.0)
+    scaler = lossscale.GradScaler(model=model, init_scale=1.0, min_scale=1.0)
     with pytest.warns(RuntimeWarning, match=r"scaler\.health\(\) tells the run's skips apart"):
         _train(scaler, model, fused, 3, inf=(1, 2))
 
@@ -641,7 +649,7 @@ def test_a_lagging_device_drops_snapshots_and_the_account_still_adds_up(monkeypa
 
     _lagging(monkeypatch, lag=6)
     model = _model()
-    scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, on_stuck="ignore")
+    scaler = lossscale.GradScaler(model=model, init_scale=2.0**4, min_scale=1.0, on_stuck="ignore")
     opt = _train(scaler, model, True, 30, inf=(0, 1), bad=(12,))
     r = scaler.health()
     assert (r.verdict, kinds(r), r.steps) == ("healthy", {"calibration": 2, "bad_batch": 1}, 30)

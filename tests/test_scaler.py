@@ -213,11 +213,11 @@ def test_bad_state_dicts_raise_and_change_nothing():
     bad["lossscale_version"] = 99
     with pytest.raises(ValueError, match="version"):
         scaler.load_state_dict(bad)
-    torch_sd = torch.amp.GradScaler("cpu", init_scale=0.25).state_dict()
+    torch_sd = torch.amp.GradScaler("cpu", init_scale=2.0**-30).state_dict()  # below the default floor
     torch_sd["_growth_tracker"] = 2000  # at its interval: no torch scaler holds it
     with pytest.raises(ValueError, match="_growth_tracker"):
         scaler.load_state_dict(torch_sd)
-    assert scaler.get_scale() == 2.0**8 and scaler.policy.min_scale == 1.0
+    assert scaler.get_scale() == 2.0**8 and scaler.policy.min_scale == 2.0**-24
 
 
 def test_fp16_parameters_with_plain_optimizer_name_the_parameters_and_fixes():

@@ -71,8 +71,8 @@ def test_megatrons_initial_loss_scale_starts_training_and_the_cap_is_said_once()
 
 def test_an_init_scale_below_the_default_floor_lowers_it():
     with pytest.warns(UserWarning, match="min_scale is set to init_scale"):
-        scaler = lossscale.GradScaler(init_scale=0.25)
-    assert scaler.get_scale() == 0.25 and scaler.policy.min_scale == 0.25
+        scaler = lossscale.GradScaler(init_scale=2.0**-30)
+    assert scaler.get_scale() == 2.0**-30 and scaler.policy.min_scale == 2.0**-30
 
 
 @pytest.mark.parametrize("scale_first", [True, False], ids=["after scale()", "before scale()"])
@@ -461,7 +461,7 @@ def test_the_getters_say_what_the_state_dict_says(policy):
     assert ours == (ref.get_growth_factor(), ref.get_backoff_factor(), ref.get_growth_interval())
 
 
-@pytest.mark.parametrize("torch_scale, bound", [(2.0**26, "max_scale"), (2.0**-3, "min_scale")])
+@pytest.mark.parametrize("torch_scale, bound", [(2.0**26, "max_scale"), (2.0**-30, "min_scale")])
 def test_a_torch_checkpoint_beyond_the_default_bounds_loads_and_moves_the_bound(torch_scale, bound):
     # torch's scale is unbounded: a torch checkpoint at 2**26 is valid and must load, as init_scale=2**26 does.
     ref = torch.amp.GradScaler("cpu", init_scale=torch_scale)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .diagnosis import backward_fixes
+from .dynamic import MIN_SCALE
 from .formats import pow2_label
 from .policy import BAD_LOSS_STREAK, ScaleState
 
@@ -57,8 +59,7 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) 
             )
         if r.persistent_nan:
             kinds.append(
-                f"{r.persistent_nan} with NaN that persisted although the scale fell or could not "
-                "(not the scale's doing)"
+                f"{r.persistent_nan} with NaN that persisted although the scale fell or could not fall further"
             )
         if r.earlier:
             kinds.append(f"{r.earlier} before the last checkpoint load (of unknown kind)")
@@ -81,8 +82,8 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) 
         )
     if r.backward_upcasts:
         parts.append(
-            f"Kept in FP32 after their backward overflowed FP16 at the scale's floor "
-            f"(on_backward_overflow='upcast'): {', '.join(r.backward_upcasts)}."
+            f"Kept in FP32 after their backward overflowed FP16 with the scale at 1 or below, or at its "
+            f"floor (on_backward_overflow='upcast'): {', '.join(r.backward_upcasts)}."
         )
     if r.dropped_microbatches:
         one = r.dropped_microbatches == 1
@@ -128,26 +129,39 @@ def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) ->
                 "forward, weights already NaN); the scale cannot fix it. GradScaler(model=model, trace=True) "
                 "names the first module whose output was non-finite."
             )
+        model_or_data = (
+            "look in the model or the data (0/0, log or sqrt of a negative or zero, inf - inf, NaN already in "
+            "the weights or inputs; torch.autograd.set_detect_anomaly(True) finds the op). "
+            "scaler.overflow_report() names the parameters."
+        )
         if streak.nan >= 2:
-            return (
+            went = (
                 f"NaN kept coming while the scale went from {pow2_label(state.streak_start_scale)} to "
-                f"{pow2_label(state.scale)}: "
-                "a smaller scale cures inf, never NaN, so look in the model or the data (0/0, log or sqrt of "
-                "a negative or zero, inf - inf, NaN already in the weights or inputs; "
-                "torch.autograd.set_detect_anomaly(True) finds the op). scaler.overflow_report() names the "
-                "parameters."
+                f"{pow2_label(state.scale)}"
             )
+            if state.scale > MIN_SCALE:  # it may still be an FP16 backward overflow, which a lower scale fits
+                return (
+                    f"{went}. It may be a backward that overflows FP16 at every scale the floor allows (an "
+                    "inf that meets a zero or an opposite inf becomes NaN): GradScaler(model=model, "
+                    "trace=True) names the first module whose backward overflowed; then "
+                    + backward_fixes(lowest, state.scale)
+                    + " Otherwise the scale is not the cause: "
+                    + model_or_data
+                )
+            return f"{went}: a smaller scale cures an overflow, not this NaN, so " + model_or_data
         if policy.settle_steps() == 0:  # a scale that never searches: a fixed one
             return (
                 "a static scale cannot back off: lower init_scale, or use the default dynamic policy. "
                 "scaler.overflow_report() names the parameters."
             )
-        floor = "" if lowest is None else f" ({lowest:g})"
+        floor = "" if lowest is None else f" ({pow2_label(lowest)})"
         return (
-            f"gradients overflow even at the lowest scale allowed{floor}: the overflow is in the fp16 "
-            "forward/backward itself (a value above 65504). Keep that layer in fp32, lower the learning rate "
-            "or clip gradients, or train in bf16 (GradScaler.passthrough()); if the overflows are rare and "
-            "isolated, lower min_scale. scaler.overflow_report() names the parameters."
+            f"gradients overflow even at the lowest scale allowed{floor} with the loss finite: the backward "
+            "overflows FP16 (a value above 65504) at every scale the floor allows. GradScaler(model=model, "
+            "trace=True) names the first module whose backward overflowed; then "
+            + backward_fixes(lowest, state.scale)
+            + " Or lower the learning rate or clip gradients, or train in bf16 (GradScaler.passthrough()). "
+            "scaler.overflow_report() names the parameters."
         )
     if r.verdict == "recovering":
         if r.streak and state.streak_bad_loss_steps == r.streak:

@@ -42,9 +42,12 @@ def names_of(values: List[float], params: List[torch.Tensor], name_of: Callable)
     return {"inf": inf, "nan": nan}
 
 
-def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[float]) -> Dict[str, Any]:
+def report(
+    evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[float], floor: Optional[float] = None
+) -> Dict[str, Any]:
     """The report dict (see ``GradScaler.overflow_report``) from one iteration's ``evidence``; ``scale``:
-    the scale the step ran with where the evidence does not hold it. Syncs host and device."""
+    the scale the step ran with where the evidence does not hold it; ``floor``: the policy's lowest
+    scale (None: none). Syncs host and device."""
     out = dict(NOT_SKIPPED, inf=[], nan=[])
     for params, vectors in evidence.get("source") or []:
         values = torch.cat([v.cpu() for v in vectors]).tolist() if vectors else []
@@ -60,14 +63,19 @@ def report(evidence: Dict[str, Any], name_of: Callable, tracer, scale: Optional[
     out["upcast"] = evidence.get(
         "upcast"
     )  # on_forward/backward_overflow="upcast" kept this module in FP32 on this step
-    out["cause"] = explain(out)
+    out["cause"] = explain(out, floor)
     return out
 
 
-def explain(rep: Dict[str, Any]) -> str:
-    """A one-line diagnosis of a skipped step from the report's fields."""
+def explain(rep: Dict[str, Any], floor: Optional[float] = None) -> str:
+    """A one-line diagnosis of a skipped step from the report's fields; ``floor``: the policy's lowest
+    scale, where the scale cannot back off (None: none)."""
     kind = "NaN" if rep["nan"] or rep["loss"] == "nan" else "inf"
     scale = "?" if rep["scale"] is None else formats.pow2_label(rep["scale"])
+    at_floor = floor is not None and rep["scale"] is not None and rep["scale"] <= formats.f32(floor)
+    answer = (
+        "the loss scale, at its floor (min_scale): it cannot back off" if at_floor else "the loss scale (backed off)"
+    )
     if rep.get("spike") and not (rep["inf"] or rep["nan"]) and rep["loss"] == "finite":
         return (
             "skipped by skip_if: a spike (the gradient norm or the loss far above its recent run; every "
@@ -86,9 +94,6 @@ def explain(rep: Dict[str, Any]) -> str:
         )
     if rep["backward"] is not None:
         upcast = f" `{rep['upcast']}` now runs in FP32 (on_backward_overflow='upcast')." if rep.get("upcast") else ""
-        return (
-            f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: the loss scale (backed off)."
-            f"{upcast}"
-        )
+        return f"the backward of `{rep['backward']}` overflowed fp16 at scale {scale}: {answer}.{upcast}"
     where = ", ".join(rep["nan"] + rep["inf"])[:200] or "some gradient"
-    return f"{kind} in the gradients ({where}) at scale {scale}: the loss scale (backed off)."
+    return f"{kind} in the gradients ({where}) at scale {scale}: {answer}."

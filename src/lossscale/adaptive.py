@@ -91,6 +91,7 @@ from typing import Optional, Tuple
 
 from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
+from .dynamic import MIN_SCALE
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
 from .policy import (
     BOOL,
@@ -182,8 +183,10 @@ class AdaptivePolicy(PolicyBase):
         hysteresis, consecutive_hysteresis: as in :class:`~lossscale.DynamicPolicy`; a completed
             window refills the tolerance (as a growth does there). Before calibration there is no
             scale known to be safe, so every overflow searches down.
-        min_scale, max_scale: bounds (None: float32's [2**-126, 2**127]). Defaults 1.0 and 2**24, as
-            :class:`~lossscale.DynamicPolicy`. Measured growth cannot run away on zero gradients, so
+        min_scale, max_scale: bounds (None: float32's [2**-126, 2**127]). Defaults 2**-24 (FP16's
+            smallest subnormal) and 2**24, as :class:`~lossscale.DynamicPolicy`: a backward that
+            overflows FP16 at every scale >= 1 searches and backs off below 1, as torch's scale would,
+            instead of skipping every step at 1. Measured growth cannot run away on zero gradients, so
             ``max_scale=None`` is safe here when gradients really live below 2**-40.
         on_stuck, max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`.
         fmt: the format the scaled gradients must fit (``lossscale.formats`` name, default "fp16"):
@@ -204,7 +207,7 @@ class AdaptivePolicy(PolicyBase):
     backoff_factor: float = 0.5
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
-    min_scale: Optional[float] = 1.0
+    min_scale: Optional[float] = MIN_SCALE
     max_scale: Optional[float] = 2.0**24
     on_stuck: str = "warn"
     max_consecutive_skips: Optional[int] = None

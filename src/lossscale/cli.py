@@ -27,7 +27,8 @@ lossscale: safe, observable FP16 loss scaling for PyTorch.
                               claim by claim, why FP16 training stalls without loss scaling and how
                               static and dynamic scaling fix it; writes an HTML report.
   lossscale audit-demo        a GPT-2-shaped model whose MLP overflows FP16 in the forward: lossscale.audit
-                              names the module, keep_fp32 makes it train; writes an HTML report.
+                              names the module, keep_fp32 makes it train; then a model whose backward
+                              overflows FP16 at any scale >= 1, beside FP32; writes an HTML report.
   lossscale formats           the range facts of fp16, bf16, fp32 and fp8, and FP16's underflow cliff.
   lossscale report RUN.jsonl  the same plots for your own run, from lossscale's JSONL telemetry.
 """
@@ -100,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="find a forward overflow with lossscale.audit, fix it with keep_fp32",
         description="Build a GPT-2-shaped model whose first MLP down-projection overflows FP16 in\n"
         "the forward, audit one batch, and train it in FP32, in FP16 and in FP16 with the named\n"
-        "module kept in FP32 (15-30 s on 2 cores; --quick: about half).",
+        "module kept in FP32. Then train a small model whose backward overflows FP16 at any\n"
+        "scale >= 1 with torch's GradScaler, lossscale's with min_scale=1.0, its default and\n"
+        "on_backward_overflow='upcast', beside FP32: the steps taken and the loss curves\n"
+        "(15-30 s on 2 cores; --quick: about half).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     aud.add_argument("--quick", action="store_true", help="30 training steps instead of 80")

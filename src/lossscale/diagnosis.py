@@ -6,10 +6,13 @@ Pure Python: the diagnosis is built from the counters alone, no tensors needed.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+from .dynamic import MIN_SCALE
+from .formats import pow2_label
 from .policy import ScaleState
 
-__all__ = ["diagnose"]
+__all__ = ["diagnose", "backward_fixes"]
 
 #: A line of every diagnosis: where the whole run's account is.
 HEALTH_POINTER = (
@@ -18,11 +21,12 @@ HEALTH_POINTER = (
 )
 
 
-def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
+def diagnose(policy, state: ScaleState, tracing: bool = False, backward: Optional[str] = None) -> str:
     """A plain-language diagnosis of a stuck run, from the counters alone (no tensors needed).
 
     ``tracing``: the scaler traces first causes (``trace=True``), so its caller names the module
-    and this text does not suggest turning tracing on."""
+    and this text does not suggest turning tracing on. ``backward``: the module the trace named as the
+    first backward overflow of the step that tripped the check (its forward and its loss finite), if any."""
     streak, nan = state.overflow_streak, state.streak_nan_steps
     lo = policy.scale_bounds()[0]
     if state.streak_bad_loss_steps == streak:
@@ -44,7 +48,7 @@ def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
     lines = [
         f"lossscale: {streak} consecutive skipped step(s) ({nan} with NaN, {streak - nan} with inf only); "
         f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"
-        + (f" (min_scale={lo:g})." if lo is not None else ".")
+        + (f" (min_scale={pow2_label(lo)})." if lo is not None else ".")
     ]
     if not (math.isfinite(state.scale) and state.scale > 0):
         lines.append(
@@ -53,28 +57,86 @@ def diagnose(policy, state: ScaleState, tracing: bool = False) -> str:
             "(scaler._get_scale_async()), or min_scale=None let the backoff reach 0. Set a good one with "
             "scaler.update(new_scale=2.0**16) after a step."
         )
-    elif nan and streak > 1 and state.streak_start_scale != state.scale:
+    elif backward is not None:
         lines.append(
-            f"NaN persisted while the scale fell {state.streak_start_scale / state.scale:g}x: the scale is "
-            "not the cause (a smaller scale cures inf, never NaN). NaN comes from the model or data: 0/0, "
-            "log or sqrt of a negative or zero, inf - inf (e.g. an overflowed fp16 activation), NaN "
-            "already in the weights or inputs, or a learning rate that diverged. Find it with "
-            "torch.autograd.set_detect_anomaly(True)."
+            f"The backward of `{backward}` overflows FP16 (a gradient above 65504) at every scale the floor "
+            f"allows, down to {pow2_label(state.scale)}, while its forward and the loss are finite"
+            + (": the NaN is the overflow's (an inf that meets a zero or an opposite inf)." if nan else ".")
+            + " Fixes: "
+            + backward_fixes(lo, state.scale, backward)
         )
     elif nan:
-        lines.append(
-            "NaN at the smallest scale the policy allows: lowering the scale cannot cure a NaN. Look for "
-            "0/0, log or sqrt of a negative or zero, inf - inf (an overflowed fp16 activation), or NaN "
-            "already in the weights or inputs (torch.autograd.set_detect_anomaly(True) finds the op)."
+        if streak > 1 and state.streak_start_scale != state.scale:
+            fell = state.streak_start_scale / state.scale
+            head = f"NaN persisted while the scale fell {fell:g}x, to {pow2_label(state.scale)}."
+        else:
+            head = f"NaN at the smallest scale the policy allows, {pow2_label(state.scale)}."
+        model_or_data = (
+            "comes from the model or data: 0/0, log or sqrt of a negative or zero, inf - inf (e.g. an "
+            "overflowed fp16 activation), NaN already in the weights or inputs, or a learning rate that "
+            "diverged. Find it with torch.autograd.set_detect_anomaly(True)."
         )
+        if state.scale > MIN_SCALE:  # it may still be an FP16 backward overflow, which a lower scale fits
+            lines.append(
+                f"{head} It may be a backward that overflows FP16 at every scale the floor allows (an inf "
+                "that meets a zero or an opposite inf becomes NaN): "
+                + (
+                    ""
+                    if tracing
+                    else "GradScaler(model=model, trace=True) names the first module whose backward "
+                    "overflowed (overflow_report()['backward']); "
+                )
+                + "then "
+                + backward_fixes(lo, state.scale)
+                + " Otherwise the scale is not the cause: the NaN "
+                + model_or_data
+            )
+        else:
+            lines.append(
+                f"{head} The scale is not the cause: a smaller scale cures an overflow, and at this scale an "
+                f"FP16 backward overflows only past a gradient of {65504.0 / state.scale:.3g}. The NaN " + model_or_data
+            )
     else:
         lines.append(
-            "Gradients overflow even at the smallest scale allowed: the overflow is in the fp16 "
-            "forward/backward itself (an activation or gradient above 65504), not in the scaling. Fixes: "
-            "keep that layer in fp32 (autocast(enabled=False) around it, or a softmax/norm in fp32), "
-            "lower the learning rate or clip gradients, check the inputs for extreme values, or train in "
-            "bf16 (GradScaler.passthrough()). If the overflows are rare and isolated, lower min_scale."
+            "Gradients overflow even at the smallest scale allowed while the loss is finite: the backward "
+            "overflows FP16 (a gradient above 65504) at every scale the floor allows. "
+            + (
+                ""
+                if tracing
+                else "GradScaler(model=model, trace=True) names the first module whose backward overflowed "
+                "(overflow_report()['backward']). "
+            )
+            + "Fixes: "
+            + backward_fixes(lo, state.scale)
+            + " Or lower the learning rate or clip gradients, check the inputs for extreme values, or train "
+            "in bf16 (GradScaler.passthrough())."
         )
     lines.append(HEALTH_POINTER)
     lines.append("scaler.overflow_report() names the parameters that held inf and NaN on the last skipped step.")
     return "\n".join(lines)
+
+
+def backward_fixes(lo: Optional[float], scale: float, name: Optional[str] = None) -> str:
+    """What to do about a backward that overflows FP16 at every scale down to ``scale``, the policy's
+    lowest being ``lo`` (None: no floor, or a static scale): keep the module in FP32, by the scaler or by
+    hand, or a lower scale where one can still carry gradients (down to
+    :data:`~lossscale.dynamic.MIN_SCALE`)."""
+    module = f"`{name}`" if name is not None else "the module the trace names"
+    by_hand = f'["{name}"]' if name is not None else "[name]"
+    fixes = (
+        f'keep {module} in FP32: GradScaler(model=model, trace=True, on_backward_overflow="upcast") does '
+        f"it when this happens, or lossscale.keep_fp32(model, {by_hand}) before training"
+    )
+    if scale <= MIN_SCALE:
+        fixes += (
+            f"; no lower scale helps: below {pow2_label(MIN_SCALE)} (FP16's smallest subnormal) even a "
+            "gradient of 1 flushes to zero"
+        )
+    elif lo is not None and scale <= lo:  # the floor stopped the backoff
+        fixes += (
+            f"; or lower min_scale (the default {pow2_label(MIN_SCALE)}, FP16's smallest subnormal, or None "
+            "as torch) so that the scale can shrink the gradient into FP16's range, as torch's backoff does"
+        )
+    else:
+        fixes += f"; or a scale below {pow2_label(scale)}, which may shrink the gradient into FP16's range"
+    return fixes + "."

@@ -68,7 +68,13 @@ from .policy import (
     stuck_at_bound_or_streak,
 )
 
-__all__ = ["DynamicPolicy", "DynamicState"]
+__all__ = ["DynamicPolicy", "DynamicState", "MIN_SCALE"]
+
+#: The default ``min_scale`` (of :class:`DynamicPolicy` and :class:`~lossscale.AdaptivePolicy`): FP16's
+#: smallest subnormal, 2**-24. A gradient of magnitude 1 times a smaller scale flushes to zero in an FP16
+#: backward, so a scale below it carries nothing; down to it, the backoff follows torch's wherever a
+#: lower scale still fits the backward in FP16.
+MIN_SCALE = 2.0**-24
 
 
 @dataclass(frozen=True)
@@ -101,9 +107,12 @@ class DynamicPolicy(PolicyBase):
         consecutive_hysteresis: refill the hysteresis on every clean step, so only *consecutive*
             overflows spend it (DeepSpeed); otherwise only a growth refills it (Megatron-core).
         min_scale: lower bound of the scale, or None for float32's smallest normal, 2**-126 (torch would
-            go on to 0, whose inverse is inf: every later step NaN). Default 1.0: a scale below 1 shrinks
-            gradients instead of protecting them, so reaching it means the overflow is not the
-            scale's doing (torch documents the same symptom but does not stop there).
+            go on to 0, whose inverse is inf: every later step NaN). Default :data:`MIN_SCALE`, 2**-24,
+            FP16's smallest subnormal: at a lower scale even a gradient of 1 flushes to zero in an FP16
+            backward, so no such scale carries anything; above it, a backward that overflows FP16 at
+            every scale >= 1 still trains where torch's unbounded backoff does. ``min_scale=1.0`` stops
+            the backoff at 1 (a scale below 1 only shrinks gradients); a backward that overflows
+            there then skips every step, which the ``on_stuck`` diagnosis reports.
         max_scale: upper bound, or None. Default 2**24: a gradient still flushed at 2**24 is below
             2**-48 and could not move an FP32 master weight anyway, while an unbounded scale
             (e.g. when some gradients are all zero for a while) must later burn one skipped step per
@@ -128,7 +137,7 @@ class DynamicPolicy(PolicyBase):
     growth_interval: int = 2000
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
-    min_scale: Optional[float] = 1.0
+    min_scale: Optional[float] = MIN_SCALE
     max_scale: Optional[float] = 2.0**24
     on_stuck: str = "warn"
     max_consecutive_skips: Optional[int] = None

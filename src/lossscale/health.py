@@ -21,7 +21,8 @@ dropped. Nothing is added to an iteration but a few integer operations on the ho
   ``max_consecutive_skips`` in a row) and that held NaN at least twice: NaN kept coming although
   the scale fell, or could not fall. All the streak's NaN skips count, the ones before it got stuck
   too. A NaN that stops once the scale is lower was an overflow (inf - inf is NaN), and counts as one
-  of the next two kinds.
+  of the next two kinds; one that a floor above FP16's smallest subnormal stopped the scale from
+  curing counts here, and the report's advice says so.
 * **calibration**: any other skip (a finite loss) that came while the scale was still searching: after
   the start or a checkpoint load, before the first *clean stretch*, ``settle`` consecutive steps
   without an overflow (skipped bad batches do not break a stretch). ``settle`` is the policy's
@@ -124,7 +125,8 @@ class HealthReport:
         overflow: skips with a finite loss in steady training (or in a stuck streak).
         overflow_after_growth: of ``overflow``, those right after the scale grew (a growth probe).
         bad_batch: skips whose loss was non-finite before scaling (the scale kept).
-        persistent_nan: NaN skips of streaks that got stuck: not the scale's doing.
+        persistent_nan: NaN skips of streaks that got stuck: NaN that a lower scale did not cure, or that
+            the floor kept a lower scale from curing (an FP16 backward overflow shows as NaN too).
         earlier: skips before the last checkpoint load other than bad batches (kind unknown).
         streak: consecutive skipped updates up to now (0: the last step was taken).
         steps_since_overflow: updates since the last overflow (a skip with a finite loss) since the
@@ -146,7 +148,7 @@ class HealthReport:
         upcasts, upcast_modules: with ``on_forward_overflow="upcast"`` (or ``on_backward_overflow``), how
             many modules and which ones the scaler kept in FP32 after repeated overflows; else None.
         backward_upcasts: with ``on_backward_overflow="upcast"``, those of them kept for a backward that
-            overflowed at the scale's floor; else None.
+            overflowed with the scale at 1 or below (or at its floor, if higher); else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
     """
 

@@ -113,11 +113,13 @@ class GradScaler:
             first forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
             (:mod:`lossscale.upcast`). "skip": such steps are skipped, the scale kept.
         on_backward_overflow: "upcast" (with ``trace=True``): a module the trace names as the first backward
-            overflow on ``upcast_after`` steps skipped at the scale's floor (``min_scale``) is kept in FP32,
-            widened to its enclosing module if that does not end it (:mod:`lossscale.upcast`). "skip": no.
+            overflow on ``upcast_after`` steps skipped at a scale of 1 or below (or at ``min_scale``, if
+            higher) is kept in FP32, widened to its enclosing module if that does not end it
+            (:mod:`lossscale.upcast`). "skip": no.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
-            ``consecutive_hysteresis=False``, ``min_scale=1.0``, ``max_scale=2**24`` (None: unbounded,
-            as torch), ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
+            ``consecutive_hysteresis=False``, ``min_scale=2**-24`` (FP16's smallest subnormal; None:
+            float32's smallest normal, as torch), ``max_scale=2**24`` (None: unbounded, as torch),
+            ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
             ``max_consecutive_skips=None``. Another policy's keyword is validated and warned about.
 
     The training loop is torch's::
@@ -729,14 +731,18 @@ class GradScaler:
             snap = self._snapshots.popleft()  # taken off first: a raising reaction does not raise again
             state, scale_before = snap.read()
             self._health.record(self._policy, state, scale_before, snap.evidence if self._tracer else None)
-            if self._upcast is not None:  # a skipped step's first forward (at the floor: backward) overflow:
+            if self._upcast is not None:  # a skipped step's first forward (at 1 or below: backward) overflow:
                 # one read, on skipped steps only
-                floor = self._policy.scale_bounds()[0]
-                self._upcast.learn(
-                    state, snap.evidence, self._tracer, at_floor=floor is not None and scale_before <= floor
-                )
+                self._upcast.learn(state, snap.evidence, self._tracer, past_scale=self._past_scale(scale_before))
             if state.overflow_streak or self._warned_streak:
                 self._react(state, scale_before, snap.evidence)
+
+    def _past_scale(self, scale_before: float) -> bool:
+        """Whether a backward overflow at ``scale_before`` is past what the scale can fix: the scale sat at 1
+        or below (below 1 it only shrinks every gradient), or at its floor where that is higher. False
+        without a floor (``min_scale=None``: the backoff goes on as torch's)."""
+        floor = self._policy.scale_bounds()[0]
+        return floor is not None and scale_before <= max(1.0, floor)
 
     def _react(self, state: ScaleState, scale_before: float, evidence) -> None:
         """Warn (once per streak) or raise, per ``on_stuck``, if ``state`` says training is stuck."""
@@ -747,9 +753,15 @@ class GradScaler:
             return
         from .diagnosis import diagnose
 
-        message = diagnose(self._policy, state, tracing=self._tracer is not None)
-        if evidence is not None:  # rare (the run is stuck): one sync to say where the trouble began
-            message += "\nThe step that tripped this check: " + self._describe(evidence, scale_before)
+        # Rare (the run is stuck): one sync to say where the trouble began, and which module's backward
+        # overflowed with its forward and its loss finite (the trace names it).
+        tripped = None if evidence is None else self._report(evidence, scale_before)
+        backward = None
+        if tripped is not None and tripped["forward"] is None and tripped["loss"] == "finite":
+            backward = tripped["backward"]
+        message = diagnose(self._policy, state, tracing=self._tracer is not None, backward=backward)
+        if tripped is not None:
+            message += "\nThe step that tripped this check: " + tripped["cause"]
         if self._policy.on_stuck == "raise":
             raise RuntimeError(message)
         if not self._warned_streak:
@@ -765,9 +777,14 @@ class GradScaler:
 
     # ------------------------------------------------------------------ what it tells about the run
     def _describe(self, evidence, scale_before: Optional[float]) -> str:
+        return self._report(evidence, scale_before)["cause"]
+
+    def _report(self, evidence, scale_before: Optional[float]) -> Dict[str, Any]:
+        """The first-cause report of ``evidence`` (:func:`lossscale._overflow.report`). Syncs."""
         from . import _overflow
 
-        return _overflow.report(evidence, self._names, self._tracer, scale_before)["cause"]
+        floor = self._policy.scale_bounds()[0]
+        return _overflow.report(evidence, self._names, self._tracer, scale_before, floor=floor)
 
     def health(self) -> HealthReport:
         """The run's health (:mod:`lossscale.health`): every skip classified (the scale calibrating, an
@@ -807,7 +824,7 @@ class GradScaler:
             return dict(_overflow.NOT_SKIPPED)
         if self._last_report is None:
             scale = None if self._t is None else float(self._t.scale_before.item())
-            self._last_report = _overflow.report(self._evidence or {}, self._names, self._tracer, scale)
+            self._last_report = self._report(self._evidence or {}, scale)
         return self._last_report
 
     def _decided(self, optimizer=None) -> List[Optional[Flags]]:

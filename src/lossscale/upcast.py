@@ -22,19 +22,22 @@ systematic overflow unsloth-zoo PR #600 and #866 found by hand. ``upcast_after=1
 
 ``on_backward_overflow="upcast"``: the backward that overflows at any scale. A module whose backward
 overflows FP16 while its forward stays finite (an internal gradient past 65504) is the scale's business
-until the scale reaches its floor (``min_scale``, 1 by default); there no scale fixes it::
+until the scale reaches 1, or its floor (``min_scale``) where that is higher. Below 1 the scale only
+shrinks every gradient, flushing the small ones, to fit the large one: the backoff may go on there (as
+torch's does, down to the default floor 2**-24), but the overflow is the module's::
 
-    the step was skipped at the floor (the scale it ran with <= min_scale), its forward clean
+    the step was skipped at a scale <= max(1, min_scale), its forward clean
         -> name = the trace's first backward overflow: the first module, in backward order, whose input
            gradient was non-finite (one host read, on such steps only); none -> nothing (a weight
-           gradient that overflows names no module: lower min_scale, as the stuck warning says)
+           gradient that overflows names no module: the backoff goes on down to min_scale, and the
+           stuck warning says what to do there)
         name not kept: seen_backward[name] += 1; at upcast_after -> keep_fp32(model, [name]), warned
         name kept already (for its backward) -> its FP32 backward did not end it: the gradient overflows
            again where it is cast back to FP16 at the module's edge (its input is FP16). Widen at once
            to the enclosing module (keep_fp32 on the parent), warned; the whole model -> said, nothing kept
 
-With ``min_scale=None`` (torch's unbounded backoff) the scale never reaches a floor and nothing is
-upcast for the backward: the scale backs off below 1 as torch's does.
+With ``min_scale=None`` (torch's unbounded backoff, asked for by name) nothing is upcast for the
+backward: the scale backs off below 1 as torch's does, step for step.
 
 The modules kept are reported in ``health()`` (``upcast_modules``), in the overflow report of the step
 that triggered one (``"upcast"``), counted as ``upcasts`` (``counters()``, ``metrics()``), and saved in
@@ -61,8 +64,8 @@ AFTER = 2
 
 
 class Upcast(Feature):
-    """The upcast rules' account: how often each module was the first forward (or, at the floor,
-    backward) overflow, which were kept, and which of them for their backward."""
+    """The upcast rules' account: how often each module was the first forward (or, at a scale of 1 or
+    below, backward) overflow, which were kept, and which of them for their backward."""
 
     def __init__(self, model, after: int, forward: bool = True, backward: bool = False):
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
@@ -76,7 +79,7 @@ class Upcast(Feature):
         self.seen: Counter = Counter()
         self.kept: List[str] = []  # in the order they were kept
         self.still = Counter()  # kept modules named first again (not an FP16 range problem)
-        self.seen_backward: Counter = Counter()  # first backward overflow at the floor
+        self.seen_backward: Counter = Counter()  # first backward overflow at a scale <= max(1, floor)
         self.kept_backward: List[str] = []  # the kept modules kept for their backward (also in kept)
         self.widest = False  # the backward rule reached the whole model: said once, nothing more to widen
 
@@ -103,17 +106,18 @@ class Upcast(Feature):
             )
         return cls(model, after, forward=mode == "upcast", backward=backward == "upcast")
 
-    def learn(self, state, evidence: Optional[Dict[str, Any]], tracer, at_floor: bool = False) -> None:
+    def learn(self, state, evidence: Optional[Dict[str, Any]], tracer, past_scale: bool = False) -> None:
         """One landed state: on a skipped step, read the trace's first forward overflow (a sync) and keep
-        the module in FP32 once it is named ``after`` times; with the backward rule and ``at_floor`` (the
-        step ran at the scale's floor), the same for the first backward overflow, widening to the
-        enclosing module when a module kept for its backward is named again."""
+        the module in FP32 once it is named ``after`` times; with the backward rule and ``past_scale`` (the
+        step ran at a scale of 1 or below, or at the floor where that is higher: no scale fixes its
+        backward), the same for the first backward overflow, widening to the enclosing module when a
+        module kept for its backward is named again."""
         if not state.last_step_skipped or not evidence or evidence.get("trace") is None:
             return
         names = tracer.names_of(evidence["trace"])
         name = names["forward"]
         if name is None:
-            if self.backward and at_floor and names["backward"] is not None:
+            if self.backward and past_scale and names["backward"] is not None:
                 self._learn_backward(names["backward"], evidence)
             return
         if not self.forward:
@@ -139,7 +143,8 @@ class Upcast(Feature):
             )
 
     def _learn_backward(self, name: str, evidence: Dict[str, Any]) -> None:
-        """The backward rule for a step skipped at the floor whose first backward overflow was ``name``."""
+        """The backward rule for a step skipped past the scale (see :meth:`learn`) whose first backward
+        overflow was ``name``."""
         kept_as = self._kept_ancestor(name)
         if kept_as is not None:  # it, or a module around it, runs in FP32 already: not enough
             self._widen(kept_as, evidence)
@@ -149,8 +154,8 @@ class Upcast(Feature):
             self.kept_backward.append(name)
             evidence["upcast"] = name
             warn(
-                f"lossscale: the backward of `{name}` overflowed FP16 at the scale's floor on "
-                f"{self.seen_backward[name]} steps (its forward finite); it now runs in FP32 "
+                f"lossscale: the backward of `{name}` overflowed FP16 with the scale at 1 or below (or at "
+                f"its floor) on {self.seen_backward[name]} steps (its forward finite); it now runs in FP32 "
                 "(on_backward_overflow='upcast').",
                 UserWarning,
             )
@@ -174,8 +179,9 @@ class Upcast(Feature):
                 warn(
                     f"lossscale: `{name}` runs in FP32 (on_backward_overflow='upcast') and its backward "
                     "still overflows FP16 where its input gradient is cast back; no enclosing module "
-                    "is left to keep in FP32 but the whole model. Lower the scale's floor "
-                    "(GradScaler(min_scale=2**-8), or None for torch's unbounded backoff).",
+                    "is left to keep in FP32 but the whole model. The scale backs off below 1 down to "
+                    "its floor, min_scale: keep that at the default, GradScaler(min_scale=2**-24), or "
+                    "None for torch's unbounded backoff, so it can reach a scale where the backward fits.",
                     RuntimeWarning,
                 )
             return

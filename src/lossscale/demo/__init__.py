@@ -6,6 +6,10 @@
 * :mod:`.run` — the runs, the orchestration and the progress bars; :func:`run_demo`.
 * :mod:`.render` — plots, ``index.html``, ``summary.json`` and the terminal table.
 
+``lossscale audit-demo`` is :mod:`.fp32_fallback` (a forward overflow no scale fixes) and
+:mod:`.backward_overflow` (a backward that overflows FP16 at any scale >= 1; its model is also the one
+``benchmarks/bench_backward_overflow.py`` measures).
+
 Needs the demo extras (scikit-learn, matplotlib, tqdm); importing this package does not import them.
 """
 

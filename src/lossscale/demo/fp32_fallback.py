@@ -19,9 +19,17 @@ finite in FP32 and overflows FP16's 65504. Three runs from the same initial weig
   no audit: the trace names the module on the first two skipped steps, the scaler keeps it in FP32 by
   itself, and from the third step on it trains like the run above.
 
+Then the other case: a backward that overflows FP16 at any scale >= 1 while the forward stays finite
+(:mod:`lossscale.demo.backward_overflow`, a small model built from a config). Torch's ``GradScaler``
+backs its scale off below 1 and trains; so does ``lossscale.GradScaler()`` (its floor is 2**-24), and
+``on_backward_overflow="upcast"`` keeps the overflowing module in FP32; a floor at 1
+(``min_scale=1.0``) skips every step. The section prints each run's steps taken and a loss table, and
+plots the loss curves beside FP32's.
+
 Writes ``DIR/index.html``, ``fp32_fallback_loss.png`` (the three loss curves), ``fp32_fallback_amax.png``
-(each module's forward amax in FP16 and FP32 against FP16's largest value) and ``summary.json`` (every
-figure, the audit's ``to_dict()``). Needs matplotlib (the demo extras).
+(each module's forward amax in FP16 and FP32 against FP16's largest value), ``backward_overflow_loss.png``
+(the backward section's loss curves) and ``summary.json`` (every figure, the audit's ``to_dict()``, the
+backward section under ``"backward"``). Needs matplotlib (the demo extras).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from .. import formats
 from ..auditing import audit
 from ..fp32 import keep_fp32
 from ..scaler import GradScaler
+from . import backward_overflow
 
 __all__ = ["MiniGPT", "injected_model", "markov_batches", "train_run", "run_audit_demo", "INJECTED", "FACTOR"]
 
@@ -268,6 +277,11 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
         ),
         ("this device's FP16 agrees with FP32", report.hardware.verdict == "ok", report.hardware.detail),
     ]
+    print()
+    backward = backward_overflow.run_section()  # the same for every seed and size: its own config
+    print("\n".join(backward["lines"]))
+    print()
+    held = all(ok for _, ok, _ in checks) and all(c["passed"] for c in backward["checks"])
     summary = {
         "quick": quick,
         "seed": seed,
@@ -277,13 +291,14 @@ def _run(out_dir: str, quick: bool, seed: int) -> Dict[str, Any]:
         "audit": report.to_dict(),
         "runs": runs,
         "checks": [{"check": c, "passed": bool(ok), "detail": d} for c, ok, d in checks],
-        "verdict": "HELD" if all(ok for _, ok, _ in checks) else "NOT HELD",
+        "backward": backward,
+        "verdict": "HELD" if held else "NOT HELD",
     }
     _render(summary, report, out_dir)
     summary["seconds"] = time.perf_counter() - t0
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1, allow_nan=True)
-    for c, ok, d in checks:
+    for c, ok, d in checks + [(c["check"], c["passed"], c["detail"]) for c in backward["checks"]]:
         print(f"  {'pass' if ok else 'FAIL'}  {c}: {d}")
     print(f"report: {os.path.join(out_dir, 'index.html')}")
     return summary
@@ -421,10 +436,37 @@ def _render(summary: Dict[str, Any], report, out_dir: str) -> str:
             ("steps skipped", f"{sum(up['skipped'])}/{summary['steps']}"),
         ],
     )
+    backward = summary["backward"]
+    backward_overflow.plot_losses(backward, os.path.join(out_dir, "backward_overflow_loss.png"))
+    n = {name: backward_overflow.taken(r) for name, r in backward["runs"].items()}
+    steps = backward["config"]["steps"]
+    backward_section = Section(
+        "4. A backward that overflows FP16 at any scale >= 1",
+        verdict="HELD" if all(c["passed"] for c in backward["checks"]) else "NOT HELD",
+        anchor="backward",
+        text=[
+            "Another model (lossscale.demo.backward_overflow, built from a config): one block divides by "
+            f"2^{int(math.log2(backward['config']['gain']))} and multiplies back, so its forward stays in "
+            "range while the gradient inside it passes FP16's 65504 at any scale >= 1. A scale below 1 fits it.",
+            "Torch's GradScaler backs its scale off below 1 and trains. lossscale.GradScaler()'s floor is "
+            "2^-24 (FP16's smallest subnormal), so it does the same; with min_scale=1.0 the scale stops at 1 "
+            "and every step is skipped. on_backward_overflow='upcast' keeps the module the trace names in "
+            "FP32 once the scale is at 1 or below.",
+        ],
+        pre="\n".join(backward["lines"]),
+        figures=[(label, f"{n[name]}/{steps} steps taken") for name, (_, label) in backward_overflow.DEMO_RUNS.items()],
+        checks=[(c["check"], c["passed"], c["detail"]) for c in backward["checks"]],
+        images=[
+            (
+                "backward_overflow_loss.png",
+                "Training loss, same weights and batches; dots are skipped steps.",
+            )
+        ],
+    )
     return write_html(
         os.path.join(out_dir, "index.html"),
         "lossscale audit-demo: when loss scaling cannot fix it",
-        [audit_section, train_section, upcast_section],
+        [audit_section, train_section, upcast_section, backward_section],
         subtitle=f"A GPT-2-shaped model with one overflowing module, {summary['steps']} steps, seed "
         f"{summary['seed']}, on the CPU.",
     )
