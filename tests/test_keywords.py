@@ -62,3 +62,14 @@ def test_a_bad_bound_for_another_policy_is_refused_by_name(kwargs, name):
     """Kills: _validate_elsewhere checking the bound under another name, or not at all."""
     with pytest.raises(ValueError, match=f"^{name}="):
         lossscale.GradScaler(policy="static", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "init, shown",
+    [(2.0**-30, "init_scale=2**-30 is below the default min_scale=2**-24"), (1e-9, "init_scale=1e-09 is below")],
+)
+def test_a_scale_outside_the_default_bounds_is_named_as_a_power_of_two(init, shown):
+    """The bound moved to init_scale is said in the units a scale is chosen in (2**-24, not 5.96e-08)."""
+    with pytest.warns(UserWarning) as caught:
+        scaler = lossscale.GradScaler(init_scale=init)
+    assert shown in str(caught[0].message) and scaler.policy.min_scale == init

@@ -8,10 +8,12 @@ changes nothing. An unknown keyword raises. Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 from ._validate import plain_number, positive_finite
 from ._warnings import warn
+from .formats import is_power_of_two
 from .policy import policy_class, policy_names, registered
 
 __all__ = ["policy_from_keywords"]
@@ -46,6 +48,13 @@ def policy_from_keywords(name: str, **given):
     return cls(**kwargs)
 
 
+def _number(x: float) -> str:
+    """``x`` as a message shows it: a power of two as ``2**k``, anything else as Python writes it."""
+    if is_power_of_two(x) and not 0 <= math.log2(x) < 11:  # 1 to 1024 read better as numbers
+        return f"2**{int(math.log2(x))}"
+    return repr(x)
+
+
 def _lift_default_bounds(cls, kwargs) -> None:
     """An ``init_scale`` given outside the *default* bounds moves the bound to it (torch has none, so
     ``GradScaler(init_scale=2**32)``, Megatron's default, or ``init_scale=1e38`` must start training),
@@ -59,9 +68,9 @@ def _lift_default_bounds(cls, kwargs) -> None:
         if bound not in kwargs and default is not None and (init - default) * side > 0:
             kwargs[bound] = float(init)
             warn(
-                f"lossscale.GradScaler: init_scale={init!r} is {'above' if side > 0 else 'below'} the default "
-                f"{bound}={default!r}, so {bound} is set to init_scale: the scale starts where asked and never goes "
-                f"past it. Pass {bound}= to choose the bound ({bound}=None: none, as torch)."
+                f"lossscale.GradScaler: init_scale={_number(init)} is {'above' if side > 0 else 'below'} the "
+                f"default {bound}={_number(default)}, so {bound} is set to init_scale: the scale starts where asked "
+                f"and never goes past it. Pass {bound}= to choose the bound ({bound}=None: none, as torch)."
             )
 
 
