@@ -2,6 +2,7 @@
 
     python benchmarks/bench_iteration.py            # every row (~6 min on one thread)
     python benchmarks/bench_iteration.py --quick    # a smoke run (tiny models, a few pairs)
+    python benchmarks/bench_iteration.py --models gpt2 --pairs 40 --runs 4 --control   # what is committed
 
 Writes ``benchmarks/results/bench_iteration.json`` and ``bench_iteration.md`` (``--out`` to change).
 
@@ -149,12 +150,27 @@ class Side:
         return whole.syncs, tail.launches
 
 
-def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
+def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool, ours_first: bool = True):
+    """One row: twin models, ``pairs`` interleaved pairs. ``ours_first``: which side's model is built (and
+    so placed in memory) first; :func:`repeated_row` alternates it, since placement moves a run's ratio.
+    ``clip="control"``: torch's scaler on both sides, no clip (what a ratio of 1 measures as here)."""
     make_model = (lambda: gpt2(quick)) if model_name == "gpt2" else (lambda: mlp(quick))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = Side(make_model, kind, lossscale.GradScaler(), clip)
-    theirs = Side(make_model, kind, torch.amp.GradScaler(DEVICE.type), "torch recipe" if clip == "own clip" else clip)
+
+    def make_ours():
+        if clip == "control":
+            return Side(make_model, kind, torch.amp.GradScaler(DEVICE.type), "none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Side(make_model, kind, lossscale.GradScaler(), clip)
+
+    def make_theirs():
+        their_clip = {"own clip": "torch recipe", "control": "none"}.get(clip, clip)
+        return Side(make_model, kind, torch.amp.GradScaler(DEVICE.type), their_clip)
+
+    if ours_first:
+        ours, theirs = make_ours(), make_theirs()
+    else:
+        theirs, ours = make_theirs(), make_ours()
     for _ in range(3):  # warm-up: first-call work, the optimizers' state
         ours.iteration()
         theirs.iteration()
@@ -170,7 +186,7 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
         t_theirs.append(b)
     (syncs_ours, launches_ours), (syncs_theirs, launches_theirs) = ours.counted(), theirs.counted()
     ratio = statistics.median(ratios)
-    target = TARGETS["own clip"] if clip == "own clip" else TARGETS[model_name]
+    target = None if clip == "control" else TARGETS["own clip"] if clip == "own clip" else TARGETS[model_name]
     return dict(
         model=model_name,
         optimizer=kind,
@@ -178,7 +194,7 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
         pairs=pairs,
         ratio=ratio,
         target=target,
-        meets=(ratio < target) if clip == "own clip" else (ratio <= target),
+        meets=_meets(ratio, target, clip),
         lossscale_ms=1e3 * statistics.median(t[0] for t in t_ours),
         torch_ms=1e3 * statistics.median(t[0] for t in t_theirs),
         optimizer_side_ratio=statistics.median(tail_ratios),
@@ -191,11 +207,19 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool):
     )
 
 
+def _meets(ratio: float, target, clip: str):
+    """Whether ``ratio`` meets ``target`` (the own clip must beat torch's recipe); None for a control row."""
+    if target is None:
+        return None
+    return ratio < target if clip == "own clip" else ratio <= target
+
+
 def repeated_row(model_name: str, kind: str, clip: str, pairs: int, quick: bool, runs: int):
-    """:func:`row` ``runs`` times, each with fresh twin models: a run's ratio moves by a few percent with
-    where its models' memory lands, more than its pairs' median moves; the runs show by how much.
+    """:func:`row` ``runs`` times, each with fresh twin models, built in alternating order: a run's ratio
+    moves by a few percent with where its models' memory lands, more than its pairs' median moves; the
+    runs show by how much.
     The row's ratio and times are the medians over the runs."""
-    results = [row(model_name, kind, clip, pairs, quick) for _ in range(runs)]
+    results = [row(model_name, kind, clip, pairs, quick, ours_first=run % 2 == 0) for run in range(runs)]
     middle = sorted(results, key=lambda r: r["ratio"])[(runs - 1) // 2]  # the median run (lower median)
     ratio = statistics.median(r["ratio"] for r in results)
     return dict(
@@ -203,7 +227,7 @@ def repeated_row(model_name: str, kind: str, clip: str, pairs: int, quick: bool,
         runs=runs,
         ratio=ratio,
         run_ratios=[r["ratio"] for r in results],
-        meets=(ratio < middle["target"]) if clip == "own clip" else (ratio <= middle["target"]),
+        meets=_meets(ratio, middle["target"], clip),
         lossscale_ms=statistics.median(r["lossscale_ms"] for r in results),
         torch_ms=statistics.median(r["torch_ms"] for r in results),
     )
@@ -216,12 +240,13 @@ def table(rows) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        mark = "" if r["meets"] else " **missed**"
+        mark = " **missed**" if r["meets"] is False else ""
+        target = "-" if r["target"] is None else f"{'<' if r['clip'] == 'own clip' else '<='} {r['target']}"
         side = r["optimizer_side_ms"]
         out.append(
             f"| {r['model']} | {r['optimizer']} | {r['clip']} | {r['ratio']:.3f}{mark} | "
             f"{min(r['run_ratios']):.3f}-{max(r['run_ratios']):.3f} | "
-            f"{'<' if r['clip'] == 'own clip' else '<='} {r['target']} | {r['lossscale_ms']:.2f} | "
+            f"{target} | {r['lossscale_ms']:.2f} | "
             f"{r['torch_ms']:.2f} | {r['optimizer_side_ratio']:.3f}: {side['lossscale']:.2f}/{side['torch']:.2f} | "
             f"{r['syncs']['lossscale']}/{r['syncs']['torch']} | "
             f"{r['launches']['lossscale']}/{r['launches']['torch']} |"
@@ -241,6 +266,9 @@ def main(argv=None) -> int:
         help="independent runs per row (fresh twin models each); the row's ratio "
         "is the median of the runs' ratios, and the table shows their range",
     )
+    parser.add_argument(
+        "--control", action="store_true", help="also a control row per optimizer: torch's scaler on both sides"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -255,7 +283,7 @@ def main(argv=None) -> int:
     for model_name in args.models:
         pairs = args.pairs or (3 if args.quick else 12 if model_name == "gpt2" else 60)
         for kind in OPTIMIZERS:
-            for clip in CLIPS:
+            for clip in CLIPS + (("control",) if args.control else ()):
                 r = repeated_row(model_name, kind, clip, pairs, args.quick, args.runs)
                 rows.append(r)
                 print(
