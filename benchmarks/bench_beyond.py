@@ -2,9 +2,11 @@
 
     python benchmarks/bench_beyond.py            # GPT-2 7.4M, 4 micro-batches, 16 pairs per row (~3 min)
     python benchmarks/bench_beyond.py --quick    # a smoke run
+    python benchmarks/bench_beyond.py --model mlp --pairs 200   # the host-bound MLP, where fixed costs show
 
-Writes ``benchmarks/results/bench_beyond.{json,md}`` (``--out`` to change). Each row is a pair of twin
-models (bench_iteration's GPT-2 from a config, the same weights and batches), AdamW fused, an
+Writes ``benchmarks/results/bench_beyond.{json,md}`` (``bench_beyond_mlp.*`` with ``--model mlp``; ``--out``
+to change). Each row is a pair of twin models (bench_iteration's GPT-2 from a config, or its host-bound
+MLP, the same weights and batches), AdamW fused, an
 accumulated step of 4 micro-batches under FP16 autocast, one side with ``GradScaler()`` at its defaults
 and the other with one feature on; interleaved pairs, which goes first alternating; the ratio is the
 median of the pairs' ratios (feature / default), with the host syncs of one iteration each side
@@ -59,8 +61,8 @@ TOKENS = 32
 class Side:
     """A model, AdamW fused and a scaler; one accumulated iteration of them."""
 
-    def __init__(self, quick: bool, keywords: dict, clip: bool, weighted: bool = False):
-        self.model, self.loss = bench.gpt2(quick)
+    def __init__(self, quick: bool, keywords: dict, clip: bool, weighted: bool = False, model: str = "gpt2"):
+        self.model, self.loss = (bench.gpt2 if model == "gpt2" else bench.mlp)(quick)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         if keywords.get("trace"):
             keywords = dict(keywords, model=self.model)
@@ -92,9 +94,10 @@ class Side:
         return work.syncs
 
 
-def row(name: str, pairs: int, quick: bool) -> dict:
+def row(name: str, pairs: int, quick: bool, model: str = "gpt2") -> dict:
     keywords, clip = ROWS[name]
-    ours, base = Side(quick, keywords, clip, weighted=name in WEIGHTED), Side(quick, {}, clip)
+    ours = Side(quick, keywords, clip, weighted=name in WEIGHTED, model=model)
+    base = Side(quick, {}, clip, model=model)
     for _ in range(3):
         ours.iteration()
         base.iteration()
@@ -118,9 +121,9 @@ def row(name: str, pairs: int, quick: bool) -> dict:
     )
 
 
-def time_check_setup(quick: bool, repeats: int = 20) -> float:
+def time_check_setup(quick: bool, model_name: str = "gpt2", repeats: int = 20) -> float:
     """Milliseconds one ``lossscale.check_setup`` takes on the benchmark's model (median of ``repeats``)."""
-    model, _ = bench.gpt2(quick)
+    model, _ = (bench.gpt2 if model_name == "gpt2" else bench.mlp)(quick)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     scaler = lossscale.GradScaler()
     times = []
@@ -149,6 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--pairs", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     bench.DEVICE = torch.device(args.device)
@@ -157,14 +161,14 @@ def main(argv=None) -> int:
     pairs = args.pairs or (3 if args.quick else 16)
     rows = []
     for name in ROWS:
-        rows.append(row(name, pairs, args.quick))
+        rows.append(row(name, pairs, args.quick, args.model))
         r = rows[-1]
         print(
             f"{name:58s} {r['ratio']:.3f}  ({r['feature_ms']:.1f} vs {r['default_ms']:.1f} ms; syncs "
             f"{r['syncs']['feature']} vs {r['syncs']['default']})",
             flush=True,
         )
-    setup_ms = time_check_setup(args.quick)
+    setup_ms = time_check_setup(args.quick, args.model)
     print(f"check_setup, once before training: {setup_ms:.2f} ms", flush=True)
     meta = dict(
         device=str(bench.DEVICE),
@@ -172,16 +176,22 @@ def main(argv=None) -> int:
         python=platform.python_version(),
         threads=torch.get_num_threads(),
         micro_batches=MICRO_BATCHES,
+        model=args.model,
         quick=args.quick,
     )
     os.makedirs(args.out, exist_ok=True)
-    suffix = ("_quick" if args.quick else "") + ("" if bench.DEVICE.type == "cpu" else f"_{bench.DEVICE.type}")
+    suffix = (
+        ("_quick" if args.quick else "")
+        + ("" if args.model == "gpt2" else f"_{args.model}")
+        + ("" if bench.DEVICE.type == "cpu" else f"_{bench.DEVICE.type}")
+    )
     with open(os.path.join(args.out, f"bench_beyond{suffix}.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows, check_setup_ms=setup_ms), fh, indent=1)
     with open(os.path.join(args.out, f"bench_beyond{suffix}.md"), "w") as fh:
         fh.write(
             f"# Opt-in features beyond scaling: cost per iteration\n\n`python benchmarks/bench_beyond.py"
-            f"{' --quick' if args.quick else ''} --pairs {pairs}`\n\n{meta}\n\n{table(rows)}\n\n"
+            f"{' --quick' if args.quick else ''}{'' if args.model == 'gpt2' else ' --model ' + args.model} "
+            f"--pairs {pairs}`\n\n{meta}\n\n{table(rows)}\n\n"
             f"`lossscale.check_setup(model, optimizer, scaler)`, once before training: {setup_ms:.2f} ms "
             "(median of 20 calls).\n"
         )

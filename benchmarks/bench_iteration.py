@@ -4,7 +4,8 @@
     python benchmarks/bench_iteration.py --quick    # a smoke run (tiny models, a few pairs)
     python benchmarks/bench_iteration.py --models gpt2 --pairs 40 --runs 4 --control   # what is committed
 
-Writes ``benchmarks/results/bench_iteration.json`` and ``bench_iteration.md`` (``--out`` to change).
+Writes ``benchmarks/results/bench_iteration.json`` and ``bench_iteration.md`` (``--out`` to change); a run of
+one model writes ``bench_iteration_<model>.*`` (the committed ones: ``bench_iteration_gpt2.md``, ``..._mlp.md``).
 
 What users feel is the iteration, so that is what is timed: ``zero_grad``, the forward under FP16
 autocast, ``scaler.scale(loss).backward()``, the clip if any, ``scaler.step(opt)``, ``scaler.update()``.
