@@ -178,3 +178,21 @@ def test_the_option_is_validated():
 def test_off_by_default_nothing_is_held():
     assert lossscale.GradScaler()._upcast is None
     assert lossscale.GradScaler(model=bench.Model(CFG), trace=True)._upcast is None
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_health_points_at_the_trace_when_it_is_on(trace):
+    """Stuck at a floor of 1 on the backward overflow: health() tells how to find the module. With the
+    trace on it points at the trace, not at turning it on."""
+    model = bench.Model(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr)
+    scaler = lossscale.GradScaler(model=model if trace else None, trace=trace, min_scale=1.0, on_stuck="ignore")
+    for step in range(18):  # 2**16 backs off to the floor 1 in 16 skips, then skips there
+        _iteration(model, opt, scaler, step)
+    text = scaler.health().text
+    assert "lossscale health: stuck." in text
+    if trace:
+        assert "the trace (scaler.overflow_report()) names the first module" in text
+        assert "GradScaler(model=model, trace=True) names" not in text
+    else:
+        assert "GradScaler(model=model, trace=True) names the first module" in text

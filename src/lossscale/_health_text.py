@@ -28,9 +28,15 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) -> str:
+def _namer(tracing: bool) -> str:
+    """Who names the first module at fault: the trace when it is on, else how to turn it on."""
+    return "the trace (scaler.overflow_report())" if tracing else "GradScaler(model=model, trace=True)"
+
+
+def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], tracing: bool = False) -> str:
     """The paragraph of the :class:`~lossscale.health.HealthReport` ``r``: the counts, the state now, what to
-    do (``streak``: the account's open streak; ``stuck_ended``: the last skip of a recent stuck streak)."""
+    do (``streak``: the account's open streak; ``stuck_ended``: the last skip of a recent stuck streak;
+    ``tracing``: the scaler traces first causes)."""
     parts = [f"lossscale health: {r.verdict}."]
     if r.steps == 0:
         parts.append("No step yet.")
@@ -110,7 +116,7 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) 
             + "; ".join(f"step {s}: {c.rstrip('.')}" for s, c in r.causes)
             + "."
         )
-    parts.append("What to do: " + _advice(r, policy, state, streak, stuck_ended))
+    parts.append("What to do: " + _advice(r, policy, state, streak, stuck_ended, tracing))
     if r.flushed is not None and r.flushed > FLUSHED_WARN:
         parts.append(
             f"More than {FLUSHED_WARN:.0%} of the gradients flush: a larger scale keeps them (raise "
@@ -119,15 +125,15 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) 
     return " ".join(parts)
 
 
-def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) -> str:
+def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], tracing: bool) -> str:
     lowest = policy.scale_bounds()[0]
     if r.verdict == "stuck":
         if state.streak_bad_loss_steps == r.streak:
             return (
                 "the loss was inf/NaN before scaling in every one of them: a data or model problem (NaN/inf in "
                 "inputs or labels, a log or division by zero, an fp16 activation that overflowed in the "
-                "forward, weights already NaN); the scale cannot fix it. GradScaler(model=model, trace=True) "
-                "names the first module whose output was non-finite."
+                "forward, weights already NaN); the scale cannot fix it. "
+                f"{_namer(tracing)} names the first module whose output was non-finite."
             )
         model_or_data = (
             "look in the model or the data (0/0, log or sqrt of a negative or zero, inf - inf, NaN already in "
@@ -142,8 +148,8 @@ def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) ->
             if state.scale > MIN_SCALE:  # it may still be an FP16 backward overflow, which a lower scale fits
                 return (
                     f"{went}. It may be a backward that overflows FP16 at every scale the floor allows (an "
-                    "inf that meets a zero or an opposite inf becomes NaN): GradScaler(model=model, "
-                    "trace=True) names the first module whose backward overflowed; then "
+                    "inf that meets a zero or an opposite inf becomes NaN): "
+                    f"{_namer(tracing)} names the first module whose backward overflowed; then "
                     + backward_fixes(lowest, state.scale)
                     + " Otherwise the scale is not the cause: "
                     + model_or_data
@@ -157,8 +163,8 @@ def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) ->
         floor = "" if lowest is None else f" ({pow2_label(lowest)})"
         return (
             f"gradients overflow even at the lowest scale allowed{floor} with the loss finite: the backward "
-            "overflows FP16 (a value above 65504) at every scale the floor allows. GradScaler(model=model, "
-            "trace=True) names the first module whose backward overflowed; then "
+            "overflows FP16 (a value above 65504) at every scale the floor allows. "
+            f"{_namer(tracing)} names the first module whose backward overflowed; then "
             + backward_fixes(lowest, state.scale)
             + " Or lower the learning rate or clip gradients, or train in bf16 (GradScaler.passthrough()). "
             "scaler.overflow_report() names the parameters."
@@ -188,6 +194,6 @@ def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int]) ->
         return "nothing for the scale. Look at the data of the bad batches" + (
             " (their first causes are above)."
             if r.causes
-            else " (GradScaler(model=model, trace=True) names the first module whose output was non-finite)."
+            else f" ({_namer(tracing)} names the first module whose output was non-finite)."
         )
     return "nothing."

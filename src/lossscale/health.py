@@ -369,6 +369,7 @@ class Health:
         upcasts: Optional[int] = None,
         upcast_modules: Optional[Tuple[str, ...]] = None,
         backward_upcasts: Optional[Tuple[str, ...]] = None,
+        tracing: bool = False,
     ) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
@@ -378,6 +379,8 @@ class Health:
             scale_before: the scale the update that produced ``state`` ran with, if known.
             flushed, flushed_step: the telemetry's flushed share and the iteration it was sampled at.
             describe: ``(cause, scale_before) -> text`` for the kept causes (default ``str``).
+            tracing: the scaler traces first causes (``trace=True``): the advice points at them rather
+                than telling the user to turn tracing on.
         """
         if state.steps < self._seen.steps:
             raise ValueError(
@@ -425,5 +428,5 @@ class Health:
             backward_upcasts=backward_upcasts,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes),
         )
-        text = paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None)
+        text = paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None, tracing)
         return dataclasses.replace(report, text=text)

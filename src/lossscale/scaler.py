@@ -809,6 +809,7 @@ class GradScaler:
             backward_upcasts=None
             if self._upcast is None or not self._upcast.backward
             else tuple(self._upcast.kept_backward),
+            tracing=self._tracer is not None,
             **self._opt_in_counts(),
         )
 
