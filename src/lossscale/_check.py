@@ -222,13 +222,18 @@ class GradientCheck:
         return distributed.resolve_group(self.process_group)
 
     # ------------------------------------------------------------------------------ gathering
-    def gather(self, optimizer, allow_half: bool, coalesce: bool = False) -> Gathered:
+    def gather(self, optimizer, allow_half: bool, coalesce: bool = False, known: Optional[Gathered] = None) -> Gathered:
         """The gradients to check (dense tensors, local shards, or the values of sparse ones).
 
         ``allow_half``: accept FP16 gradients (else a ValueError that says what to do).
         ``coalesce``: coalesce every sparse gradient (norms need it); FP16 sparse ones are always
         coalesced, like torch, because a sum of duplicate scaled fp16 values may overflow.
+        ``known``: this optimizer's gradients gathered a moment ago with ``allow_half=True`` and no
+        ``coalesce``, nothing having changed them since: returned as they are, unless FP16 ones are
+        among them and must now be refused (then gathered afresh, which says which).
         """
+        if known is not None and not coalesce and (allow_half or all(g.dtype != torch.float16 for g in known.grads)):
+            return known
         grads, params, half, every = [], [], [], []
         sharded = False
         for gi, group in enumerate(optimizer.param_groups):

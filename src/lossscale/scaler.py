@@ -416,7 +416,11 @@ class GradScaler:
             gathered = self._check.gather(optimizer, allow_half=True)
             self._check.claim(gathered, self._unscaled)  # before any unscale
             kernel_flag = torch.zeros((), dtype=torch.float32, device=t.device)  # torch's found_inf, for its kernel
-            per_device = self._unscale_grads_(optimizer, inverse(self._carried), kernel_flag, self._allow_fp16)
+            self._gathered = (optimizer, gathered)  # torch's _unscale_grads_ takes them from here: one gather
+            try:
+                per_device = self._unscale_grads_(optimizer, inverse(self._carried), kernel_flag, self._allow_fp16)
+            finally:
+                self._gathered = None
             overflow = kernel_flag > 0  # (another device's flag joins it: rare)
             for flag in per_device.values():
                 if flag is not kernel_flag:
@@ -464,7 +468,8 @@ class GradScaler:
         synced check calls it, so code that wraps or patches it changes what it does, as with torch."""
         allow = self._allow_fp16 if allow_fp16 is None else allow_fp16
         flushed = self._flushed.counter(found_inf.device) if allow and self._flushed is not None else None
-        gathered = self._check.gather(optimizer, allow_half=allow)
+        known = self._gathered[1] if self._gathered is not None and self._gathered[0] is optimizer else None
+        gathered = self._check.gather(optimizer, allow_half=allow, known=known)
         return self._check.check_and_unscale(gathered, inv_scale, found_inf, flushed)
 
     def unscale_(self, optimizer) -> None:
@@ -724,6 +729,7 @@ class GradScaler:
         if self._microbatches is not None:
             self._microbatches.new_iteration()
         self._unscaled = set()  # ids of the parameters whose gradients this iteration unscaled
+        self._gathered = None  # (optimizer, Gathered) while the synced check hands them to _unscale_grads_
 
     def _learn_landed(self) -> None:
         """Feed every landed snapshot, oldest first, to the health account and the stuck check. Never waits."""
