@@ -25,6 +25,14 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
             > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-env.pth"
         "$venv/bin/pip" install -q "mutmut==$version"
     fi
+    # The spawned gloo ranks of the distributed tests run the mutant (they inherit MUTANT_UNDER_TEST
+    # and mutmut's sys.path) but cannot tell mutmut's stats run which functions they reached:
+    # benchmarks/mutmut_spawned.py carries that back (a .pth line loads it in every spawned process,
+    # PYTEST_PLUGINS in the test process). Installed on every run, so an edit to it takes effect.
+    local site
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cp "$repo/benchmarks/mutmut_spawned.py" "$site/mutmut_spawned.py"
+    echo "import mutmut_spawned" > "$site/zz-mutmut-spawned.pth"  # after project-env.pth: pytest is found
     case "$work" in "$repo"|"$repo"/*) echo "MUTATION_DIR must lie outside the checkout" >&2; exit 2;; esac
     rm -rf "$work" && mkdir -p "$work"
     commit="$(git -C "$repo" rev-parse --short "$rev")"  # now: the branch may move while this runs
@@ -35,6 +43,8 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     cd "$work"
     # One thread per process: the CPU is shared, and mutmut forks the test process (OpenMP after fork).
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+    mkdir -p "$work/spawned-hits"
+    export LOSSSCALE_MUTMUT_HITS="$work/spawned-hits" PYTEST_PLUGINS=mutmut_spawned
     start=$(date +%s)
     "$venv/bin/mutmut" run --max-children 1 > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
     echo "commit $commit, run time $(( $(date +%s) - start )) s"
