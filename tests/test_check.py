@@ -47,18 +47,20 @@ def test_a_finite_spike_skips_without_being_an_overflow():
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_read_only_pass_gives_max_abs_per_tensor_nan_and_negative_inf_included(dtype, kernel, monkeypatch):
-    # Every device type's kernel, run here on CPU tensors: the same values, NaN and -inf included.
+    # Every device type's kernel, run here on CPU tensors: the same values, NaN and -inf included. The
+    # last tensor stays finite: its max|g| is no other norm of it (kills a kernel taking the 2-norm).
     monkeypatch.setitem(_check.AMAX_KERNELS, "cpu", kernel)
-    grads = [torch.randn(n).to(dtype) for n in (1, 7, 1000, 4099)]
+    grads = [torch.randn(n).to(dtype) for n in (1, 7, 1000, 4099, 300)]
     before = [g.clone() for g in grads]
     grads[1][3] = -math.inf
     grads[2][999] = math.nan
     grads[3][0] = math.inf
     grads[3][1] = -math.inf
     vectors, amax, order = _check.largest_magnitudes(grads, CPU)
-    assert order == [0, 1, 2, 3]
+    assert order == [0, 1, 2, 3, 4]
     values = torch.cat(vectors).tolist()
     assert values[0] == before[0].abs().max().float().item()
+    assert values[4] == before[4].abs().max().float().item()
     assert values[1] == math.inf and math.isnan(values[2]) and values[3] == math.inf
     assert math.isnan(amax.item())  # the overall max keeps the NaN
     assert torch.cat(vectors)[[0, 1, 3]].max().item() == math.inf

@@ -325,6 +325,23 @@ def test_the_flushed_count_is_exact_on_planted_values(opt_kind):
 
 
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw foreach"])
+def test_the_flushed_count_is_exact_on_a_measuring_policys_path(opt_kind):
+    """A measuring policy reads the scaled gradients first, then unscales them with a plain multiply:
+    the values that multiply flushes are counted the same (the planted ones above, at the first step's
+    scale 2**16). Kills: that multiply left uncounted, or its counting given the wrong arguments."""
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    opt = _optimizer(opt_kind, [p])
+    scaler = lossscale.GradScaler(policy="adaptive", allow_fp16=True)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -(2.0**-10), 0.0, 1.0], dtype=torch.float16)
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.tensor([0.0, 0.0, 2.0**-24, 0.0, 0.0, 2.0**-16], dtype=torch.float16))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.metrics()["fp16_flushed"] == 3
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw foreach"])
 def test_fp16_gradients_without_the_opt_in_raise_with_what_to_do(opt_kind):
     model, params = _fp16_model("full fp16")
     opt = _optimizer(opt_kind, params)
