@@ -697,6 +697,13 @@ def test_a_torch_scale_beyond_float32_is_refused_naming_the_key():
     refuses(lossscale.GradScaler(min_scale=None, max_scale=None, growth_interval=5), torch_sd, "^state dict 'scale'=")
 
 
+def test_a_torch_dict_integer_is_read_exactly_not_through_a_float():
+    """An integer past 2**53 is quoted as given in the refusal, not rounded through a float. Kills: the
+    integer keys read as floats first (``integral`` dropped)."""
+    torch_sd = dict(scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2**53 + 1, _growth_tracker=0)
+    refuses(lossscale.GradScaler(), torch_sd, "growth_interval=9007199254740993 must be an int")
+
+
 @pytest.mark.parametrize("bound, value", [("min_scale", 0.1), ("max_scale", 65536.1)])
 def test_a_torch_scale_on_a_bound_keeps_the_bound(bound, value):
     """A torch scale equal to a bound as float32 holds it (the scale is within the bounds): the bound is

@@ -61,3 +61,13 @@ def test_diagnose_tells_nan_at_the_floor_from_nan_that_persisted():
         .split("\n")[0]
         .endswith("to 65536.")
     )
+
+
+def test_a_bad_loss_diagnosis_suggests_tracing_unless_it_is_on():
+    """Kills: ``tracing`` defaulting to True (the suggestion to trace is then never made)."""
+    from lossscale.diagnosis import diagnose
+
+    p = DynamicPolicy()
+    state = p.update(p.init_state(), True, bad_loss=True)
+    assert "trace=True" in diagnose(p, state)
+    assert "trace=True" not in diagnose(p, state, tracing=True)
