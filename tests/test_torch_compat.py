@@ -169,6 +169,9 @@ def test_unscale_grads_groups_by_dtype_and_finds_an_inf_anywhere(scaler_type):
             p.grad = grad
         per_device = scaler._unscale_grads_(opt, inv_scale, found_inf, True)
         assert sum(v.item() for v in per_device.values()) == (inject >= 0)
+        # torch's contract: the found_inf passed in is the entry of its own device, written in place
+        # (kills a fresh flag made for that device too).
+        assert per_device[found_inf.device] is found_inf and found_inf.item() == (inject >= 0)
         if inject < 0:
             assert all(torch.equal(x, torch.ones_like(x)) for x in grads)
     if scaler_type is lossscale.ShardedGradScaler:  # its allow_fp16 defaults to True, as torch's
