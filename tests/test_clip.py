@@ -86,6 +86,8 @@ def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
         (dict(max_norm=1.0, norm_type=0), "norm_type"),
         (dict(max_norm=1.0, norm_type=-2.0), "norm_type"),
         (dict(max_norm=1.0, norm_type=-math.inf), "norm_type"),
+        (dict(max_norm=1.0, norm_type=True), "norm_type"),
+        (dict(max_norm=1.0, norm_type="2"), "norm_type"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
@@ -95,6 +97,16 @@ def test_bad_arguments_raise_value_error(kwargs, match):
     backward(model, scaler, 0)
     with pytest.raises(ValueError, match=match):
         scaler.clip_grad_norm_(opt, **kwargs)
+
+
+def test_max_norm_zero_is_accepted_and_zeroes_every_gradient_as_torchs():
+    """Kills: the max_norm check refusing 0 (torch clips everything to zero then)."""
+    model = tiny_mlp()
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = lossscale.GradScaler()
+    backward(model, scaler, 0)
+    scaler.clip_grad_norm_(opt, 0.0)
+    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters())
 
 
 def test_before_scale_raises_and_disabled_is_torch_clip():
