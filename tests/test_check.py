@@ -120,3 +120,43 @@ def test_overflow_report_names_the_right_parameter_when_dtypes_interleave(kind):
     scaler.update()
     report = scaler.overflow_report()
     assert (report["inf"], report["nan"]) == (["p2"], ["p1"])
+
+
+def test_the_read_only_pass_of_no_gradients_is_a_float32_zero():
+    """No gradients (a rank holding only empty shards): no vectors, and an amax of 0.0 as a float32 0-dim
+    tensor, the flag contract's dtype, whatever torch's default dtype. Kills: that zero's shape, its
+    dtype left to the default."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        vectors, amax, order = _check.largest_magnitudes([], CPU)
+    finally:
+        torch.set_default_dtype(default)
+    assert vectors == [] and order == []
+    assert amax.shape == () and amax.dtype == torch.float32 and amax.item() == 0.0
+
+
+def test_the_overall_max_spans_every_dtype_group():
+    """Kills: the overall maximum taken of the first (device, dtype) group alone."""
+    grads = [torch.tensor([1.0, -2.0]), torch.tensor([3.0, -8.0], dtype=torch.bfloat16)]
+    vectors, amax, order = _check.largest_magnitudes(grads, CPU)
+    assert len(vectors) == 2 and order == [0, 1] and amax.item() == 8.0
+
+
+def test_gradients_unscaled_twice_are_refused_naming_them():
+    """Two optimizer objects over the same parameters (a wrapper and its inner optimizer): the second
+    unscale is refused before anything changes, naming the parameters (by name where the scaler knows
+    it, else by shape). Kills: the overlap lost, the names or shapes dropped from the message."""
+    named, unnamed, other = torch.zeros(2, 3), torch.zeros(4), torch.zeros(1)
+    check = _check.GradientCheck(lambda p: "encoder.weight" if p is named else None, None)
+    gathered = _check.Gathered([named, unnamed, other], [torch.ones(2, 3), torch.ones(4), torch.ones(1)])
+    unscaled = {id(named), id(unnamed)}
+    with pytest.raises(
+        RuntimeError,
+        match=r"^2 gradient\(s\) were already unscaled in this iteration \(encoder\.weight, param \(4,\)\)",
+    ):
+        check.claim(gathered, unscaled)
+    assert unscaled == {id(named), id(unnamed)}
+    fresh = set()
+    check.claim(gathered, fresh)
+    assert fresh == {id(named), id(unnamed), id(other)}

@@ -62,3 +62,9 @@ def test_a_bad_bound_for_another_policy_is_refused_by_name(kwargs, name):
     """Kills: _validate_elsewhere checking the bound under another name, or not at all."""
     with pytest.raises(ValueError, match=f"^{name}="):
         lossscale.GradScaler(policy="static", **kwargs)
+
+
+def test_an_init_scale_beyond_float_range_is_refused_naming_it():
+    """Kills: the name the range check gives (the message then names another keyword)."""
+    with pytest.raises(ValueError, match=r"^init_scale=1000+ is beyond the range of a float"):
+        lossscale.GradScaler("cpu", init_scale=10**400)
