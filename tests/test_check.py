@@ -160,3 +160,14 @@ def test_gradients_unscaled_twice_are_refused_naming_them():
     fresh = set()
     check.claim(gathered, fresh)
     assert fresh == {id(named), id(unnamed), id(other)}
+
+
+def test_combined_flags_know_the_host_decision_when_every_check_does():
+    """Kills: the combined host decision dropped (it would then be read from the device again: a sync)."""
+
+    def flags(skip, skipped):
+        return _check.Flags(torch.tensor(skip), torch.tensor(False), torch.tensor(False), skipped=skipped)
+
+    assert combine([flags(False, False), flags(True, True)], CPU).skipped is True
+    assert combine([flags(False, False), flags(False, False)], CPU).skipped is False
+    assert combine([flags(False, False), flags(True, None)], CPU).skipped is None
