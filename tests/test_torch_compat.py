@@ -327,6 +327,22 @@ def test_the_flushed_count_is_exact_on_planted_values(opt_kind):
     assert scaler.health().fp16_flushed == 6 and "flushed 6 value(s)" in scaler.health().text
 
 
+def test_the_flushed_count_with_fp32_gradients_before_the_fp16_ones():
+    """Gradients are unscaled per (device, dtype) group, and the FP16 group's flushed values are counted
+    whichever gradient comes first. Kills: grouping by device alone (the group's first gradient, FP32,
+    would then decide that nothing in it is counted)."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    opt = torch.optim.SGD([w, p], lr=1.0)
+    scaler = lossscale.GradScaler(allow_fp16=True)
+    scaler.scale(torch.ones(()))
+    w.grad = torch.ones(3)
+    p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -(2.0**-10), 0.0, 1.0], dtype=torch.float16)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.metrics()["fp16_flushed"] == 3
+
+
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw foreach"])
 def test_the_flushed_count_is_exact_on_a_measuring_policys_path(opt_kind):
     """A measuring policy reads the scaled gradients first, then unscales them with a plain multiply:
