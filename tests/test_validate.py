@@ -9,6 +9,7 @@ Mutation-killing tests (issue 15): "Kills: ..." names the one-line change each w
 
 import math
 
+import numpy as np
 import pytest
 from _models import quiet
 from _rules import ALL_POLICIES
@@ -90,3 +91,14 @@ def test_more_config_edges():
     ):
         with pytest.raises(ValueError, match=f"^{name}="):
             quiet(make)
+
+
+def test_plain_bool_takes_bools_and_numpy_bools_only():
+    """A checkpoint's bool field may be numpy's bool, never another numpy number. Kills: any numpy
+    scalar taken for a bool (``or`` for ``and``)."""
+    from lossscale._validate import plain_bool
+
+    assert plain_bool("flag", np.bool_(True)) is True and plain_bool("flag", False) is False
+    for bad in (np.int64(1), np.float64(0.0), 1, "true"):
+        with pytest.raises(ValueError, match="must be True or False"):
+            plain_bool("flag", bad)
