@@ -94,11 +94,19 @@ def test_more_config_edges():
 
 
 def test_plain_bool_takes_bools_and_numpy_bools_only():
-    """A checkpoint's bool field may be numpy's bool, never another numpy number. Kills: any numpy
-    scalar taken for a bool (``or`` for ``and``)."""
+    """A checkpoint's bool field may be numpy's bool (either name), never another numpy number. Kills:
+    any numpy scalar taken for a bool (``or`` for ``and``), numpy 1.x's name dropped."""
     from lossscale._validate import plain_bool
 
     assert plain_bool("flag", np.bool_(True)) is True and plain_bool("flag", False) is False
+
+    class bool_:  # numpy 1.x's bool type, by its module and name (numpy 2 calls it "bool")
+        __module__ = "numpy"
+
+        def __bool__(self):
+            return True
+
+    assert plain_bool("flag", bool_()) is True
     for bad in (np.int64(1), np.float64(0.0), 1, "true"):
         with pytest.raises(ValueError, match="must be True or False"):
             plain_bool("flag", bad)
