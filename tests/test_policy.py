@@ -230,3 +230,9 @@ def test_each_setting_that_is_not_a_power_of_two_is_warned_about_by_name(cls, fi
     """Kills: a name dropped or misspelt in the list of settings each policy checks (no warning)."""
     with pytest.warns(UserWarning, match=rf"^lossscale: {field}={value!r} is not a power of two"):
         cls(**{field: value})
+
+
+def test_several_settings_off_the_powers_of_two_are_named_in_one_warning():
+    """Kills: the separator between the names (the warning's list)."""
+    with pytest.warns(UserWarning, match=r"^lossscale: init_scale=3072\.0, growth_factor=3\.0 is not a power of two"):
+        DynamicPolicy(init_scale=3072.0, growth_factor=3.0)

@@ -110,3 +110,13 @@ def test_plain_bool_takes_bools_and_numpy_bools_only():
     for bad in (np.int64(1), np.float64(0.0), 1, "true"):
         with pytest.raises(ValueError, match="must be True or False"):
             plain_bool("flag", bad)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan])
+def test_a_scale_that_is_not_a_positive_finite_number_is_told_so(value):
+    """Zero, a negative, inf and NaN fail the first check, whose message says what a scale must be (the
+    float32 range check comes after). Kills: that check's ``or`` made ``and``, its ``<=`` made ``<``."""
+    from lossscale._validate import positive_finite
+
+    with pytest.raises(ValueError, match=r"^x=.* must be a finite number > 0\.$"):
+        positive_finite("x", value)
