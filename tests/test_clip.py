@@ -337,3 +337,14 @@ def test_a_non_finite_value_in_an_uncounted_copy_still_reaches_the_norm(bad):
     assert math.isnan(norm.item()) if bad == "nan" else math.isinf(norm.item())
     assert math.isnan(total.item()) == (bad == "nan") and not math.isfinite(total.item())  # the check's flags
     assert torch.equal(grads[0], a / S) and torch.equal(grads[1], b / S)  # unscaled, not clipped
+
+
+def test_clipping_no_gradients_gives_a_zero_norm_and_changes_nothing():
+    """A rank or an optimizer without gradients: the norm is 0 (torch's too), on the scale's device, and
+    nothing is multiplied. Kills: torch's grouping asked of an empty list (it raises)."""
+    from lossscale._check import clip_scaled_
+
+    scale = torch.tensor(2.0**16)
+    true_norm, total, per_tensor, order = clip_scaled_([], scale, scale.reciprocal(), 1.0, 2.0)
+    assert true_norm.item() == 0.0 and total.item() == 0.0 and per_tensor.numel() == 0 and order == []
+    assert torch.nn.utils.clip_grad_norm_([], 1.0).item() == 0.0
