@@ -341,10 +341,17 @@ def test_a_non_finite_value_in_an_uncounted_copy_still_reaches_the_norm(bad):
 
 def test_clipping_no_gradients_gives_a_zero_norm_and_changes_nothing():
     """A rank or an optimizer without gradients: the norm is 0 (torch's too), on the scale's device, and
-    nothing is multiplied. Kills: torch's grouping asked of an empty list (it raises)."""
+    nothing is multiplied; the zeros are float32 under any default dtype. Kills: torch's grouping asked of an
+    empty list (it raises), the zeros' dtype left to the default."""
     from lossscale._check import clip_scaled_
 
     scale = torch.tensor(2.0**16)
-    true_norm, total, per_tensor, order = clip_scaled_([], scale, scale.reciprocal(), 1.0, 2.0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the zeros are float32 whatever the default (the flag contract)
+    try:
+        true_norm, total, per_tensor, order = clip_scaled_([], scale, scale.reciprocal(), 1.0, 2.0)
+    finally:
+        torch.set_default_dtype(default)
     assert true_norm.item() == 0.0 and total.item() == 0.0 and per_tensor.numel() == 0 and order == []
+    assert total.dtype == per_tensor.dtype == torch.float32
     assert torch.nn.utils.clip_grad_norm_([], 1.0).item() == 0.0
