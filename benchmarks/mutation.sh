@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/mutation.sh [REV]      # REV: the commit to measure (default HEAD)
 #   MUTATION_EMPTY="tests/test_validate.py tests/test_keywords.py" bash benchmarks/mutation.sh   # without those tests
+#   MUTATION_ONLY=names.txt bash benchmarks/mutation.sh   # only the mutants named in names.txt (one a line,
+#                                                         # e.g. an earlier run's survivors.txt): reruns
 #
 # mutmut rewrites the code it mutates, so it never runs in this checkout: REV is exported into a
 # fresh folder ($MUTATION_DIR, default /tmp/lossscale-mutation), this checkout's setup.cfg (the
@@ -25,20 +27,38 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
             > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-env.pth"
         "$venv/bin/pip" install -q "mutmut==$version"
     fi
+    # The spawned gloo ranks of the distributed tests run the mutant (they inherit MUTANT_UNDER_TEST
+    # and mutmut's sys.path) but cannot tell mutmut's stats run which functions they reached:
+    # benchmarks/mutmut_spawned.py carries that back (a .pth line loads it in every spawned process,
+    # PYTEST_PLUGINS in the test process). Installed on every run, so an edit to it takes effect.
+    local site
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cp "$repo/benchmarks/mutmut_spawned.py" "$site/mutmut_spawned.py"
+    echo "import mutmut_spawned" > "$site/zz-mutmut-spawned.pth"  # after project-env.pth: pytest is found
     case "$work" in "$repo"|"$repo"/*) echo "MUTATION_DIR must lie outside the checkout" >&2; exit 2;; esac
     rm -rf "$work" && mkdir -p "$work"
     commit="$(git -C "$repo" rev-parse --short "$rev")"  # now: the branch may move while this runs
     git -C "$repo" archive "$commit" | tar -x -C "$work"
     cp "$repo/setup.cfg" "$work/setup.cfg"
+    local only=()
+    if [ -n "${MUTATION_ONLY:-}" ]; then  # read before the cd below: the path may be relative
+        mapfile -t only < <(sed -e 's/:.*//' -e 's/^[[:space:]]*//' "$MUTATION_ONLY" | grep .)
+    fi
     local f
     for f in ${MUTATION_EMPTY:-}; do : > "$work/$f"; done  # emptied, not removed: setup.cfg names them
     cd "$work"
     # One thread per process: the CPU is shared, and mutmut forks the test process (OpenMP after fork).
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+    mkdir -p "$work/spawned-hits"
+    export LOSSSCALE_MUTMUT_HITS="$work/spawned-hits" PYTEST_PLUGINS=mutmut_spawned
     start=$(date +%s)
-    "$venv/bin/mutmut" run --max-children 1 > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
+    "$venv/bin/mutmut" run --max-children 1 "${only[@]}" > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
     echo "commit $commit, run time $(( $(date +%s) - start )) s"
     "$venv/bin/mutmut" results --all true > results.txt
+    if [ ${#only[@]} -gt 0 ]; then  # the named mutants only: the others were not run
+        grep -F -f <(printf '%s:\n' "${only[@]}") results.txt > named.txt || true
+        mv named.txt results.txt
+    fi
     python - <<'PY'
 import collections
 counts = collections.Counter(line.rsplit(": ", 1)[1].strip() for line in open("results.txt") if ": " in line)

@@ -576,11 +576,22 @@ def groups(rank, world):
         scaler.step(opt)
         scaler.update()
         skipped.append(scaler.last_step_skipped)
+    # Each rank alone in a group of its own, an inf on rank 0 and a NaN on rank 1 in the same step: both
+    # overflow, and the NaN pass that follows reduces over the scaler's group, not the world, so rank 0
+    # counts an inf step and rank 1 a NaN step.
+    own = [dist.new_group([r]) for r in range(world)]  # every rank calls new_group for every group
+    alone = lossscale.GradScaler("cpu", process_group=own[rank])
+    q = torch.ones(3, requires_grad=True)
+    alone.scale(q.sum()).backward()
+    q.grad[0] = float("inf") if rank == 0 else float("nan")
+    alone.step(make_optimizer("sgd", [q]))
+    alone.update()
     return dict(
         resolved=resolved,
         skipped=skipped,
         scale=scaler.get_scale(),
         consistency_on_group=_consistency_on(scaler, everyone),
+        alone={k: alone.counters()[k] for k in ("inf_steps", "nan_steps")},
     )
 
 

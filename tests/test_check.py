@@ -47,18 +47,20 @@ def test_a_finite_spike_skips_without_being_an_overflow():
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_read_only_pass_gives_max_abs_per_tensor_nan_and_negative_inf_included(dtype, kernel, monkeypatch):
-    # Every device type's kernel, run here on CPU tensors: the same values, NaN and -inf included.
+    # Every device type's kernel, run here on CPU tensors: the same values, NaN and -inf included. The
+    # last tensor stays finite: its max|g| is no other norm of it (kills a kernel taking the 2-norm).
     monkeypatch.setitem(_check.AMAX_KERNELS, "cpu", kernel)
-    grads = [torch.randn(n).to(dtype) for n in (1, 7, 1000, 4099)]
+    grads = [torch.randn(n).to(dtype) for n in (1, 7, 1000, 4099, 300)]
     before = [g.clone() for g in grads]
     grads[1][3] = -math.inf
     grads[2][999] = math.nan
     grads[3][0] = math.inf
     grads[3][1] = -math.inf
     vectors, amax, order = _check.largest_magnitudes(grads, CPU)
-    assert order == [0, 1, 2, 3]
+    assert order == [0, 1, 2, 3, 4]
     values = torch.cat(vectors).tolist()
     assert values[0] == before[0].abs().max().float().item()
+    assert values[4] == before[4].abs().max().float().item()
     assert values[1] == math.inf and math.isnan(values[2]) and values[3] == math.inf
     assert math.isnan(amax.item())  # the overall max keeps the NaN
     assert torch.cat(vectors)[[0, 1, 3]].max().item() == math.inf
@@ -118,3 +120,54 @@ def test_overflow_report_names_the_right_parameter_when_dtypes_interleave(kind):
     scaler.update()
     report = scaler.overflow_report()
     assert (report["inf"], report["nan"]) == (["p2"], ["p1"])
+
+
+def test_the_read_only_pass_of_no_gradients_is_a_float32_zero():
+    """No gradients (a rank holding only empty shards): no vectors, and an amax of 0.0 as a float32 0-dim
+    tensor, the flag contract's dtype, whatever torch's default dtype. Kills: that zero's shape, its
+    dtype left to the default."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        vectors, amax, order = _check.largest_magnitudes([], CPU)
+    finally:
+        torch.set_default_dtype(default)
+    assert vectors == [] and order == []
+    assert amax.shape == () and amax.dtype == torch.float32 and amax.item() == 0.0
+
+
+def test_the_overall_max_spans_every_dtype_group():
+    """Kills: the overall maximum taken of the first (device, dtype) group alone."""
+    grads = [torch.tensor([1.0, -2.0]), torch.tensor([3.0, -8.0], dtype=torch.bfloat16)]
+    vectors, amax, order = _check.largest_magnitudes(grads, CPU)
+    assert len(vectors) == 2 and order == [0, 1] and amax.item() == 8.0
+
+
+def test_gradients_unscaled_twice_are_refused_naming_them():
+    """Two optimizer objects over the same parameters (a wrapper and its inner optimizer): the second
+    unscale is refused before anything changes, naming the parameters (by name where the scaler knows
+    it, else by shape). Kills: the overlap lost, the names or shapes dropped from the message."""
+    named, unnamed, other = torch.zeros(2, 3), torch.zeros(4), torch.zeros(1)
+    check = _check.GradientCheck(lambda p: "encoder.weight" if p is named else None, None)
+    gathered = _check.Gathered([named, unnamed, other], [torch.ones(2, 3), torch.ones(4), torch.ones(1)])
+    unscaled = {id(named), id(unnamed)}
+    with pytest.raises(
+        RuntimeError,
+        match=r"^2 gradient\(s\) were already unscaled in this iteration \(encoder\.weight, param \(4,\)\)",
+    ):
+        check.claim(gathered, unscaled)
+    assert unscaled == {id(named), id(unnamed)}
+    fresh = set()
+    check.claim(gathered, fresh)
+    assert fresh == {id(named), id(unnamed), id(other)}
+
+
+def test_combined_flags_know_the_host_decision_when_every_check_does():
+    """Kills: the combined host decision dropped (it would then be read from the device again: a sync)."""
+
+    def flags(skip, skipped):
+        return _check.Flags(torch.tensor(skip), torch.tensor(False), torch.tensor(False), skipped=skipped)
+
+    assert combine([flags(False, False), flags(True, True)], CPU).skipped is True
+    assert combine([flags(False, False), flags(False, False)], CPU).skipped is False
+    assert combine([flags(False, False), flags(True, None)], CPU).skipped is None

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 import pickle
+import re
 import warnings
 
 import numpy as np
@@ -667,6 +668,73 @@ def test_a_replaced_policy_is_named_in_the_warning():
     scaler = lossscale.GradScaler()
     with pytest.warns(UserWarning, match="DynamicPolicy -> AdaptivePolicy"):
         scaler.load_state_dict(_sd(AdaptivePolicy()))
+
+
+def test_a_replaced_policy_warning_ends_where_its_note_would_go():
+    """Kills: the default of the warning's trailing note (a lossscale dict has none to add: the change
+    is followed at once by the advice)."""
+    scaler = lossscale.GradScaler()
+    with pytest.warns(UserWarning, match=r"\(policy DynamicPolicy -> StaticPolicy\)\. A checkpoint restores"):
+        scaler.load_state_dict(_sd(StaticPolicy()))
+
+
+def test_keys_that_do_not_fit_are_refused_naming_the_section_and_version():
+    """Kills: the section name ('policy', 'state') or the version dropped from the refusal, and the
+    list of unknown or of missing keys shown when it is empty."""
+    base = _sd()
+    unknown = {**base, "policy": {**base["policy"], "bogus": 1}}
+    expected = "state dict 'policy' does not fit DynamicPolicy of 'lossscale_version'=2: unknown keys ['bogus']."
+    refuses(lossscale.GradScaler(), unknown, "^" + re.escape(expected) + "$")
+    state = dict(base["state"])
+    del state["steps"]
+    expected = "state dict 'state' does not fit DynamicState of 'lossscale_version'=2: missing keys ['steps']."
+    refuses(lossscale.GradScaler(), {**base, "state": state}, "^" + re.escape(expected) + "$")
+
+
+class _Scalar:
+    """A framework's 0-dim number that has ``item()`` and neither ``numel`` nor ``size``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def item(self):
+        return self.value
+
+
+def test_a_torch_dict_number_with_only_item_loads_as_its_value():
+    """Kills: the size assumed for a value with ``item()`` but no ``numel``/``size`` other than one (then
+    refused as 'must hold one number'), or read without a default (AttributeError)."""
+    torch_sd = dict(scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=5, _growth_tracker=4)
+    s = lossscale.GradScaler(growth_interval=5)
+    s.load_state_dict({**torch_sd, "scale": _Scalar(8.0), "_growth_tracker": _Scalar(3)})
+    assert s.get_scale() == 8.0 and s._get_growth_tracker() == 3
+
+
+def test_a_torch_scale_beyond_float32_is_refused_naming_the_key():
+    """Kills: the torch loader's float32 range check letting inf through (check_state refuses it later,
+    without naming the torch key)."""
+    torch_sd = dict(scale=1e39, growth_factor=2.0, backoff_factor=0.5, growth_interval=5, _growth_tracker=0)
+    refuses(lossscale.GradScaler(min_scale=None, max_scale=None, growth_interval=5), torch_sd, "^state dict 'scale'=")
+
+
+def test_a_torch_dict_integer_is_read_exactly_not_through_a_float():
+    """An integer past 2**53 is quoted as given in the refusal, not rounded through a float. Kills: the
+    integer keys read as floats first (``integral`` dropped)."""
+    torch_sd = dict(scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2**53 + 1, _growth_tracker=0)
+    refuses(lossscale.GradScaler(), torch_sd, "growth_interval=9007199254740993 must be an int")
+
+
+@pytest.mark.parametrize("bound, value", [("min_scale", 0.1), ("max_scale", 65536.1)])
+def test_a_torch_scale_on_a_bound_keeps_the_bound(bound, value):
+    """A torch scale equal to a bound as float32 holds it (the scale is within the bounds): the bound is
+    not moved to it, and no replaced-policy warning. Kills: the moved-bound tests made ``<=``/``>=``
+    (a bound that is not a float32 value then moves by its rounding, with a warning)."""
+    torch_sd = dict(scale=f32(value), growth_factor=2.0, backoff_factor=0.5, growth_interval=5, _growth_tracker=0)
+    scaler = quiet(lambda: lossscale.GradScaler(growth_interval=5, **{bound: value}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.load_state_dict(torch_sd)
+    assert scaler.get_scale() == f32(value) and getattr(scaler.policy, bound) == value
 
 
 @pytest.mark.parametrize("key", ["policy_type", "policy", "state"])

@@ -86,6 +86,8 @@ def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
         (dict(max_norm=1.0, norm_type=0), "norm_type"),
         (dict(max_norm=1.0, norm_type=-2.0), "norm_type"),
         (dict(max_norm=1.0, norm_type=-math.inf), "norm_type"),
+        (dict(max_norm=1.0, norm_type=True), "norm_type"),
+        (dict(max_norm=1.0, norm_type="2"), "norm_type"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
@@ -95,6 +97,16 @@ def test_bad_arguments_raise_value_error(kwargs, match):
     backward(model, scaler, 0)
     with pytest.raises(ValueError, match=match):
         scaler.clip_grad_norm_(opt, **kwargs)
+
+
+def test_max_norm_zero_is_accepted_and_zeroes_every_gradient_as_torchs():
+    """Kills: the max_norm check refusing 0 (torch clips everything to zero then)."""
+    model = tiny_mlp()
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = lossscale.GradScaler()
+    backward(model, scaler, 0)
+    scaler.clip_grad_norm_(opt, 0.0)
+    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters())
 
 
 def test_before_scale_raises_and_disabled_is_torch_clip():
@@ -325,3 +337,21 @@ def test_a_non_finite_value_in_an_uncounted_copy_still_reaches_the_norm(bad):
     assert math.isnan(norm.item()) if bad == "nan" else math.isinf(norm.item())
     assert math.isnan(total.item()) == (bad == "nan") and not math.isfinite(total.item())  # the check's flags
     assert torch.equal(grads[0], a / S) and torch.equal(grads[1], b / S)  # unscaled, not clipped
+
+
+def test_clipping_no_gradients_gives_a_zero_norm_and_changes_nothing():
+    """A rank or an optimizer without gradients: the norm is 0 (torch's too), on the scale's device, and
+    nothing is multiplied; the zeros are float32 under any default dtype. Kills: torch's grouping asked of an
+    empty list (it raises), the zeros' dtype left to the default."""
+    from lossscale._check import clip_scaled_
+
+    scale = torch.tensor(2.0**16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the zeros are float32 whatever the default (the flag contract)
+    try:
+        true_norm, total, per_tensor, order = clip_scaled_([], scale, scale.reciprocal(), 1.0, 2.0)
+    finally:
+        torch.set_default_dtype(default)
+    assert true_norm.item() == 0.0 and total.item() == 0.0 and per_tensor.numel() == 0 and order == []
+    assert total.dtype == per_tensor.dtype == torch.float32
+    assert torch.nn.utils.clip_grad_norm_([], 1.0).item() == 0.0

@@ -124,3 +124,13 @@ def test_above_its_floor_the_text_suggests_a_lower_scale_not_a_lower_floor():
     p = StaticPolicy()
     text = diagnose(p, p.update(p.init_state(), True))
     assert "or a scale below 2^16, which may shrink the gradient" in text and "lower min_scale" not in text
+
+
+def test_a_bad_loss_diagnosis_suggests_tracing_unless_it_is_on():
+    """Kills: ``tracing`` defaulting to True (the suggestion to trace is then never made)."""
+    from lossscale.diagnosis import diagnose
+
+    p = DynamicPolicy()
+    state = p.update(p.init_state(), True, bad_loss=True)
+    assert "trace=True" in diagnose(p, state)
+    assert "trace=True" not in diagnose(p, state, tracing=True)

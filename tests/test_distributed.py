@@ -241,6 +241,8 @@ def test_group_resolution_and_an_explicit_group(run):
     assert r0["skipped"] == r1["skipped"] == [False, True, False]
     assert r0["scale"] == r1["scale"]
     assert r0["consistency_on_group"] is None
+    # A group of one rank each: the NaN pass stays within it (kills that pass reducing over the world).
+    assert r0["alone"] == dict(inf_steps=1, nan_steps=0) and r1["alone"] == dict(inf_steps=0, nan_steps=1)
 
 
 @needs_gloo

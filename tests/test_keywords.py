@@ -4,6 +4,9 @@ scale meant for another policy is checked alone, since it only makes sense besid
 (Issue 12's bug 6, and mutation-killing tests of issue 15 whose "Kills: ..." names the change each was
 seen to fail on.)"""
 
+import dataclasses
+import warnings
+
 import pytest
 from _models import quiet
 
@@ -73,3 +76,20 @@ def test_a_scale_outside_the_default_bounds_is_named_as_a_power_of_two(init, sho
     with pytest.warns(UserWarning) as caught:
         scaler = lossscale.GradScaler(init_scale=init)
     assert shown in str(caught[0].message) and scaler.policy.min_scale == init
+
+
+def test_an_init_scale_beyond_float_range_is_refused_naming_it():
+    """Kills: the name the range check gives (the message then names another keyword)."""
+    with pytest.raises(ValueError, match=r"^init_scale=1000+ is beyond the range of a float"):
+        lossscale.GradScaler("cpu", init_scale=10**400)
+
+
+@pytest.mark.parametrize("bound", ["max_scale", "min_scale"])
+def test_an_init_scale_on_a_default_bound_keeps_it_without_a_note(bound):
+    """An init_scale equal to a default bound is within it: the bound stays, and no note is given.
+    Kills: the lift's test made ``>= 0`` (the bound then moves onto itself, with a note)."""
+    default = {f.name: f.default for f in dataclasses.fields(lossscale.DynamicPolicy)}[bound]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler = lossscale.GradScaler("cpu", init_scale=default)
+    assert getattr(scaler.policy, bound) == default and scaler.get_scale() == default

@@ -205,3 +205,34 @@ def test_register_refuses_a_nameless_policy_and_registers_the_class():
     nameless = type("Nameless", (), {"name": ""})
     with pytest.raises(ValueError, match="name"):
         register(nameless)
+
+
+@pytest.mark.parametrize(
+    "cls, field, value",
+    [
+        (cls, field, value)
+        for cls, fields in (
+            (DynamicPolicy, ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")),
+            (AdaptivePolicy, ("init_scale", "backoff_factor", "min_scale", "max_scale")),
+        )
+        for field, value in {
+            "init_scale": 3072.0,
+            "growth_factor": 3.0,
+            "backoff_factor": 0.75,
+            "min_scale": 0.75,
+            "max_scale": 3.0 * 2**20,
+        }.items()
+        if field in fields
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_each_setting_that_is_not_a_power_of_two_is_warned_about_by_name(cls, field, value):
+    """Kills: a name dropped or misspelt in the list of settings each policy checks (no warning)."""
+    with pytest.warns(UserWarning, match=rf"^lossscale: {field}={value!r} is not a power of two"):
+        cls(**{field: value})
+
+
+def test_several_settings_off_the_powers_of_two_are_named_in_one_warning():
+    """Kills: the separator between the names (the warning's list)."""
+    with pytest.warns(UserWarning, match=r"^lossscale: init_scale=3072\.0, growth_factor=3\.0 is not a power of two"):
+        DynamicPolicy(init_scale=3072.0, growth_factor=3.0)

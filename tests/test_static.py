@@ -1,6 +1,7 @@
 """The static policy: a fixed scale that never moves, whose steps are still counted and skipped, and
 which is stuck on any overflow (there is no smaller scale to try) unless a streak length is set."""
 
+import pytest
 from _rules import TensorForm, flag_lists
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,3 +34,9 @@ def test_static_is_stuck_on_every_overflow_unless_a_streak_is_set():
         streak = q.update(streak, True)
         assert q.is_stuck(streak, s.scale) == (n >= 3)
     assert not q.is_stuck(q.update(streak, False), s.scale)
+
+
+def test_a_scale_that_is_not_a_power_of_two_is_warned_about():
+    """Kills: the warning asked of another object than the policy (then no warning)."""
+    with pytest.warns(UserWarning, match=r"scale=3\.0 is not a power of two"):
+        StaticPolicy(scale=3.0)

@@ -169,6 +169,9 @@ def test_unscale_grads_groups_by_dtype_and_finds_an_inf_anywhere(scaler_type):
             p.grad = grad
         per_device = scaler._unscale_grads_(opt, inv_scale, found_inf, True)
         assert sum(v.item() for v in per_device.values()) == (inject >= 0)
+        # torch's contract: the found_inf passed in is the entry of its own device, written in place
+        # (kills a fresh flag made for that device too).
+        assert per_device[found_inf.device] is found_inf and found_inf.item() == (inject >= 0)
         if inject < 0:
             assert all(torch.equal(x, torch.ones_like(x)) for x in grads)
     if scaler_type is lossscale.ShardedGradScaler:  # its allow_fp16 defaults to True, as torch's
@@ -322,6 +325,39 @@ def test_the_flushed_count_is_exact_on_planted_values(opt_kind):
         scaler.update()
     assert scaler.metrics()["fp16_flushed"] == 2 * 3
     assert scaler.health().fp16_flushed == 6 and "flushed 6 value(s)" in scaler.health().text
+
+
+def test_the_flushed_count_with_fp32_gradients_before_the_fp16_ones():
+    """Gradients are unscaled per (device, dtype) group, and the FP16 group's flushed values are counted
+    whichever gradient comes first. Kills: grouping by device alone (the group's first gradient, FP32,
+    would then decide that nothing in it is counted)."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    opt = torch.optim.SGD([w, p], lr=1.0)
+    scaler = lossscale.GradScaler(allow_fp16=True)
+    scaler.scale(torch.ones(()))
+    w.grad = torch.ones(3)
+    p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -(2.0**-10), 0.0, 1.0], dtype=torch.float16)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.metrics()["fp16_flushed"] == 3
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw foreach"])
+def test_the_flushed_count_is_exact_on_a_measuring_policys_path(opt_kind):
+    """A measuring policy reads the scaled gradients first, then unscales them with a plain multiply:
+    the values that multiply flushes are counted the same (the planted ones above, at the first step's
+    scale 2**16). Kills: that multiply left uncounted, or its counting given the wrong arguments."""
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    opt = _optimizer(opt_kind, [p])
+    scaler = lossscale.GradScaler(policy="adaptive", allow_fp16=True)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.tensor([2.0**-10, 2.0**-9, 2.0**-8, -(2.0**-10), 0.0, 1.0], dtype=torch.float16)
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.tensor([0.0, 0.0, 2.0**-24, 0.0, 0.0, 2.0**-16], dtype=torch.float16))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.metrics()["fp16_flushed"] == 3
 
 
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw foreach"])

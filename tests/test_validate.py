@@ -9,6 +9,7 @@ Mutation-killing tests (issue 15): "Kills: ..." names the one-line change each w
 
 import math
 
+import numpy as np
 import pytest
 from _models import quiet
 from _rules import ALL_POLICIES
@@ -90,3 +91,32 @@ def test_more_config_edges():
     ):
         with pytest.raises(ValueError, match=f"^{name}="):
             quiet(make)
+
+
+def test_plain_bool_takes_bools_and_numpy_bools_only():
+    """A checkpoint's bool field may be numpy's bool (either name), never another numpy number. Kills:
+    any numpy scalar taken for a bool (``or`` for ``and``), numpy 1.x's name dropped."""
+    from lossscale._validate import plain_bool
+
+    assert plain_bool("flag", np.bool_(True)) is True and plain_bool("flag", False) is False
+
+    class bool_:  # numpy 1.x's bool type, by its module and name (numpy 2 calls it "bool")
+        __module__ = "numpy"
+
+        def __bool__(self):
+            return True
+
+    assert plain_bool("flag", bool_()) is True
+    for bad in (np.int64(1), np.float64(0.0), 1, "true"):
+        with pytest.raises(ValueError, match="must be True or False"):
+            plain_bool("flag", bad)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan])
+def test_a_scale_that_is_not_a_positive_finite_number_is_told_so(value):
+    """Zero, a negative, inf and NaN fail the first check, whose message says what a scale must be (the
+    float32 range check comes after). Kills: that check's ``or`` made ``and``, its ``<=`` made ``<``."""
+    from lossscale._validate import positive_finite
+
+    with pytest.raises(ValueError, match=r"^x=.* must be a finite number > 0\.$"):
+        positive_finite("x", value)
