@@ -93,3 +93,15 @@ def test_an_init_scale_on_a_default_bound_keeps_it_without_a_note(bound):
         warnings.simplefilter("error")
         scaler = lossscale.GradScaler("cpu", init_scale=default)
     assert getattr(scaler.policy, bound) == default and scaler.get_scale() == default
+
+
+def test_a_keyword_of_another_policy_is_checked_as_that_policy_would():
+    """A scale given as a numpy number is a number; one beyond float range is a ValueError naming it."""
+    import numpy as np
+
+    with pytest.warns(UserWarning, match="scale"):
+        lossscale.GradScaler("cpu", scale=np.float32(2.0))  # static's keyword: warned about, not refused
+    with pytest.raises(ValueError, match=r"^scale=1000+ is beyond the range of a float"):
+        lossscale.GradScaler("cpu", scale=10**400)
+    with pytest.raises(ValueError, match=r"^min_scale=1000+ is beyond the range of a float"):
+        lossscale.GradScaler(policy="static", min_scale=10**400)

@@ -83,7 +83,7 @@ def _validate_elsewhere(cls, key: str, value) -> None:
         try:
             if field in ("init_scale", "scale", "min_scale", "max_scale"):  # a scale (a bound may be None)
                 if not (value is None and field in ("min_scale", "max_scale")):
-                    positive_finite(key, value)
+                    positive_finite(key, plain_number(key, value))  # numpy's numbers too; 10**400 named
             else:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
