@@ -171,3 +171,14 @@ def test_combined_flags_know_the_host_decision_when_every_check_does():
     assert combine([flags(False, False), flags(True, True)], CPU).skipped is True
     assert combine([flags(False, False), flags(False, False)], CPU).skipped is False
     assert combine([flags(False, False), flags(True, None)], CPU).skipped is None
+
+
+def test_fp16_gradients_are_refused_all_named_and_counted():
+    """Every FP16 gradient of a group is counted and named in the refusal, not the first one alone."""
+    params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.ones(2, dtype=torch.float16)
+    opt = torch.optim.SGD(params, lr=1.0)
+    check = _check.GradientCheck(lambda p: None, process_group=None)
+    with pytest.raises(ValueError, match=r"^3 parameter\(s\) have FP16 gradients \(param_groups\[0\]\[0\].*\[0\]\[2\]"):
+        check.gather(opt, allow_half=False)

@@ -514,3 +514,19 @@ def test_a_torch_checkpoint_beyond_the_default_bounds_loads_and_moves_the_bound(
         s.step(opt)
         s.update()
     assert scaler.get_scale() == ref.get_scale()
+
+
+def test_sparse_fp32_gradients_are_not_coalesced_by_the_check():
+    # torch coalesces only FP16 sparse gradients before its check (their duplicates may overflow
+    # once summed); an FP32 one stays as the user made it, and is unscaled value by value.
+    scaler = lossscale.GradScaler("cpu", init_scale=2.0)
+    i = torch.tensor([[0, 1, 0], [2, 0, 2]])
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    grad = torch.sparse_coo_tensor(i, torch.tensor([4.0, 8.0, 2.0]), (2, 3))
+    assert not grad.is_coalesced()
+    p.grad = grad
+    scaler.scale(p.sum())  # a device for the scaler's state
+    scaler.unscale_(opt)
+    assert p.grad is grad and not p.grad.is_coalesced()
+    assert torch.equal(p.grad._values(), torch.tensor([2.0, 4.0, 1.0]))
