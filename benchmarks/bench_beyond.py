@@ -98,18 +98,8 @@ def row(name: str, pairs: int, quick: bool, model: str = "gpt2") -> dict:
     keywords, clip = ROWS[name]
     ours = Side(quick, keywords, clip, weighted=name in WEIGHTED, model=model)
     base = Side(quick, {}, clip, model=model)
-    for _ in range(3):
-        ours.iteration()
-        base.iteration()
-    ratios, t_ours, t_base = [], [], []
-    for i in range(pairs):
-        if i % 2:
-            a, b = ours.iteration(), base.iteration()
-        else:
-            b, a = base.iteration(), ours.iteration()
-        ratios.append(a / b)
-        t_ours.append(a)
-        t_base.append(b)
+    t_ours, t_base = bench.interleaved(ours.iteration, base.iteration, pairs)
+    ratios = [a / b for a, b in zip(t_ours, t_base)]
     return dict(
         row=name,
         clip=clip,

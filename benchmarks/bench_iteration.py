@@ -1,8 +1,9 @@
 """A whole training iteration with lossscale's defaults against torch.amp.GradScaler, side by side.
 
-    python benchmarks/bench_iteration.py            # every row (~6 min on one thread)
+    python benchmarks/bench_iteration.py            # every row, one run each
     python benchmarks/bench_iteration.py --quick    # a smoke run (tiny models, a few pairs)
-    python benchmarks/bench_iteration.py --models gpt2 --pairs 40 --runs 4 --control   # what is committed
+    python benchmarks/bench_iteration.py --models mlp --pairs 200 --runs 4 --control   # the committed results:
+    python benchmarks/bench_iteration.py --models gpt2 --pairs 40 --runs 4 --control   #   bench_iteration_*.md
 
 Writes ``benchmarks/results/bench_iteration.json`` and ``bench_iteration.md`` (``--out`` to change); a run of
 one model writes ``bench_iteration_<model>.*`` (the committed ones: ``bench_iteration_gpt2.md``, ``..._mlp.md``).
@@ -151,6 +152,24 @@ class Side:
         return whole.syncs, tail.launches
 
 
+def interleaved(ours, theirs, pairs: int, warmup: int = 3):
+    """``pairs`` measurements, each a call of ``ours()`` and of ``theirs()`` back to back, which goes first
+    alternating, after ``warmup`` unmeasured calls of each (first-call work, the optimizers' state).
+    Returns ``(ours' results, theirs' results)`` in pair order. The benchmarks' one measuring loop."""
+    for _ in range(warmup):
+        ours()
+        theirs()
+    mine, others = [], []
+    for i in range(pairs):
+        if i % 2:
+            a, b = ours(), theirs()
+        else:
+            b, a = theirs(), ours()
+        mine.append(a)
+        others.append(b)
+    return mine, others
+
+
 def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool, ours_first: bool = True):
     """One row: twin models, ``pairs`` interleaved pairs. ``ours_first``: which side's model is built (and
     so placed in memory) first; :func:`repeated_row` alternates it, since placement moves a run's ratio.
@@ -172,19 +191,9 @@ def row(model_name: str, kind: str, clip: str, pairs: int, quick: bool, ours_fir
         ours, theirs = make_ours(), make_theirs()
     else:
         theirs, ours = make_theirs(), make_ours()
-    for _ in range(3):  # warm-up: first-call work, the optimizers' state
-        ours.iteration()
-        theirs.iteration()
-    ratios, tail_ratios, t_ours, t_theirs = [], [], [], []
-    for i in range(pairs):
-        if i % 2:
-            a, b = ours.iteration(), theirs.iteration()
-        else:
-            b, a = theirs.iteration(), ours.iteration()
-        ratios.append(a[0] / b[0])
-        tail_ratios.append(a[1] / b[1])
-        t_ours.append(a)
-        t_theirs.append(b)
+    t_ours, t_theirs = interleaved(ours.iteration, theirs.iteration, pairs)
+    ratios = [a[0] / b[0] for a, b in zip(t_ours, t_theirs)]
+    tail_ratios = [a[1] / b[1] for a, b in zip(t_ours, t_theirs)]
     (syncs_ours, launches_ours), (syncs_theirs, launches_theirs) = ours.counted(), theirs.counted()
     ratio = statistics.median(ratios)
     target = None if clip == "control" else TARGETS["own clip"] if clip == "own clip" else TARGETS[model_name]

@@ -39,6 +39,8 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # measure the checkout this file lives in
+sys.path.insert(0, HERE)
+from bench_iteration import interleaved  # noqa: E402  (the benchmarks' one measuring loop)
 
 import lossscale  # noqa: E402
 
@@ -91,18 +93,9 @@ def worker(rank: int, port: int, width: int, pairs: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         ep, local = Side(width, rank, True), Side(width, rank, False)
-        for _ in range(5):
-            ep.iteration()
-            local.iteration()
-        ratios, t_ep, t_local = [], [], []
-        for i in range(pairs):
-            if i % 2:
-                a, b = ep.iteration(), local.iteration()
-            else:
-                b, a = local.iteration(), ep.iteration()
-            ratios.append(a / b)
-            t_ep.append(a)
-            t_local.append(b)
+        # Both ranks run the same sequence, so their collectives meet.
+        t_ep, t_local = interleaved(ep.iteration, local.iteration, pairs, warmup=5)
+        ratios = [a / b for a, b in zip(t_ep, t_local)]
         if rank == 0:
             with open(out, "w") as fh:
                 json.dump(

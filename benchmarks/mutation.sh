@@ -42,7 +42,11 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     cp "$repo/setup.cfg" "$work/setup.cfg"
     local only=()
     if [ -n "${MUTATION_ONLY:-}" ]; then  # read before the cd below: the path may be relative
+        # A process substitution's failure does not stop the script: check the file, then the names, so
+        # a wrong path cannot turn into a run of every mutant.
+        [ -r "$MUTATION_ONLY" ] || { echo "MUTATION_ONLY=$MUTATION_ONLY: no such readable file" >&2; exit 2; }
         mapfile -t only < <(sed -e 's/:.*//' -e 's/^[[:space:]]*//' "$MUTATION_ONLY" | grep .)
+        [ ${#only[@]} -gt 0 ] || { echo "MUTATION_ONLY=$MUTATION_ONLY names no mutant" >&2; exit 2; }
     fi
     local f
     for f in ${MUTATION_EMPTY:-}; do : > "$work/$f"; done  # emptied, not removed: setup.cfg names them

@@ -29,6 +29,11 @@ a mutant's tests shortest first, so the single-process tests get the first chanc
 time limits it derives from the durations leave room for the start.
 
 The mutant runs need nothing from here: the ranks already run the mutant.
+
+This reaches into mutmut's internals, as mutmut 3.8.1 (the version ``mutation.sh`` installs and checks)
+has them: ``mutmut.mutation.trampoline.record_trampoline_hit``, ``mutmut.stats.record_trampoline_hit``,
+``mutmut.state.state().duration_by_test`` and the mangled names (``xǁClassǁmethod``, ``x_function``). A
+newer mutmut may move any of them: bump ``version`` in ``mutation.sh`` only with this file checked.
 """
 
 from __future__ import annotations

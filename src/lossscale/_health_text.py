@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Optional
 
 from .diagnosis import backward_fixes
-from .dynamic import MIN_SCALE
 from .formats import pow2_label
-from .policy import BAD_LOSS_STREAK, ScaleState
+from .policy import BAD_LOSS_STREAK, MIN_SCALE, ScaleState
 
 __all__ = ["paragraph", "FLUSHED_WARN"]
 

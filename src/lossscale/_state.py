@@ -85,6 +85,11 @@ class TensorState:
         holds each exactly: float32 values, int32 trackers, and counters up to 2**53."""
         return torch.cat(self._vectors)
 
+    def host_values(self) -> list:
+        """:meth:`values` as numbers, for a state that lives in host memory (the CPU): read where it lies,
+        no copy and no kernel."""
+        return [value for vector in self._vectors for value in vector.tolist()]
+
     def decode(self, values) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` from :meth:`values` read on the host (a list of floats)."""
         fields = {name: kind(values[i]) for name, kind, i in self._host_types}
@@ -113,7 +118,7 @@ class Snapshot:
     def __init__(self, t: TensorState, evidence: Any = None):
         self._t, self.evidence, self._event = t, evidence, None
         if t.device.type == "cpu":
-            self._host = [value for vector in t._vectors for value in vector.tolist()]  # values(), uncopied
+            self._host = t.host_values()
             return
         values = t.values()
         self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

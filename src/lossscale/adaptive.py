@@ -91,11 +91,11 @@ from typing import Optional, Tuple
 
 from . import formats
 from ._validate import positive_finite, validate_backoff, validate_int, validate_stuck, warn_not_powers_of_two
-from .dynamic import MIN_SCALE
 from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
 from .policy import (
     BOOL,
     I64,
+    MIN_SCALE,
     SIGNED,
     SMALLEST_SCALE,
     PolicyBase,

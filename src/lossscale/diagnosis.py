@@ -8,9 +8,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .dynamic import MIN_SCALE
 from .formats import pow2_label
-from .policy import ScaleState
+from .policy import MIN_SCALE, ScaleState
 
 __all__ = ["diagnose", "backward_fixes"]
 
@@ -120,7 +119,7 @@ def backward_fixes(lo: Optional[float], scale: float, name: Optional[str] = None
     """What to do about a backward that overflows FP16 at every scale down to ``scale``, the policy's
     lowest being ``lo`` (None: no floor, or a static scale): keep the module in FP32, by the scaler or by
     hand, or a lower scale where one can still carry gradients (down to
-    :data:`~lossscale.dynamic.MIN_SCALE`)."""
+    :data:`~lossscale.policy.MIN_SCALE`)."""
     module = f"`{name}`" if name is not None else "the module the trace names"
     by_hand = f'["{name}"]' if name is not None else "[name]"
     fixes = (

@@ -58,6 +58,7 @@ from .hysteresis import backs_off_tensor, on_clean, on_overflow, track_tensor_
 from .policy import (
     I32,
     I64,
+    MIN_SCALE,
     SMALLEST_SCALE,
     PolicyBase,
     ScaleState,
@@ -68,13 +69,7 @@ from .policy import (
     stuck_at_bound_or_streak,
 )
 
-__all__ = ["DynamicPolicy", "DynamicState", "MIN_SCALE"]
-
-#: The default ``min_scale`` (of :class:`DynamicPolicy` and :class:`~lossscale.AdaptivePolicy`): FP16's
-#: smallest subnormal, 2**-24. A gradient of magnitude 1 times a smaller scale flushes to zero in an FP16
-#: backward, so a scale below it carries nothing; down to it, the backoff follows torch's wherever a
-#: lower scale still fits the backward in FP16.
-MIN_SCALE = 2.0**-24
+__all__ = ["DynamicPolicy", "DynamicState"]
 
 
 @dataclass(frozen=True)
@@ -107,12 +102,13 @@ class DynamicPolicy(PolicyBase):
         consecutive_hysteresis: refill the hysteresis on every clean step, so only *consecutive*
             overflows spend it (DeepSpeed); otherwise only a growth refills it (Megatron-core).
         min_scale: lower bound of the scale, or None for float32's smallest normal, 2**-126 (torch would
-            go on to 0, whose inverse is inf: every later step NaN). Default :data:`MIN_SCALE`, 2**-24,
-            FP16's smallest subnormal: at a lower scale even a gradient of 1 flushes to zero in an FP16
-            backward, so no such scale carries anything; above it, a backward that overflows FP16 at
-            every scale >= 1 still trains where torch's unbounded backoff does. ``min_scale=1.0`` stops
-            the backoff at 1 (a scale below 1 only shrinks gradients); a backward that overflows
-            there then skips every step, which the ``on_stuck`` diagnosis reports.
+            go on to 0, whose inverse is inf: every later step NaN). Default
+            :data:`~lossscale.policy.MIN_SCALE`, 2**-24, FP16's smallest subnormal: at a lower scale even
+            a gradient of 1 flushes to zero in an FP16 backward, so no such scale carries anything; above
+            it, a backward that overflows FP16 at every scale >= 1 still trains where torch's unbounded
+            backoff does. ``min_scale=1.0`` stops the backoff at 1 (a scale below 1 only shrinks
+            gradients); a backward that overflows there then skips every step, which the ``on_stuck``
+            diagnosis reports.
         max_scale: upper bound, or None. Default 2**24: a gradient still flushed at 2**24 is below
             2**-48 and could not move an FP32 master weight anyway, while an unbounded scale
             (e.g. when some gradients are all zero for a while) must later burn one skipped step per

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 from ._validate import SMALLEST_SCALE, plain_number
-from .formats import f32, is_power_of_two
+from .formats import FP16, f32, is_power_of_two
 
 __all__ = [
     "ScaleState",
@@ -68,10 +68,16 @@ __all__ = [
     "f32",
     "is_power_of_two",
     "SMALLEST_SCALE",
+    "MIN_SCALE",
     "BAD_LOSS_STREAK",
     "SETTLE",
 ]
 
+#: The default ``min_scale`` (of :class:`~lossscale.DynamicPolicy` and :class:`~lossscale.AdaptivePolicy`):
+#: FP16's smallest subnormal, 2**-24. A gradient of magnitude 1 times a smaller scale flushes to zero in an
+#: FP16 backward, so a scale below it carries nothing; down to it, the backoff follows torch's wherever a
+#: lower scale still fits the backward in FP16.
+MIN_SCALE = FP16.smallest_subnormal
 #: Consecutive non-finite losses that count as stuck when ``max_consecutive_skips`` is None.
 BAD_LOSS_STREAK = 10
 #: Consecutive steps without an overflow that end the scale's calibration (``settle_steps``), for the
