@@ -713,6 +713,57 @@ def bad_loss_elsewhere(rank, world, optimizer: str):
     return dict(record=record, counters=scaler.counters())
 
 
+def one_rank_reasons(rank, world):
+    """Reasons only one rank sees, and figures every rank sees alike.
+
+    * ``skip_if``: each rank its own parameter (no DDP); at step 1 rank 0's gradient norm is above the
+      threshold and rank 1's is not. The spike is reduced with the other flags, so both ranks skip.
+    * Each rank alone in a group of its own: an inf on rank 0 only skips rank 0 only (the flags are
+      reduced over the scaler's group, not the world).
+    * Telemetry on replicated (DDP) gradients with ``reduce="auto"``: the figures are this rank's own,
+      the same on every rank, not summed over the ranks.
+    """
+    spiky = lossscale.GradScaler("cpu", init_scale=2.0**4, skip_if=dict(grad_norm_above=10.0))
+    p = torch.ones(4, requires_grad=True)
+    opt = make_optimizer("sgd", [p])
+    spike_skipped = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        size = 100.0 if step == 1 and rank == 0 else 1.0  # a gradient norm of 200 on rank 0 at step 1
+        spiky.scale((p * size).sum()).backward()
+        spiky.step(opt)
+        spiky.update()
+        spike_skipped.append(spiky.last_step_skipped)
+
+    own = [dist.new_group([r]) for r in range(world)]  # every rank calls new_group for every group
+    alone = lossscale.GradScaler("cpu", init_scale=2.0**4, process_group=own[rank])
+    q = torch.ones(3, requires_grad=True)
+    alone.scale(q.sum()).backward()
+    if rank == 0:
+        q.grad[0] = float("inf")
+    alone.step(make_optimizer("sgd", [q]))
+    alone.update()
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(tiny_mlp(0))
+    watched = lossscale.GradScaler("cpu", init_scale=2.0**4, telemetry=dict(every=1))
+    ddp_opt = make_optimizer("sgd", model.parameters())
+    x, y = batch(rank)
+    watched.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    watched.step(ddp_opt)
+    watched.update()
+    figures = watched.metrics()
+    return dict(
+        spike_skipped=spike_skipped,
+        spike_counters=spiky.counters(),
+        alone_skipped=alone.last_step_skipped,
+        numel=figures["grad/numel"],
+        model_numel=sum(p.numel() for p in model.parameters()),
+        figures=figures,
+    )
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -727,5 +778,6 @@ SCENARIOS = {
         example,
         fsdp_empty_rank,
         bad_loss_elsewhere,
+        one_rank_reasons,
     )
 }

@@ -501,4 +501,61 @@ def mesh2d(rank, world, checkpoint_dir: str, steps: int = 6, nan_loss_at: int = 
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (clip_vs_torch, pipelining, fsdp1_parity, layouts, mesh2d)}
+def clip_edges(rank, world):
+    """The sharded clip where one rank's part is special, on hand-made DTensor gradients over a 1-D mesh.
+
+    * ``copies``: every gradient Replicate, so rank 1 holds only copies that rank 0 counts: its own part
+      of the norm is an empty sum (a float32 zero, under a float64 default dtype too), the total is the
+      norm of one copy on every rank, and every rank clips alike.
+    * ``huge``: the same with finite scaled copies near 3e19 and ``norm_type=inf``: their max is finite,
+      while their 2-norm would overflow float32; the copies' check takes the clip's own order, so the
+      step is taken.
+    * ``inf_elsewhere``: a Shard(0) gradient with an inf in rank 0's rows only. The step is skipped on
+      both ranks, and each rank's gradients are unscaled alone (multiplied by 1/S, not clipped): rank 1's
+      finite rows are its gradient, not the zeros that the infinite norm's clip coefficient would make.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    line = _mesh("fsdp", world)
+    scale = 2.0**4
+
+    def run(placements, values, norm_type, max_norm):
+        params = []
+        for v in values:
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(v), line, placements))
+            p.grad = distribute_tensor(v * scale, line, placements)  # what backward of a scaled loss leaves
+            params.append(p)
+        opt = torch.optim.SGD(params, lr=0.0)
+        scaler = lossscale.GradScaler("cpu", init_scale=scale, growth_interval=1000)
+        scaler.scale(torch.ones(()))  # the iteration's scale() (the gradients were set by hand)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # a zero made without a dtype would be float64 here
+        try:
+            norm = scaler.clip_grad_norm_(opt, max_norm, norm_type)
+        finally:
+            torch.set_default_dtype(previous)
+        grads = [p.grad.to_local().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        return dict(
+            norm=norm.item(),
+            norm_dtype=str(norm.dtype),
+            grads=[g.tolist() for g in grads],
+            skipped=scaler.last_step_skipped,
+        )
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(2, 5, generator=g)
+    rows = torch.randn(4, 3, generator=g)
+    rows[0, 1] = INF  # row 0: rank 0's shard
+    return dict(
+        copies=run([Replicate()], [a, b], 2.0, 0.5),
+        expected_norm=_global_norm([a, b], 2.0),
+        expected_grads=[(x * min(1.0, 0.5 / (_global_norm([a, b], 2.0) + 1e-6))).tolist() for x in (a, b)],
+        huge=run([Replicate()], [torch.full((3,), 3e19 / scale), torch.full((2,), 2e19 / scale)], INF, 1.0),
+        inf_elsewhere=run([Shard(0)], [rows], 2.0, 1.0),
+        rows=rows.tolist(),
+    )
+
+
+SCENARIOS = {f.__name__: f for f in (clip_vs_torch, pipelining, fsdp1_parity, layouts, clip_edges, mesh2d)}

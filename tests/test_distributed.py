@@ -246,6 +246,20 @@ def test_group_resolution_and_an_explicit_group(run):
 
 
 @needs_gloo
+def test_a_reason_seen_on_one_rank_skips_every_rank_of_the_scalers_group_only(run):
+    r0, r1 = run("one_rank_reasons")
+    # A spike on rank 0 alone (skip_if reads each rank's own gradients) skips both ranks.
+    assert r0["spike_skipped"] == r1["spike_skipped"] == [False, True, False]
+    assert r0["spike_counters"] == r1["spike_counters"]
+    assert r0["spike_counters"]["spike_steps"] == 1 and r0["spike_counters"]["skipped_steps"] == 0
+    # Each rank alone in its group: rank 0's inf skips rank 0 only.
+    assert r0["alone_skipped"] is True and r1["alone_skipped"] is False
+    # Replicated gradients: each rank's figures are its own (the same on both), never summed.
+    assert r0["numel"] == r1["numel"] == r0["model_numel"]
+    assert r0["figures"] == r1["figures"]
+
+
+@needs_gloo
 def test_check_consistency_names_every_rank_value(run):
     r0, r1 = run("diverged")
     for r in (r0, r1):

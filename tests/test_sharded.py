@@ -113,6 +113,27 @@ def test_norm_reduction_counts_copies_once_and_refuses_what_it_cannot_tell(run):
     assert "lacks ranks [1]" in r0["outside"] and "not in norm_group" in r1["outside"]
 
 
+@needs_gloo
+def test_the_clip_with_a_rank_of_copies_huge_copies_or_an_inf_elsewhere(run):
+    r0, r1 = run(2, "clip_edges")
+    # Rank 1 holds only copies rank 0 counts: one norm, a float32 one, and the same clip on both.
+    for r in (r0, r1):
+        c = r["copies"]
+        assert not c["skipped"] and c["norm_dtype"] == "torch.float32"
+        assert c["norm"] == pytest.approx(r0["expected_norm"], rel=1e-6)
+        for got, want in zip(c["grads"], r0["expected_grads"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0.0)
+    assert r0["copies"] == r1["copies"]
+    # Finite copies whose 2-norm would overflow float32: the inf-norm is finite, the step is taken.
+    assert r0["huge"]["norm"] == r1["huge"]["norm"] == pytest.approx(3e19 / 16)
+    assert not r0["huge"]["skipped"] and not r1["huge"]["skipped"]
+    # An inf in rank 0's rows: both skip, and each rank's gradient is unscaled only (rank 1's rows intact).
+    assert r0["inf_elsewhere"]["skipped"] and r1["inf_elsewhere"]["skipped"]
+    assert math.isinf(r0["inf_elsewhere"]["norm"]) and math.isinf(r1["inf_elsewhere"]["norm"])
+    rows = r0["rows"]
+    assert r0["inf_elsewhere"]["grads"] == [rows[:2]] and r1["inf_elsewhere"]["grads"] == [rows[2:]]
+
+
 # ---------------------------------------------------------------------------------------- pipeline
 @needs_gloo
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
