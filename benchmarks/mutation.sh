@@ -23,10 +23,13 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     venv="${MUTATION_VENV:-/tmp/lossscale-mutmut-venv}"
     if ! "$venv/bin/mutmut" --version 2>/dev/null | grep -q "$version"; then
         python -m venv "$venv"
-        python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
-            > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-env.pth"
         "$venv/bin/pip" install -q "mutmut==$version"
     fi
+    # On every run, so that mutmut's venv sees the environment active now, not the one it was made in.
+    python -c 'import torch, pytest, hypothesis' \
+        || { echo "activate the project's virtual environment first (torch, pytest, hypothesis)" >&2; exit 2; }
+    python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+        > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-env.pth"
     # The spawned gloo ranks of the distributed tests run the mutant (they inherit MUTANT_UNDER_TEST
     # and mutmut's sys.path) but cannot tell mutmut's stats run which functions they reached:
     # benchmarks/mutmut_spawned.py carries that back (a .pth line loads it in every spawned process,

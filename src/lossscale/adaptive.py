@@ -180,15 +180,19 @@ class AdaptivePolicy(PolicyBase):
         search_bits: binades moved per step before calibration, down after an overflow or up after
             all-zero gradients (int in [1, 64]). Default 16.
         backoff_factor: multiplier on overflow after calibration, once hysteresis is spent.
-        hysteresis, consecutive_hysteresis: as in :class:`~lossscale.DynamicPolicy`; a completed
-            window refills the tolerance (as a growth does there). Before calibration there is no
-            scale known to be safe, so every overflow searches down.
-        min_scale, max_scale: bounds (None: float32's [2**-126, 2**127]). Defaults 2**-24 (FP16's
-            smallest subnormal) and 2**24, as :class:`~lossscale.DynamicPolicy`: a backward that
-            overflows FP16 at every scale >= 1 searches and backs off below 1, as torch's scale would,
-            instead of skipping every step at 1. Measured growth cannot run away on zero gradients, so
+        hysteresis: as in :class:`~lossscale.DynamicPolicy`; a completed window refills the
+            tolerance (as a growth does there). Before calibration there is no scale known to be safe,
+            so every overflow searches down.
+        consecutive_hysteresis: as in :class:`~lossscale.DynamicPolicy`.
+        min_scale: the lower bound (None: float32's smallest normal, 2**-126). Default 2**-24 (FP16's
+            smallest subnormal), as :class:`~lossscale.DynamicPolicy`: a backward that overflows FP16 at
+            every scale >= 1 searches and backs off below 1, as torch's scale would, instead of skipping
+            every step at 1.
+        max_scale: the upper bound (None: float32's largest power of two, 2**127). Default 2**24, as
+            :class:`~lossscale.DynamicPolicy`. Measured growth cannot run away on zero gradients, so
             ``max_scale=None`` is safe here when gradients really live below 2**-40.
-        on_stuck, max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`.
+        on_stuck: as in :class:`~lossscale.DynamicPolicy`.
+        max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`.
         fmt: the format the scaled gradients must fit (``lossscale.formats`` name, default "fp16"):
             the overflow line is the binade of its largest value (:attr:`limit_exp`).
 

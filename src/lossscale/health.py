@@ -145,8 +145,9 @@ class HealthReport:
             was non-finite and that were left out of their step; else None.
         dropped_weight: their weight (``scale(loss, weight=...)``: tokens, with token counts; without
             weights, equal to ``dropped_microbatches``); else None.
-        upcasts, upcast_modules: with ``on_forward_overflow="upcast"`` (or ``on_backward_overflow``), how
-            many modules and which ones the scaler kept in FP32 after repeated overflows; else None.
+        upcasts: with ``on_forward_overflow="upcast"`` (or ``on_backward_overflow``), how many modules
+            the scaler kept in FP32 after repeated overflows; else None.
+        upcast_modules: the names of those modules; else None.
         backward_upcasts: with ``on_backward_overflow="upcast"``, those of them kept for a backward that
             overflowed with the scale at 1 or below (or at its floor, if higher); else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
@@ -377,7 +378,8 @@ class Health:
             policy: the scaler's policy.
             state: the state now.
             scale_before: the scale the update that produced ``state`` ran with, if known.
-            flushed, flushed_step: the telemetry's flushed share and the iteration it was sampled at.
+            flushed: the telemetry's flushed share, if sampled.
+            flushed_step: the iteration it was sampled at.
             describe: ``(cause, scale_before) -> text`` for the kept causes (default ``str``).
             tracing: the scaler traces first causes (``trace=True``): the advice points at them rather
                 than telling the user to turn tracing on.

@@ -93,11 +93,14 @@ class LogMaxPolicy(PolicyBase):
 
     Args:
         init_scale: the first step's scale (the source starts at 1). A power of two.
-        beta1: the EMA rate of ``mu`` (0.99). beta2: the EMA rate of the variance (0.999).
+        beta1: the EMA rate of ``mu`` (0.99).
+        beta2: the EMA rate of the variance (0.999).
         overflow_std_dev: how many standard deviations of ``log2(amax)`` to keep below the overflow
             line (3.09, the source's: about a 1-in-1000 overflow for a normal distribution).
-        min_scale, max_scale: bounds, powers of two (the source's 1 and 2**24).
-        on_stuck, max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`.
+        min_scale: the lower bound, a power of two (the source's 1).
+        max_scale: the upper bound, a power of two (the source's 2**24).
+        on_stuck: as in :class:`~lossscale.DynamicPolicy`.
+        max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`.
         fmt: the format the scaled gradients must fit (default "fp16").
     """
 

@@ -56,16 +56,6 @@ DEFAULT_GROUP = "default"  # process_group's default: the default group, when to
 SNAPSHOTS = 4
 
 
-class _Default:
-    """The default of torch's positional scale keywords: "not given", so the policy's own default applies."""
-
-    def __repr__(self) -> str:
-        return "<policy default>"
-
-
-_DEFAULT = _Default()
-
-
 @dataclasses.dataclass
 class _Record:
     """What the scaler knows about one optimizer in the iteration: its stage (torch's) and what its check
@@ -86,8 +76,15 @@ class GradScaler:
     Args:
         device: "cpu", "cuda", a ``torch.device``, or None (default): the device of the first tensor
             passed to :meth:`scale`. Unlike torch there is no "cuda" default.
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch; left out,
-            the policy's own defaults apply (the dynamic policy's are torch's).
+        init_scale: the first scale (for ``policy="static"``, the scale). None (default): the policy's
+            own, 2**16 for "dynamic", as torch.
+        growth_factor: the multiplier after ``growth_interval`` clean steps. None (default): the
+            policy's own, 2.0 for "dynamic", as torch.
+        backoff_factor: the multiplier on overflow. None (default): the policy's own, 0.5 for
+            "dynamic", as torch.
+        growth_interval: clean steps before a growth. None (default): the policy's own, 2000 for
+            "dynamic", as torch.
+        enabled: False makes every call a passthrough that changes nothing, as torch.
         policy: "dynamic" (default, :class:`lossscale.DynamicPolicy`), "static", "adaptive", "logmax",
             or a policy object (then no scale keyword may be given).
         model: an ``nn.Module`` or ``(name, parameter)`` pairs, to name parameters in reports and errors.
@@ -109,9 +106,11 @@ class GradScaler:
         bad_microbatch: "skip" (a non-finite loss skips the whole step), "drop" (that micro-batch adds
             nothing, the step renormalised over the others; one host read per ``scale()``) or "zero"
             (dropped, not renormalised): :mod:`lossscale.microbatches`.
-        on_forward_overflow, upcast_after: "upcast" (with ``trace=True``): a module the trace names as the
-            first forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
-            (:mod:`lossscale.upcast`). "skip": such steps are skipped, the scale kept.
+        on_forward_overflow: "upcast" (with ``trace=True``): a module the trace names as the first
+            forward overflow on ``upcast_after`` skipped steps is kept in FP32 from then on
+            (:mod:`lossscale.upcast`). "skip" (default): such steps are skipped, the scale kept.
+        upcast_after: how many skipped steps must name the same module before it is kept in FP32
+            (``on_forward_overflow`` and ``on_backward_overflow``).
         on_backward_overflow: "upcast" (with ``trace=True``): a module the trace names as the first backward
             overflow on ``upcast_after`` steps skipped at a scale of 1 or below (or at ``min_scale``, if
             higher) is kept in FP32, widened to its enclosing module if that does not end it
@@ -140,10 +139,10 @@ class GradScaler:
     def __init__(
         self,
         device: Union[str, torch.device, None] = None,
-        init_scale: float = _DEFAULT,
-        growth_factor: float = _DEFAULT,
-        backoff_factor: float = _DEFAULT,
-        growth_interval: int = _DEFAULT,
+        init_scale: Optional[float] = None,
+        growth_factor: Optional[float] = None,
+        backoff_factor: Optional[float] = None,
+        growth_interval: Optional[int] = None,
         enabled: bool = True,
         *,
         policy: Any = "dynamic",
@@ -175,7 +174,7 @@ class GradScaler:
                 backoff_factor=backoff_factor,
                 growth_interval=growth_interval,
             ).items()
-            if v is not _DEFAULT
+            if v is not None
         }
         self._policy = _make_policy(policy, {**given, **policy_keywords})
         for name, value in (("loss_check", loss_check), ("trace", trace), ("allow_fp16", allow_fp16)):

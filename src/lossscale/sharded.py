@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .scaler import _DEFAULT, DEFAULT_GROUP, GradScaler
+from .scaler import DEFAULT_GROUP, GradScaler
 
 __all__ = ["ShardedGradScaler"]
 
@@ -24,10 +24,10 @@ class ShardedGradScaler(GradScaler):
     def __init__(
         self,
         device=None,
-        init_scale=_DEFAULT,
-        backoff_factor=_DEFAULT,
-        growth_factor=_DEFAULT,
-        growth_interval=_DEFAULT,
+        init_scale=None,
+        backoff_factor=None,
+        growth_factor=None,
+        growth_interval=None,
         enabled: bool = True,
         process_group: Any = DEFAULT_GROUP,
         **kwargs: Any,

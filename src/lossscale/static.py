@@ -41,9 +41,9 @@ class StaticPolicy(PolicyBase):
     Args:
         scale: the loss scale (a power of two keeps scaling exact; others are warned about).
             ``GradScaler(policy="static", init_scale=S)`` sets it.
-        on_stuck, max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`; a static scale
-            cannot back off, so every overflow is "at the minimum" when ``max_consecutive_skips`` is
-            None.
+        on_stuck: as in :class:`~lossscale.DynamicPolicy`.
+        max_consecutive_skips: as in :class:`~lossscale.DynamicPolicy`; a static scale cannot back
+            off, so while this is None every overflow counts as "at the minimum".
     """
 
     name = "static"

@@ -266,14 +266,19 @@ class GradStats:
         normal: inputs stored as a normal finite value.
         overflow: finite inputs whose magnitude rounds past ``fmt.max`` (stored as inf, or as
             NaN / a saturated ``max`` for e4m3 -- see ``FloatFormat.overflow_threshold``).
-        inf, nan: inputs already infinite / NaN (not counted as overflow).
+        inf: inputs already infinite (not counted as overflow).
+        nan: inputs already NaN (not counted as overflow).
         amax: max ``|x|`` over finite inputs, unscaled.
         headroom_bits: ``log2(fmt.max / (amax * scale))``; negative means the largest value
             overflows; ``inf`` when ``amax == 0``.
         error_bound: 0 for a measurement; for ``at``, the number of elements in bins that a
             boundary cuts, which bounds the error of every count figure.
-        zeros_frac, flushed_frac, subnormal_frac, normal_frac, overflow_frac, nonfinite_frac:
-            the counts divided by ``numel`` (0.0 when ``numel == 0``).
+        zeros_frac: ``zeros / numel`` (0.0 when ``numel == 0``, as every fraction below).
+        flushed_frac: ``flushed / numel``.
+        subnormal_frac: ``subnormal / numel``.
+        normal_frac: ``normal / numel``.
+        overflow_frac: ``overflow / numel``.
+        nonfinite_frac: ``(inf + nan) / numel``.
 
     Views: ``frac_of_nonzero`` (a count over the nonzero finite inputs, so exact zeros do not
     dilute it) and ``binades`` (the exponent histogram of ``x * scale``).

@@ -85,7 +85,9 @@ class ClaimResult:
     """A claim, its measured figures and the checks computed from them.
 
     Attributes:
-        id, title, claim: which claim ("C1".."C6") and its statement.
+        id: which claim ("C1".."C6").
+        title: its short name.
+        claim: its statement.
         method: how it was measured, in a few sentences.
         figures: ``{name: measured value}`` (numbers, lists, dicts; all JSON-able).
         labels: ``{name: human label}`` for the report's table (figures without one are data only).

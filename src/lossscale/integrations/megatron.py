@@ -85,19 +85,23 @@ def _build_class():
         """Megatron-core's ``DynamicGradScaler``, as a lossscale policy with a health account.
 
         Args:
-            initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis:
-                as Megatron's ``DynamicGradScaler`` (the same order; Megatron-core builds it with
-                ``initial_loss_scale``, ``min_loss_scale``, 2.0, 0.5, ``loss_scale_window`` and
-                ``hysteresis`` from ``OptimizerConfig``, optimizer/__init__.py:436-443). The defaults
-                are that config's: 2**32, 1.0, 2.0, 0.5, 1000, 2.
+            initial_scale: the first scale (Megatron-core passes ``OptimizerConfig.initial_loss_scale``).
+                Default 2**32. These six numbers are Megatron's ``DynamicGradScaler``'s, in its order
+                (Megatron-core builds it in optimizer/__init__.py:436-443), with that config's defaults.
+            min_scale: the lower bound (``min_loss_scale``). Default 1.0.
+            growth_factor: the multiplier after ``growth_interval`` clean steps. Default 2.0.
+            backoff_factor: the multiplier on overflow once ``hysteresis`` is spent. Default 0.5.
+            growth_interval: clean steps before a growth (``loss_scale_window``). Default 1000.
+            hysteresis: overflows tolerated before backing off (``hysteresis``). Default 2.
             policy: a lossscale policy object instead of the six numbers (e.g.
                 ``lossscale.DynamicPolicy(..., consecutive_hysteresis=True)`` or
                 ``lossscale.StaticPolicy(scale=...)``); then none of them may be given.
             device: where ``scale`` lives (Megatron: "cuda"); default CUDA when available, else CPU.
             loss_check: skip a step whose loss was non-finite before scaling without backing off,
                 where the loss goes through ``scale_loss``.
-            on_stuck, max_consecutive_skips: as in ``lossscale.DynamicPolicy`` ("warn" by default:
-                a diagnosis when an overflow comes at ``min_scale``; "raise" stops training).
+            on_stuck: as in ``lossscale.DynamicPolicy`` ("warn" by default: a diagnosis when an
+                overflow comes at ``min_scale``; "raise" stops training).
+            max_consecutive_skips: as in ``lossscale.DynamicPolicy``.
         """
 
         def __init__(

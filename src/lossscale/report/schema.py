@@ -101,7 +101,9 @@ class Telemetry:
     """A recorded run as columns (None where a step lacks a figure).
 
     Attributes:
-        step, loss_scale, skipped: one entry per step record, in file order.
+        step: each step record's step, in file order.
+        loss_scale: each step record's loss scale, in file order.
+        skipped: whether each step record's step was skipped, in file order.
         skipped_steps: the record's cumulative ``skipped_steps`` counter, None where it has none.
         metrics: ``{global key: per-step values}`` for every key of :data:`GLOBAL_METRICS` present.
         layers: ``{(kind, layer, metric): per-step values}`` for every per-layer key present.
