@@ -1,8 +1,10 @@
 """What torchtitan 0.3.0 needs to train on a machine without a GPU, and FSDP2 on gloo: stand-ins, nothing else.
 
 ``install()`` before torchtitan is first imported, ``gloo_reductions(trainer)`` after building a
-Trainer. Each line stands in for one CUDA- or NCCL-only piece; the trainer, FSDP2, the loss, the
-optimizers, the checkpointer and the metrics are torchtitan's own.
+Trainer, and ``microbatch_lists(trainer)`` for a pipeline-parallel one. Each line stands in for one
+CUDA- or NCCL-only piece, or (``microbatch_lists``) for a torch API newer than torch 2.13; the trainer,
+FSDP2, the pipeline schedules, the loss, the optimizers, the checkpointer and the metrics are
+torchtitan's and torch's own.
 """
 
 import sys
@@ -82,3 +84,22 @@ def gloo_reductions(trainer) -> None:
 
     for module in (m for part in trainer.model_parts for m in part.modules() if isinstance(m, FSDPModule)):
         module.set_force_sum_reduction_for_comms(True)
+
+
+def microbatch_lists(trainer) -> None:
+    """trainer.py:856-863 hands its pipeline schedule microbatches already split, as
+    ``step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)``: an API of torch releases after 2.13. torch 2.13's
+    ``step`` (pipelining/schedules.py:740-790) takes the whole batch only and would pass those lists to
+    the model as keyword arguments ("Expecting 2 arg_mbs but got 1", schedules.py:563). Here ``step`` is
+    torch 2.13's own, less its split: the schedule's ``_step_microbatches`` (1F1B, GPipe, ...) takes the
+    lists as they are."""
+    schedule = trainer.pp_schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]  # multi-stage schedules / single-stage
+
+    def step(*, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True, loss_kwargs=None):
+        for stage in stages:  # what step() does before its split (schedules.py:768-772)
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+
+    schedule.step = step

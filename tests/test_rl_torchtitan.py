@@ -1,4 +1,5 @@
-"""lossscale.integrations.torchtitan on torchtitan's own Trainer: FSDP2 over two gloo ranks, FP16.
+"""lossscale.integrations.torchtitan on torchtitan's own Trainer, FP16: FSDP2, and two pipeline stages,
+over two gloo ranks.
 
 A 2-layer llama3 (torchtitan's debugmodel config, cut to two layers) trains on an in-memory dataset
 through torchtitan's ``Trainer.train_step``, checkpoints through its ``CheckpointManager`` (DCP) and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -20,8 +22,9 @@ pytest.importorskip("torchtitan")
 
 pytestmark = pytest.mark.distributed
 
-SEQ_LEN, BATCH, VOCAB = 32, 2, 2048
+SEQ_LEN, BATCH, VOCAB, LOSS_CHUNKS = 32, 2, 2048, 2
 INFLOW_STEP, NAN_STEP, CHECKPOINT_STEP = 2, 4, 3  # the overflow, the non-finite loss, the saved step
+PP_MICROBATCHES, PP_STEPS = 2, 3  # pipeline parallel: microbatches per step; steps (INFLOW_STEP among them)
 
 
 # ------------------------------------------------------------------------------- torchtitan parts
@@ -78,13 +81,14 @@ def _components():
     return TinyTokenizer, TokenBatches
 
 
-def _config(folder: str):
-    """torchtitan's llama3 debugmodel run (its config_registry.py), smaller, in FP16, checkpointing."""
+def _config(folder: str, pipeline: bool = False):
+    """torchtitan's llama3 debugmodel run (its config_registry.py), smaller, in FP16, checkpointing; FSDP2
+    over the two ranks, or with ``pipeline`` two pipeline stages (one layer each, no checkpointing)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.config import TrainingConfig
     from torchtitan.models.llama3 import model_registry
     from torchtitan.trainer import Trainer
 
@@ -95,16 +99,37 @@ def _config(folder: str):
         model_spec=spec,
         tokenizer=tokenizer.Config(),
         dataloader=loader.Config(),
-        loss=ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()),
+        loss=ChunkedLossWrapper.Config(num_chunks=LOSS_CHUNKS, loss_fn=CrossEntropyLoss.Config()),
         optimizer=default_adamw(lr=8e-4),  # AdamW, implementation "fused" (torchtitan's default)
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear"),
         training=TrainingConfig(
             local_batch_size=BATCH, seq_len=SEQ_LEN, steps=10, disable_cuda_graphs=True, mixed_precision_param="float16"
         ),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=2, spmd_backend="partial_dtensor"),  # FSDP2
+        parallelism=_pipeline_parallelism() if pipeline else _fsdp_parallelism(),
         metrics=MetricsProcessor.Config(log_freq=1),
-        checkpoint=CheckpointManager.Config(enable=True, interval=CHECKPOINT_STEP, folder="checkpoint"),
+        checkpoint=CheckpointManager.Config(enable=not pipeline, interval=CHECKPOINT_STEP, folder="checkpoint"),
         dump_folder=folder,
+    )
+
+
+def _fsdp_parallelism():
+    from torchtitan.config import ParallelismConfig
+
+    return ParallelismConfig(data_parallel_shard_degree=2, spmd_backend="partial_dtensor")  # FSDP2
+
+
+def _pipeline_parallelism():
+    """Stage 0: tok_embeddings, layers.0; stage 1: layers.1, norm, lm_head (pipeline_parallel.py:366-476).
+    torchtitan's default schedule, 1F1B, over PP_MICROBATCHES microbatches; FSDP2's mixed precision (FP16
+    compute) on a one-rank data-parallel mesh (models/llama3/parallelize.py:69-83)."""
+    from torchtitan.config import ParallelismConfig
+
+    return ParallelismConfig(
+        pipeline_parallel_degree=2,
+        data_parallel_shard_degree=1,
+        pipeline_parallel_schedule="1F1B",
+        pipeline_parallel_microbatch_size=BATCH // PP_MICROBATCHES,
+        spmd_backend="partial_dtensor",
     )
 
 
@@ -285,7 +310,106 @@ def _run_unattached(trainer, step_now):
     return {"finite": all(torch.isfinite(p).all().item() for p in params)}
 
 
-SCENARIOS = {"train": train}
+def pipeline(rank, world, folder: str):
+    """Two pipeline stages, rank 0 the first and rank 1 the last (the one with the loss): torchtitan's
+    train_step for PP_STEPS steps with an inf planted in the last stage's gradient at INFLOW_STEP; then a
+    fresh Trainer whose scale is too large for FP16."""
+    import _torchtitan_cpu
+    import torch.distributed as dist
+
+    _torchtitan_cpu.install()
+    os.environ["LOCAL_RANK"] = str(rank)
+    import lossscale.integrations.torchtitan as ls_torchtitan
+
+    trainer = _pipeline_trainer(folder)
+    step_now, scaled_sq = {"n": 0}, []
+    fwd_bwd = trainer.forward_backward_step
+
+    def planting(**kwargs):  # after the schedule's forwards and backwards, before attach unscales
+        loss = fwd_bwd(**kwargs)
+        if step_now["n"] == 1:  # the sum of squares of this stage's scaled gradients
+            grads = [p.grad.to_local() for m in trainer.model_parts for p in m.parameters()]
+            scaled_sq.append(torch.nn.utils.get_total_norm(grads).item() ** 2)
+        if step_now["n"] == INFLOW_STEP and rank == 1:
+            grad = next(trainer.model_parts[0].parameters()).grad.to_local()
+            grad.view(-1)[0] = float("inf")
+        return loss
+
+    trainer.forward_backward_step = planting
+    scaler = ls_torchtitan.attach(trainer, init_scale=2.0**10, growth_interval=100)
+    scaled_losses = _counting_scaled_losses(scaler, step_now)
+    recorder = trainer.metrics_processor.logger = _Recorder()
+    data = trainer.batch_generator(trainer.dataloader)
+    steps = []
+    for _ in range(PP_STEPS):
+        trainer.step += 1
+        step_now["n"] = trainer.step
+        steps.append(_pipeline_step(trainer, scaler, data))
+    both_stages_sq = torch.tensor(scaled_sq, dtype=torch.float64)
+    dist.all_reduce(both_stages_sq)  # the whole model's sum of squares, by hand
+    out = dict(
+        steps=steps,
+        last_stage=trainer.pp_has_last_stage,
+        scaled_losses=[scaled_losses[step] for step in range(1, PP_STEPS + 1)],
+        counters=scaler.counters(),
+        stage_sq=scaled_sq[0],
+        both_stages_sq=both_stages_sq.item(),
+        logged=dict(
+            (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
+            for step, m in recorder.logged
+        ),
+    )
+    trainer.close()
+
+    # A scale too large for FP16: the schedule's scaled backward overflows by itself.
+    fresh = _pipeline_trainer(folder)
+    large = ls_torchtitan.attach(fresh, init_scale=2.0**24)
+    fresh.step = 1
+    out["too_large"] = _pipeline_step(fresh, large, fresh.batch_generator(fresh.dataloader))
+    out["too_large"]["counters"] = large.counters()
+    fresh.close()
+    return out
+
+
+def _pipeline_trainer(folder: str):
+    """torchtitan's Trainer, pipeline parallel, with the CPU stand-ins."""
+    import _torchtitan_cpu
+    from torchtitan.trainer import Trainer
+
+    trainer = Trainer(_config(folder, pipeline=True))
+    _torchtitan_cpu.gloo_reductions(trainer)
+    _torchtitan_cpu.microbatch_lists(trainer)
+    return trainer
+
+
+def _counting_scaled_losses(scaler, step_now) -> Counter:
+    """How many losses the scaler scales, per step."""
+    counts, scale = Counter(), scaler.scale
+
+    def counting(outputs):
+        counts[step_now["n"]] += 1
+        return scale(outputs)
+
+    scaler.scale = counting
+    return counts
+
+
+def _pipeline_step(trainer, scaler, data) -> dict:
+    """torchtitan's train_step, and what it did to this stage."""
+    before, lr_before, scale_before = _snapshot(trainer), _schedule(trainer), scaler.get_scale()
+    trainer.train_step(data)
+    after = _snapshot(trainer)
+    return dict(
+        skipped=scaler.last_step_skipped,
+        unchanged=_same(before, after),
+        lr_held=_schedule(trainer) == lr_before,
+        scale_before=scale_before,
+        scale_after=scaler.get_scale(),
+        finite=all(torch.isfinite(p).all().item() for p in after[0]),
+    )
+
+
+SCENARIOS = {"train": train, "pipeline": pipeline}
 
 
 # ----------------------------------------------------------------------------------------- tests
@@ -387,3 +511,66 @@ def test_a_stuck_run_stops(results):
     attached, _ = results
     for rank in attached:
         assert rank["too_large"]["raised"] is not None and "consecutive skipped step" in rank["too_large"]["raised"]
+
+
+# -------------------------------------------------------------------------------- pipeline parallel
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """Per rank (rank 0 the first stage, rank 1 the last): the pipeline scenario's results."""
+    from _dist_workers import WorkerPool
+
+    pool = WorkerPool(world_size=2, scenarios=__name__)
+    try:
+        first, last = pool.run("pipeline", timeout_s=240, folder=str(tmp_path_factory.mktemp("pipeline")))
+    finally:
+        pool.close()
+    assert not first["last_stage"] and last["last_stage"]
+    return first, last
+
+
+def test_pipeline_clean_steps_train_on_both_stages(pipelined):
+    """The first step too: torch's stages infer their backward's shapes on it, through the loss closure."""
+    for rank in pipelined:
+        clean = [s for step, s in enumerate(rank["steps"], 1) if step != INFLOW_STEP]
+        assert clean and all(not s["skipped"] and not s["unchanged"] and not s["lr_held"] for s in clean)
+        assert all(s["scale_after"] == s["scale_before"] for s in clean)  # growth_interval=100
+        assert all(s["finite"] for s in rank["steps"])
+        assert rank["counters"]["bad_loss_steps"] == 0
+    _, last = pipelined
+    assert all(math.isfinite(last["logged"][step]["loss_metrics/global_avg_loss"]) for step in (1, 3))
+
+
+def test_pipeline_overflow_in_the_last_stage_is_skipped_on_both_stages(pipelined):
+    """The inf is in the last stage's gradient only: the first stage skips by the all-reduced decision."""
+    for rank in pipelined:
+        step = rank["steps"][INFLOW_STEP - 1]
+        assert step["skipped"] and step["unchanged"] and step["lr_held"]  # weights, AdamW state, LR bitwise
+        assert step["scale_before"] == 2.0**10 and step["scale_after"] == 2.0**9
+        assert rank["counters"]["skipped_steps"] == 1
+
+
+def test_pipeline_torchtitans_clip_norm_across_stages_is_the_true_norm(pipelined):
+    """torchtitan's clip_grad_norm_ reduces the norm over the pipeline stages (pp_mesh): it is the norm of
+    both stages' scaled gradients, computed here by hand, over the scale."""
+    for rank in pipelined:
+        true_norm = math.sqrt(rank["both_stages_sq"]) / 2.0**10
+        assert 0 < rank["stage_sq"] < rank["both_stages_sq"]  # both stages have gradients
+        assert rank["logged"][1]["scaler/loss_scale"] == 2.0**10
+        assert rank["logged"][1]["grad_norm"] == pytest.approx(true_norm, rel=1e-5)
+
+
+def test_pipeline_scales_each_microbatch_loss_once_and_nothing_else(pipelined):
+    """The last stage scales each microbatch's per-chunk losses, every step; the first step's shape inference
+    (a forward of uninitialised tensors through the loss closure) is not scaled; the first stage has no loss."""
+    first, last = pipelined
+    assert last["scaled_losses"] == [PP_MICROBATCHES * LOSS_CHUNKS] * PP_STEPS
+    assert first["scaled_losses"] == [0] * PP_STEPS
+
+
+def test_pipeline_backward_is_scaled_a_too_large_scale_overflows_fp16(pipelined):
+    """2**24 over the 64 tokens of a step puts 262144 into the FP16 logits' gradient in the schedule's backward."""
+    for rank in pipelined:
+        too_large = rank["too_large"]
+        assert too_large["skipped"] and too_large["unchanged"] and too_large["lr_held"]
+        assert too_large["scale_after"] == 2.0**23
+        assert too_large["counters"]["skipped_steps"] == 1 and too_large["counters"]["bad_loss_steps"] == 0

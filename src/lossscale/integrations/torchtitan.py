@@ -15,7 +15,10 @@ torchtitan has no loss scaler: in FP16 the first overflow writes inf/NaN into th
   (distributed/pipeline_parallel.py:327-329) call the trainer's one loss object; its loss keeps its
   value and carries the scale in its backward only, so the loss torchtitan logs and checks is the true
   one. Under ``ChunkedLossWrapper`` the per-chunk loss is the one scaled: the wrapper runs each chunk's
-  backward itself (components/loss.py:754-762).
+  backward itself (components/loss.py:754-762). Under pipeline parallelism only the losses the schedule
+  computes for its microbatches are scaled: torch's stages also call the closure to infer their
+  backward's shapes, on a forward of uninitialised tensors (torch 2.13 pipelining/stage.py:2009-2024),
+  whose loss, often NaN, must not count as a bad batch.
 * **The gradients are unscaled before torchtitan's clip** (trainer.py:940): right after the step's
   last forward-backward, every optimizer is unscaled and checked, its skip flag all-reduced over the
   default group, so every rank (pipeline stages, expert-parallel ranks) decides the same.
@@ -37,7 +40,8 @@ torchtitan has no loss scaler: in FP16 the first overflow writes inf/NaN into th
   ten non-finite losses in a row (or an overflow with the scale at its floor) raise RuntimeError with
   the scaler's diagnosis. A non-finite loss on a step that was taken still raises torchtitan's error.
 
-Tested with torchtitan 0.3.0 (torch 2.13) on CPU, FSDP2 over two gloo ranks; see docs/how-to/torchtitan.md.
+Tested with torchtitan 0.3.0 (torch 2.13) on CPU, FSDP2 over two gloo ranks, and two pipeline stages
+(1F1B) over two gloo ranks; see docs/how-to/torchtitan.md.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def attach(trainer, **scaler_kwargs):
     scaler.init_device(trainer.device)
     attachment = _Attachment(scaler)
 
-    _scale_backward(trainer.loss_fn, scaler)
+    _scale_backward(trainer.loss_fn, scaler, trainer.pp_schedule if trainer.parallel_dims.pp_enabled else None)
     trainer.forward_backward_step = _unscaling_forward_backward(trainer, attachment)
     trainer.optimizers.step = _scaled_step(trainer.optimizers, attachment)
     trainer.lr_schedulers.step = _held_on_skip(trainer.lr_schedulers.step, scaler)
@@ -145,11 +149,13 @@ class _ScaledBackward(torch.autograd.Function):
         return None, grad
 
 
-def _scale_backward(loss_fn, scaler) -> None:
+def _scale_backward(loss_fn, scaler, pp_schedule=None) -> None:
     """Make ``loss_fn`` (torchtitan's loss object) return losses whose backward carries the scale.
 
     The object's class is swapped for a subclass, because both callers hold the object itself: the
-    trainer (trainer.py:818) and the pipeline schedule's closure (distributed/pipeline_parallel.py:328)."""
+    trainer (trainer.py:818) and the pipeline schedule's closure (distributed/pipeline_parallel.py:328).
+    With a pipeline schedule, only the losses it computes for its microbatches are scaled (see
+    ``_scaling_microbatch_losses_only``)."""
     from torchtitan.components.loss import ChunkedLossWrapper
 
     if isinstance(loss_fn, ChunkedLossWrapper):
@@ -161,11 +167,37 @@ def _scale_backward(loss_fn, scaler) -> None:
             loss, metrics = super().__call__(*args, **kwargs)
             if not (torch.is_grad_enabled() and loss.requires_grad):
                 return loss, metrics  # validation (components/validate.py:215 runs under no_grad): nothing to scale
+            if self._lossscale_pipelined and not self._lossscale_in_microbatch:
+                return loss, metrics  # torch's pipeline stages inferring their backward's shapes
             return _ScaledBackward.apply(loss, self._lossscale_scaler.scale(loss)), metrics
 
     ScaledBackwardLoss.__name__ = ScaledBackwardLoss.__qualname__ = f"ScaledBackward{base.__name__}"
     loss_fn.__class__ = ScaledBackwardLoss
     loss_fn._lossscale_scaler = scaler
+    loss_fn._lossscale_pipelined = pp_schedule is not None
+    loss_fn._lossscale_in_microbatch = False
+    if pp_schedule is not None:
+        _scaling_microbatch_losses_only(pp_schedule, loss_fn)
+
+
+def _scaling_microbatch_losses_only(schedule, loss_fn) -> None:
+    """Mark the losses the pipeline schedule computes for its microbatches (``_compute_loss``, torch 2.13
+    pipelining/schedules.py:586-587, called by ``_maybe_compute_loss`` for every schedule) as the ones to
+    scale. The schedule's stages call the same closure on their first step, and again after an eval, to
+    infer their backward's shapes (``_backward_metadata_inference``, stage.py:2009-2024) on a forward of
+    uninitialised tensors (``_to_tensor``, stage.py:1844-1858): that loss is often NaN, and the scaler
+    would take it for a bad batch and skip a clean step on every rank."""
+
+    compute_loss = schedule._compute_loss
+
+    def wrapped(*args, **kwargs):
+        loss_fn._lossscale_in_microbatch = True
+        try:
+            return compute_loss(*args, **kwargs)
+        finally:
+            loss_fn._lossscale_in_microbatch = False
+
+    schedule._compute_loss = wrapped
 
 
 def _unscaling_forward_backward(trainer, attachment: _Attachment):
