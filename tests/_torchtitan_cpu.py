@@ -18,13 +18,20 @@ _MOE_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
 
 def _cuda_only(*args, **kwargs):
-    raise RuntimeError("torchtitan's MinimalAsyncEP Triton kernels need CUDA (not used by a dense model).")
+    raise RuntimeError(
+        "torchtitan's MinimalAsyncEP Triton kernels need CUDA (not used by a dense model, nor by expert "
+        'parallelism with the "standard" all-to-all token dispatcher).'
+    )
 
 
 def _dense_flex_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
     """torch's FlexAttention has no backward on CPU: the same masked attention (the block mask's
-    mask_mod as a dense mask, no score_mod: llama3 uses none), through scaled_dot_product_attention."""
+    mask_mod as a dense mask, no score_mod: llama3 and deepseek_v3 pass none), through
+    scaled_dot_product_attention."""
     from torch.nn.attention.flex_attention import create_mask
+
+    if score_mod is not None:
+        raise NotImplementedError("the CPU stand-in for FlexAttention applies no score_mod")
 
     mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa), None

@@ -1,11 +1,13 @@
-"""lossscale.integrations.torchtitan on torchtitan's own Trainer, FP16: FSDP2, and two pipeline stages,
-over two gloo ranks.
+"""lossscale.integrations.torchtitan on torchtitan's own Trainer, FP16: FSDP2, two pipeline stages, and
+expert parallelism, over two gloo ranks.
 
 A 2-layer llama3 (torchtitan's debugmodel config, cut to two layers) trains on an in-memory dataset
 through torchtitan's ``Trainer.train_step``, checkpoints through its ``CheckpointManager`` (DCP) and
-logs through its ``MetricsProcessor``. torchtitan pins clash with the main test environment: these
-tests run in the venv envs/torchtitan/ci.sh builds (skipped elsewhere). CPU stand-ins for CUDA-only
-pieces: tests/_torchtitan_cpu.py.
+logs through its ``MetricsProcessor``; a 2-layer DeepSeek-V3 (its debugmodel config: one dense layer,
+one MoE layer of 8 routed experts) trains the same way with its experts split over the two ranks.
+torchtitan pins clash with the main test environment: these tests run in the venv
+envs/torchtitan/ci.sh builds (skipped elsewhere). CPU stand-ins for CUDA-only pieces:
+tests/_torchtitan_cpu.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.distributed
 SEQ_LEN, BATCH, VOCAB, LOSS_CHUNKS = 32, 2, 2048, 2
 INFLOW_STEP, NAN_STEP, CHECKPOINT_STEP = 2, 4, 3  # the overflow, the non-finite loss, the saved step
 PP_MICROBATCHES, PP_STEPS = 2, 3  # pipeline parallel: microbatches per step; steps (INFLOW_STEP among them)
+EP_STEPS, EP_STARVED = 3, 7  # expert parallel: steps (INFLOW_STEP among them); the expert no token is routed to
 
 
 # ------------------------------------------------------------------------------- torchtitan parts
@@ -81,20 +84,22 @@ def _components():
     return TinyTokenizer, TokenBatches
 
 
-def _config(folder: str, pipeline: bool = False):
+def _config(folder: str, parallel: str = "fsdp"):
     """torchtitan's llama3 debugmodel run (its config_registry.py), smaller, in FP16, checkpointing; FSDP2
-    over the two ranks, or with ``pipeline`` two pipeline stages (one layer each, no checkpointing)."""
+    over the two ranks; with ``parallel="pipeline"`` two pipeline stages (one layer each), with
+    ``parallel="experts"`` torchtitan's DeepSeek-V3 debugmodel, expert parallel (no checkpointing in either)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import TrainingConfig
-    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models import deepseek_v3, llama3
     from torchtitan.trainer import Trainer
 
     tokenizer, loader = _components()
-    spec = model_registry("debugmodel")
+    spec = (deepseek_v3 if parallel == "experts" else llama3).model_registry("debugmodel")
     spec.model.layers = spec.model.layers[:2]
+    parallelism = {"fsdp": _fsdp_parallelism, "pipeline": _pipeline_parallelism, "experts": _expert_parallelism}
     return Trainer.Config(
         model_spec=spec,
         tokenizer=tokenizer.Config(),
@@ -105,9 +110,9 @@ def _config(folder: str, pipeline: bool = False):
         training=TrainingConfig(
             local_batch_size=BATCH, seq_len=SEQ_LEN, steps=10, disable_cuda_graphs=True, mixed_precision_param="float16"
         ),
-        parallelism=_pipeline_parallelism() if pipeline else _fsdp_parallelism(),
+        parallelism=parallelism[parallel](),
         metrics=MetricsProcessor.Config(log_freq=1),
-        checkpoint=CheckpointManager.Config(enable=not pipeline, interval=CHECKPOINT_STEP, folder="checkpoint"),
+        checkpoint=CheckpointManager.Config(enable=parallel == "fsdp", interval=CHECKPOINT_STEP, folder="checkpoint"),
         dump_folder=folder,
     )
 
@@ -131,6 +136,15 @@ def _pipeline_parallelism():
         pipeline_parallel_microbatch_size=BATCH // PP_MICROBATCHES,
         spmd_backend="partial_dtensor",
     )
+
+
+def _expert_parallelism():
+    """The routed experts split over the two ranks (ep: experts 0-3 on rank 0, 4-7 on rank 1), exchanged by
+    torchtitan's all-to-all token dispatcher ("standard"); the dense parameters FSDP2-sharded over the same
+    two ranks (the experts' own FSDP2 mesh, efsdp, is fsdp / ep = 1: parallel_dims.py:279)."""
+    from torchtitan.config import ParallelismConfig
+
+    return ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=2, spmd_backend="partial_dtensor")
 
 
 class _Recorder:
@@ -344,7 +358,7 @@ def pipeline(rank, world, folder: str):
     for _ in range(PP_STEPS):
         trainer.step += 1
         step_now["n"] = trainer.step
-        steps.append(_pipeline_step(trainer, scaler, data))
+        steps.append(_observed_step(trainer, scaler, data))
     both_stages_sq = torch.tensor(scaled_sq, dtype=torch.float64)
     dist.all_reduce(both_stages_sq)  # the whole model's sum of squares, by hand
     out = dict(
@@ -365,7 +379,7 @@ def pipeline(rank, world, folder: str):
     fresh = _pipeline_trainer(folder)
     large = ls_torchtitan.attach(fresh, init_scale=2.0**24)
     fresh.step = 1
-    out["too_large"] = _pipeline_step(fresh, large, fresh.batch_generator(fresh.dataloader))
+    out["too_large"] = _observed_step(fresh, large, fresh.batch_generator(fresh.dataloader))
     out["too_large"]["counters"] = large.counters()
     fresh.close()
     return out
@@ -376,7 +390,7 @@ def _pipeline_trainer(folder: str):
     import _torchtitan_cpu
     from torchtitan.trainer import Trainer
 
-    trainer = Trainer(_config(folder, pipeline=True))
+    trainer = Trainer(_config(folder, parallel="pipeline"))
     _torchtitan_cpu.gloo_reductions(trainer)
     _torchtitan_cpu.microbatch_lists(trainer)
     return trainer
@@ -394,8 +408,8 @@ def _counting_scaled_losses(scaler, step_now) -> Counter:
     return counts
 
 
-def _pipeline_step(trainer, scaler, data) -> dict:
-    """torchtitan's train_step, and what it did to this stage."""
+def _observed_step(trainer, scaler, data) -> dict:
+    """torchtitan's train_step, and what it did to this rank (its stage, its experts and shards)."""
     before, lr_before, scale_before = _snapshot(trainer), _schedule(trainer), scaler.get_scale()
     trainer.train_step(data)
     after = _snapshot(trainer)
@@ -409,7 +423,106 @@ def _pipeline_step(trainer, scaler, data) -> dict:
     )
 
 
-SCENARIOS = {"train": train, "pipeline": pipeline}
+def experts(rank, world, folder: str):
+    """Expert parallel: torchtitan's train_step for EP_STEPS steps, no token routed to expert EP_STARVED,
+    and an inf planted at INFLOW_STEP in one expert's gradient on rank 1 only (expert gradients are not
+    reduced across ranks: rank 0 never sees it)."""
+    import _torchtitan_cpu
+    import torch.distributed as dist
+
+    _torchtitan_cpu.install()
+    os.environ["LOCAL_RANK"] = str(rank)
+    from torchtitan.models.common.moe import MoE
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from torchtitan.trainer import Trainer
+
+    import lossscale.integrations.torchtitan as ls_torchtitan
+
+    trainer = Trainer(_config(folder, parallel="experts"))
+    _torchtitan_cpu.gloo_reductions(trainer)
+    params = [p for m in trainer.model_parts for p in m.parameters()]
+    is_expert = [_is_expert(p) for p in params]
+    (moe,) = [m for part in trainer.model_parts for m in part.modules() if isinstance(m, MoE)]
+    dispatcher = moe.routed_experts.token_dispatcher
+    w1 = moe.routed_experts.inner_experts.w1_EFD  # (experts, hidden, dim): this rank's experts, dim 0
+    local_experts = w1.to_local().shape[0]
+    first_expert = w1.device_mesh.get_local_rank("ep") * local_experts
+    with torch.no_grad():  # the router's load-balancing bias: no token chooses this expert
+        _local(moe.expert_bias_E)[EP_STARVED] = -1e4
+
+    step_now, hand = {"n": 0}, {}
+    fwd_bwd = trainer.forward_backward_step
+
+    def planting(**kwargs):  # after the forward-backward, before attach unscales
+        loss = fwd_bwd(**kwargs)
+        if step_now["n"] == 1:
+            # this rank's share of the squared norm of the scaled gradients: its own experts, its FSDP2 shard
+            # of the dense parameters (summed over the ranks below, every element once), in float64, and
+            # from each shard's float32 norm as torch computes it (get_total_norm: one per tensor)
+            grads = [p.grad.to_local() for p in params]
+            exact = [g.double().square().sum().item() for g in grads]
+            fp32 = [torch.linalg.vector_norm(g).double().item() ** 2 for g in grads]
+            for name, squares in (("sq", exact), ("fp32_sq", fp32)):
+                hand["expert_" + name] = sum(sq for sq, e in zip(squares, is_expert) if e)
+                hand["dense_" + name] = sum(sq for sq, e in zip(squares, is_expert) if not e)
+            tokens = _local(moe.tokens_per_expert_E).clone()  # routed from this rank's tokens, this step
+            dist.all_reduce(tokens)
+            hand["tokens"] = tokens.tolist()
+            if first_expert <= EP_STARVED < first_expert + local_experts:
+                starved = EP_STARVED - first_expert
+                hand["starved_grad_zero"] = all(
+                    not torch.any(p.grad.to_local()[starved]).item() for p, e in zip(params, is_expert) if e
+                )
+        if step_now["n"] == INFLOW_STEP and rank == 1:
+            w1.grad.to_local().view(-1)[0] = float("inf")
+        return loss
+
+    trainer.forward_backward_step = planting
+    scaler = ls_torchtitan.attach(trainer, init_scale=2.0**10, growth_interval=100)
+    recorder = trainer.metrics_processor.logger = _Recorder()
+    data = trainer.batch_generator(trainer.dataloader)
+    steps = []
+    for _ in range(EP_STEPS):
+        trainer.step += 1
+        step_now["n"] = trainer.step
+        before = [p.detach().to_local().clone() for p in params]
+        step = _observed_step(trainer, scaler, data)
+        changed = [not torch.equal(b, p.detach().to_local()) for b, p in zip(before, params)]
+        step["experts_changed"] = all(c for c, e in zip(changed, is_expert) if e)
+        step["dense_changed"] = all(c for c, e in zip(changed, is_expert) if not e)
+        steps.append(step)
+    sq = {k: torch.tensor(v, dtype=torch.float64) for k, v in hand.items() if k.endswith("_sq")}
+    for total in sq.values():
+        dist.all_reduce(total)
+    out = dict(
+        steps=steps,
+        counters=scaler.counters(),
+        all_to_all=isinstance(dispatcher, AllToAllTokenDispatcher) and dispatcher.ep_mesh.size() == world,
+        ep_enabled=trainer.parallel_dims.ep_enabled,
+        experts=(first_expert, local_experts),
+        expert_params=sum(is_expert),
+        squares={k: v.item() for k, v in sq.items()},
+        tokens=hand["tokens"],
+        starved_grad_zero=hand.get("starved_grad_zero"),
+        logged=dict(
+            (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
+            for step, m in recorder.logged
+        ),
+    )
+    trainer.close()
+    return out
+
+
+def _is_expert(param) -> bool:
+    """How torchtitan's clip tells an expert parameter (distributed/utils.py:697-699): its mesh has "ep"."""
+    return "ep" in param.device_mesh.mesh_dim_names
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+SCENARIOS = {"train": train, "pipeline": pipeline, "experts": experts}
 
 
 # ----------------------------------------------------------------------------------------- tests
@@ -574,3 +687,71 @@ def test_pipeline_backward_is_scaled_a_too_large_scale_overflows_fp16(pipelined)
         assert too_large["skipped"] and too_large["unchanged"] and too_large["lr_held"]
         assert too_large["scale_after"] == 2.0**23
         assert too_large["counters"]["skipped_steps"] == 1 and too_large["counters"]["bad_loss_steps"] == 0
+
+
+# ------------------------------------------------------------------------------- expert parallel
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory):
+    """Per rank (rank 0 holds experts 0-3, rank 1 experts 4-7): the experts scenario's results."""
+    from _dist_workers import WorkerPool
+
+    pool = WorkerPool(world_size=2, scenarios=__name__)
+    try:
+        ranks = pool.run("experts", timeout_s=240, folder=str(tmp_path_factory.mktemp("experts")))
+    finally:
+        pool.close()
+    for rank, result in enumerate(ranks):  # torchtitan's EP path: all-to-all dispatch, the clip's EP branch
+        assert result["ep_enabled"] and result["all_to_all"]
+        assert result["experts"] == (4 * rank, 4) and result["expert_params"] == 3  # w1, w2, w3 of the MoE layer
+    return ranks
+
+
+def test_expert_parallel_clean_steps_train_experts_and_dense_layers(expert_parallel):
+    for rank in expert_parallel:
+        clean = [s for step, s in enumerate(rank["steps"], 1) if step != INFLOW_STEP]
+        assert clean and all(not s["skipped"] and not s["unchanged"] and not s["lr_held"] for s in clean)
+        assert all(s["experts_changed"] and s["dense_changed"] for s in clean)
+        assert all(s["scale_after"] == s["scale_before"] for s in clean)  # growth_interval=100
+        assert all(s["finite"] for s in rank["steps"])
+        assert all(math.isfinite(rank["logged"][step]["loss_metrics/global_avg_loss"]) for step in (1, 3))
+        assert rank["counters"]["skipped_steps"] == 1 and rank["counters"]["bad_loss_steps"] == 0
+
+
+def test_expert_parallel_overflow_in_one_ranks_expert_gradient_is_skipped_on_both_ranks(expert_parallel):
+    """The inf is in an expert of rank 1's: rank 0 holds other experts and skips by the all-reduced decision."""
+    for rank in expert_parallel:
+        step = rank["steps"][INFLOW_STEP - 1]
+        assert step["skipped"] and step["unchanged"] and step["lr_held"]  # weights, AdamW state, LR bitwise
+        assert not step["experts_changed"] and not step["dense_changed"]
+        assert step["scale_before"] == 2.0**10 and step["scale_after"] == 2.0**9
+
+
+def test_expert_parallel_torchtitans_clip_norm_is_the_true_norm(expert_parallel):
+    """torchtitan's clip_grad_norm_(ep_enabled=True) combines the experts' and the dense parameters' norms:
+    the norm of the true gradients, every expert counted once, computed here by hand from the scaled ones.
+
+    torch's float32 norm of a CPU tensor of 10**5-10**6 elements is itself off by up to a few 1e-5 (its
+    accumulation): hence 1e-4 against the float64 norm, and 1e-6 against the same per-shard float32 norms
+    torch computes, combined by hand: tight enough to tell the experts counted twice or not at all."""
+    for rank in expert_parallel:
+        squares, logged = rank["squares"], rank["logged"][1]
+        assert squares["expert_sq"] > 0 and squares["dense_sq"] > 0
+        assert logged["scaler/loss_scale"] == 2.0**10
+        assert logged["grad_norm"] == pytest.approx(
+            math.sqrt(squares["expert_sq"] + squares["dense_sq"]) / 2.0**10, rel=1e-4
+        )
+
+        experts_counted = [  # once (the true norm), twice, not at all
+            math.sqrt(times * squares["expert_fp32_sq"] + squares["dense_fp32_sq"]) / 2.0**10 for times in (1, 2, 0)
+        ]
+        assert logged["grad_norm"] == pytest.approx(experts_counted[0], rel=1e-6)
+        assert all(logged["grad_norm"] != pytest.approx(norm, rel=1e-6) for norm in experts_counted[1:])
+
+
+def test_expert_parallel_an_expert_without_tokens_has_zero_gradients(expert_parallel):
+    """No token chose expert EP_STARVED: its slice of its rank's expert weights has zero gradients (torchtitan
+    holds a rank's experts in one parameter per weight), and the steps above train, skip and clip as checked."""
+    first, last = expert_parallel
+    assert first["tokens"] == last["tokens"]
+    assert first["tokens"][EP_STARVED] == 0 and sum(first["tokens"]) > 0
+    assert first["starved_grad_zero"] is None and last["starved_grad_zero"] is True

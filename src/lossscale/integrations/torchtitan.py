@@ -40,8 +40,9 @@ torchtitan has no loss scaler: in FP16 the first overflow writes inf/NaN into th
   ten non-finite losses in a row (or an overflow with the scale at its floor) raise RuntimeError with
   the scaler's diagnosis. A non-finite loss on a step that was taken still raises torchtitan's error.
 
-Tested with torchtitan 0.3.0 (torch 2.13) on CPU, FSDP2 over two gloo ranks, and two pipeline stages
-(1F1B) over two gloo ranks; see docs/how-to/torchtitan.md.
+Tested with torchtitan 0.3.0 (torch 2.13) on CPU over two gloo ranks: FSDP2, two pipeline stages
+(1F1B), and expert parallelism (DeepSeek-V3's debug model, all-to-all dispatch); see
+docs/how-to/torchtitan.md.
 """
 
 from __future__ import annotations
