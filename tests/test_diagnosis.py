@@ -6,7 +6,11 @@ Mutation-killing tests (issue 15): "Kills: ..." names the one-line change each w
 (docs/testing.md).
 """
 
+import pytest
+
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
+from lossscale.diagnosis import backward_fixes
+from lossscale.policy import MIN_SCALE
 
 
 def test_is_stuck_at_the_lower_bound_for_the_measuring_policies():
@@ -134,3 +138,25 @@ def test_a_bad_loss_diagnosis_suggests_tracing_unless_it_is_on():
     state = p.update(p.init_state(), True, bad_loss=True)
     assert "trace=True" in diagnose(p, state)
     assert "trace=True" not in diagnose(p, state, tracing=True)
+
+
+@pytest.mark.parametrize(
+    "lo, scale, name, module, by_hand, lower",
+    [
+        (None, MIN_SCALE, None, "the module the trace names", "[name]", "; no lower scale helps: below 2^-24"),
+        (1.0, 1.0, "block.up", "`block.up`", '["block.up"]', "; or lower min_scale (the default 2^-24"),
+        (None, 4.0, "block", "`block`", '["block"]', "; or a scale below 2^2, which may shrink"),
+    ],
+)
+def test_the_fixes_for_a_backward_overflow_name_the_module_and_what_a_lower_scale_can_do(
+    lo, scale, name, module, by_hand, lower
+):
+    """Three answers, one per place the scale stopped: at FP16's smallest subnormal, at the policy's
+    floor, or above both; each names the module (or says the trace names it) and how to keep it in FP32."""
+    text = backward_fixes(lo, scale, name)
+    assert text.startswith(
+        f'keep {module} in FP32: GradScaler(model=model, trace=True, on_backward_overflow="upcast") does it '
+        f"when this happens, or lossscale.keep_fp32(model, {by_hand}) before training{lower}"
+    )
+    assert text.endswith(".")
+    assert text.count(";") == 1

@@ -105,3 +105,20 @@ def test_a_keyword_of_another_policy_is_checked_as_that_policy_would():
         lossscale.GradScaler("cpu", scale=10**400)
     with pytest.raises(ValueError, match=r"^min_scale=1000+ is beyond the range of a float"):
         lossscale.GradScaler(policy="static", min_scale=10**400)
+
+
+@pytest.mark.parametrize(
+    "x, shown",
+    [(1.0, "1.0"), (1024.0, "1024.0"), (2048.0, "2**11"), (0.5, "2**-1"), (2.0**-24, "2**-24"), (3.0, "3.0")],
+)
+def test_a_scale_in_a_message_is_a_number_from_1_to_1024_and_a_power_of_two_beyond(x, shown):
+    from lossscale._keywords import _number
+
+    assert _number(x) == shown
+
+
+def test_logmaxs_default_floor_of_1_is_named_as_1():
+    """The moved bound's note through the public call: LogMax's default floor is 1, said as a number."""
+    with pytest.warns(UserWarning) as caught:
+        lossscale.GradScaler("cpu", policy="logmax", init_scale=0.5)
+    assert "init_scale=2**-1 is below the default min_scale=1.0," in str(caught[0].message)
