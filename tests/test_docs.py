@@ -101,6 +101,7 @@ def test_the_readme_diff_is_the_whole_switch_and_its_new_side_runs():
     ]
     new_side = "\n".join(line[1:] for line in diff if not line.startswith("-"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)  # the same model and batch whichever tests ran before
     model = torch.nn.Linear(8, 4).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     namespace = dict(
@@ -111,7 +112,11 @@ def test_the_readme_diff_is_the_whole_switch_and_its_new_side_runs():
         loader=[(torch.randn(4, 8, device=device), torch.randint(0, 4, (4,), device=device))] * 3,
     )
     exec(compile(new_side.replace('"cuda"', repr(device)), "README.md", "exec"), namespace)
-    assert namespace["scaler"].counters()["steps"] == 3 and namespace["lr_scheduler"].last_epoch == 3
+    counters = namespace["scaler"].counters()
+    # Unseeded, about 1 draw in 100 overflows the FP16 backward at 2**16 and skips a step (which holds
+    # the LR schedule: the README's claim). Seeded, every step is taken; the check holds either way.
+    assert counters["steps"] == 3 and counters["skipped_steps"] < 3
+    assert namespace["lr_scheduler"].last_epoch == counters["steps"] - counters["skipped_steps"]
 
 
 def test_the_package_page_starts_with_pip_install_and_its_quick_start_runs():
