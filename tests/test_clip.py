@@ -56,11 +56,17 @@ def test_training_run_is_bitwise_torch_two_step(kind, norm_type):
     assert skipped > 0 and ours.skipped_steps == skipped
 
 
-def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
+def _after_a_scaled_backward(optimizer: str):
+    """A tiny model, its ``optimizer`` and a default scaler, one scaled backward done."""
     model = tiny_mlp()
-    opt = make_optimizer("fused_adam", model.parameters())
+    opt = make_optimizer(optimizer, model.parameters())
     scaler = lossscale.GradScaler()
     backward(model, scaler, 0)
+    return model, opt, scaler
+
+
+def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
+    model, opt, scaler = _after_a_scaled_backward("fused_adam")
     scaler.clip_grad_norm_(opt, 1.0)
     assert scaler._per_optimizer_states[id(opt)]["stage"] is lossscale.OptState.UNSCALED
     with pytest.raises(RuntimeError, match="already"):
@@ -91,20 +97,14 @@ def test_stage_becomes_unscaled_and_step_uses_unscaled_gradients():
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
-    model = tiny_mlp()
-    opt = make_optimizer("sgd", model.parameters())
-    scaler = lossscale.GradScaler()
-    backward(model, scaler, 0)
+    model, opt, scaler = _after_a_scaled_backward("sgd")
     with pytest.raises(ValueError, match=match):
         scaler.clip_grad_norm_(opt, **kwargs)
 
 
 def test_max_norm_zero_is_accepted_and_zeroes_every_gradient_as_torchs():
     """Kills: the max_norm check refusing 0 (torch clips everything to zero then)."""
-    model = tiny_mlp()
-    opt = make_optimizer("sgd", model.parameters())
-    scaler = lossscale.GradScaler()
-    backward(model, scaler, 0)
+    model, opt, scaler = _after_a_scaled_backward("sgd")
     scaler.clip_grad_norm_(opt, 0.0)
     assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters())
 

@@ -159,6 +159,13 @@ class _Recorder:
     def close(self):
         pass
 
+    def scaler_and_loss(self) -> list:
+        """``(step, figures)`` for every logged step: the scaler's, the loss's and the grad norm only."""
+        return [
+            (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
+            for step, m in self.logged
+        ]
+
 
 def _snapshot(trainer):
     """Every rank's parameter shards and optimizer state, copied."""
@@ -234,28 +241,12 @@ def train(rank, world, folder: str, attach: bool = True):
     for _ in range(NAN_STEP + 1):
         trainer.step += 1  # as Trainer.train() does (trainer.py:1032-1044)
         step_now["n"] = trainer.step
-        before, lr_before, scale_before = _snapshot(trainer), _schedule(trainer), scaler.get_scale()
-        trainer.train_step(data)
+        out["steps"].append(dict(step=trainer.step, **_observed_step(trainer, scaler, data)))
         trainer.checkpointer.save(trainer.step, last_step=False)
         if trainer.step == CHECKPOINT_STEP:
             saved = scaler.state_dict()
-        after = _snapshot(trainer)
-        out["steps"].append(
-            dict(
-                step=trainer.step,
-                skipped=scaler.last_step_skipped,
-                unchanged=_same(before, after),
-                lr_held=_schedule(trainer) == lr_before,
-                scale_before=scale_before,
-                scale_after=scaler.get_scale(),
-                finite=all(torch.isfinite(p).all().item() for p in after[0]),
-            )
-        )
     out["counters"], out["scaled_norm"] = scaler.counters(), scaled_norm
-    out["logged"] = [
-        (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
-        for step, m in recorder.logged
-    ]
+    out["logged"] = recorder.scaler_and_loss()
 
     # torchtitan's own DCP checkpoint, into a fresh Trainer with another scaler configuration.
     second = Trainer(_config(folder))
@@ -368,10 +359,7 @@ def pipeline(rank, world, folder: str):
         counters=scaler.counters(),
         stage_sq=scaled_sq[0],
         both_stages_sq=both_stages_sq.item(),
-        logged=dict(
-            (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
-            for step, m in recorder.logged
-        ),
+        logged=dict(recorder.scaler_and_loss()),
     )
     trainer.close()
 
@@ -504,10 +492,7 @@ def experts(rank, world, folder: str):
         squares={k: v.item() for k, v in sq.items()},
         tokens=hand["tokens"],
         starved_grad_zero=hand.get("starved_grad_zero"),
-        logged=dict(
-            (step, {k: v for k, v in m.items() if k.startswith(("scaler/", "loss_metrics/", "grad_norm"))})
-            for step, m in recorder.logged
-        ),
+        logged=dict(recorder.scaler_and_loss()),
     )
     trainer.close()
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .diagnosis import backward_fixes
+from .diagnosis import MAYBE_BACKWARD_OVERFLOW, NAN_SOURCES, backward_fixes
 from .formats import pow2_label
 from .policy import BAD_LOSS_STREAK, MIN_SCALE, ScaleState
 
@@ -135,9 +135,8 @@ def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], tr
                 f"{_namer(tracing)} names the first module whose output was non-finite."
             )
         model_or_data = (
-            "look in the model or the data (0/0, log or sqrt of a negative or zero, inf - inf, NaN already in "
-            "the weights or inputs; torch.autograd.set_detect_anomaly(True) finds the op). "
-            "scaler.overflow_report() names the parameters."
+            f"look in the model or the data ({NAN_SOURCES}; torch.autograd.set_detect_anomaly(True) finds the "
+            "op). scaler.overflow_report() names the parameters."
         )
         if streak.nan >= 2:
             went = (
@@ -146,8 +145,7 @@ def _advice(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], tr
             )
             if state.scale > MIN_SCALE:  # it may still be an FP16 backward overflow, which a lower scale fits
                 return (
-                    f"{went}. It may be a backward that overflows FP16 at every scale the floor allows (an "
-                    "inf that meets a zero or an opposite inf becomes NaN): "
+                    f"{went}. {MAYBE_BACKWARD_OVERFLOW}: "
                     f"{_namer(tracing)} names the first module whose backward overflowed; then "
                     + backward_fixes(lowest, state.scale)
                     + " Otherwise the scale is not the cause: "

@@ -8,12 +8,24 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .formats import pow2_label
+from .formats import FP16, pow2_label
 from .policy import MIN_SCALE, ScaleState
 
 __all__ = ["diagnose", "backward_fixes"]
 
 #: A line of every diagnosis: where the whole run's account is.
+#: What a NaN that outlasted the backoff may still be, while the scale is above FP16's smallest subnormal
+#: (the diagnosis and the health advice both say it).
+MAYBE_BACKWARD_OVERFLOW = (
+    "It may be a backward that overflows FP16 at every scale the floor allows (an inf that meets a zero or "
+    "an opposite inf becomes NaN)"
+)
+#: Where a NaN that no scale cures comes from (the diagnosis and the health advice both list them).
+NAN_SOURCES = (
+    "0/0, log or sqrt of a negative or zero, inf - inf (e.g. an overflowed fp16 activation), NaN already in "
+    "the weights or inputs"
+)
+
 HEALTH_POINTER = (
     "scaler.health() tells the run's skips apart (the scale calibrating, overflows, bad batches, "
     "persistent NaN) and says whether training is healthy now."
@@ -71,14 +83,12 @@ def diagnose(policy, state: ScaleState, tracing: bool = False, backward: Optiona
         else:
             head = f"NaN at the smallest scale the policy allows, {pow2_label(state.scale)}."
         model_or_data = (
-            "comes from the model or data: 0/0, log or sqrt of a negative or zero, inf - inf (e.g. an "
-            "overflowed fp16 activation), NaN already in the weights or inputs, or a learning rate that "
-            "diverged. Find it with torch.autograd.set_detect_anomaly(True)."
+            f"comes from the model or data: {NAN_SOURCES}, or a learning rate that diverged. Find it with "
+            "torch.autograd.set_detect_anomaly(True)."
         )
         if state.scale > MIN_SCALE:  # it may still be an FP16 backward overflow, which a lower scale fits
             lines.append(
-                f"{head} It may be a backward that overflows FP16 at every scale the floor allows (an inf "
-                "that meets a zero or an opposite inf becomes NaN): "
+                f"{head} {MAYBE_BACKWARD_OVERFLOW}: "
                 + (
                     ""
                     if tracing
@@ -93,7 +103,8 @@ def diagnose(policy, state: ScaleState, tracing: bool = False, backward: Optiona
         else:
             lines.append(
                 f"{head} The scale is not the cause: a smaller scale cures an overflow, and at this scale an "
-                f"FP16 backward overflows only past a gradient of {65504.0 / state.scale:.3g}. The NaN " + model_or_data
+                f"FP16 backward overflows only past a gradient of {FP16.max / state.scale:.3g}. The NaN "
+                + model_or_data
             )
     else:
         lines.append(
