@@ -146,3 +146,46 @@ def test_skip_flag_is_a_host_bool_where_the_host_decided_and_a_device_flag_other
                 assert flag is bad, when
             if when == "before update":
                 scaler.update()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_optimizer_or_a_non_scheduler_is_refused_and_nothing_steps(enabled):
+    # Both have step(): step_scheduler(optimizer) would move the weights a second time, unguarded.
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lossscale.GradScaler(enabled=enabled)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    scaler.step(opt)
+    after_step = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"got an optimizer \(SGD\).*pass the LR scheduler.*scaler\.step\(optimizer\)"):
+        scaler.step_scheduler(opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_step))  # the weights did not move
+    with pytest.raises(TypeError, match=r"takes an LR scheduler \(an object with a step\(\) method.*got str"):
+        scaler.step_scheduler("x")
+    scaler.update()
+    assert scaler.counters()["steps"] == (1 if enabled else 0)
+
+
+def test_schedulers_of_every_kind_still_step():
+    # torch's LRScheduler, ReduceLROnPlateau (with its metric), and a duck-typed one with no optimizer.
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    class Duck:  # the shape of DeepSpeed's WarmupLR or a hand-written schedule: step() and nothing more
+        calls = 0
+
+        def step(self):
+            self.calls += 1
+
+    duck = Duck()
+    scaler = lossscale.GradScaler()
+    for loss_value in (1.0, 2.0):
+        scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.step_scheduler(plateau, loss_value) is True
+        assert scaler.step_scheduler(step_lr) is True
+        assert scaler.step_scheduler(duck) is True
+    assert duck.calls == 2 and plateau.num_bad_epochs == 0  # the second loss was worse: the plateau acted

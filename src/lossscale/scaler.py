@@ -890,7 +890,13 @@ class GradScaler:
     def step_scheduler(self, scheduler, *args, **kwargs) -> bool:
         """``scheduler.step()`` unless its optimizer's step was skipped (an LR schedule that advanced on
         skipped steps drifts ahead of the weights); returns whether it stepped. After :meth:`step`,
-        before or after :meth:`update`. May sync: see :attr:`last_step_skipped`."""
+        before or after :meth:`update`. May sync: see :attr:`last_step_skipped`.
+
+        ``scheduler`` is anything with a ``step()`` that is not an optimizer: torch's LR schedulers
+        (``ReduceLROnPlateau`` included) or a duck-typed one (transformers', DeepSpeed's). An optimizer
+        is refused (TypeError), before anything steps: its ``step()`` here would move the weights a
+        second time, unguarded."""
+        _refuse_non_scheduler(scheduler)
         if self._enabled and self.step_was_skipped(getattr(scheduler, "optimizer", None)):
             return False
         scheduler.step(*args, **kwargs)
@@ -1180,6 +1186,26 @@ def _make_policy(policy, given: Dict[str, Any]):
             "to GradScaler as well."
         )
     return policy
+
+
+def _refuse_non_scheduler(scheduler) -> None:
+    """TypeError for what :meth:`GradScaler.step_scheduler` must not step: an optimizer (a
+    ``torch.optim.Optimizer``, or an object with ``param_groups`` and no ``optimizer`` of its own, as a
+    scheduler has) or something without a ``step()``."""
+    is_optimizer = isinstance(scheduler, torch.optim.Optimizer) or (
+        hasattr(scheduler, "param_groups") and not hasattr(scheduler, "optimizer")
+    )
+    if is_optimizer:
+        raise TypeError(
+            f"step_scheduler() got an optimizer ({type(scheduler).__name__}), whose step() would move the "
+            "weights a second time; pass the LR scheduler (scaler.step_scheduler(lr_scheduler)), and step "
+            "the optimizer with scaler.step(optimizer)."
+        )
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            f"step_scheduler() takes an LR scheduler (an object with a step() method, such as "
+            f"torch.optim.lr_scheduler.LambdaLR), got {type(scheduler).__name__}."
+        )
 
 
 def _counters(s: ScaleState) -> Dict[str, int]:
