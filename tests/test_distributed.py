@@ -280,10 +280,26 @@ def test_torchrun_example_trains_and_skips_together(run):
 def test_process_group_argument_is_validated():
     with pytest.raises(ValueError, match=r"process_group='world' is not a process group.*'default'.*None"):
         lossscale.GradScaler(process_group="world")
-    # Any other object is taken, as torch's ShardedGradScaler takes it (its tests pass a stand-in group);
-    # one that is not a ProcessGroup reduces nothing.
-    for group in (None, "default", object()):
+    # What torch.distributed takes as a group is taken: None, "default", the sentinel new_group() gives
+    # the ranks outside the group, and a stand-in with a group's rank() and size() (torch's sharded-scaler
+    # tests pass one); a stand-in that is not a ProcessGroup reduces nothing.
+    from torch.distributed.distributed_c10d import GroupMember
+
+    class StandIn:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 1
+
+    for group in (None, "default", GroupMember.NON_GROUP_MEMBER, StandIn()):
         assert lossscale.GradScaler(process_group=group).process_group is group
+    # Anything else is refused when the scaler is built, naming what to pass.
+    for wrong in (5, 1.0, True, object(), b"default"):
+        with pytest.raises(ValueError, match=r"process_group=.* is not a process group; pass 'default'.*None.*group"):
+            lossscale.GradScaler(process_group=wrong)
+        with pytest.raises(ValueError, match=r"is not a process group"):
+            lossscale.ShardedGradScaler(process_group=wrong)
 
 
 def test_helpers_without_torch_distributed_initialised():

@@ -236,3 +236,74 @@ def test_several_settings_off_the_powers_of_two_are_named_in_one_warning():
     """Kills: the separator between the names (the warning's list)."""
     with pytest.warns(UserWarning, match=r"^lossscale: init_scale=3072\.0, growth_factor=3\.0 is not a power of two"):
         DynamicPolicy(init_scale=3072.0, growth_factor=3.0)
+
+
+@pytest.mark.parametrize("cls", ALL_POLICIES, ids=lambda cls: cls.__name__)
+def test_update_refuses_another_policys_state_with_the_documented_message(cls):
+    # Another policy's state has other trackers: update() says so, instead of an AttributeError (or,
+    # for a state with the fields it reads, a silently mixed state).
+    policy = cls()
+    for other in ALL_POLICIES:
+        if other is cls:
+            continue
+        state = other().init_state()
+        expected = f"state is a {type(state).__name__}, not {policy.state_type.__name__}."
+        with pytest.raises(ValueError, match=f"^{expected}$"):
+            policy.update(state, found_inf=False)
+        with pytest.raises(ValueError, match=f"^{expected}$"):
+            policy.check_state(state)
+
+
+def test_register_refuses_a_protocol_subclass_without_a_name():
+    import dataclasses
+
+    from lossscale.policy import Policy, policy_names, register
+
+    before = policy_names()
+
+    @dataclasses.dataclass(frozen=True)
+    class Mine(Policy):  # the protocol declares name but gives it no value
+        on_stuck: str = "warn"
+
+    with pytest.raises(ValueError, match=r"^Mine needs a class attribute name to be registered: give it a name of"):
+        register(Mine)
+    assert policy_names() == before
+
+
+def test_register_refuses_an_inherited_or_a_built_in_name_and_the_built_in_stays():
+    import dataclasses
+
+    import lossscale
+    from lossscale.policy import policy_class, policy_names, register
+
+    before = policy_names()
+
+    @dataclasses.dataclass(frozen=True)
+    class Tweaked(DynamicPolicy):  # inherits name = "dynamic"
+        pass
+
+    with pytest.raises(
+        ValueError, match=r"^Tweaked inherits name='dynamic' from DynamicPolicy, .* give Tweaked its own class attribute"
+    ):
+        register(Tweaked)
+
+    @dataclasses.dataclass(frozen=True)
+    class Impostor(DynamicPolicy):
+        name = "static"
+
+    with pytest.raises(ValueError, match=r"^Impostor has name='static', the name of lossscale's StaticPolicy"):
+        register(Impostor)
+    assert policy_names() == before and policy_class("dynamic") is DynamicPolicy
+    assert type(lossscale.GradScaler().policy) is DynamicPolicy  # every later GradScaler() keeps the built-in
+
+    @dataclasses.dataclass(frozen=True)
+    class Renamed(DynamicPolicy):  # its own name: registered, and registered again (a re-run cell)
+        name = "renamed-dynamic-for-a-test"
+
+    try:
+        assert register(Renamed) is Renamed and register(Renamed) is Renamed
+        assert type(lossscale.GradScaler(policy="renamed-dynamic-for-a-test").policy) is Renamed
+    finally:
+        from lossscale import policy as policy_module
+
+        del policy_module._REGISTRY["renamed-dynamic-for-a-test"]

@@ -122,8 +122,8 @@ def test_a_scaler_pickles_after_scale_as_torchs_does(lazy):
         pickle.dumps(a)
 
 
-@pytest.mark.parametrize("group", [DummyProcessGroup(0, 1), object()], ids=["dummy group", "any object"])
-def test_any_process_group_object_is_accepted(group):
+@pytest.mark.parametrize("group", [DummyProcessGroup(0, 1)], ids=["dummy group"])
+def test_a_stand_in_process_group_is_accepted(group):
     scaler = lossscale.GradScaler(init_scale=2.0, process_group=group)
     sharded = lossscale.ShardedGradScaler(init_scale=2.0, process_group=group, enabled=True)
     t0, t1 = torch.full((1,), 4.0), torch.full((1,), 8.0)

@@ -274,6 +274,7 @@ class AdaptivePolicy(PolicyBase):
         ``found_inf``: any inf or NaN; ``found_nan``: NaN among them; ``amax``: max |g| of the scaled
         gradients (None if not measured). A non-finite ``amax`` counts as an overflow.
         """
+        self.check_type(state)
         if amax is not None and not math.isfinite(amax):
             found_inf, found_nan = True, bool(found_nan) or math.isnan(amax)
         if bad_loss:  # non-finite before scaling: nothing to learn, nothing to move

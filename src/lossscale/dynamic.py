@@ -171,6 +171,7 @@ class DynamicPolicy(PolicyBase):
         """The next state after one iteration. ``found_inf``: any inf or NaN; ``found_nan``: NaN among
         them; ``amax`` is not used by this policy. ``bad_loss``: the loss was non-finite before scaling (not
         the scale's doing): the step is skipped and counted, the scale and trackers are left as they were."""
+        self.check_type(state)
         if bad_loss:
             return count(state, True, found_nan, bad_loss=True)
         counted = count(state, found_inf, found_nan)

@@ -190,6 +190,7 @@ class LogMaxPolicy(PolicyBase):
         """The next state after one iteration; ``amax``: max |g| of the *scaled* gradients (None: not
         measured, then only the step is counted). A non-finite ``amax`` counts as an overflow.
         ``bad_loss`` (a loss non-finite before scaling): skipped and counted, nothing learned."""
+        self.check_type(state)
         if amax is not None and not math.isfinite(amax):
             found_inf, found_nan = True, bool(found_nan) or math.isnan(amax)
         if bad_loss:
@@ -256,6 +257,7 @@ class LogMaxPolicy(PolicyBase):
 
     def check_state(self, state: LogMaxState) -> None:
         """Generic checks, plus: the scale a power of two, the bias corrections in (0, 1]."""
+        self.check_type(state)
         x_fields = ("x_hat", "slow_x_hat", "xsquared_hat")
         # The averages of log2(amax) may be negative: check them apart from the generic rule (>= 0).
         # Only numbers are made positive; anything else (None, a string) meets the generic rule, which

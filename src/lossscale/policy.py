@@ -361,14 +361,19 @@ class PolicyBase:
             "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
         }
 
+    def check_type(self, state) -> None:
+        """ValueError unless ``state`` is this policy's :attr:`state_type` (another policy's state has other
+        fields and trackers); :meth:`update` and :meth:`check_state` begin with it."""
+        if type(state) is not self.state_type:
+            raise ValueError(f"state is a {type(state).__name__}, not {self.state_type.__name__}.")
+
     def check_state(self, state) -> None:
         """Raise ValueError naming the first field of ``state`` that this policy could not have produced.
 
         Generic checks by field type (floats finite, ints >= 0 unless signed, bools bool), the scale
         > 0 and within :meth:`scale_bounds`; subclasses add their own invariants.
         """
-        if type(state) is not self.state_type:
-            raise ValueError(f"state is a {type(state).__name__}, not {self.state_type.__name__}.")
+        self.check_type(state)
         for f in dataclasses.fields(state):
             v = getattr(state, f.name)
             kind = field_kind(f)
@@ -414,10 +419,34 @@ _REGISTRY: Dict[str, type] = {}
 
 
 def register(cls):
-    """Class decorator: register a policy under ``cls.name`` (for ``GradScaler(policy=...)`` and checkpoints)."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a class attribute `name` to be registered.")
-    _REGISTRY[cls.name] = cls
+    """Class decorator: register a policy under ``cls.name`` (for ``GradScaler(policy=...)`` and checkpoints).
+
+    The name must be the class's own (a subclass of a registered policy inherits its name, and would
+    replace it for every later ``GradScaler(policy=...)``), and a built-in policy's name is never
+    taken over; ValueError naming the fix otherwise. Registering a class again is a no-op; a policy of
+    your own may be registered again under its name (a re-run notebook cell)."""
+    name = cls.__dict__.get("name") if isinstance(cls, type) else None
+    if not name or not isinstance(name, str):
+        inherited = getattr(cls, "name", None)
+        if isinstance(cls, type) and inherited:
+            owner = next(base for base in cls.__mro__ if base.__dict__.get("name") == inherited)
+            raise ValueError(
+                f"{cls.__name__} inherits name={inherited!r} from {owner.__name__}, so registering it would "
+                f"replace {owner.__name__} for every GradScaler(policy={inherited!r}); give {cls.__name__} its own "
+                'class attribute name = "..." to register it.'
+            )
+        raise ValueError(
+            f"{getattr(cls, '__name__', type(cls).__name__)} needs a class attribute name to be registered: "
+            'give it a name of its own (name = "...").'
+        )
+    known = _REGISTRY.get(name)
+    reloaded = known is not None and (known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__)
+    if known is not None and known is not cls and not reloaded and known.__module__.startswith("lossscale."):
+        raise ValueError(
+            f"{cls.__name__} has name={name!r}, the name of lossscale's {known.__name__}, which it would replace "
+            f'for every GradScaler(policy={name!r}); give {cls.__name__} a name of its own (name = "...").'
+        )
+    _REGISTRY[name] = cls
     return cls
 
 

@@ -207,11 +207,7 @@ class GradScaler:
         self._names = ParamNames()
         if model is not None:
             self._names.add(model)
-        if isinstance(process_group, str) and process_group != DEFAULT_GROUP:
-            raise ValueError(
-                f"process_group={process_group!r} is not a process group; pass 'default' (the default "
-                "group when torch.distributed runs), None (no reduction) or a group."
-            )
+        _check_process_group(process_group)
         self._check = GradientCheck(self._names, process_group)
         self._t: Optional[TensorState] = None  # the state, once it has a device; until then it is this:
         self._init_state: ScaleState = self._policy.init_state()
@@ -1172,6 +1168,30 @@ def _indexed(device: torch.device) -> torch.device:
     """``device`` with its index: "cuda" alone means the current CUDA device."""
     return (
         torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    )
+
+
+def _check_process_group(group: Any) -> None:
+    """ValueError unless ``group`` is what torch.distributed takes as a group: None, "default", a
+    ``ProcessGroup``, the ``GroupMember.NON_GROUP_MEMBER`` that ``new_group`` gives the ranks outside it,
+    or an object with a group's ``rank()`` and ``size()`` (the stand-in torch's sharded-scaler tests pass)."""
+    if group is None or (isinstance(group, str) and group == DEFAULT_GROUP):
+        return
+    dist = torch.distributed
+    if dist.is_available():
+        from torch.distributed.distributed_c10d import GroupMember
+
+        if isinstance(group, dist.ProcessGroup) or (type(group) is int and group == GroupMember.NON_GROUP_MEMBER):
+            return
+    if not isinstance(group, (str, bytes, int, float)) and all(
+        callable(getattr(group, m, None)) for m in ("rank", "size")
+    ):
+        return
+    hint = " (a DeviceMesh: pass mesh.get_group(dim))" if type(group).__name__ == "DeviceMesh" else ""
+    raise ValueError(
+        f"process_group={group!r} is not a process group{hint}; pass 'default' (the default group when "
+        "torch.distributed runs), None (no reduction) or a group (a torch.distributed ProcessGroup, such as "
+        "dist.new_group(ranks) returns)."
     )
 
 

@@ -87,6 +87,7 @@ class StaticPolicy(PolicyBase):
     ) -> StaticState:
         """Counts the step; the scale never changes. A step with a non-finite loss (``bad_loss``)
         leaves the clean-step tracker as it was."""
+        self.check_type(state)
         if bad_loss:
             return count(state, True, found_nan, bad_loss=True)
         return count(state, found_inf, found_nan).replace(growth_tracker=0 if found_inf else state.growth_tracker + 1)
