@@ -184,3 +184,31 @@ def test_a_rule_that_cannot_work_is_refused(kwargs, match):
         SkipIf(**kwargs)
     with pytest.raises(ValueError, match="skip_if=3"):
         lossscale.GradScaler(skip_if=3)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adamw"])
+def test_a_spike_that_overflows_is_an_overflow_not_a_spike(fused):
+    # spike_steps counts the finite steps skipped as spikes: a loss spike whose gradients overflow FP16
+    # is an overflow (skipped, the scale halved, in skipped_steps), and not counted as a spike as well.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.01)
+    )
+    scaler = lossscale.GradScaler(init_scale=2.0**8, skip_if=SkipIf(loss_zscore=3.0, min_steps=4))
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for step in range(8):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean() * (100.0 if step in (5, 6) else 1.0)
+        if step == 6:
+            loss = loss * 1e36  # a spike whose scaled gradients are inf
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    c = scaler.counters()
+    overflows = c["inf_steps"] + c["nan_steps"]
+    assert (c["spike_steps"], c["skipped_steps"], overflows) == (1, 1, 1), c  # step 5 a spike, 6 an overflow
+    assert scaler.get_scale() == 2.0**7
+    assert scaler.health().spike_steps == 1

@@ -211,11 +211,14 @@ class SpikeSkipper(Feature):
 
     def learn(self, decided: Dict[int, Any]) -> None:
         """In ``update()``: each judged optimizer's windows learn its step (``decided``: its flags, by
-        ``id(optimizer)``): a taken step's values join them, a spike is counted. No sync."""
+        ``id(optimizer)``): a taken step's values join them, a spike is counted: only on a step that was
+        skipped as a spike alone, finite (an overflow or a bad loss on the same step skips it anyway, and
+        is counted as such). No sync."""
         for key, (windows, norm, loss) in self.pending.items():
             flags = decided.get(key)
             if flags is not None and flags.spike is not None:
-                windows.learn(norm, loss, flags.spike, taken=~flags.skip)
+                finite_spike = flags.spike & ~(flags.overflow | flags.bad_loss)
+                windows.learn(norm, loss, finite_spike, taken=~flags.skip)
         self.pending = {}
 
     def new_iteration(self) -> None:
