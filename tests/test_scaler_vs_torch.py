@@ -135,3 +135,77 @@ def test_unscale_after_device_updates_divides_by_the_live_scale():
         assert ref.get_scale() == ours.get_scale(), step
         assert all(torch.equal(a, b) for a, b in zip(ref_params, our_params)), step
     assert 5 < used_fused < 25
+
+
+class _UnscalesItself(torch.optim.Optimizer):
+    """Stands in for apex's DistributedFusedAdam / DistributedFusedLAMB (and NeMo's distributed optimizers):
+    ``_step_supports_amp_scaling = True`` and ``step(grad_scaler=)``, so the scaler passes itself and the
+    optimizer unscales, checks and skips by itself, as apex's do: it reads its record's stage (still
+    scaled: divide by ``grad_scaler._scale``), then either calls ``grad_scaler._check_inf_per_device(self)``
+    ("check"), or finds the overflow from its gradient norm and writes ``found_inf_per_device`` into
+    ``grad_scaler._per_optimizer_states[id(self)]`` (as a whole: "write", DistributedFusedAdam; one device's
+    entry: "write_entry", DistributedFusedLAMB); it returns early on an overflow. A plain SGD step."""
+
+    def __init__(self, params, lr: float, variant: str):
+        super().__init__(params, dict(lr=lr))
+        self._step_supports_amp_scaling = True
+        self.variant = variant
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scaler=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        scale = None
+        if grad_scaler is not None:
+            record = grad_scaler._per_optimizer_states[id(self)]
+            if record["stage"] is lossscale.OptState.READY:  # the gradients still carry the scale
+                scale = grad_scaler._scale
+            if self.variant == "check":
+                found_inf = sum(grad_scaler._check_inf_per_device(self).values())
+            else:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                found_inf = (~torch.isfinite(norm)).float()
+                if self.variant == "write":
+                    record["found_inf_per_device"] = {found_inf.device: found_inf}
+                else:
+                    record["found_inf_per_device"][found_inf.device] = found_inf
+            if found_inf.item():
+                return None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad if scale is None else p.grad / scale, alpha=-group["lr"])
+        return None
+
+
+@pytest.mark.filterwarnings("ignore:.*grad_scaler.*:FutureWarning")  # both scalers warn: torch deprecates it
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["scaled", "unscale_ first"])
+@pytest.mark.parametrize("variant", ["check", "write", "write_entry"])
+def test_an_optimizer_that_unscales_itself_trains_as_under_torchs_scaler(variant, unscale_first):
+    # torch's step(grad_scaler=) contract, beside torch's scaler: the same weights and scale bitwise over
+    # steps that grow the scale and two inf steps that must skip (the weights do not move) and back off.
+    ref_model, model = twins()
+    ref_opt = _UnscalesItself(ref_model.parameters(), 0.1, variant)
+    opt = _UnscalesItself(model.parameters(), 0.1, variant)
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    ours = lossscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, **TORCH_LIKE)
+    inf_steps = (4, 5)
+    for step in range(10):
+        for m, o, scaler in ((ref_model, ref_opt, ref), (model, opt, ours)):
+            o.zero_grad()
+            backward(m, scaler, step)
+            if step in inf_steps:
+                m[0].weight.grad[0, 0] = float("inf")
+            if unscale_first:
+                scaler.unscale_(o)
+            before = [p.detach().clone() for p in m.parameters()]
+            scaler.step(o)
+            moved = not all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+            assert moved is (step not in inf_steps), (step, type(scaler))
+            assert scaler._per_optimizer_states[id(o)]["stage"] is lossscale.OptState.STEPPED
+            scaler.update()
+        assert params_equal(ref_model, model), step
+        assert torch.equal(ref._scale, ours._scale) and torch.equal(ref._growth_tracker, ours._growth_tracker), step
+    assert ours.get_scale() == ref.get_scale() == 2.0**10 * 2 / 4 * 2  # grown, backed off twice, grown again
+    c = ours.counters()
+    assert (c["steps"], c["skipped_steps"]) == (10, 2)

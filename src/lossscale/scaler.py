@@ -28,7 +28,7 @@ from collections import abc
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from . import _hints, checkpoint
 from ._check import Flags, GradientCheck, combine, found_inf, inverse, largest_magnitudes
@@ -59,15 +59,101 @@ SNAPSHOTS = 4
 @dataclasses.dataclass
 class _Record:
     """What the scaler knows about one optimizer in the iteration: its stage (torch's) and what its check
-    learned (None: not checked yet), the skip decision included."""
+    learned (None: not checked yet), the skip decision included. ``written``: the ``found_inf_per_device``
+    an optimizer that unscales itself wrote into its record (torch's ``step(grad_scaler=)`` contract),
+    kept as written; its flags are derived from it."""
 
     stage: OptState = OptState.READY
     flags: Optional[Flags] = None
+    written: Optional[Dict[Any, torch.Tensor]] = None
+
+    def found_inf_per_device(self) -> Dict[Any, torch.Tensor]:
+        """``{device: found_inf}`` as torch's records hold it (empty: not checked yet)."""
+        if self.written is not None:
+            return dict(self.written)
+        return {} if self.flags is None else {self.flags.skip.device: found_inf(self.flags)}
 
     def torch_view(self) -> Dict[str, Any]:
         """The record as torch's ``_per_optimizer_states`` holds it: its stage and ``{device: found_inf}``."""
-        found = {} if self.flags is None else {self.flags.skip.device: found_inf(self.flags)}
-        return {"stage": self.stage, "found_inf_per_device": found}
+        return {"stage": self.stage, "found_inf_per_device": self.found_inf_per_device()}
+
+
+class _TorchRecord(abc.MutableMapping):
+    """One entry of :attr:`GradScaler._per_optimizer_states`: torch's ``{"stage", "found_inf_per_device"}``
+    read from, and written into, the scaler's record of that optimizer. Optimizers that unscale themselves
+    (``_step_supports_amp_scaling`` with ``step(grad_scaler=)``, as apex's ``DistributedFusedAdam``) read
+    the stage and write their ``found_inf_per_device`` here; the scaler's ``update()`` then answers it as
+    torch's does. Reading creates nothing (a fresh key reads as torch's fresh record)."""
+
+    KEYS = ("stage", "found_inf_per_device")
+
+    def __init__(self, scaler: "GradScaler", key: Any):
+        self._scaler, self._key = scaler, key
+
+    def _rec(self) -> _Record:
+        return self._scaler._records.get(self._key) or _Record()
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "stage":
+            return self._rec().stage
+        if name == "found_inf_per_device":
+            return _FoundInfPerDevice(self._rec().found_inf_per_device(), self)
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        rec = self._scaler._records.get(self._key) or _Record()
+        if name == "stage":
+            if not isinstance(value, OptState):
+                raise ValueError(f"_per_optimizer_states[...]['stage'] must be an OptState, got {value!r}.")
+            rec.stage = value
+        elif name == "found_inf_per_device":
+            rec.flags, rec.written = self._scaler._written_flags(value), dict(value)
+        else:
+            raise KeyError(f"{name!r}: a record holds only {self.KEYS} (torch's)")
+        self._scaler._records[self._key] = rec
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("a record's 'stage' and 'found_inf_per_device' cannot be deleted; set them instead.")
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class _FoundInfPerDevice(dict):
+    """A record's ``found_inf_per_device``: a dict, and a write into it (``[device] = found_inf``, as apex's
+    ``DistributedFusedLAMB`` does) is a write of the whole into the record."""
+
+    def __init__(self, entries: Dict[Any, torch.Tensor], record: _TorchRecord):
+        super().__init__(entries)
+        self._record = record
+
+    def __setitem__(self, device: Any, flag: torch.Tensor) -> None:
+        super().__setitem__(device, flag)
+        self._record["found_inf_per_device"] = dict(self)
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._record["found_inf_per_device"] = dict(self)
+
+
+class _TorchRecords(collections.defaultdict):
+    """:attr:`GradScaler._per_optimizer_states`: torch's defaultdict by ``id(optimizer)``, each entry a
+    :class:`_TorchRecord` that reads and writes the scaler's record."""
+
+    def __init__(self, scaler: "GradScaler"):
+        super().__init__(None)
+        self._scaler = scaler
+        for key in scaler._records:
+            dict.__setitem__(self, key, _TorchRecord(scaler, key))
+
+    def __missing__(self, key: Any) -> _TorchRecord:
+        return _TorchRecord(self._scaler, key)  # not kept: reading a fresh key creates no record
 
 
 class GradScaler:
@@ -274,13 +360,29 @@ class GradScaler:
         return self._telemetry
 
     @property
-    def _per_optimizer_states(self) -> Dict[int, Dict[str, Any]]:
+    def _per_optimizer_states(self) -> Dict[Any, abc.MutableMapping]:
         """torch's per-optimizer records, in torch's shape (a defaultdict of ``{"stage", "found_inf_per_device"}``
-        by ``id(optimizer)``), for the code that reads them: a view of this iteration's records, made on
-        each read (writing to it changes nothing)."""
-        view = collections.defaultdict(_refresh_per_optimizer_state)
-        view.update((key, rec.torch_view()) for key, rec in self._records.items())
-        return view
+        by ``id(optimizer)``; a fresh key reads as torch's fresh record), read from and written into this
+        iteration's records: an optimizer that unscales itself (``step(grad_scaler=)``, as apex's) writes its
+        ``found_inf_per_device`` here, and :meth:`update` answers it as torch's does."""
+        return _TorchRecords(self)
+
+    def _written_flags(self, found: Any) -> Flags:
+        """The flags of a ``found_inf_per_device`` an optimizer wrote into its record: the step was skipped
+        (by the optimizer itself) where any device's ``found_inf`` is nonzero, as torch's update kernel reads
+        the sum of them. A non-finite loss before scaling explains such a skip (the scale is kept, with
+        ``loss_check``); it cannot skip a step the optimizer took. No reduction across ranks: the
+        optimizer decided (apex's reduce their norm themselves). No sync."""
+        t = self._t or self._require("writing _per_optimizer_states[...]['found_inf_per_device']")
+        if not isinstance(found, abc.Mapping) or not all(isinstance(v, torch.Tensor) for v in found.values()):
+            raise ValueError(
+                "_per_optimizer_states[...]['found_inf_per_device'] must be a dict of {device: found_inf tensor}, "
+                f"as torch's; got {found!r}."
+            )
+        overflow = t.false
+        for flag in found.values():
+            overflow = overflow | (flag.to(t.device, non_blocking=True) != 0).reshape(())
+        return Flags(overflow=overflow, nan=t.false, bad_loss=self._bad_loss(t.device) & overflow)
 
     @property
     def _scale(self) -> Optional[torch.Tensor]:
@@ -570,7 +672,11 @@ class GradScaler:
                 "prefer optimizers that read grad_scale/found_inf.",
                 FutureWarning,
             )
+            # torch's contract: the optimizer reads its stage, checks (_check_inf_per_device) or writes its
+            # found_inf_per_device into its record, and skips by itself; the record it leaves is the one kept.
+            self._records[id(optimizer)] = rec
             retval = optimizer.step(*args, grad_scaler=self, **kwargs)
+            rec = self._records.get(id(optimizer), rec)
         else:
             host = _first_step_needs_the_host(optimizer)  # a skip decided on device would leave garbage
             flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=False, sync=host)
@@ -1036,15 +1142,16 @@ class GradScaler:
     def _found_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private accessor, used by some trainers: this iteration's found_inf per device."""
         rec = self._records.get(id(optimizer))
-        return {} if rec is None else rec.torch_view()["found_inf_per_device"]
+        return {} if rec is None else rec.found_inf_per_device()
 
     def _check_inf_per_device(self, optimizer) -> Dict[torch.device, torch.Tensor]:
         """torch's private read-only check, used by some trainers."""
         self._t or self._require("_check_inf_per_device()")
         rec = self._record(optimizer, "_check_inf_per_device()")
         self._check_optimizer(optimizer, rec, unscale=False, sync=False)
+        rec.written = None  # this check's flags are the record's now
         self._records[id(optimizer)] = rec
-        return rec.torch_view()["found_inf_per_device"]
+        return rec.found_inf_per_device()
 
     def close(self) -> None:
         """Remove the tracing hooks (``trace=True``); the scaler keeps working without them. Idempotent."""
