@@ -110,12 +110,18 @@ def test_every_dynamic_state_field_is_validated(field, value, match):
 
 def test_scale_beyond_float32_is_refused_when_unbounded():
     # With max_scale=None / min_scale=None the bounds cannot catch it, but the float32 device scale
-    # would hold inf / 0.
+    # would hold inf. A subnormal scale and 0 are where torch's unbounded backoff goes (min_scale=None
+    # is torch's rule): they load, as torch's scaler loads them.
     scaler = lossscale.GradScaler(min_scale=None, max_scale=None)
-    for value in (1e39, 1e-50, 1e-40):  # inf, 0 and a subnormal (whose inverse is inf) in float32
+    for value in (1e39, -1.0):
         sd = scaler.state_dict()
         sd["state"]["scale"] = value
         refuses(scaler, sd, r"state\.scale")
+    for value in (2.0**-149, 0.0):
+        sd = scaler.state_dict()
+        sd["state"]["scale"] = sd["scale"] = value
+        scaler.load_state_dict(sd)
+        assert scaler.get_scale() == value
 
 
 @pytest.mark.parametrize("value", [True, "2", 2.0, None, 3])
@@ -321,15 +327,15 @@ def test_an_inf_scale_written_from_outside_skips_one_step_and_is_clamped_to_max_
     assert not scaler.last_step_skipped and finite(model)
 
 
-def test_unbounded_backoff_stops_at_float32s_smallest_normal_and_is_stuck_there():
-    # torch's setting (min_scale=None) went on halving into the subnormals and then to 0, whose
-    # float32 inverse is inf: the unscaled gradients turn NaN unseen and the weights with them.
+def test_unbounded_backoff_goes_on_as_torchs_and_is_stuck_below_float32s_smallest_normal():
+    # torch's setting (min_scale=None) goes on halving into the subnormals and then to 0, whose float32
+    # inverse is inf: lossscale's too (bitwise torch's), and the stuck check says so once it is there.
     scaler = lossscale.GradScaler(init_scale=2.0**-125, min_scale=None)
-    with pytest.warns(RuntimeWarning, match="consecutive skipped"):
+    with pytest.warns(RuntimeWarning, match=r"consecutive skipped(.|\n)*The scale itself is 5\.877\d*e-39"):
         drive(scaler, (True, True, True))
-    assert scaler.get_scale() == 2.0**-126
+    assert scaler.get_scale() == 2.0**-128
     p = scaler.policy
-    assert p.update(p.update(p.init_state(), found_inf=True), found_inf=True).scale == 2.0**-126  # pure form
+    assert p.update(p.update(p.init_state(), found_inf=True), found_inf=True).scale == 2.0**-127  # pure form
 
 
 @pytest.mark.parametrize("policy", ["dynamic", "static", "adaptive", "logmax"])

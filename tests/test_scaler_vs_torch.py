@@ -209,3 +209,34 @@ def test_an_optimizer_that_unscales_itself_trains_as_under_torchs_scaler(variant
     assert ours.get_scale() == ref.get_scale() == 2.0**10 * 2 / 4 * 2  # grown, backed off twice, grown again
     c = ours.counters()
     assert (c["steps"], c["skipped_steps"]) == (10, 2)
+
+
+def test_without_a_floor_the_scale_backs_off_to_zero_bitwise_as_torchs():
+    # min_scale=None is torch's rule all the way: with an inf on every step, through float32's subnormals
+    # (below 2**-126) down to 0.0, the same float32 scale as torch's at every step; the state dict at each
+    # of those scales goes both ways (torch's loads lossscale's, lossscale's loads torch's).
+    ref = torch.amp.GradScaler("cpu")
+    ours = lossscale.GradScaler("cpu", **TORCH_LIKE)
+    p_ref, p_ours = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    o_ref, o_ours = torch.optim.SGD([p_ref], lr=0.1), torch.optim.SGD([p_ours], lr=0.1)
+    seen = set()
+    for step in range(170):  # 2**16 halves to 2**-149 (float32's smallest subnormal) in 165 steps, then to 0
+        for scaler, p, o in ((ref, p_ref, o_ref), (ours, p_ours, o_ours)):
+            o.zero_grad()
+            scaler.scale(p.sum()).backward()
+            p.grad[0] = float("inf")
+            scaler.step(o)
+            scaler.update()
+        assert torch.equal(ref._scale, ours._scale), (step, ref._scale, ours._scale)
+        seen.add(ours.get_scale())
+        if step in (150, 166, 169):  # a subnormal scale and 0.0: checkpoints both ways
+            back = torch.amp.GradScaler("cpu")
+            back.load_state_dict(ours.state_dict())
+            assert back.get_scale() == ours.get_scale()
+            again = lossscale.GradScaler("cpu", **TORCH_LIKE)
+            again.init_device("cpu")
+            again.load_state_dict(ref.state_dict())
+            assert torch.equal(again._scale, ref._scale)
+    assert ours.get_scale() == ref.get_scale() == 0.0 and 2.0**-149 in seen
+    assert torch.equal(p_ref, p_ours) and torch.equal(p_ours, torch.ones(2))  # every step skipped
+    assert ours.counters()["skipped_steps"] == 170

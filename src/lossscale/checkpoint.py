@@ -194,14 +194,19 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
         "growth_interval": _torch_number(sd, "growth_interval", int),
     }
     tracker = _torch_number(sd, "_growth_tracker", int)
-    if not SMALLEST_SCALE <= f32(scale) < math.inf:
+    if not 0.0 <= f32(scale) < math.inf:
         raise ValueError(
-            f"state dict 'scale'={scale!r} must be > 0 and within float32's normal range "
-            "[2**-126, 3.4e38], where the scale is kept."
+            f"state dict 'scale'={scale!r} must be >= 0 and below float32's 3.4e38, where the scale is kept."
+        )
+    lo, hi = current.min_scale, current.max_scale
+    if lo is not None and f32(scale) < SMALLEST_SCALE:  # where torch's unbounded backoff goes, on to 0
+        raise ValueError(
+            f"state dict 'scale'={scale!r} is below float32's normal range (2**-126), where 1/scale is inf "
+            f"and no step trains; this scaler has min_scale={lo!r}. To load it as torch's scaler does, build "
+            "the scaler with min_scale=None (torch's rule, no floor)."
         )
     # torch's scale is unbounded: a scale beyond this scaler's bounds moves the bound to it (as an
     # init_scale beyond them does), said in the one warning below, rather than refuse a torch checkpoint.
-    lo, hi = current.min_scale, current.max_scale
     moved = {
         bound: scale
         for bound, outside in (

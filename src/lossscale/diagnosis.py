@@ -9,7 +9,7 @@ import math
 from typing import Optional
 
 from .formats import FP16, pow2_label
-from .policy import MIN_SCALE, ScaleState
+from .policy import MIN_SCALE, SMALLEST_SCALE, ScaleState
 
 __all__ = ["diagnose", "backward_fixes"]
 
@@ -61,12 +61,14 @@ def diagnose(policy, state: ScaleState, tracing: bool = False, backward: Optiona
         f"the scale went from {state.streak_start_scale:g} to {state.scale:g}"
         + (f" (min_scale={pow2_label(lo)})." if lo is not None else ".")
     ]
-    if not (math.isfinite(state.scale) and state.scale > 0):
+    if not (math.isfinite(state.scale) and state.scale >= SMALLEST_SCALE):
         lines.append(
-            f"The scale itself is {state.scale:g}, so every step overflows and is skipped. lossscale never "
-            "sets such a scale (update(new_scale=...) ignores one); something wrote it into the scale tensor "
-            "(scaler._get_scale_async()), or min_scale=None let the backoff reach 0. Set a good one with "
-            "scaler.update(new_scale=2.0**16) after a step."
+            f"The scale itself is {state.scale:g}, so every step overflows and is skipped (below float32's "
+            "smallest normal, 2**-126, 1/scale is inf: a step taken there writes inf or NaN into the weights). "
+            "lossscale never sets such a scale (update(new_scale=...) ignores one) unless min_scale=None "
+            "(torch's rule, no floor) let the backoff go there, as torch's does; otherwise something wrote it "
+            "into the scale tensor (scaler._get_scale_async()). Set a good one with "
+            "scaler.update(new_scale=2.0**16) after a step, and keep a floor (the default min_scale=2**-24)."
         )
     elif backward is not None:
         lines.append(

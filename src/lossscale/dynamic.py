@@ -10,7 +10,7 @@ The rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", tor
         if hysteresis_tracker > 1:                  # tolerance left: spend one, keep the scale
             hysteresis_tracker -= 1
         else:                                       # tolerance spent (the tracker stays at 1): back off
-            scale = max(f32(scale * backoff_factor), min_scale)   # min_scale None: SMALLEST_SCALE
+            scale = max(f32(scale * backoff_factor), min_scale)   # min_scale None: no floor (torch's)
     else:                                           # clean step
         growth_tracker += 1
         if consecutive_hysteresis:
@@ -24,7 +24,8 @@ The rule, as pseudocode (``found_inf`` means "some gradient was inf or NaN", tor
 
 With ``hysteresis=1`` and no bounds this is exactly ``torch.amp.GradScaler``'s rule
 (``torch._amp_update_scale_``), including its float32 rounding of the scale (``f32``: the product is
-taken in double and rounded once, as torch's kernel does). With ``hysteresis > 1`` and
+taken in double and rounded once, as torch's kernel does), all the way down: without a floor the scale
+backs off through float32's subnormals to 0.0, as torch's does. With ``hysteresis > 1`` and
 ``consecutive_hysteresis=False`` it is Megatron-core's ``DynamicGradScaler``: once the tolerance is
 spent, every overflow backs off until a growth refills it.
 
@@ -101,8 +102,10 @@ class DynamicPolicy(PolicyBase):
         hysteresis: overflows tolerated before backing off (1 = back off on every overflow, torch).
         consecutive_hysteresis: refill the hysteresis on every clean step, so only *consecutive*
             overflows spend it (DeepSpeed); otherwise only a growth refills it (Megatron-core).
-        min_scale: lower bound of the scale, or None for float32's smallest normal, 2**-126 (torch would
-            go on to 0, whose inverse is inf: every later step NaN). Default
+        min_scale: lower bound of the scale, or None for none, as torch: the backoff goes on below
+            float32's smallest normal (2**-126) down to 0.0, bitwise torch's. Below 2**-126 the inverse
+            1/scale overflows float32 to inf, so a step taken there writes inf or NaN into the weights,
+            and at 0 every later step is NaN, as under torch. Default
             :data:`~lossscale.policy.MIN_SCALE`, 2**-24, FP16's smallest subnormal: at a lower scale even
             a gradient of 1 flushes to zero in an FP16 backward, so no such scale carries anything; above
             it, a backward that overflows FP16 at every scale >= 1 still trains where torch's unbounded
@@ -207,7 +210,7 @@ class DynamicPolicy(PolicyBase):
         overflow = found_inf ^ bad_loss
         # The bounds as Python floats: clamp compares a float32 tensor with them and stores a float32, so
         # they act as their float32 roundings do in the pure rule (lowest(), f32(max_scale)).
-        floor = SMALLEST_SCALE if self.min_scale is None else self.min_scale
+        floor = 0.0 if self.min_scale is None else self.min_scale  # None: none, as torch (down to 0)
         if self.hysteresis > 1:
             # An overflow with tolerance left keeps the scale: the kernel below backs off on every
             # overflow, and the floor then lifts the scale back to the one this iteration ran with.
@@ -218,7 +221,8 @@ class DynamicPolicy(PolicyBase):
         torch._amp_update_scale_(
             t.scale, t.growth_tracker, overflow.float(), self.growth_factor, self.backoff_factor, self.growth_interval
         )  # refuses a non-finite growth
-        t.scale.clamp_(min=floor)
+        if self.min_scale is not None or self.hysteresis > 1:
+            t.scale.clamp_(min=floor)
         if self.max_scale is not None:
             t.scale.clamp_(max=self.max_scale)
         if self.hysteresis > 1:
@@ -236,8 +240,13 @@ class DynamicPolicy(PolicyBase):
         return stuck_at_bound_or_streak(self, state, scale_before, self.lowest())
 
     def lowest(self) -> float:
-        """The scale the backoff stops at: ``min_scale`` as float32, or :data:`SMALLEST_SCALE` when None."""
-        return SMALLEST_SCALE if self.min_scale is None else f32(self.min_scale)
+        """The scale the backoff stops at: ``min_scale`` as float32, or 0.0 when None (torch's: no floor)."""
+        return 0.0 if self.min_scale is None else f32(self.min_scale)
+
+    def smallest_scale(self) -> float:
+        """The smallest scale a state may hold: 0.0 without a floor (``min_scale=None``: torch's backoff
+        reaches it), else float32's smallest normal (see :class:`~lossscale.policy.PolicyBase`)."""
+        return 0.0 if self.min_scale is None else SMALLEST_SCALE
 
     def check_state(self, state: DynamicState) -> None:
         """Generic checks, plus: the trackers within this configuration's range."""

@@ -243,8 +243,10 @@ def stuck_at_bound_or_streak(policy, state: ScaleState, scale_before: float, low
     """
     if state.overflow_streak == 0:
         return False
-    if not (math.isfinite(state.scale) and state.scale > 0):
-        return True  # a scale of NaN, inf or 0 that the update kept skips every step from now on
+    if not (math.isfinite(state.scale) and state.scale >= SMALLEST_SCALE):
+        # A scale of NaN, inf, 0 or a float32 subnormal (1/scale is inf: where min_scale=None lets torch's
+        # backoff go) trains no step from now on.
+        return True
     if state.streak_bad_loss_steps == state.overflow_streak:
         limit = policy.max_consecutive_skips or BAD_LOSS_STREAK
         return state.overflow_streak >= limit
@@ -361,6 +363,12 @@ class PolicyBase:
             "_growth_tracker": int(getattr(state, "growth_tracker", 0)),
         }
 
+    def smallest_scale(self) -> float:
+        """The smallest scale a state of this policy may hold: float32's smallest normal,
+        :data:`SMALLEST_SCALE` (below it 1/scale is inf in float32); 0.0 for a policy whose scale may back
+        off to 0 as torch's does (:meth:`lossscale.DynamicPolicy.smallest_scale`)."""
+        return SMALLEST_SCALE
+
     def check_type(self, state) -> None:
         """ValueError unless ``state`` is this policy's :attr:`state_type` (another policy's state has other
         fields and trackers); :meth:`update` and :meth:`check_state` begin with it."""
@@ -394,7 +402,10 @@ class PolicyBase:
                     raise ValueError(f"state.{f.name}={v!r} must be >= 0.")
                 if kind == "f32" and not math.isfinite(f32(v)):
                     raise ValueError(f"state.{f.name}={v!r} is outside float32's range, in which the device holds it.")
-        if not SMALLEST_SCALE <= f32(state.scale) < math.inf:
+        if self.smallest_scale() == 0.0:
+            if not 0.0 <= f32(state.scale) < math.inf:
+                raise ValueError(f"state.scale={state.scale!r} must be >= 0 and below float32's 3.4e38.")
+        elif not SMALLEST_SCALE <= f32(state.scale) < math.inf:
             raise ValueError(
                 f"state.scale={state.scale!r} is outside float32's normal range [2**-126, 3.4e38], "
                 "where the device keeps the scale (a zero scale would step on NaN gradients)."

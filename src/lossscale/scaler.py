@@ -203,7 +203,7 @@ class GradScaler:
             (:mod:`lossscale.upcast`). "skip": no.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
             ``consecutive_hysteresis=False``, ``min_scale=2**-24`` (FP16's smallest subnormal; None:
-            float32's smallest normal, as torch), ``max_scale=2**24`` (None: unbounded, as torch),
+            no floor, as torch: the scale backs off down to 0), ``max_scale=2**24`` (None: unbounded, as torch),
             ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
             ``max_consecutive_skips=None``. Another policy's keyword is validated and warned about.
 
