@@ -122,3 +122,58 @@ def test_logmaxs_default_floor_of_1_is_named_as_1():
     with pytest.warns(UserWarning) as caught:
         lossscale.GradScaler("cpu", policy="logmax", init_scale=0.5)
     assert "init_scale=2**-1 is below the default min_scale=1.0," in str(caught[0].message)
+
+
+@pytest.mark.parametrize(
+    "typo, nearest", [("min_sacle", "min_scale"), ("loss_chek", "loss_check"), ("hysterisis", "hysteresis")]
+)
+def test_a_misspelt_keyword_names_the_nearest_and_lists_the_keywords(typo, nearest):
+    with pytest.raises(ValueError) as e:
+        lossscale.GradScaler(**{typo: 1.0})
+    message = str(e.value)
+    assert message.startswith(f"{typo}=1.0 is not a keyword of any scale policy, nor of GradScaler; ")
+    assert f"did you mean {nearest}=1.0?" in message
+    import inspect
+
+    for name in inspect.signature(lossscale.GradScaler).parameters:  # every keyword is listed
+        if name != "policy_keywords":
+            assert f" {name}," in message or f" {name}." in message, name
+    for field in ("hysteresis", "margin_bits", "max_consecutive_skips"):  # the policies' too
+        assert field in message
+
+
+def test_nothing_near_a_keyword_lists_them_without_a_guess():
+    with pytest.raises(ValueError, match=r"^zzzz=1 is not a keyword of any scale policy, nor of GradScaler\. "):
+        lossscale.GradScaler(zzzz=1)
+
+
+def test_the_signature_shows_the_defaults_the_code_has():
+    # min_scale, max_scale and on_stuck are keywords of their own, with the default policy's defaults
+    # shown; upcast_after and process_group show the values the code uses.
+    import inspect
+
+    from lossscale import upcast
+
+    params = inspect.signature(lossscale.GradScaler).parameters
+    dynamic = {f.name: f.default for f in dataclasses.fields(lossscale.DynamicPolicy)}
+    for name in ("min_scale", "max_scale", "on_stuck"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == dynamic[name]
+    assert params["upcast_after"].default == upcast.AFTER
+    assert params["process_group"].default == "default" == lossscale.GradScaler().process_group
+    assert inspect.signature(lossscale.ShardedGradScaler).parameters["process_group"].default == "default"
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive", "logmax"])
+def test_the_shown_bounds_go_to_the_policy_only_when_given(policy):
+    # Not given, another policy keeps its own bounds (logmax's floor is 1; static has none) and no
+    # warning fires; given, they reach the policy, as before.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lossscale.GradScaler(policy=policy).policy == policy_class(policy)()
+    if policy != "static":
+        assert lossscale.GradScaler(policy=policy, max_scale=2.0**20).policy.max_scale == 2.0**20
+    assert lossscale.GradScaler(policy=policy, on_stuck="raise").policy.on_stuck == "raise"
+    given = lossscale.GradScaler(min_scale=None, max_scale=None, on_stuck="ignore").policy
+    assert (given.min_scale, given.max_scale, given.on_stuck) == (None, None, "ignore")
+    with pytest.raises(ValueError, match="policy is a policy object, so min_scale must be set on the object"):
+        lossscale.GradScaler(policy=lossscale.DynamicPolicy(), min_scale=1.0)

@@ -571,3 +571,32 @@ def test_a_lowered_growth_interval_caps_the_tracker_so_the_next_clean_step_grows
         scaler.step(opt)
         scaler.update()
     assert scaler.get_scale() == 2.0**5 and scaler._get_growth_tracker() == 1
+
+
+def test_the_call_order_errors_keep_torchs_words_first_and_name_the_fix():
+    # torch's wording starts each message (so a search finds it); what follows says what to do, and the
+    # forgotten update() that most often leads there. Each refusal changes nothing.
+    model = tiny_mlp()
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = lossscale.GradScaler()
+    backward(model, scaler, 0)
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError) as e:
+        scaler.unscale_(opt)
+    assert str(e.value).startswith("unscale_() has already been called on this optimizer since the last update(). ")
+    assert "once per optimizer per iteration" in str(e.value) and "scaler.update()" in str(e.value)
+    scaler.step(opt)
+    scaler.update()
+    backward(model, scaler, 1)
+    scaler.step(opt)  # ... and the update() forgotten:
+    backward(model, scaler, 2)
+    with pytest.raises(RuntimeError) as e:
+        scaler.step(opt)
+    assert str(e.value).startswith("step() has already been called since the last update(). ")
+    assert "Call scaler.update() once at the end of every iteration" in str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        scaler.unscale_(opt)
+    assert str(e.value).startswith("unscale_() is being called after step(); call it before step()")
+    assert "end every iteration with scaler.update()" in str(e.value)
+    scaler.update()
+    assert scaler.counters()["steps"] == 2

@@ -8,8 +8,10 @@ changes nothing. An unknown keyword raises. Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import warnings
+from typing import Any, Dict, Sequence
 
 from ._validate import plain_number, positive_finite
 from ._warnings import warn
@@ -19,8 +21,9 @@ from .policy import policy_class, policy_names, registered
 __all__ = ["policy_from_keywords"]
 
 
-def policy_from_keywords(name: str, **given):
-    """The policy registered as ``name``, built from the GradScaler keywords ``given``."""
+def policy_from_keywords(name: str, given: Dict[str, Any], scaler_keywords: Sequence[str] = ()):
+    """The policy registered as ``name``, built from the GradScaler keywords ``given``; ``scaler_keywords``:
+    the scaler's own, listed (with every policy's) when a keyword is no one's."""
     cls = policy_class(name)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs, ignored, named = {}, [], {}
@@ -37,7 +40,7 @@ def policy_from_keywords(name: str, **given):
         else:
             ignored.append(key)
     for key in ignored:
-        _validate_elsewhere(cls, key, given[key])
+        _validate_elsewhere(cls, key, given[key], scaler_keywords)
     _lift_default_bounds(cls, kwargs)
     if ignored:
         warn(
@@ -74,8 +77,9 @@ def _lift_default_bounds(cls, kwargs) -> None:
             )
 
 
-def _validate_elsewhere(cls, key: str, value) -> None:
-    """Validate a keyword that ``cls`` does not have with a registered policy that has it."""
+def _validate_elsewhere(cls, key: str, value, scaler_keywords: Sequence[str] = ()) -> None:
+    """Validate a keyword that ``cls`` does not have with a registered policy that has it; ValueError
+    listing the keywords, the nearest first, for a keyword no one has (a misspelling)."""
     for other in registered():
         field = other.keyword_aliases.get(key, key)
         if other is cls or field not in {f.name for f in dataclasses.fields(other)}:
@@ -91,6 +95,16 @@ def _validate_elsewhere(cls, key: str, value) -> None:
         except ValueError as e:
             raise ValueError(f"{e} (and {key} does not apply to policy={cls.name!r} anyway)") from None
         return
+    others = sorted({n for other in registered() for n in _keywords_of(other)} - set(scaler_keywords))
+    nearest = difflib.get_close_matches(key, list(scaler_keywords) + others, n=1)
     raise ValueError(
-        f"{key}={value!r} is not a keyword of any scale policy; known policies: {', '.join(policy_names())}."
+        f"{key}={value!r} is not a keyword of any scale policy, nor of GradScaler"
+        + (f"; did you mean {nearest[0]}={value!r}?" if nearest else ".")
+        + (f" GradScaler's keywords: {', '.join(scaler_keywords)}." if scaler_keywords else "")
+        + f" The policies' other keywords ({', '.join(policy_names())}): {', '.join(others)}."
     )
+
+
+def _keywords_of(cls) -> set:
+    """The GradScaler keywords that set a field of policy ``cls``: its fields and their aliases."""
+    return {f.name for f in dataclasses.fields(cls)} | set(cls.keyword_aliases)

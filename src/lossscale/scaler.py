@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import inspect
 from collections import abc
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -42,10 +42,12 @@ from .formats import f32
 from .health import Health, HealthReport
 from .microbatches import MicroBatches, valid_weight
 from .policy import Policy, ScaleState, count_tensor
-from .spikes import SpikeSkipper
+from .spikes import SkipIf, SpikeSkipper
 from .static import StaticPolicy
-from .upcast import AFTER as UPCAST_AFTER
 from .upcast import Upcast
+
+if TYPE_CHECKING:  # the telemetry's module imports only when asked for
+    from .telemetry import Telemetry
 
 __all__ = ["GradScaler", "OptState", "STATE_DICT_VERSION"]
 
@@ -173,6 +175,15 @@ class GradScaler:
         enabled: False makes every call a passthrough that changes nothing, as torch.
         policy: "dynamic" (default, :class:`lossscale.DynamicPolicy`), "static", "adaptive", "logmax",
             or a policy object (then no scale keyword may be given).
+        min_scale: the scale's floor: 2**-24 (default, FP16's smallest subnormal; "logmax"'s own is 1),
+            or None: no floor, as torch (the scale backs off through float32's subnormals to 0, bitwise
+            torch's). Passed to the policy only when given, so another policy keeps its own default;
+            "static" has none.
+        max_scale: the scale's cap: 2**24 (default), or None: unbounded, as torch. Passed on as
+            ``min_scale`` is.
+        on_stuck: what an overflow the scale cannot answer (at ``min_scale``, or ``max_consecutive_skips``
+            skipped steps in a row) does: "warn" (default, once per streak, with a diagnosis), "raise"
+            (RuntimeError) or "ignore" (torch's silence).
         model: an ``nn.Module`` or ``(name, parameter)`` pairs, to name parameters in reports and errors.
         process_group: the group the skip decision (and a measuring policy's amax) is all-reduced over
             (MAX), so every rank skips or steps together. "default": the default group when
@@ -202,10 +213,9 @@ class GradScaler:
             higher) is kept in FP32, widened to its enclosing module if that does not end it
             (:mod:`lossscale.upcast`). "skip": no.
         **policy_keywords: the policy's other fields; for "dynamic": ``hysteresis=1``,
-            ``consecutive_hysteresis=False``, ``min_scale=2**-24`` (FP16's smallest subnormal; None:
-            no floor, as torch: the scale backs off down to 0), ``max_scale=2**24`` (None: unbounded, as torch),
-            ``on_stuck="warn"`` ("raise", "warn" once per streak, "ignore"),
-            ``max_consecutive_skips=None``. Another policy's keyword is validated and warned about.
+            ``consecutive_hysteresis=False``, ``max_consecutive_skips=None``; for "adaptive" and
+            "logmax" their own (``margin_bits``, ...). Another policy's keyword is validated and warned
+            about; a keyword of no policy raises ValueError naming the nearest one.
 
     The training loop is torch's::
 
@@ -231,18 +241,21 @@ class GradScaler:
         growth_interval: Optional[int] = None,
         enabled: bool = True,
         *,
-        policy: Any = "dynamic",
-        model: Any = None,
-        process_group: Any = DEFAULT_GROUP,
-        telemetry: Any = None,
+        policy: Union[str, Policy] = "dynamic",
+        min_scale: Optional[float] = 2.0**-24,
+        max_scale: Optional[float] = 2.0**24,
+        on_stuck: Literal["warn", "raise", "ignore"] = "warn",
+        model: Union[torch.nn.Module, Iterable[Tuple[str, torch.nn.Parameter]], None] = None,
+        process_group: Union[Literal["default"], torch.distributed.ProcessGroup, None] = "default",
+        telemetry: Union[int, Dict[str, Any], Telemetry, None] = None,
         loss_check: bool = True,
         trace: bool = False,
         allow_fp16: bool = False,
-        skip_if: Any = None,
-        bad_microbatch: str = "skip",
-        on_forward_overflow: str = "skip",
-        upcast_after: int = UPCAST_AFTER,
-        on_backward_overflow: str = "skip",
+        skip_if: Union[SkipIf, Dict[str, Any], None] = None,
+        bad_microbatch: Literal["skip", "drop", "zero"] = "skip",
+        on_forward_overflow: Literal["skip", "upcast"] = "skip",
+        upcast_after: int = 2,
+        on_backward_overflow: Literal["skip", "upcast"] = "skip",
         **policy_keywords: Any,
     ) -> None:
         if device is not None and not isinstance(device, (str, torch.device)):
@@ -262,6 +275,12 @@ class GradScaler:
             ).items()
             if v is not None
         }
+        # min_scale, max_scale and on_stuck show the default policy's defaults; each goes to the policy
+        # only when given (not the signature's default object itself), so another policy keeps its own
+        # defaults and a policy object takes no keyword.
+        shown = GradScaler.__init__.__kwdefaults__
+        bounds = dict(min_scale=min_scale, max_scale=max_scale, on_stuck=on_stuck)
+        given.update((k, v) for k, v in bounds.items() if v is not shown[k])
         self._policy = _make_policy(policy, {**given, **policy_keywords})
         for name, value in (("loss_check", loss_check), ("trace", trace), ("allow_fp16", allow_fp16)):
             if not isinstance(value, bool):
@@ -322,7 +341,7 @@ class GradScaler:
         own = {"enabled"} | {
             name
             for name, p in inspect.signature(cls).parameters.items()
-            if p.kind is p.KEYWORD_ONLY and name != "policy"
+            if p.kind is p.KEYWORD_ONLY and name not in ("policy", "min_scale", "max_scale", "on_stuck")
         }
         scale_keys = sorted(set(kwargs) - own)
         if scale_keys:
@@ -582,7 +601,11 @@ class GradScaler:
         self._t or self._require("unscale_()")
         rec = self._record(optimizer, "unscale_()")
         if rec.stage is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(). Call it once per "
+                "optimizer per iteration, between backward() and step() (a framework's clip_grad_norm_ may "
+                "already have unscaled), and end every iteration with scaler.update()."
+            )
         self._check_optimizer(optimizer, rec, unscale=True, sync=not _fused(optimizer))
         self._keep(optimizer, rec, OptState.UNSCALED)
 
@@ -662,7 +685,11 @@ class GradScaler:
         self._t or self._require("step()")
         rec = self._record(optimizer, "step()")
         if rec.stage is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError(
+                "step() has already been called since the last update(). Call scaler.update() once at the end "
+                "of every iteration, after scaler.step(optimizer) for each optimizer (a missing update() makes "
+                "the next iteration's step() the second)."
+            )
         if not getattr(optimizer, "_step_supports_amp_scaling", False):  # see _fused
             flags = rec.flags or self._check_optimizer(optimizer, rec, unscale=True, sync=True)
             retval = None if flags.was_skipped() else optimizer.step(*args, **kwargs)
@@ -710,7 +737,10 @@ class GradScaler:
         if rec is None or (rec.stage is OptState.READY and rec.flags is None):
             return _Record()
         if rec.stage is OptState.STEPPED and call != "step()":
-            raise RuntimeError(f"{call} is being called after step(); call it before step() in the iteration.")
+            raise RuntimeError(
+                f"{call} is being called after step(); call it before step() in the iteration, and end every "
+                "iteration with scaler.update() (a missing update() puts the next iteration's calls after step())."
+            )
         return rec
 
     def _keep(self, optimizer, rec: Dict[str, Any], stage: OptState) -> None:
@@ -1304,7 +1334,8 @@ def _check_process_group(group: Any) -> None:
 
 def _make_policy(policy, given: Dict[str, Any]):
     if isinstance(policy, str):
-        return policy_from_keywords(policy, **given)
+        own = [n for n in inspect.signature(GradScaler).parameters if n != "policy_keywords"]
+        return policy_from_keywords(policy, given, own)
     if not isinstance(policy, Policy):
         raise ValueError(f"policy={policy!r} is neither a policy name nor a policy object (lossscale.policy.Policy).")
     if given:

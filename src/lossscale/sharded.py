@@ -9,9 +9,11 @@ of positional arguments (``backoff_factor`` before ``growth_factor``); the flush
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Union
 
-from .scaler import DEFAULT_GROUP, GradScaler
+import torch
+
+from .scaler import GradScaler
 
 __all__ = ["ShardedGradScaler"]
 
@@ -29,7 +31,7 @@ class ShardedGradScaler(GradScaler):
         growth_factor=None,
         growth_interval=None,
         enabled: bool = True,
-        process_group: Any = DEFAULT_GROUP,
+        process_group: Union[Literal["default"], torch.distributed.ProcessGroup, None] = "default",
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("allow_fp16", True)
