@@ -95,3 +95,27 @@ def test_under_compile_the_stuck_check_is_off_silently_and_check_stuck_runs_it()
             update()
     with pytest.warns(RuntimeWarning, match="consecutive skipped step"):
         scaler.check_stuck()  # the eager point
+
+
+def test_a_scale_backed_off_to_zero_reads_as_zero_and_stuck():
+    # min_scale=None is torch's rule: the backoff may reach 0.0 (and below 2**-126 nothing trains). The
+    # account says stuck and writes the scale as 0.0, not as a power of two.
+    scaler = lossscale.GradScaler("cpu", loss_check=False, min_scale=None, max_scale=None)
+    scaler.init_device("cpu")
+    scaler.load_state_dict(
+        dict(scale=2.0**-148, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, _growth_tracker=0)
+    )  # a torch checkpoint from just above 0
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stuck warning, by design
+        for _ in range(4):
+            opt.zero_grad()
+            scaler.scale(p.sum()).backward()
+            p.grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() == 0.0
+    report = scaler.health()
+    assert report.verdict == "stuck"
+    assert "The scale is 0.0" in report.text and "*0.0" not in report.text

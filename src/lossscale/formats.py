@@ -417,7 +417,10 @@ def classify(fmt: "str | FloatFormat", x: float, *, via_fp32: bool = False) -> s
 
 
 def pow2_label(v: float) -> str:
-    """``2^k`` for an exact power of two, else ``2^k*m`` with the exact mantissa ``m`` in [1, 2)."""
+    """``2^k`` for an exact power of two, else ``2^k*m`` with the exact mantissa ``m`` in [1, 2); 0, inf
+    and NaN as Python writes them (a scale that ``min_scale=None`` let back off to 0 is shown as 0.0)."""
+    if v == 0 or not math.isfinite(v):
+        return repr(float(v))
     m, k = math.frexp(v)
     m, k = m * 2.0, k - 1
     return f"2^{k}" if m == 1.0 else f"2^{k}*{m!r}"
