@@ -151,11 +151,17 @@ def test_check_state_refuses_naming_the_field(policy, changes, name):
 
 
 def test_check_state_keeps_the_scale_within_float32s_normal_range():
-    """Kills: the smallest normal refused (``<`` for ``<=``)."""
-    p = DynamicPolicy(init_scale=1.0, min_scale=None)
+    """Kills: the smallest normal refused (``<`` for ``<=``). Without a floor (``min_scale=None``, torch's
+    rule) the scale may go on below it to 0, as torch's backoff does: such states are this policy's."""
+    p = DynamicPolicy(init_scale=1.0, min_scale=2.0**-126)
     p.check_state(p.init_state().replace(scale=2.0**-126))
     with pytest.raises(ValueError, match="scale"):
         p.check_state(p.init_state().replace(scale=2.0**-127))
+    unbounded = DynamicPolicy(init_scale=1.0, min_scale=None)
+    for scale in (2.0**-126, 2.0**-127, 0.0):
+        unbounded.check_state(unbounded.init_state().replace(scale=scale))
+    with pytest.raises(ValueError, match=r"^state\.scale=-1\.0 must be >= 0"):
+        unbounded.check_state(unbounded.init_state().replace(scale=-1.0))
 
 
 @pytest.mark.parametrize(
