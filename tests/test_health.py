@@ -22,7 +22,7 @@ from test_stuck import _model  # Linear, Tanh, Blowup (factor=inf: a non-finite 
 
 import lossscale
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
-from lossscale.health import SETTLE, Health, HealthReport
+from lossscale.health import HELD, SETTLE, Health, HealthReport
 
 KINDS = ("calibration", "overflow", "bad_batch", "persistent_nan", "earlier")
 
@@ -124,9 +124,12 @@ def test_calibration_ends_after_a_clean_stretch_and_later_overflows_are_steady()
     assert r.overflow == r.overflow_after_growth > 0
     assert r.verdict == "healthy" and not r.calibrating
     assert "right after the scale grew" in r.text
-    # Torch's interval: the stretch is SETTLE steps; an overflow 10 steps after calibration is still it.
-    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([16])), 100)
+    # Torch's interval: the stretch is SETTLE steps; an overflow a few steps after the descent is still it,
+    # one at a scale that had held HELD steps is not: the gradients or the data outgrew a scale that fit.
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + HELD - 1])), 100)
     assert kinds(r) == {"calibration": 7}
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + HELD])), 100)
+    assert kinds(r) == {"calibration": 6, "overflow": 1} and not r.calibrating
     _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + SETTLE + 5])), 100)
     assert kinds(r) == {"calibration": 6, "overflow": 1} and r.overflow_after_growth == 0
     assert r.verdict == "healthy"  # one overflow in steady training: the scale answered it
@@ -282,7 +285,7 @@ def test_report_validates_and_gives_plain_numbers():
     assert set(r.metrics(prefix="x/")) == {"x/" + k[len("health/") :] for k in m}
     assert str(r) == r.text
     r = h.report(policy, s, flushed=0.25, flushed_step=7)
-    assert r.metrics()["health/flushed"] == 0.25 and "25.00% of the gradients sampled at iteration 7" in r.text
+    assert r.metrics()["health/flushed"] == 0.25 and "25.00% of the gradients sampled at step 8" in r.text
     assert "a larger scale keeps them" in r.text
     assert "flush:" not in h.report(policy, s, flushed=0.001, flushed_step=7).text
     assert lossscale.health.disabled().metrics() == {
@@ -459,7 +462,7 @@ def test_telemetry_gives_the_flushed_share_and_a_load_restarts_the_account():
     _train(scaler, model, False, 5, inf=(0,))
     r = scaler.health()
     assert r.flushed == scaler.metrics()["grad/flushed_frac"] and r.flushed_step == 4
-    assert "of the gradients sampled at iteration 4 flush to zero" in r.text
+    assert "of the gradients sampled at step 5 flush to zero" in r.text
     saved = scaler.state_dict()
     scaler.load_state_dict(saved)
     _train(scaler, model, False, 3, inf=(1,))
