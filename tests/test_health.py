@@ -135,6 +135,54 @@ def test_calibration_ends_after_a_clean_stretch_and_later_overflows_are_steady()
     assert r.verdict == "healthy"  # one overflow in steady training: the scale answered it
 
 
+def test_an_overflow_at_a_scale_that_had_held_is_not_calibration():
+    # At the initial scale: an overflow on step HELD (after HELD - 1 clean steps) is still the search's;
+    # one on step HELD + 1 or later, at a scale that had held, is the gradients' or the data's.
+    _, r, _ = script(DynamicPolicy(), at([HELD - 1]), 100)
+    assert kinds(r) == {"calibration": 1}
+    _, r, _ = script(DynamicPolicy(), at([HELD]), 100)
+    assert kinds(r) == {"overflow": 1} and not r.calibrating and r.verdict == "healthy"
+    assert "1 overflow in steady training (at a scale that had fit the gradients" in r.text
+    assert "calibrated" not in r.text
+
+
+def _loss_jump_run(trace, steps=40, jump_at=20):
+    """A clean FP16 run on CPU whose loss is multiplied by 1e6 at step ``jump_at`` (counting from 1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = lossscale.GradScaler(model=model, trace=trace)
+    for step in range(1, steps + 1):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss * 1e6 if step == jump_at else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler
+
+
+def test_a_loss_jump_in_a_clean_run_is_an_overflow_with_its_cause_not_calibration():
+    """The loss times 1e6 at step 20 of a clean run was reported as "while the scale calibrated", without
+    its cause, and the step numbers' origin was not said."""
+    scaler = _loss_jump_run(trace=True)
+    r = scaler.health()
+    assert (r.verdict, kinds(r), r.steps, r.scale) == ("healthy", {"overflow": 1}, 40, 2.0**15)
+    assert "calibrated" not in r.text
+    step, cause = r.overflow_cause
+    assert step == 20 and cause == "the backward of `2` overflowed fp16 at scale 2^16: the loss scale (backed off)."
+    assert (
+        "First cause of the last overflow in steady training, at step 20: the backward of `2` overflowed fp16 "
+        "at scale 2^16: the loss scale (backed off)." in r.text
+    )
+    assert r.text.count("Steps count from 1") == 1 and r.text.endswith("(Steps count from 1: step 1 is the first update.)")
+    assert r.causes == () and "overflow_cause" not in "".join(r.metrics())
+    # Without the trace the kind is the same; no cause is kept, and no step is named.
+    r = _loss_jump_run(trace=False).health()
+    assert kinds(r) == {"overflow": 1} and r.overflow_cause is None and "Steps count" not in r.text
+
+
 def test_bad_batches_are_counted_apart_and_training_stays_healthy():
     s, r, h = script(DynamicPolicy(), at([40, 90, 91], **BAD), 150)
     assert kinds(r) == {"bad_batch": 3} and r.scale == 2.0**16  # the scale was kept
