@@ -1,6 +1,7 @@
 """One-time hints: a default (scaling) GradScaler used for bf16 points to GradScaler.passthrough()."""
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -78,6 +79,7 @@ def test_nested_outputs_are_looked_into():
 
 # ------------------------------------------------------------------ no FP16 work seen
 NO_FP16_HINT = "saw no FP16 work"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _no_fp16_hints(record):
@@ -119,6 +121,9 @@ def test_the_readme_loop_pasted_on_cpu_warns_once_that_it_does_not_train_in_fp16
     assert f"in its first {NO_FP16_STEPS} steps" in text
     assert "torch.autocast(device_type=x.device.type, dtype=torch.float16)" in text and "model.half()" in text
     assert "GradScaler(enabled=False)" in text and "GradScaler.passthrough()" in text
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md"), encoding="utf-8") as fh:
+        quoted = fh.read().split('## lossscale: "this GradScaler saw no FP16 work"', 1)[1].split("`")[1]
+    assert quoted == f"UserWarning: {text[: len(quoted) - len('UserWarning: ')]}"  # the docs quote its start
     report = namespace["scaler"].health()
     assert report.no_fp16 and report.metrics()["health/no_fp16"] is True
     assert "Not FP16: in its first 100 steps this GradScaler saw no FP16 work" in report.text
@@ -198,6 +203,7 @@ def test_a_compiled_fp16_forward_the_graph_cannot_show_is_not_called_fp32():
         warnings.simplefilter("always")
         scaler = _run(lossscale.GradScaler("cpu"), NO_FP16_STEPS + 1, lambda m, x, y: compiled_loss(x, y), model)
     assert _no_fp16_hints(record) == [] and not scaler.health().no_fp16
+    assert not scaler._fp16_watch.watching  # and it stopped looking: a compiled run pays its first steps only
 
 
 @pytest.mark.parametrize("forward", [_fp32, _bf16_autocast], ids=["fp32", "bf16_closed_before_scale"])

@@ -57,8 +57,8 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], 
                 else ""
             )
             kinds.append(
-                f"{_plural(r.overflow, 'overflow')} in steady training (at a scale that had fit the gradients: "
-                f"the gradients or the data outgrew it) or while stuck{probes}"
+                f"{_plural(r.overflow, 'overflow')} in steady training (not calibration: the scale had held) "
+                f"or while stuck{probes}"
             )
         if r.bad_batch:
             kinds.append(

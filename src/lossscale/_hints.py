@@ -68,46 +68,44 @@ GRAPH_NODES = 128
 
 
 class Fp16Watch:
-    """Whether a scaling ``GradScaler`` sees FP16 work, looked for at :meth:`look` (``scale()``) until
-    it does; if :data:`~lossscale.diagnosis.NO_FP16_STEPS` iterations show none, it warns once and the
-    health report says so (:attr:`idle`).
+    """Whether a scaling ``GradScaler`` sees FP16 work, looked for at :meth:`look` (``scale()``) for its
+    first :data:`~lossscale.diagnosis.NO_FP16_STEPS` iterations at most; if none of them shows any, it
+    warns once and the health report says so (:attr:`idle`).
 
     FP16 work is, on the scaled tensor (metadata only: no kernel, no host-device sync): an FP16 loss,
     FP16 autocast active on its device at ``scale()``, or an FP16 tensor among the first
     :data:`GRAPH_NODES` nodes of its backward graph (an FP16 activation or parameter: ``model.half()``,
-    FP16 autocast whose block closed before ``scale()``, FSDP2's ``param_dtype=torch.float16``). An
-    iteration whose graph it cannot see into (a ``torch.compile`` region, whose FP16 stays inside it, or a
-    torch without node metadata) or that runs under compile counts for nothing: no false alarm. The first
-    FP16 sign ends the watch, so an FP16 run pays for it once.
+    FP16 autocast whose block closed before ``scale()``, FSDP2's ``param_dtype=torch.float16``). A run
+    whose graph it cannot see into (a ``torch.compile`` region, whose FP16 stays inside it, or a torch
+    without node metadata) is never told: no false alarm. The first FP16 sign ends the watch, so an FP16
+    run pays for it once; any other run, for its first iterations only.
     """
 
-    __slots__ = ("iterations", "seen", "idle")
+    __slots__ = ("iterations", "seen", "blind", "idle")
 
     def __init__(self) -> None:
-        self.iterations = 0  # the scaled iterations that showed no FP16 and could be seen through
-        self.seen = False  # FP16 work seen: the watch is over
-        self.idle = False  # NO_FP16_STEPS iterations without FP16: warned
+        self.iterations = 0  # the scaled iterations looked at
+        self.seen = False  # FP16 work seen
+        self.blind = False  # some graph could not be seen into: no verdict
+        self.idle = False  # NO_FP16_STEPS iterations without FP16, all seen into: warned
 
     @property
     def watching(self) -> bool:
-        return not (self.seen or self.idle)
+        return not self.seen and self.iterations < NO_FP16_STEPS
 
     def look(self, outputs: Any, first_of_iteration: bool) -> None:
         """Look at what ``scale()`` got (``first_of_iteration``: its first call since the last update);
-        warn once when the iterations without FP16 reach the limit."""
+        warn once when the iterations looked at reach the limit without FP16."""
         if torch.compiler.is_compiling():
             return
         tensor = next((x for x in tree_leaves(outputs) if isinstance(x, torch.Tensor)), None)
-        if tensor is None:
-            return
-        fp16 = _fp16_work(tensor)
-        if fp16:
-            self.seen = True
-            return
-        if fp16 is None or not first_of_iteration:
+        fp16 = None if tensor is None else _fp16_work(tensor)  # (a lazy iterable: nothing to see)
+        self.seen = bool(fp16)
+        self.blind = self.blind or fp16 is None
+        if self.seen or not first_of_iteration:
             return
         self.iterations += 1
-        if self.iterations >= NO_FP16_STEPS:
+        if self.iterations == NO_FP16_STEPS and not self.blind:
             self.idle = True
             warn(f"lossscale.GradScaler: {NO_FP16}. {NO_FP16_FIX} (Warned once.)")
 

@@ -41,9 +41,10 @@ dropped. Nothing is added to an iteration but a few integer operations on the ho
 
   A streak that ends stuck is not calibration: its skips are persistent NaN or overflows.
 * **overflow**: a skip with a finite loss in steady training (after the first clean stretch, or at a
-  scale that had held), or in a stuck streak. ``overflow_after_growth`` counts those that came at most ``SETTLE`` steps after the
-  scale grew, at the grown scale: the dynamic policy probing for a larger scale (one every
-  ``growth_interval`` clean steps when the gradients sit near the top of FP16's range), expected.
+  scale that had held), or in a stuck streak. ``overflow_after_growth`` counts those that came at most
+  ``SETTLE`` steps after the scale grew, at the grown scale: the dynamic policy probing for a larger
+  scale (one every ``growth_interval`` clean steps when the gradients sit near the top of FP16's range),
+  expected.
 
 A streak's skips are classified when it ends; the report counts the streak in progress as if it
 ended now (a streak that gets stuck later turns its calibration skips into persistent NaN or overflows).
@@ -163,8 +164,9 @@ class HealthReport:
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
         overflow_cause: ``(step, first cause)`` of the last overflow in steady training, with
             ``trace=True``; else None.
-        no_fp16: the scaler saw no FP16 work in its first ``lossscale.diagnosis.NO_FP16_STEPS`` scaled
-            steps (it warned): the run trains in FP32 or bf16 (:class:`lossscale._hints.Fp16Watch`).
+        no_fp16: the scaler saw no FP16 work (an FP16 loss, activation or parameter, or FP16 autocast at
+            ``scale()``) in its first ``lossscale.diagnosis.NO_FP16_STEPS`` (100) scaled steps, and warned:
+            the run trains in FP32 or bf16.
     """
 
     verdict: str

@@ -338,8 +338,9 @@ class GradScaler:
     def scale(self, outputs, weight=None):
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
         The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast, and once
-        if the first ``lossscale.diagnosis.NO_FP16_STEPS`` (100) iterations show no FP16 work (an autocast
-        whose device type is not the model's: :class:`lossscale._hints.Fp16Watch`).
+        if the first ``lossscale.diagnosis.NO_FP16_STEPS`` (100) iterations show no FP16 work (no FP16
+        loss, activation or parameter in the loss's graph, no FP16 autocast at this call: an autocast whose
+        device type is not the model's, say); it looks at metadata only, until the first FP16 sign.
         ``weight`` (with ``bad_microbatch``): this micro-batch's share of the step, e.g. its token count;
         a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`).
         A tensor ``weight`` is read on the host (one sync)."""
