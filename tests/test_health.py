@@ -22,7 +22,7 @@ from test_stuck import _model  # Linear, Tanh, Blowup (factor=inf: a non-finite 
 
 import lossscale
 from lossscale import AdaptivePolicy, DynamicPolicy, LogMaxPolicy, StaticPolicy
-from lossscale.health import SETTLE, Health, HealthReport
+from lossscale.health import HELD, SETTLE, Health, HealthReport
 
 KINDS = ("calibration", "overflow", "bad_batch", "persistent_nan", "earlier")
 
@@ -124,12 +124,64 @@ def test_calibration_ends_after_a_clean_stretch_and_later_overflows_are_steady()
     assert r.overflow == r.overflow_after_growth > 0
     assert r.verdict == "healthy" and not r.calibrating
     assert "right after the scale grew" in r.text
-    # Torch's interval: the stretch is SETTLE steps; an overflow 10 steps after calibration is still it.
-    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([16])), 100)
+    # Torch's interval: the stretch is SETTLE steps; an overflow a few steps after the descent is still it,
+    # one at a scale that had held HELD steps is not: the gradients or the data outgrew a scale that fit.
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + HELD - 1])), 100)
     assert kinds(r) == {"calibration": 7}
+    _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + HELD])), 100)
+    assert kinds(r) == {"calibration": 6, "overflow": 1} and not r.calibrating
     _, r, _ = script(DynamicPolicy(), both(above(2.0**10), at([6 + SETTLE + 5])), 100)
     assert kinds(r) == {"calibration": 6, "overflow": 1} and r.overflow_after_growth == 0
     assert r.verdict == "healthy"  # one overflow in steady training: the scale answered it
+
+
+def test_an_overflow_at_a_scale_that_had_held_is_not_calibration():
+    # At the initial scale: an overflow on step HELD (after HELD - 1 clean steps) is still the search's;
+    # one on step HELD + 1 or later, at a scale that had held, is the gradients' or the data's.
+    _, r, _ = script(DynamicPolicy(), at([HELD - 1]), 100)
+    assert kinds(r) == {"calibration": 1}
+    _, r, _ = script(DynamicPolicy(), at([HELD]), 100)
+    assert kinds(r) == {"overflow": 1} and not r.calibrating and r.verdict == "healthy"
+    assert "1 overflow in steady training (not calibration: the scale had held) or while stuck." in r.text
+    assert "calibrated" not in r.text
+
+
+def _loss_jump_run(trace, steps=40, jump_at=20):
+    """A clean FP16 run on CPU whose loss is multiplied by 1e6 at step ``jump_at`` (counting from 1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = lossscale.GradScaler(model=model, trace=trace)
+    for step in range(1, steps + 1):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss * 1e6 if step == jump_at else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler
+
+
+def test_a_loss_jump_in_a_clean_run_is_an_overflow_with_its_cause_not_calibration():
+    """The loss times 1e6 at step 20 of a clean run was reported as "while the scale calibrated", without
+    its cause, and the step numbers' origin was not said."""
+    scaler = _loss_jump_run(trace=True)
+    r = scaler.health()
+    assert (r.verdict, kinds(r), r.steps, r.scale) == ("healthy", {"overflow": 1}, 40, 2.0**15)
+    assert "calibrated" not in r.text
+    step, cause = r.overflow_cause
+    assert step == 20 and cause == "the backward of `2` overflowed fp16 at scale 2^16: the loss scale (backed off)."
+    assert (
+        "First cause of the last overflow in steady training, at step 20: the backward of `2` overflowed fp16 "
+        "at scale 2^16: the loss scale (backed off)." in r.text
+    )
+    assert r.text.count("Steps count from 1") == 1
+    assert r.text.endswith("(Steps count from 1: step 1 is the first update.)")
+    assert r.causes == () and "overflow_cause" not in "".join(r.metrics())
+    # Without the trace the kind is the same; no cause is kept, and no step is named.
+    r = _loss_jump_run(trace=False).health()
+    assert kinds(r) == {"overflow": 1} and r.overflow_cause is None and "Steps count" not in r.text
 
 
 def test_bad_batches_are_counted_apart_and_training_stays_healthy():
@@ -282,7 +334,7 @@ def test_report_validates_and_gives_plain_numbers():
     assert set(r.metrics(prefix="x/")) == {"x/" + k[len("health/") :] for k in m}
     assert str(r) == r.text
     r = h.report(policy, s, flushed=0.25, flushed_step=7)
-    assert r.metrics()["health/flushed"] == 0.25 and "25.00% of the gradients sampled at iteration 7" in r.text
+    assert r.metrics()["health/flushed"] == 0.25 and "25.00% of the gradients sampled at step 8" in r.text
     assert "a larger scale keeps them" in r.text
     assert "flush:" not in h.report(policy, s, flushed=0.001, flushed_step=7).text
     assert lossscale.health.disabled().metrics() == {
@@ -459,7 +511,7 @@ def test_telemetry_gives_the_flushed_share_and_a_load_restarts_the_account():
     _train(scaler, model, False, 5, inf=(0,))
     r = scaler.health()
     assert r.flushed == scaler.metrics()["grad/flushed_frac"] and r.flushed_step == 4
-    assert "of the gradients sampled at iteration 4 flush to zero" in r.text
+    assert "of the gradients sampled at step 5 flush to zero" in r.text
     saved = scaler.state_dict()
     scaler.load_state_dict(saved)
     _train(scaler, model, False, 3, inf=(1,))
@@ -656,3 +708,34 @@ def test_a_lagging_device_drops_snapshots_and_the_account_still_adds_up(monkeypa
     _train(scaler, model, True, 10, nan=range(10), opt=opt)
     r = scaler.health()
     assert (r.verdict, kinds(r), r.streak) == ("stuck", {"calibration": 2, "bad_batch": 1, "persistent_nan": 10}, 10)
+
+
+def test_the_health_page_prints_what_it_quotes(tmp_path):
+    """docs/how-to/health.md: each ```text block is, unwrapped, a line that the page's examples print."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from test_doc_examples import _RUNNER, ROOT, blocks, compile_only
+
+    page = "docs/how-to/health.md"
+    todo = [(line, src) for line, src in blocks(page) if not compile_only(src)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER],
+        input=json.dumps([page, todo]),
+        text=True,
+        capture_output=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout.splitlines()
+    with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+        quoted = re.findall(r"^```text\n(.*?)^```", fh.read(), re.MULTILINE | re.DOTALL)
+    assert len(quoted) == 3
+    for text in quoted:
+        assert " ".join(text.split("\n")).strip() in printed

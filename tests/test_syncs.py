@@ -117,3 +117,30 @@ def test_copied_scaler_keeps_counting_alike():
     with count_host_syncs() as syncs:
         _iteration(model2, opt2, twin, 2, "plain")
     assert syncs.count == 1
+
+
+def test_the_no_fp16_watch_adds_no_sync_and_no_launch(monkeypatch):
+    """An FP32 run keeps the scaler looking for FP16 work at every scale() (metadata and the autograd
+    graph's, no tensor read): its iterations count the same syncs and launches as with the look removed."""
+    from lossscale import _hints
+
+    def fp32_iteration(model, opt, scaler, step):
+        opt.zero_grad(set_to_none=True)
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def counted():
+        model = tiny_mlp()
+        opt = make_optimizer("fused_adam", model.parameters())
+        scaler = lossscale.GradScaler("cpu")
+        fp32_iteration(model, opt, scaler, 0)
+        with count_host_syncs() as syncs:
+            fp32_iteration(model, opt, scaler, 1)
+        return scaler, syncs.count, syncs.launches
+
+    scaler, syncs, launches = counted()
+    assert scaler._fp16_watch.watching and scaler._fp16_watch.iterations == 2  # it looked, both times
+    monkeypatch.setattr(_hints.Fp16Watch, "look", lambda self, outputs, first_of_iteration: None)
+    assert counted()[1:] == (syncs, launches) and syncs == 0

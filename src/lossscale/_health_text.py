@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .diagnosis import MAYBE_BACKWARD_OVERFLOW, NAN_SOURCES, backward_fixes
+from .diagnosis import MAYBE_BACKWARD_OVERFLOW, NAN_SOURCES, NO_FP16, NO_FP16_FIX, backward_fixes
 from .formats import pow2_label
 from .policy import BAD_LOSS_STREAK, MIN_SCALE, ScaleState
 
@@ -56,7 +56,10 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], 
                 if r.overflow_after_growth
                 else ""
             )
-            kinds.append(f"{_plural(r.overflow, 'overflow')} in steady training or while stuck{probes}")
+            kinds.append(
+                f"{_plural(r.overflow, 'overflow')} in steady training (not calibration: the scale had held) "
+                f"or while stuck{probes}"
+            )
         if r.bad_batch:
             kinds.append(
                 f"{r.bad_batch} bad batch{'' if r.bad_batch == 1 else 'es'} (the loss was inf/NaN "
@@ -74,6 +77,13 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], 
         elif r.steps_since_overflow is not None:
             parts.append(f"No overflow in the last {_plural(r.steps_since_overflow, 'step')}.")
         parts.append(f"The scale is {pow2_label(r.scale)}, unchanged for {_plural(r.scale_held, 'step')}.")
+        if r.overflow_cause is not None:
+            parts.append(
+                f"First cause of the last overflow in steady training, at step {r.overflow_cause[0]}: "
+                f"{r.overflow_cause[1].rstrip('.')}."
+            )
+    if r.no_fp16:
+        parts.append(f"Not FP16: {NO_FP16}.")
     if r.spike_steps:
         parts.append(
             f"{_plural(r.spike_steps, 'spike')} (a gradient norm or loss far above its recent run) "
@@ -106,7 +116,7 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], 
         parts.append(f"The unscale of FP16 gradients (allow_fp16=True) flushed {r.fp16_flushed} value(s) to zero.")
     if r.flushed is not None:
         parts.append(
-            f"{r.flushed:.2%} of the gradients sampled at iteration {r.flushed_step} flush to zero in "
+            f"{r.flushed:.2%} of the gradients sampled at step {r.flushed_step + 1} flush to zero in "
             "FP16 at their scale."
         )
     if r.causes:
@@ -115,12 +125,18 @@ def paragraph(r, policy, state: ScaleState, streak, stuck_ended: Optional[int], 
             + "; ".join(f"step {s}: {c.rstrip('.')}" for s, c in r.causes)
             + "."
         )
-    parts.append("What to do: " + _advice(r, policy, state, streak, stuck_ended, tracing))
+    advice = _advice(r, policy, state, streak, stuck_ended, tracing)
+    if r.no_fp16:
+        fix = NO_FP16_FIX[0].lower() + NO_FP16_FIX[1:]
+        advice = fix if advice == "nothing." else f"{advice} Also {fix}"
+    parts.append("What to do: " + advice)
     if r.flushed is not None and r.flushed > FLUSHED_WARN:
         parts.append(
             f"More than {FLUSHED_WARN:.0%} of the gradients flush: a larger scale keeps them (raise "
             "max_scale, or policy='adaptive'), or train in bf16."
         )
+    if r.causes or r.overflow_cause is not None or stuck_ended is not None or r.flushed is not None:
+        parts.append("(Steps count from 1: step 1 is the first update.)")
     return " ".join(parts)
 
 

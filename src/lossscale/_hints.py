@@ -6,14 +6,16 @@ has spoken.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import deque
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from ._warnings import warn
+from .diagnosis import NO_FP16, NO_FP16_FIX, NO_FP16_STEPS
 
-__all__ = ["warn_if_bf16"]
+__all__ = ["warn_if_bf16", "Fp16Watch", "GRAPH_NODES"]
 
 _warned_bf16 = False  # once per process: after the first warning the check is skipped too
 
@@ -57,3 +59,83 @@ def warn_if_bf16(outputs: Any, passthrough: bool) -> None:
         "at 1, no unscale pass, non-finite steps still skipped); for FP16 autocast with dtype=torch.float16. "
         "(Warned once.)"
     )
+
+
+#: The backward-graph nodes :class:`Fp16Watch` looks at from the loss, breadth first: an FP16 forward
+#: shows within the first few (the last layer's output, cast to float32 for the loss), and the walk costs
+#: about a microsecond a node.
+GRAPH_NODES = 128
+
+
+class Fp16Watch:
+    """Whether a scaling ``GradScaler`` sees FP16 work, looked for at :meth:`look` (``scale()``) for its
+    first :data:`~lossscale.diagnosis.NO_FP16_STEPS` iterations at most; if none of them shows any, it
+    warns once and the health report says so (:attr:`idle`).
+
+    FP16 work is, on the scaled tensor (metadata only: no kernel, no host-device sync): an FP16 loss,
+    FP16 autocast active on its device at ``scale()``, or an FP16 tensor among the first
+    :data:`GRAPH_NODES` nodes of its backward graph (an FP16 activation or parameter: ``model.half()``,
+    FP16 autocast whose block closed before ``scale()``, FSDP2's ``param_dtype=torch.float16``). A run
+    whose graph it cannot see into (a ``torch.compile`` region, whose FP16 stays inside it, or a torch
+    without node metadata) is never told: no false alarm. The first FP16 sign ends the watch, so an FP16
+    run pays for it once; any other run, for its first iterations only.
+    """
+
+    __slots__ = ("iterations", "seen", "blind", "idle")
+
+    def __init__(self) -> None:
+        self.iterations = 0  # the scaled iterations looked at
+        self.seen = False  # FP16 work seen
+        self.blind = False  # some graph could not be seen into: no verdict
+        self.idle = False  # NO_FP16_STEPS iterations without FP16, all seen into: warned
+
+    @property
+    def watching(self) -> bool:
+        return not self.seen and self.iterations < NO_FP16_STEPS
+
+    def look(self, outputs: Any, first_of_iteration: bool) -> None:
+        """Look at what ``scale()`` got (``first_of_iteration``: its first call since the last update);
+        warn once when the iterations looked at reach the limit without FP16."""
+        if torch.compiler.is_compiling():
+            return
+        tensor = next((x for x in tree_leaves(outputs) if isinstance(x, torch.Tensor)), None)
+        fp16 = None if tensor is None else _fp16_work(tensor)  # (a lazy iterable: nothing to see)
+        self.seen = bool(fp16)
+        self.blind = self.blind or fp16 is None
+        if self.seen or not first_of_iteration:
+            return
+        self.iterations += 1
+        if self.iterations == NO_FP16_STEPS and not self.blind:
+            self.idle = True
+            warn(f"lossscale.GradScaler: {NO_FP16}. {NO_FP16_FIX} (Warned once.)")
+
+
+def _fp16_work(tensor: torch.Tensor) -> Optional[bool]:
+    """True if ``tensor`` shows FP16 work (see :class:`Fp16Watch`), False if it shows none, None if its
+    graph cannot be seen into. Metadata only: no sync."""
+    if tensor.dtype == torch.float16:
+        return True
+    device_type = tensor.device.type
+    try:
+        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+            return True
+    except (TypeError, AttributeError):  # torch < 2.4 has no per-device query: the graph alone tells
+        pass
+    if tensor.grad_fn is None:
+        return False
+    queue, seen, opaque = deque([tensor.grad_fn]), {tensor.grad_fn}, False
+    for _ in range(GRAPH_NODES):
+        if not queue:
+            break
+        node = queue.popleft()
+        metadata = getattr(node, "_input_metadata", None)  # the dtypes of the tensors the node's forward made
+        if metadata is None:
+            return None
+        if any(m.dtype == torch.float16 for m in metadata):
+            return True
+        opaque = opaque or node.name().startswith("CompiledFunction")  # compiled: its insides are not nodes
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return None if opaque else False

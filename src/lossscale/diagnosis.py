@@ -26,6 +26,23 @@ NAN_SOURCES = (
     "the weights or inputs"
 )
 
+#: The scaled iterations a scaler watches for FP16 work before it says the run does not train in FP16
+#: (lossscale._hints.Fp16Watch): an FP16 run shows it on its first one; a hundred are seconds of a CPU
+#: loop and leave no doubt.
+NO_FP16_STEPS = 100
+#: What the no-FP16 warning and the health report say, and what to do about it.
+NO_FP16 = (
+    f"in its first {NO_FP16_STEPS} steps this GradScaler saw no FP16 work (no loss scaled under FP16 autocast, "
+    "no FP16 loss, activation or parameter in the loss's backward graph), so this run trains in FP32 (or "
+    "bf16) while the loss is multiplied by the scale for nothing"
+)
+NO_FP16_FIX = (
+    "For FP16, autocast's device type must be the model's (torch.autocast('cuda') on a machine without CUDA "
+    "is disabled): torch.autocast(device_type=x.device.type, dtype=torch.float16), or model.half(). For "
+    "FP32 or bf16 no loss scale is needed: GradScaler(enabled=False), or GradScaler.passthrough() to keep "
+    "skipping non-finite steps."
+)
+
 HEALTH_POINTER = (
     "scaler.health() tells the run's skips apart (the scale calibrating, overflows, bad batches, "
     "persistent NaN) and says whether training is healthy now."

@@ -25,8 +25,11 @@ dropped. Nothing is added to an iteration but a few integer operations on the ho
   curing counts here, and the report's advice says so.
 * **calibration**: any other skip (a finite loss) that came while the scale was still searching: after
   the start or a checkpoint load, before the first *clean stretch*, ``settle`` consecutive steps
-  without an overflow (skipped bad batches do not break a stretch). ``settle`` is the policy's
-  ``settle_steps()``, a method of the policy protocol:
+  without an overflow (skipped bad batches do not break a stretch), and before the scale first *held*:
+  :data:`HELD` steps without an overflow or a change of scale. An overflow at a scale that had held
+  (the loss times 10**6 at step 20 of a clean run) is not the search's: the gradients or the data
+  outgrew a scale that fit them, so it ends calibration and counts as an overflow in steady training.
+  ``settle`` is the policy's ``settle_steps()``, a method of the policy protocol:
 
   - ``dynamic``: ``min(growth_interval, SETTLE)`` (50 with torch's 2000): the backoffs from
     ``init_scale`` down to the level the gradients fit;
@@ -37,10 +40,11 @@ dropped. Nothing is added to an iteration but a few integer operations on the ho
   - ``static``: 0: the scale never searches, so no skip is calibration.
 
   A streak that ends stuck is not calibration: its skips are persistent NaN or overflows.
-* **overflow**: a skip with a finite loss in steady training (after the first clean stretch), or in a
-  stuck streak. ``overflow_after_growth`` counts those that came at most ``SETTLE`` steps after the
-  scale grew, at the grown scale: the dynamic policy probing for a larger scale (one every
-  ``growth_interval`` clean steps when the gradients sit near the top of FP16's range), expected.
+* **overflow**: a skip with a finite loss in steady training (after the first clean stretch, or at a
+  scale that had held), or in a stuck streak. ``overflow_after_growth`` counts those that came at most
+  ``SETTLE`` steps after the scale grew, at the grown scale: the dynamic policy probing for a larger
+  scale (one every ``growth_interval`` clean steps when the gradients sit near the top of FP16's range),
+  expected.
 
 A streak's skips are classified when it ends; the report counts the streak in progress as if it
 ended now (a streak that gets stuck later turns its calibration skips into persistent NaN or overflows).
@@ -70,9 +74,12 @@ but not their kinds: its skips (bad batches apart, which the counters keep) are 
 ``earlier``.
 
 **First causes.** With ``trace=True`` the scaler passes each update's evidence; the account keeps it
-for the last :data:`KEEP_CAUSES` bad batches whose own update it saw (device tensors, no read) and
-the report turns it into text (the scaler's ``overflow_report()`` cause, one host read each, in
-``health()`` only).
+for the last :data:`KEEP_CAUSES` bad batches and the last overflow in steady training whose own update
+it saw (device tensors, no read) and the report turns it into text (the scaler's ``overflow_report()``
+cause, one host read each, in ``health()`` only).
+
+**Step numbers** count updates from 1: step 1 is the first update after the scaler was built (the
+report's text says so where it names a step).
 
 Example, a scripted run (the scale overflows above 2**10)::
 
@@ -99,16 +106,20 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from ._health_text import paragraph
 from .policy import SETTLE, ScaleState
 
-__all__ = ["Health", "HealthReport", "disabled", "SETTLE", "KEEP_CAUSES", "VERDICTS"]
+__all__ = ["Health", "HealthReport", "disabled", "SETTLE", "HELD", "KEEP_CAUSES", "VERDICTS"]
 
 # SETTLE (lossscale.policy): the consecutive steps without an overflow that end calibration (a
 # policy's settle_steps() may cap it), and that end "recovering" after a stuck streak.
 #: The bad batches whose first cause (with ``trace=True``) a report gives: the last few.
 KEEP_CAUSES = 3
+#: Steps without an overflow or a change of scale after which the scale has *held*: it fits the
+#: gradients, so a later overflow is not calibration. The descent from the initial scale backs off on
+#: overflows a step or a few apart; ten clean steps at one scale are past it.
+HELD = 10
 #: The verdicts, in order of concern; :meth:`HealthReport.metrics` gives the index as ``verdict``.
 VERDICTS = ("healthy", "recovering", "stuck")
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
-_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules", "backward_upcasts")
+_TEXT_FIELDS = ("verdict", "text", "causes", "overflow_cause", "upcast_modules", "backward_upcasts")
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,11 @@ class HealthReport:
         backward_upcasts: with ``on_backward_overflow="upcast"``, those of them kept for a backward that
             overflowed with the scale at 1 or below (or at its floor, if higher); else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
+        overflow_cause: ``(step, first cause)`` of the last overflow in steady training, with
+            ``trace=True``; else None.
+        no_fp16: the scaler saw no FP16 work (an FP16 loss, activation or parameter, or FP16 autocast at
+            ``scale()``) in its first ``lossscale.diagnosis.NO_FP16_STEPS`` (100) scaled steps, and warned:
+            the run trains in FP32 or bf16.
     """
 
     verdict: str
@@ -178,6 +194,8 @@ class HealthReport:
     upcast_modules: Optional[Tuple[str, ...]] = None
     backward_upcasts: Optional[Tuple[str, ...]] = None
     causes: Tuple[Tuple[int, str], ...] = ()
+    overflow_cause: Optional[Tuple[int, str]] = None
+    no_fp16: bool = False
 
     def __str__(self) -> str:
         return self.text
@@ -257,6 +275,7 @@ class Health:
         self._grown_at: Optional[int] = None
         self._stuck_ended: Optional[int] = None  # the last skip of the last stuck streak
         self._causes: deque = deque(maxlen=KEEP_CAUSES)
+        self._overflow_cause: Optional[Tuple[int, Any, float]] = None  # the last steady overflow's evidence
 
     @property
     def seen(self) -> int:
@@ -266,6 +285,7 @@ class Health:
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         state["_causes"] = deque(maxlen=KEEP_CAUSES)  # device evidence: meaningful in this process only
+        state["_overflow_cause"] = None
         return state
 
     # ------------------------------------------------------------------------------------ record
@@ -283,17 +303,18 @@ class Health:
         skips = state.skipped_steps - seen.skipped_steps
         nan = state.nan_steps - seen.nan_steps
         bad = state.bad_loss_steps - seen.bad_loss_steps
+        steady = self._open.steady
         if skips < k:  # a clean step in between: the streak open before it has ended
             streak = min(state.overflow_streak, skips)
             cur_nan = min(state.streak_nan_steps, nan)
             cur_bad = min(state.streak_bad_loss_steps, bad)
             clean_at = state.steps - streak  # the last clean step
-            self._add(skips - streak, nan - cur_nan, bad - cur_bad, clean_at - 1)
+            self._add(skips - streak, nan - cur_nan, bad - cur_bad, clean_at - 1, seen.steps + 1)
             self._close(clean_at)
             self._settle(policy, state, clean_at)
-            self._add(streak, cur_nan, cur_bad, state.steps)
+            self._add(streak, cur_nan, cur_bad, state.steps, state.steps - streak + 1)
         else:
-            self._add(skips, nan, bad, state.steps)
+            self._add(skips, nan, bad, state.steps, seen.steps + 1)
         if k and state.overflow_streak and not self._open.stuck:
             self._open.stuck = bool(policy.is_stuck(state, scale_before))
         if state.scale != seen.scale:
@@ -301,17 +322,25 @@ class Health:
             self._scale_since = state.steps  # (in a gap: the latest update it can have been)
         if k == 1 and bad == 1 and cause is not None:
             self._causes.append((state.steps, cause, scale_before))
+        elif k == 1 and skips == 1 and cause is not None and self._open.steady > steady:
+            self._overflow_cause = (state.steps, cause, scale_before)
         self._seen = state
 
-    def _add(self, skips: int, nan: int, bad: int, last: int) -> None:
+    def _add(self, skips: int, nan: int, bad: int, last: int, first: int) -> None:
         """``skips`` more skips in the open streak (``bad`` of them bad batches), the last at step
-        ``last``; ``nan``: NaN steps counted since the last record, these skips' and any learned late
-        for the streak's earlier ones (bad batches are taken to be the NaN ones)."""
+        ``last``, none before step ``first`` (in a gap the steps are not known: ``first`` is the earliest
+        they can have been, ``last`` the latest); ``nan``: NaN steps counted since the last record, these
+        skips' and any learned late for the streak's earlier ones (bad batches are taken to be the NaN ones)."""
         streak = self._open
         overflows = skips - bad
         if skips > 0:
             streak.skips += skips
         if overflows > 0:
+            # The scale had held (even if these skips came as early as they can have): it fit the gradients,
+            # which (or the data) outgrew it: not the search.
+            held = self._scale_since if self._last_overflow is None else max(self._scale_since, self._last_overflow)
+            if self._calibrating and first - 1 - held >= HELD:
+                self._calibrating = False
             if self._calibrating:
                 streak.calibration += overflows
             else:
@@ -371,6 +400,7 @@ class Health:
         upcast_modules: Optional[Tuple[str, ...]] = None,
         backward_upcasts: Optional[Tuple[str, ...]] = None,
         tracing: bool = False,
+        no_fp16: bool = False,
     ) -> HealthReport:
         """The account up to ``state`` (the current state; recorded first if newer than the last one).
 
@@ -383,6 +413,7 @@ class Health:
             describe: ``(cause, scale_before) -> text`` for the kept causes (default ``str``).
             tracing: the scaler traces first causes (``trace=True``): the advice points at them rather
                 than telling the user to turn tracing on.
+            no_fp16: the scaler saw no FP16 work in its first steps (see :class:`HealthReport`).
         """
         if state.steps < self._seen.steps:
             raise ValueError(
@@ -391,7 +422,8 @@ class Health:
             )
         h = copy.copy(self)
         h._open = copy.copy(self._open)
-        h._causes = deque(self._causes, maxlen=KEEP_CAUSES)
+        h._causes = deque(self._causes, maxlen=KEEP_CAUSES)  # (the copy's __getstate__ dropped the evidence)
+        h._overflow_cause = self._overflow_cause
         h.record(policy, state, self._seen.scale if scale_before is None else scale_before)
         calibration, overflow, after_growth, persistent = h._open.kinds()
         streak = state.overflow_streak
@@ -429,6 +461,10 @@ class Health:
             upcast_modules=upcast_modules,
             backward_upcasts=backward_upcasts,
             causes=tuple((step, describe(cause, before)) for step, cause, before in h._causes),
+            overflow_cause=None
+            if h._overflow_cause is None
+            else (h._overflow_cause[0], describe(h._overflow_cause[1], h._overflow_cause[2])),
+            no_fp16=no_fp16,
         )
         text = paragraph(report, policy, state, h._open, h._stuck_ended if recent_stuck else None, tracing)
         return dataclasses.replace(report, text=text)

@@ -318,6 +318,7 @@ class GradScaler:
         self._init_state: ScaleState = self._policy.init_state()
         self._health = Health(self._init_state)
         self._hint_checks = _hints.CALLS_CHECKED
+        self._fp16_watch = _hints.Fp16Watch()  # warns once if the first scaled steps show no FP16 work
         self._stale_gradients = False  # a mid-iteration load left gradients scaled by the old scale
         self._new_iteration()
         self._last: Optional[Flags] = None  # the last update's flags (None: nothing checked)
@@ -453,7 +454,10 @@ class GradScaler:
     # ------------------------------------------------------------------ torch's training-loop API
     def scale(self, outputs, weight=None):
         """Multiply a tensor, or nested lists/tuples/dicts of tensors, by the scale. Unchanged when disabled.
-        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast.
+        The first call fixes the device. No sync. Warns once about a bf16 loss or bf16 autocast, and once
+        if the first ``lossscale.diagnosis.NO_FP16_STEPS`` (100) iterations show no FP16 work (no FP16
+        loss, activation or parameter in the loss's graph, no FP16 autocast at this call: an autocast whose
+        device type is not the model's, say); it looks at metadata only, until the first FP16 sign.
         ``weight`` (with ``bad_microbatch``): this micro-batch's share of the step, e.g. its token count;
         a dropped micro-batch's share is left out of the renormalisation (:mod:`lossscale.microbatches`).
         A tensor ``weight`` is read on the host (one sync)."""
@@ -473,6 +477,8 @@ class GradScaler:
         if self._hint_checks:  # a bf16 set-up shows in the first calls; later ones cost nothing
             self._hint_checks -= 1
             _hints.warn_if_bf16(outputs, self._passthrough())
+        if self._fp16_watch.watching and not self._passthrough():  # an FP16 run ends the watch on its first call
+            self._fp16_watch.look(outputs, first_of_iteration=not self._began)
         if self._tracer is not None:
             self._tracer.end_forward()  # the forward that produced these outputs is over
         self._began = True
@@ -947,6 +953,7 @@ class GradScaler:
             if self._upcast is None or not self._upcast.backward
             else tuple(self._upcast.kept_backward),
             tracing=self._tracer is not None,
+            no_fp16=self._fp16_watch.idle,
             **self._opt_in_counts(),
         )
 
