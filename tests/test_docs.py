@@ -84,7 +84,12 @@ def test_readme_keeps_the_two_setup_commands_and_ci_runs_the_test_one():
 def test_ci_builds_the_site_strictly_in_its_own_fresh_venv_one_command_a_line():
     ci = _read(".ci/run").splitlines()
     made = ci.index('python -m venv "$work/docs-env"')
-    assert ci[made + 1] == '"$work/docs-env/bin/pip" install -q -c constraints.txt -e ".[docs]"'
+    # The documentation tools only: not the package, whose dependencies pull torch (the CUDA build from PyPI).
+    assert ci[made + 1] == '"$work/docs-env/bin/pip" install -q -c constraints.txt -r docs/requirements.txt'
+    tools = [r.split("#")[0].strip() for r in _read("docs/requirements.txt").splitlines() if r.split("#")[0].strip()]
+    assert tools and not any(re.match(r"(torch|lossscale|-e|\.)", r) for r in tools), tools
+    pinned = {re.split(r"[=<>\[ ]", r, maxsplit=1)[0].lower() for r in _read("constraints.txt").splitlines()}
+    assert all(re.split(r"[=<>\[ ]", r, maxsplit=1)[0].lower() in pinned for r in tools), "pin them in constraints.txt"
     assert re.fullmatch(r'(NO_MKDOCS_2_WARNING=1 )?"\$work/docs-env/bin/mkdocs" build --strict .*', ci[made + 2])
     assert "strict: true" in _read("mkdocs.yml")
 
@@ -221,6 +226,15 @@ def test_user_pages_name_no_issue_commit_or_seed_and_date_only_measurements(page
         if re.search(r"\b20\d\d-\d\d-\d\d\b", line):
             assert re.search(r"measured|Run on|committed", line), f"{page}: a date that dates no measurement: {line}"
         assert len(line) <= (400 if line.startswith("|") or line.startswith("Run on") else 200), f"{page}: {line[:60]}"
+
+
+@pytest.mark.parametrize("page", _user_pages() + ["CONTRIBUTING.md", *sorted(CONTRIBUTOR_PAGES)])
+def test_headings_carry_no_attribute_lists_which_github_shows_as_text(page):
+    """The pages render on GitHub as they are (CONTRIBUTING.md): a heading's anchor is mkdocs' automatic slug,
+    not an attr_list ``{ #anchor }``, which GitHub prints as part of the heading."""
+    text = re.sub(r"^```.*?^```", "", _read(page), flags=re.MULTILINE | re.DOTALL)
+    marked = [line for line in text.splitlines() if re.match(r"#+ ", line) and re.search(r"\{\s*[#.:]", line)]
+    assert not marked, f"{page}: {marked}"
 
 
 def test_every_site_page_is_in_the_nav_and_every_nav_entry_exists():
