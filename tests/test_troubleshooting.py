@@ -9,6 +9,8 @@ quote left the page, so the page and this file move together.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 
@@ -35,7 +37,7 @@ def quotes() -> list:
     for line in _text().splitlines():
         if line.startswith("### "):
             found += [s for s in _spans(line) if len(s) >= 15]  # "`fp16`" in a heading is not a message
-        elif line.startswith("- **`"):
+        elif "**`" in line and not line.startswith("|"):
             found += [s for b in re.findall(r"\*\*(`.+?`)\*\*", line) for s in _spans(b)]
         elif line.startswith("- *") and not line.startswith("- **"):
             found += [re.sub(r"`([^`]*)`", r"`\1`", q) for q in re.findall(r"\*([^*]+)\*", line.split("*:", 1)[0] + "*")]
@@ -167,42 +169,6 @@ def _deepspeed_scaler(**kw):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
     return DynamicLossScaler(scale_window=1000, consecutive_hysteresis=False, delayed_shift=1, **kw)
-
-
-# DeepSpeed logs its overflow line only where deepspeed.comm runs: a one-rank gloo group, in a child process
-# (the test process must not hold a process group: lossscale would all-reduce in every later test).
-_DS_OVERFLOW = """
-import logging, os, socket
-sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-import deepspeed
-deepspeed.init_distributed(dist_backend="gloo")
-from deepspeed.runtime.fp16 import loss_scaler
-class Keep(logging.Handler):
-    def emit(self, record):
-        print("LOGGED:", record.getMessage())
-loss_scaler.logger.addHandler(Keep())
-loss_scaler.logger.setLevel(logging.INFO)
-loss_scaler.DynamicLossScaler(
-    init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=1, consecutive_hysteresis=False
-).update_scale(True)
-"""
-
-
-def _deepspeed_overflow_log() -> str:
-    import subprocess
-    import sys
-
-    pytest.importorskip("deepspeed")
-    done = subprocess.run(
-        [sys.executable, "-c", _DS_OVERFLOW],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return "\n".join(line[len("LOGGED: ") :] for line in done.stdout.splitlines() if line.startswith("LOGGED: "))
 
 
 def _twice(make, first, second):
@@ -562,7 +528,6 @@ T = {
     "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.": lambda: _raised(
         lambda: _deepspeed_scaler(init_scale=1, min_scale=1).update_scale(True)
     ),
-    "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: <s>, reducing to <s/2>": lambda: _deepspeed_overflow_log(),
     "GradScaler is enabled, but CUDA is not available.  Disabling.": lambda: _warned(
         lambda: __import__("torch").amp.GradScaler("cuda")
     ),
@@ -754,12 +719,220 @@ T = {
     "method='bincount' on <devices>": lambda: _raised(_bincount, ValueError),
 }
 
+# ------------------------------------------------------------------------------------------ integrations
+def _accelerator(**kw):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # accelerate keeps process-wide singletons
+    GradientState._reset_state()
+    return Accelerator(cpu=True, **kw)
+
+
+def _accelerate_attach(accelerator, **kw):
+    from lossscale.integrations import accelerate as ls_accelerate
+
+    return ls_accelerate.attach(accelerator, **kw)
+
+
+def _after_prepare():
+    accelerator = _accelerator(mixed_precision="fp16")
+    accelerator.prepare(__import__("torch").nn.Linear(2, 2))
+    _accelerate_attach(accelerator)
+
+
+def _attached_twice():
+    accelerator = _accelerator(mixed_precision="fp16")
+    _accelerate_attach(accelerator)
+    _accelerate_attach(accelerator, init_scale=8.0)
+
+
+def _trainer(tmp, fp16=True):
+    pytest.importorskip("transformers")
+    from _integration_models import TokenData, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp), fp16=fp16, use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2
+    )
+    return Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(2, length=8))
+
+
+def _trainer_attach(trainer):
+    from lossscale.integrations import transformers as ls_transformers
+
+    return ls_transformers.attach(trainer)
+
+
+def _trainer_after_train(tmp):
+    trainer = _trainer(tmp)
+    trainer.train()
+    _trainer_attach(trainer)
+
+
+def _trainer_rebuilt(tmp):
+    trainer = _trainer(tmp)
+    _trainer_attach(trainer)
+    trainer.create_accelerator_and_postprocess()  # what hyperparameter_search does per trial
+    trainer.train()
+
+
+def _trainer_plugin_in_fabric():
+    lightning = pytest.importorskip("lightning")
+    from lossscale.integrations.lightning import MixedPrecision
+
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision()])
+    model = __import__("torch").nn.Linear(2, 2)
+    fabric.setup(model, __import__("torch").optim.SGD(model.parameters(), lr=0.1))
+
+
+def _lightning_plugin(**kw):
+    pytest.importorskip("lightning")
+    from lossscale.integrations.lightning import MixedPrecision
+
+    return MixedPrecision(**kw)
+
+
+# DeepSpeed engines need deepspeed.comm, a one-rank gloo group: in a child process (the test process must not
+# hold a process group, or lossscale would all-reduce in every later test). The child prints, for each
+# situation, what was logged or raised.
+_DEEPSPEED_CHILD = """
+import json, logging, os, socket
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+out = {}
+from deepspeed.runtime.fp16 import loss_scaler
+logged = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        logged.append(record.getMessage())
+loss_scaler.logger.addHandler(Keep())
+loss_scaler.logger.setLevel(logging.INFO)
+loss_scaler.DynamicLossScaler(
+    init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=1, consecutive_hysteresis=False
+).update_scale(True)
+out["overflow"] = "\\n".join(logged)
+from lossscale.integrations import deepspeed as ls_deepspeed
+model = torch.nn.Linear(4, 2)
+config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+try:
+    ls_deepspeed.attach(engine)
+except Exception as error:
+    out["fp32 engine"] = str(error)
+os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin
+from lossscale.integrations import accelerate as ls_accelerate
+accelerator = Accelerator(mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0))
+try:
+    ls_accelerate.attach(accelerator).get_scale()
+except Exception as error:
+    out["before prepare"] = str(error)
+print("CHILD:" + json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _deepspeed_child() -> dict:
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    done = subprocess.run(
+        [sys.executable, "-c", _DEEPSPEED_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("CHILD:"))[len("CHILD:") :])
+
+
+def _without(framework: str):
+    """lossscale.integrations' import check, as it runs where ``framework`` is not installed."""
+    import sys
+
+    import lossscale.integrations
+
+    saved = sys.modules.get(framework)
+    sys.modules[framework] = None  # import raises ModuleNotFoundError, as for a package not installed
+    try:
+        lossscale.integrations._require(framework)
+    finally:
+        if saved is None:
+            del sys.modules[framework]
+        else:
+            sys.modules[framework] = saved
+
+
+T.update(
+    {
+        "lossscale.integrations needs <framework>, which is not installed": lambda: _raised(
+            lambda: _without("lightning"), ModuleNotFoundError
+        ),
+        'accelerator.mixed_precision is <x>; build it with Accelerator(mixed_precision="fp16")': lambda: _raised(
+            lambda: _accelerate_attach(_accelerator(mixed_precision="no")), ValueError
+        ),
+        "attach() was called after accelerator.prepare(...)": lambda: _raised(_after_prepare, RuntimeError),
+        "a lossscale scaler is already attached to this accelerator": lambda: _raised(_attached_twice, ValueError),
+        "scaler.<name>: under DeepSpeed the loss scaler lives in the engine, which accelerator.prepare(...) builds": (
+            lambda: _deepspeed_child()["before prepare"]
+        ),
+        "trainer.args.fp16 is False; build the Trainer with TrainingArguments(fp16=True)": lambda tmp: _raised(
+            lambda: _trainer_attach(_trainer(tmp, fp16=False)), ValueError
+        ),
+        "attach(trainer) was called after the Trainer prepared its model": lambda tmp: _raised(
+            lambda: _trainer_after_train(tmp), RuntimeError
+        ),
+        "The Trainer rebuilt its accelerator after lossscale attach()": lambda tmp: _raised(
+            lambda: _trainer_rebuilt(tmp), RuntimeError
+        ),
+        "lossscale.integrations.lightning.MixedPrecision is the Trainer's plugin; use FabricMixedPrecision with Fabric": (
+            lambda: _raised(_trainer_plugin_in_fabric, RuntimeError)
+        ),
+        "<precision>: this plugin is FP16 only ('16-mixed', with a loss scaler)": lambda: _raised(
+            lambda: _lightning_plugin(precision="bf16-mixed"), ValueError
+        ),
+        "the loss is on <device> but the plugin autocasts on <type>": lambda: _raised(
+            lambda: _lightning_plugin(device="cuda").pre_backward(__import__("torch").ones((), requires_grad=True), None),
+            ValueError,
+        ),
+        "the engine trains without fp16": lambda: _deepspeed_child()["fp32 engine"],
+        "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: <s>, reducing to <s/2>": lambda: _deepspeed_child()["overflow"],
+        "optimizer=<x>(...) has no grad scaler: build it with OptimizerConfig(fp16=True)": lambda: _raised(
+            lambda: __import__("lossscale.integrations.megatron").integrations.megatron.attach(_loop()[1]), ValueError
+        ),
+        "scaler=<x> must be a lossscale.GradScaler": lambda: _raised(
+            lambda: __import__("lossscale.schedulers").schedulers.skip_aware(
+                __import__("torch").optim.lr_scheduler.StepLR(_loop()[1], 1), _torch_gs()
+            ),
+            (TypeError, ValueError),
+        ),
+        "obj=<x>(...) has no step() or update(model) method": lambda: _raised(
+            lambda: __import__("lossscale.schedulers").schedulers.skip_aware(object(), _gs()), (TypeError, ValueError)
+        ),
+    }
+)
+
+
 # Quotes no test here can print: the framework that prints them is not installed (and not installable beside
 # the test extra), so the quote is taken from its source as released.
 NOT_HERE = {
     "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to <s>": "apex (amp) is not installed",
     "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: <s>": "fairseq is not installed",
     "number of skipped iterations: <n>": "Megatron-LM's training loop (megatron.training) is not in megatron-core",
+    "accelerator.distributed_type is MEGATRON_LM, whose engine scales the loss itself": (
+        "accelerate's Megatron-LM plugin needs Megatron-LM, which is not installed (megatron-core is not enough)"
+    ),
 }
 
 
@@ -775,8 +948,9 @@ def test_every_quote_has_a_trigger_and_every_trigger_a_quote():
 
 
 @pytest.mark.parametrize("quote", [q for q in quotes() if q in T], ids=lambda q: q[:60])
-def test_the_quoted_message_is_what_is_printed(quote, recwarn):
-    printed = T[quote]()
+def test_the_quoted_message_is_what_is_printed(quote, recwarn, tmp_path):
+    trigger = T[quote]
+    printed = trigger(tmp_path) if inspect.signature(trigger).parameters else trigger()
     pattern = _pattern(_normal(quote))
     for text in printed if isinstance(printed, list) else [printed]:
         assert pattern.search(_normal(text)), f"{PAGE} quotes\n  {quote}\nbut the message printed is\n  {text}"
