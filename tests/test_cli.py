@@ -308,7 +308,10 @@ def test_the_committed_pictures_are_what_the_documented_command_writes(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     differ = []
     for name in names:
-        with open(out / f"{name}.png", "rb") as new, open(os.path.join(root, "docs", "assets", f"{name}.png"), "rb") as old:
+        with (
+            open(out / f"{name}.png", "rb") as new,
+            open(os.path.join(root, "docs", "assets", f"{name}.png"), "rb") as old,
+        ):
             if new.read() != old.read():
                 differ.append(name)
     assert not differ, f"docs/assets/ differs from the demo's output: {differ}; regenerate (docs/concepts.md)"

@@ -1,5 +1,6 @@
 """Every message docs/troubleshooting.md quotes is what the code prints: each quote is read from the page
-(headings, the bold items, the first column of the message tables, the italic diagnosis lines) and found
+(headings, the bold items, the first column of the message tables, the italic diagnosis lines, a long
+message cut short in parentheses in a paragraph) and found
 in the message the library (or torch, or the framework) prints when the situation happens, triggered here.
 
 A quote's ``<placeholder>`` stands for any text (``<a | b>``: one of the two), ``...`` for text left out;
@@ -40,7 +41,9 @@ def quotes() -> list:
         elif "**`" in line and not line.startswith("|"):
             found += [s for b in re.findall(r"\*\*(`.+?`)\*\*", line) for s in _spans(b)]
         elif line.startswith("- *") and not line.startswith("- **"):
-            found += [re.sub(r"`([^`]*)`", r"`\1`", q) for q in re.findall(r"\*([^*]+)\*", line.split("*:", 1)[0] + "*")]
+            found += [
+                re.sub(r"`([^`]*)`", r"`\1`", q) for q in re.findall(r"\*([^*]+)\*", line.split("*:", 1)[0] + "*")
+            ]
         elif line.startswith("| message"):
             table_is_messages = True
         elif line.startswith("|") and table_is_messages and not line.startswith("|---"):
@@ -48,6 +51,7 @@ def quotes() -> list:
             found += _spans(cell)
         elif not line.startswith("|"):
             table_is_messages = False
+            found += re.findall(r"\(`([^`]{40,}\.\.\.)`\)", line)  # a message quoted in a paragraph, cut short
     return found
 
 
@@ -268,8 +272,17 @@ def _load_mid_iteration():
     s.load_state_dict(state)
 
 
-class _OldContractSGD:
-    """An optimizer written for the old ``grad_scaler=`` contract (as apex's fused ones were)."""
+def _unscale_after_a_load_mid_iteration():
+    import warnings
+
+    model, opt, loss = _loop()
+    s = _gs()
+    state = s.state_dict()
+    s.scale(loss).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the load's own warning, quoted above it
+        s.load_state_dict(state)
+    s.unscale_(opt)
 
 
 def _old_contract():
@@ -331,6 +344,60 @@ def _nan_stuck():
         s.update()
 
 
+def _backward_overflow_at_the_floor():
+    """A layer whose input gradient overflows FP16 at the floor (min_scale=1), its forward finite."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64))
+    with torch.no_grad():
+        model[0].bias.zero_()
+        model[1].weight.fill_(6e4)  # the input gradient sums 64 of them: far above 65504
+    s = _gs(model=model, trace=True, on_stuck="raise", init_scale=1.0, min_scale=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(2, 4) * 1e-6).float().sum()
+        _stepped(s, opt, loss)
+
+
+def _nan_at_the_floor():
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    s = _gs(on_stuck="raise", init_scale=2.0**-24)
+    for _ in range(3):
+        model, opt, loss = _loop(model)
+        opt.zero_grad()
+        s.scale(loss).backward()
+        for p in model.parameters():
+            p.grad.fill_(float("nan"))
+        s.step(opt)
+        s.update()
+
+
+def _scale_backs_off_to_zero():
+    """torch's configuration (min_scale=None) and an overflow on every step: the scale halves to 0."""
+    model = __import__("torch").nn.Linear(4, 2)
+    s = _gs(
+        on_stuck="raise",
+        loss_check=False,
+        min_scale=None,
+        max_scale=None,
+        init_scale=2.0**-120,
+        max_consecutive_skips=40,
+    )
+    for _ in range(60):
+        model, opt, loss = _loop(model)
+        opt.zero_grad()
+        s.scale(loss).backward()
+        for p in model.parameters():
+            p.grad.fill_(float("inf"))
+        s.step(opt)
+        s.update()
+
+
 def _bad_loss_streak():
     import torch
 
@@ -350,7 +417,11 @@ def _overflowing_model():
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 4)
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 4),
     )
     with torch.no_grad():
         model[2].weight.mul_(1e5)
@@ -550,24 +621,27 @@ T = {
     "Using `precision='bf16-mixed'` instead.": lambda: _warned(_lightning_cpu_fp16),
     "The total norm of order 2.0 for gradients from ... is non-finite": lambda: _raised(_nonfinite_clip, RuntimeError),
     # building the scaler
-    "policy=<name> is not known; use one of 'adaptive', 'dynamic', 'logmax', 'static', or a policy object": lambda: _raised(
-        lambda: _gs(policy="dynamc"), ValueError
+    "policy=<name> is not known; use one of 'adaptive', 'dynamic', 'logmax', 'static', or a policy object": lambda: (
+        _raised(lambda: _gs(policy="dynamc"), ValueError)
     ),
-    "policy is a policy object, so <keywords> must be set on the object, not passed to GradScaler as well": lambda: _raised(
-        lambda: _gs(policy=__import__("lossscale").DynamicPolicy(), growth_interval=100), ValueError
+    "policy is a policy object, so <keywords> must be set on the object, not passed to GradScaler as well": lambda: (
+        _raised(lambda: _gs(policy=__import__("lossscale").DynamicPolicy(), growth_interval=100), ValueError)
     ),
     "<key>=<value> is not a keyword of any scale policy": lambda: _raised(lambda: _gs(min_sacle=1.0), ValueError),
     "lossscale.GradScaler: <key>=<value> do(es) not apply to policy=<name> and is ignored": lambda: _warned(
         lambda: _gs(margin_bits=3), UserWarning
     ),
-    "lossscale.GradScaler: init_scale=<s> is above the default max_scale=2**24, so max_scale is set to init_scale": lambda: _warned(
-        lambda: _gs(init_scale=2.0**32), UserWarning
-    ),
+    "lossscale.GradScaler: init_scale=<s> is above the default max_scale=2**24, "
+    "so max_scale is set to init_scale": lambda: _warned(lambda: _gs(init_scale=2.0**32), UserWarning),
     "lossscale: <name> is not a power of two, so the loss scale can leave the powers of two": lambda: _warned(
         lambda: _gs(init_scale=1000.0), UserWarning
     ),
-    "min_scale=<a> is above max_scale=<b>; swap them": lambda: _raised(lambda: _gs(min_scale=4.0, max_scale=2.0), ValueError),
-    "init_scale=<s> is above max_scale=<b>": lambda: _raised(lambda: _gs(init_scale=2.0**30, max_scale=2.0**20), ValueError),
+    "min_scale=<a> is above max_scale=<b>; swap them": lambda: _raised(
+        lambda: _gs(min_scale=4.0, max_scale=2.0), ValueError
+    ),
+    "init_scale=<s> is above max_scale=<b>": lambda: _raised(
+        lambda: _gs(init_scale=2.0**30, max_scale=2.0**20), ValueError
+    ),
     "init_scale=<s> is outside [min_scale=<a>, max_scale=<b>]": lambda: [
         _raised(lambda: _gs(policy="adaptive", init_scale=2.0**30, max_scale=2.0**20), ValueError),
         _raised(lambda: _gs(policy="logmax", init_scale=2.0**30, max_scale=2.0**20), ValueError),
@@ -578,7 +652,9 @@ T = {
     "<a>=<value> and <b>=<value> both set policy=<name>'s <field>; pass one of them": lambda: _raised(
         lambda: _gs(policy="static", init_scale=4.0, scale=8.0), ValueError
     ),
-    "init_device got device=meta, which holds no values": lambda: _raised(lambda: _gs().init_device("meta"), ValueError),
+    "init_device got device=meta, which holds no values": lambda: _raised(
+        lambda: _gs().init_device("meta"), ValueError
+    ),
     "on_forward_overflow='upcast' needs trace=True (and model=)": lambda: _raised(
         lambda: _gs(on_forward_overflow="upcast"), ValueError
     ),
@@ -629,7 +705,9 @@ T = {
         _in_iteration(lambda s, opt: s.step(object())), (TypeError, ValueError)
     ),
     "A GradScaler can be pickled only at the beginning of an iteration ...": lambda: _raised(_pickle_mid, RuntimeError),
-    "the scaler already runs on <device>; init_device got device=<other>": lambda: _raised(_init_device_twice, ValueError),
+    "the scaler already runs on <device>; init_device got device=<other>": lambda: _raised(
+        _init_device_twice, ValueError
+    ),
     "scale() got a tensor on the meta device, which holds no values": lambda: _raised(
         lambda: _gs().scale(__import__("torch").empty((), device="meta")), ValueError
     ),
@@ -639,6 +717,8 @@ T = {
     "lossscale: load_state_dict() was called in mid-iteration (after scale(), before update()) ...": lambda: _warned(
         _load_mid_iteration, RuntimeWarning
     ),
+    "<call>: load_state_dict() was called in mid-iteration, after the gradients were scaled by the scale from "
+    "before the load ...": lambda: _raised(_unscale_after_a_load_mid_iteration, RuntimeError),
     "lossscale.GradScaler passes itself as grad_scaler=, a contract torch is deprecating": lambda: _warned(
         _old_contract, FutureWarning
     ),
@@ -646,26 +726,38 @@ T = {
     "<n> parameter(s) have FP16 gradients (...): unscaling them in FP16 would flush the small ones": lambda: _raised(
         lambda: _unscale_fp16(_gs), ValueError
     ),
-    "lossscale.GradScaler.scale(): <the loss is bf16 | bf16 autocast is active>. bf16 has fp32's exponent range ...": lambda: _warned(
-        _bf16, UserWarning
+    "lossscale.GradScaler.scale(): <the loss is bf16 | bf16 autocast is active>. "
+    "bf16 has fp32's exponent range ...": lambda: _warned(_bf16, UserWarning),
+    "lossscale: <n> consecutive skipped step(s) (...); the scale went from <a> to <b> (min_scale=<m>).": lambda: (
+        _raised(_stuck(), RuntimeError)
     ),
-    "lossscale: <n> consecutive skipped step(s) (...); the scale went from <a> to <b> (min_scale=<m>).": lambda: _raised(
+    "Gradients overflow even at the smallest scale allowed while the loss is finite": lambda: _raised(
         _stuck(), RuntimeError
     ),
-    "Gradients overflow even at the smallest scale allowed while the loss is finite": lambda: _raised(_stuck(), RuntimeError),
     "NaN persisted while the scale fell": lambda: _raised(_nan_stuck, RuntimeError),
+    "The backward of `<module>` overflows FP16 (a gradient above 65504) at every scale the floor allows": lambda: (
+        _raised(_backward_overflow_at_the_floor, RuntimeError)
+    ),
+    "NaN at the smallest scale the policy allows": lambda: _raised(_nan_at_the_floor, RuntimeError),
+    # helper A's change lets min_scale=None back off to 0, as torch's scale does (it stops at 2**-126 today)
+    "The scale itself is 0": lambda: _raised(_scale_backs_off_to_zero, RuntimeError),
     "lossscale: the loss was non-finite before any scaling in <n> consecutive step(s) ...": lambda: _raised(
         _bad_loss_streak, RuntimeError
     ),
-    "lossscale: `<module>` was the first forward overflow on <n> steps; it now runs in FP32 (on_forward_overflow='upcast').": lambda: _warned(
-        _upcast(4), UserWarning
+    "lossscale: `<module>` was the first forward overflow on <n> steps; "
+    "it now runs in FP32 (on_forward_overflow='upcast').": lambda: _warned(_upcast(4), UserWarning),
+    "lossscale: `<module>` runs in FP32 (on_forward_overflow='upcast') "
+    "and its forward output was non-finite again": lambda: _warned(
+        _upcast(4, lambda step, model: model[2].weight.data.fill_(float("nan")) if step == 3 else None),
+        RuntimeWarning,
     ),
-    "lossscale: `<module>` runs in FP32 (on_forward_overflow='upcast') and its forward output was non-finite again": lambda: _warned(
-        _upcast(4, lambda step, model: model[2].weight.data.fill_(float("nan")) if step == 3 else None), RuntimeWarning
+    "lossscale telemetry: <dtype> gradients are left out of the statistics": lambda: _warned(
+        _telemetry_float64, UserWarning
     ),
-    "lossscale telemetry: <dtype> gradients are left out of the statistics": lambda: _warned(_telemetry_float64, UserWarning),
     # checkpoints
-    "The state dict is empty, possibly because it was saved from a disabled scaler.": lambda: _raised(_load({}), RuntimeError),
+    "The state dict is empty, possibly because it was saved from a disabled scaler.": lambda: _raised(
+        _load({}), RuntimeError
+    ),
     "state dict is missing [...] (expected a lossscale or torch GradScaler state)": lambda: _raised(
         _load({"scale": 1.0}), (KeyError, ValueError)
     ),
@@ -677,6 +769,9 @@ T = {
     ),
     "state dict '<key>' is a tensor on the meta device, which holds no value": lambda: _raised(
         lambda: _gs().load_state_dict(_meta_state()), ValueError
+    ),
+    "state dict '<key>'=<value> must be ...": lambda: _raised(
+        lambda: _gs().load_state_dict({**_torch_state(), "scale": 0.0}), (TypeError, ValueError)
     ),
     "state dict '<key>': <field>=<value> must be ...": lambda: _raised(
         lambda: _gs().load_state_dict(_bad_field_state()), (TypeError, ValueError)
@@ -701,7 +796,9 @@ T = {
     "state is a <A>, not <B>": lambda: _raised(_policy_update_other_state, ValueError),
     "<Policy> needs a class attribute name to be registered": lambda: _raised(_register_without_name, ValueError),
     "state.<field>=<v> must be ...": lambda: _raised(_bad_state_field, ValueError),
-    "optimizer=<x>(...) is for an AveragedModel or an EMA": lambda: _raised(_skip_aware_optimizer, (TypeError, ValueError)),
+    "optimizer=<x>(...) is for an AveragedModel or an EMA": lambda: _raised(
+        _skip_aware_optimizer, (TypeError, ValueError)
+    ),
     "obj=<x> has no instance __dict__ (__slots__ only)": lambda: _raised(_skip_aware_slots, (TypeError, ValueError)),
     "this ActivationGradRecorder is already active": lambda: _raised(_recorder_twice, RuntimeError),
     "no modules to watch": lambda: _raised(_no_modules, ValueError),
@@ -718,6 +815,7 @@ T = {
     "binades(): scale=<s> is not a power of two": lambda: _raised(_binades, ValueError),
     "method='bincount' on <devices>": lambda: _raised(_bincount, ValueError),
 }
+
 
 # ------------------------------------------------------------------------------------------ integrations
 def _accelerator(**kw):
@@ -896,18 +994,21 @@ T.update(
         "The Trainer rebuilt its accelerator after lossscale attach()": lambda tmp: _raised(
             lambda: _trainer_rebuilt(tmp), RuntimeError
         ),
-        "lossscale.integrations.lightning.MixedPrecision is the Trainer's plugin; use FabricMixedPrecision with Fabric": (
-            lambda: _raised(_trainer_plugin_in_fabric, RuntimeError)
-        ),
+        "lossscale.integrations.lightning.MixedPrecision is the Trainer's plugin; "
+        "use FabricMixedPrecision with Fabric": (lambda: _raised(_trainer_plugin_in_fabric, RuntimeError)),
         "<precision>: this plugin is FP16 only ('16-mixed', with a loss scaler)": lambda: _raised(
             lambda: _lightning_plugin(precision="bf16-mixed"), ValueError
         ),
         "the loss is on <device> but the plugin autocasts on <type>": lambda: _raised(
-            lambda: _lightning_plugin(device="cuda").pre_backward(__import__("torch").ones((), requires_grad=True), None),
+            lambda: _lightning_plugin(device="cuda").pre_backward(
+                __import__("torch").ones((), requires_grad=True), None
+            ),
             ValueError,
         ),
         "the engine trains without fp16": lambda: _deepspeed_child()["fp32 engine"],
-        "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: <s>, reducing to <s/2>": lambda: _deepspeed_child()["overflow"],
+        "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: <s>, reducing to <s/2>": lambda: _deepspeed_child()[
+            "overflow"
+        ],
         "optimizer=<x>(...) has no grad scaler: build it with OptimizerConfig(fp16=True)": lambda: _raised(
             lambda: __import__("lossscale.integrations.megatron").integrations.megatron.attach(_loop()[1]), ValueError
         ),
@@ -922,6 +1023,42 @@ T.update(
         ),
     }
 )
+
+
+# The multi-rank messages: two gloo ranks in a child process (tests/_troubleshooting_dist.py).
+DISTRIBUTED = {
+    "clip_grad_norm_: the gradients lie on several device meshes": "several meshes",
+    "clip_grad_norm_: the gradients mix DTensors and plain tensors": "mix",
+    "a gradient of shape <s> is a DTensor with placements (Partial...)": "partial",
+    "clip_grad_norm_: the gradients lie on a <k>-D mesh of <n> ranks, "
+    "not the world's <w>; pass norm_group=...": "k-D mesh",
+    "clip_grad_norm_: this rank is not in norm_group": "not in norm_group",
+    "lossscale.GradScaler state differs across the <n> ranks of the group (differing: ...)": "differs",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _two_ranks() -> dict:
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "messages.json")
+        done = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tests", "_troubleshooting_dist.py"), path],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(sys.path)),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+T.update({quote: (lambda key=key: _two_ranks()[key]) for quote, key in DISTRIBUTED.items()})
 
 
 # Quotes no test here can print: the framework that prints them is not installed (and not installable beside
@@ -947,10 +1084,15 @@ def test_every_quote_has_a_trigger_and_every_trigger_a_quote():
     assert not sorted((set(T) | set(NOT_HERE)) - set(page)), "triggers whose quote left the page"
 
 
-@pytest.mark.parametrize("quote", [q for q in quotes() if q in T], ids=lambda q: q[:60])
+@pytest.mark.parametrize(
+    "quote",
+    [pytest.param(q, marks=[pytest.mark.distributed] if q in DISTRIBUTED else []) for q in quotes() if q in T],
+    ids=lambda q: q[:60],
+)
 def test_the_quoted_message_is_what_is_printed(quote, recwarn, tmp_path):
     trigger = T[quote]
-    printed = trigger(tmp_path) if inspect.signature(trigger).parameters else trigger()
+    takes_a_folder = "tmp" in inspect.signature(trigger).parameters
+    printed = trigger(tmp_path) if takes_a_folder else trigger()
     pattern = _pattern(_normal(quote))
     for text in printed if isinstance(printed, list) else [printed]:
         assert pattern.search(_normal(text)), f"{PAGE} quotes\n  {quote}\nbut the message printed is\n  {text}"
