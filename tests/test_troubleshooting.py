@@ -1,7 +1,7 @@
 """Every message docs/troubleshooting.md quotes is what the code prints: each quote is read from the page
 (headings, the bold items, the first column of the message tables, the italic diagnosis lines, a long
-message cut short in parentheses in a paragraph) and found
-in the message the library (or torch, or the framework) prints when the situation happens, triggered here.
+message cut short in parentheses in a paragraph) and found in the message the library (or torch, or the
+framework) prints when the situation happens, triggered here.
 
 A quote's ``<placeholder>`` stands for any text (``<a | b>``: one of the two), ``...`` for text left out;
 whitespace runs compare as one space. A quote with no trigger fails the test, as does a trigger whose
@@ -261,7 +261,7 @@ def _init_device_twice():
     model, opt, loss = _loop()
     s = _gs()
     s.scale(loss)
-    s.init_device("meta" if False else "cuda:0")
+    s.init_device("cuda:0")  # the state already lives on the CPU
 
 
 def _load_mid_iteration():
@@ -310,13 +310,13 @@ def _bf16():
         s.scale(model(torch.randn(2, 4)).float().sum())
 
 
-def _stuck(**kw):
+def _stuck():
     """Overflow at the floor: every gradient inf from the first step, with on_stuck='raise'."""
     import torch
 
     def run():
         model = torch.nn.Linear(4, 2)
-        s = _gs(on_stuck="raise", init_scale=2.0**-23, **kw)
+        s = _gs(on_stuck="raise", init_scale=2.0**-23)
         for _ in range(4):
             model, opt, loss = _loop(model)
             opt.zero_grad()
