@@ -271,3 +271,47 @@ def test_readme_explains_the_demo_shift_where_it_first_describes_the_demo():
         "FP32 is unaffected",
     ):
         assert words in flat, words
+
+
+def _picture_command() -> tuple:
+    """The command docs/concepts.md and CONTRIBUTING.md give for docs/assets/: (demo arguments, picture names)."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = set()
+    for page in ("docs/concepts.md", "CONTRIBUTING.md"):
+        with open(os.path.join(root, page), encoding="utf-8") as fh:
+            found |= set(re.findall(r"^lossscale demo .*docs/assets/$", fh.read(), flags=re.MULTILINE))
+    assert len(found) == 1, f"the two pages give different commands for the pictures: {found}"
+    demo, copy = found.pop().split(" && ")
+    names = re.fullmatch(r"cp /tmp/demo/\{([\w,]+)\}\.png docs/assets/", copy).group(1).split(",")
+    return demo.split()[1:], names
+
+
+def test_the_pictures_command_is_the_default_demo_and_copies_every_committed_picture():
+    args, names = _picture_command()
+    assert args == ["demo", "--out", "/tmp/demo"]  # the README's `lossscale demo`, at its default size
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert sorted(f"{n}.png" for n in names) == sorted(os.listdir(os.path.join(root, "docs", "assets")))
+
+
+@pytest.mark.slow
+def test_the_committed_pictures_are_what_the_documented_command_writes(tmp_path):
+    """docs/assets/ holds, byte for byte, what the documented demo command writes (about a minute on 2 cores)."""
+    import contextlib
+    import io
+
+    args, names = _picture_command()
+    out = tmp_path / "demo"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main([a if a != "/tmp/demo" else str(out) for a in args] + ["--no-progress"]) == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    differ = []
+    for name in names:
+        with (
+            open(out / f"{name}.png", "rb") as new,
+            open(os.path.join(root, "docs", "assets", f"{name}.png"), "rb") as old,
+        ):
+            if new.read() != old.read():
+                differ.append(name)
+    assert not differ, f"docs/assets/ differs from the demo's output: {differ}; regenerate (docs/concepts.md)"

@@ -8,6 +8,8 @@ The convention (CONTRIBUTING.md, "Examples in the docs"):
 - A block that cannot run on a CPU-only machine in one process (it needs CUDA, torchrun, several ranks, or
   a framework object the page cannot build in a few seconds) starts with a visible first line
   ``# compile-only: <why, and what runs it instead>``. Such a block is compiled, not run.
+- A block followed by a paragraph that is exactly ``It prints:`` and a ```text block shows its output: the
+  text block must be what the block writes to stdout, exactly.
 
 docs/architecture.md and docs/testing.md are contributor pages outside the site (mkdocs.yml excludes them);
 their blocks are left out here.
@@ -53,6 +55,23 @@ def blocks(page: str) -> list:
     return out
 
 
+# "It prints:" right after a Python block (blank lines only between), then the text block it prints
+# (used with .match(text, pos), which anchors at pos).
+SHOWN = re.compile(r"[ \t]*\n\n?It prints:\n\n```text\n(?P<out>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def shown_outputs(page: str) -> dict:
+    """``{first line number: the output the page shows}`` for each Python block followed by ``It prints:``."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+        text = fh.read()
+    out = {}
+    for m in FENCE.finditer(text):
+        shown = SHOWN.match(text, m.end())
+        if shown:
+            out[text.count("\n", 0, m.start("body")) + 1] = shown.group("out")
+    return out
+
+
 def compile_only(source: str) -> bool:
     return source.lstrip().startswith(MARKER)
 
@@ -71,14 +90,24 @@ def marked_blocks() -> list:
 
 
 # The child: read the page's blocks as JSON from stdin, run each in one namespace, with the page and the
-# block's line in every traceback (compile() names the "file").
+# block's line in every traceback (compile() names the "file"). What each block prints is passed on to
+# stdout and also written, by first line, as JSON to the file named by argv[1].
 _RUNNER = """
-import json, sys
+import contextlib, io, json, sys
 page, todo = json.load(sys.stdin)
 namespace = {"__name__": "__main__"}
+printed = {}
 for line, source in todo:
     code = compile("\\n" * (line - 1) + source, page, "exec")
-    exec(code, namespace)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            exec(code, namespace)
+    finally:
+        sys.stdout.write(buffer.getvalue())
+        printed[line] = buffer.getvalue()
+        with open(sys.argv[1], "w", encoding="utf-8") as fh:
+            json.dump(printed, fh)
 """
 
 
@@ -93,8 +122,9 @@ def test_the_page_examples_run_on_cpu(page, tmp_path):
         CUDA_VISIBLE_DEVICES="",
         MPLBACKEND="Agg",
     )
+    printed_file = tmp_path / "printed.json"
     done = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
+        [sys.executable, "-c", _RUNNER, str(printed_file)],
         input=json.dumps([page, todo]),
         text=True,
         capture_output=True,
@@ -103,6 +133,9 @@ def test_the_page_examples_run_on_cpu(page, tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, f"{page}: an example failed\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    printed = {int(line): out for line, out in json.loads(printed_file.read_text(encoding="utf-8")).items()}
+    for line, shown in shown_outputs(page).items():
+        assert printed[line] == shown, f"{page}:{line}: the page shows\n{shown}\nbut the block prints\n{printed[line]}"
 
 
 @pytest.mark.parametrize("page,line,source", marked_blocks())
@@ -117,6 +150,17 @@ def test_every_page_is_collected_and_the_convention_is_documented():
     assert sum(len(blocks(p)) for p in pages()) >= 40
     with open(os.path.join(ROOT, "CONTRIBUTING.md"), encoding="utf-8") as fh:
         assert MARKER in fh.read(), "CONTRIBUTING.md must document the compile-only convention"
+
+
+def test_shown_outputs_are_found_only_right_after_their_block(tmp_path, monkeypatch):
+    page = "a\n\n```python\nprint(1)\n```\n\nIt prints:\n\n```text\n1\n```\n\n```python\nx = 2\n```\n\ntext\n\n"
+    page += "It prints:\n\n```text\n3\n```\n"
+    (tmp_path / "page.md").write_text(page, encoding="utf-8")
+    with monkeypatch.context() as patched:
+        patched.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+        assert shown_outputs("page.md") == {4: "1\n"}
+    for page in ("docs/how-to/spikes.md", "docs/how-to/audit.md"):  # the pages whose point is what they print
+        assert shown_outputs(page), page
 
 
 def test_the_fence_parser_finds_indented_blocks_and_skips_other_languages():
