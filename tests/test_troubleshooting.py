@@ -661,7 +661,6 @@ T = {
     "upcast_after=<n> applies only with on_forward_overflow='upcast'": lambda: _raised(
         lambda: _gs(upcast_after=3), ValueError
     ),
-    # helper A's change makes GradScaler(process_group=5) raise this (it is accepted today)
     "process_group=<value> is not a process group; pass 'default' ..., None (no reduction) or a group": lambda: _raised(
         lambda: _gs(process_group=5), (TypeError, ValueError)
     ),
@@ -690,10 +689,11 @@ T = {
     "this optimizer since the last update(); call only one of them per iteration.": lambda: _raised(
         _in_iteration(lambda s, opt: (s.unscale_(opt), s.clip_grad_norm_(opt, 1.0))), RuntimeError
     ),
-    "<call> is being called after step(); call it before step() in the iteration.": lambda: _raised(
+    "<call> is being called after step(); call it before step() in the iteration, and end every iteration with "
+    "scaler.update() (...)": lambda: _raised(
         _in_iteration(lambda s, opt: (s.step(opt), s.unscale_(opt))), RuntimeError
     ),
-    # helper A's grad_scaler= work may touch this path; the message is lossscale's own
+    # lossscale's own message (torch raises an AssertionError there)
     "update() found no inf checks since the last update(): call scaler.step(optimizer) (or unscale_) for each "
     "optimizer before update().": lambda: _raised(_in_iteration(lambda s, opt: s.update()), RuntimeError),
     "The optimizer step of this iteration has not happened yet (unscale_()/clip_grad_norm_() ran, step() did not), "
@@ -739,8 +739,8 @@ T = {
         _raised(_backward_overflow_at_the_floor, RuntimeError)
     ),
     "NaN at the smallest scale the policy allows": lambda: _raised(_nan_at_the_floor, RuntimeError),
-    # helper A's change lets min_scale=None back off to 0, as torch's scale does (it stops at 2**-126 today)
-    "The scale itself is 0": lambda: _raised(_scale_backs_off_to_zero, RuntimeError),
+    # min_scale=None backs off below 2**-126 (to 0), as torch's scale does
+    "The scale itself is <x>": lambda: _raised(_scale_backs_off_to_zero, RuntimeError),
     "lossscale: the loss was non-finite before any scaling in <n> consecutive step(s) ...": lambda: _raised(
         _bad_loss_streak, RuntimeError
     ),
@@ -770,8 +770,11 @@ T = {
     "state dict '<key>' is a tensor on the meta device, which holds no value": lambda: _raised(
         lambda: _gs().load_state_dict(_meta_state()), ValueError
     ),
-    "state dict '<key>'=<value> must be ...": lambda: _raised(
+    "state dict 'scale'=<s> is below float32's normal range (2**-126)": lambda: _raised(
         lambda: _gs().load_state_dict({**_torch_state(), "scale": 0.0}), (TypeError, ValueError)
+    ),
+    "state dict '<key>'=<value> must be ...": lambda: _raised(
+        lambda: _gs().load_state_dict({**_torch_state(), "scale": -1.0}), (TypeError, ValueError)
     ),
     "state dict '<key>': <field>=<value> must be ...": lambda: _raised(
         lambda: _gs().load_state_dict(_bad_field_state()), (TypeError, ValueError)
@@ -792,7 +795,6 @@ T = {
     ),
     # other argument checks
     "found_nan=True with found_inf=False": lambda: _raised(_found_nan_without_inf, ValueError),
-    # helper A's change makes these two raise the documented ValueError (AttributeError today)
     "state is a <A>, not <B>": lambda: _raised(_policy_update_other_state, ValueError),
     "<Policy> needs a class attribute name to be registered": lambda: _raised(_register_without_name, ValueError),
     "state.<field>=<v> must be ...": lambda: _raised(_bad_state_field, ValueError),
