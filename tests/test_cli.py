@@ -128,7 +128,7 @@ def test_python_dash_m_runs_the_cli():
 def test_demo_without_the_extras_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_missing_demo_deps", lambda need_sklearn=True: ["scikit-learn"])
     assert cli.main(["demo", "--quick"]) == 2
-    assert "pip install 'lossscale[demo]'" in capsys.readouterr().err
+    assert "pip install -c constraints.txt -e '.[demo]'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["file", "under_a_file", "proc"])

@@ -136,7 +136,7 @@ def test_the_command_is_listed_and_checks_its_folder_first(tmp_path, capsys, mon
     assert capsys.readouterr().err.startswith(f"lossscale audit-demo: --out {blocker}: ")
     monkeypatch.setattr(cli, "_missing_demo_deps", lambda need_sklearn=True: ["matplotlib"])
     assert cli.main(["audit-demo"]) == 2
-    assert "pip install 'lossscale[demo]'" in capsys.readouterr().err
+    assert "pip install -c constraints.txt -e '.[demo]'" in capsys.readouterr().err
 
 
 def test_gitignore_covers_the_default_report_folder():

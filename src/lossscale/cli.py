@@ -17,7 +17,8 @@ __all__ = ["main", "build_parser"]
 _SIGPIPE_STATUS = 128 + 13  # what a shell reports for a program ended by SIGPIPE
 
 _DEMO_EXTRA_HINT = (
-    "`lossscale {cmd}` needs the demo extras ({missing}). Install them with:\n    pip install 'lossscale[demo]'"
+    "`lossscale {cmd}` needs the demo extras ({missing}). Install them with:\n    pip install {missing_args}\n"
+    "or, in a lossscale checkout, with the versions the project tests:\n    pip install -c constraints.txt -e '.[demo]'"
 )
 
 _DESCRIPTION = """\
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_demo(args) -> int:
     missing = _missing_demo_deps()
     if missing:
-        print(_DEMO_EXTRA_HINT.format(cmd="demo", missing=", ".join(missing)), file=sys.stderr)
+        print(_DEMO_EXTRA_HINT.format(cmd="demo", missing=", ".join(missing), missing_args=" ".join(missing)), file=sys.stderr)
         return 2
     from .report.html import check_out_dir
 
@@ -167,7 +168,7 @@ def _cmd_demo(args) -> int:
 def _cmd_audit_demo(args) -> int:
     missing = _missing_demo_deps(need_sklearn=False)
     if missing:
-        print(_DEMO_EXTRA_HINT.format(cmd="audit-demo", missing=", ".join(missing)), file=sys.stderr)
+        print(_DEMO_EXTRA_HINT.format(cmd="audit-demo", missing=", ".join(missing), missing_args=" ".join(missing)), file=sys.stderr)
         return 2
     from .report.html import check_out_dir
 
@@ -210,7 +211,7 @@ def _cmd_formats(args) -> int:
 def _cmd_report(args) -> int:
     missing = _missing_demo_deps(need_sklearn=False)
     if missing:
-        print(_DEMO_EXTRA_HINT.format(cmd="report", missing=", ".join(missing)), file=sys.stderr)
+        print(_DEMO_EXTRA_HINT.format(cmd="report", missing=", ".join(missing), missing_args=" ".join(missing)), file=sys.stderr)
         return 2
     import warnings
 

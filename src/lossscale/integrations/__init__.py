@@ -16,7 +16,7 @@
 
 Importing this package, or any of its modules, imports no framework: each framework is imported by
 the function or class that needs it. A framework that is not installed is named with the extra that
-installs it (`pip install "lossscale[integrations]"`). What each integration changes in its framework,
+installs it (`pip install ".[integrations]"` in a lossscale checkout). What each integration changes in its framework,
 and the versions tested: the how-to guides and the Compatibility page of the documentation.
 """
 
@@ -34,7 +34,8 @@ def _require(framework: str) -> None:
         if error.name != framework:
             raise  # the framework is there but something it imports is not: its own message says what
         raise ModuleNotFoundError(
-            f'lossscale.integrations needs {framework}, which is not installed: pip install "lossscale[integrations]" '
-            f"(the frameworks lossscale integrates with, at tested versions), or pip install {framework}.",
+            f"lossscale.integrations needs {framework}, which is not installed: pip install {framework}, or, in a "
+            'lossscale checkout, pip install -c constraints.txt -e ".[integrations]" (the frameworks lossscale '
+            "integrates with, at tested versions).",
             name=framework,
         ) from error

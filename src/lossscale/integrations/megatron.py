@@ -66,8 +66,8 @@ def _require_megatron() -> None:
         if error.name != "megatron":
             raise
         raise ModuleNotFoundError(
-            "lossscale.integrations.megatron needs megatron-core, which is not installed: pip "
-            'install "lossscale[integrations]", or pip install megatron-core.',
+            "lossscale.integrations.megatron needs megatron-core, which is not installed: pip install "
+            'megatron-core, or, in a lossscale checkout, pip install -c constraints.txt -e ".[integrations]".',
             name="megatron",
         ) from error
 
