@@ -724,7 +724,7 @@ def test_the_health_page_prints_what_it_quotes(tmp_path):
     todo = [(line, src) for line, src in blocks(page) if not compile_only(src)]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
+        [sys.executable, "-c", _RUNNER, str(tmp_path / "printed.json")],
         input=json.dumps([page, todo]),
         text=True,
         capture_output=True,
