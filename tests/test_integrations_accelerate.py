@@ -359,5 +359,8 @@ def test_a_missing_framework_names_the_extra_to_install(monkeypatch, framework, 
     for name in {framework} | {m for m in sys.modules if m.startswith(framework + ".")}:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(vars(lightning), "MixedPrecision", raising=False)  # built on first use
-    with pytest.raises(ModuleNotFoundError, match=rf'needs {framework}.*pip install "lossscale\[integrations\]"'):
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=rf'needs {framework}.*pip install {framework}, .*pip install -c constraints.txt -e "\.\[integrations\]"',
+    ):
         use()
