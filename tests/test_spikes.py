@@ -184,3 +184,47 @@ def test_a_rule_that_cannot_work_is_refused(kwargs, match):
         SkipIf(**kwargs)
     with pytest.raises(ValueError, match="skip_if=3"):
         lossscale.GradScaler(skip_if=3)
+
+
+def _skipped_by_loss(losses, fused, rule):
+    """Which steps of a run whose loss (before scaling) is each of ``losses`` in turn the scaler skips:
+    a linear model whose loss is its weights times zero plus the value (finite zero gradients, any loss)."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lossscale.GradScaler("cpu", skip_if=rule)
+    skipped = []
+    for value in losses:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum() * 0.0 + value).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped)
+    return skipped
+
+
+CLEAN = [1.0, 1.2] * 4  # mean 1.1, population std 0.1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nan_loss_stays_out_of_the_window_and_a_later_spike_is_still_skipped(fused):
+    # A NaN loss is a bad loss (skipped, not a spike); a NaN in the window would make every later
+    # z-score test false, so no spike would ever be skipped again.
+    rule = SkipIf(loss_zscore=3.0, window=16, min_steps=4)
+    losses = CLEAN + [math.nan] + CLEAN[:2] + [50.0] + CLEAN[:2] + [60.0]
+    skipped = _skipped_by_loss(losses, fused, rule)
+    assert skipped == [not 1.0 <= x <= 1.2 for x in losses], skipped  # the NaN and both spikes
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_spike_stays_out_of_the_window(fused):
+    # Eight clean losses fill the window (mean 1.1, std 0.1: the threshold at z = 3 is 1.4). A spike
+    # of 100 is skipped; if it joined the window its mean and std would let 1.45 through. With only
+    # the clean losses in it, 1.45 is skipped too and 1.35 is taken (after which the window moves).
+    rule = SkipIf(loss_zscore=3.0, window=16, min_steps=4)
+    losses = CLEAN + [100.0, 1.45, 1.35]
+    assert _skipped_by_loss(losses, fused, rule) == [False] * 8 + [True, True, False]
+    # The same with the window full (a ring of 8 clean losses) and the spike landing where the next
+    # value would be written.
+    rule = SkipIf(loss_zscore=3.0, window=8, min_steps=4)
+    losses = CLEAN + CLEAN + [100.0, 1.45, 1.35]
+    assert _skipped_by_loss(losses, fused, rule) == [False] * 16 + [True, True, False]

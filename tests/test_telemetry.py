@@ -97,3 +97,31 @@ def test_metrics_on_the_fused_path_reads_the_state_in_the_telemetrys_one_transfe
         metrics = scaler.metrics()
     assert syncs.count == 1 and scaler.state() == expected
     assert (metrics["steps"], metrics["skipped_steps"], metrics["nan_steps"]) == (6, 2, 1)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "fused_adam"])
+def test_the_logged_loss_scale_is_the_one_the_gradients_carried(kind):
+    # metrics() is read after update(), which backs the scale off on an overflow and grows it after a
+    # clean run: grad/loss_scale is the scale of the sampled gradients, loss_scale the one now.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = make_optimizer(kind, model.parameters())
+    scaler = lossscale.GradScaler("cpu", telemetry=1, growth_interval=2)
+    logged = []
+    for step in range(5):
+        opt.zero_grad()
+        carried = scaler.get_scale()
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        if step == 0:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        m = scaler.metrics()
+        logged.append((carried, m["grad/loss_scale"], m["loss_scale"]))
+    # 2^16 backs off to 2^15 at the overflow, then grows after every second clean step.
+    assert logged == [
+        (2.0**16, 2.0**16, 2.0**15),
+        (2.0**15, 2.0**15, 2.0**15),
+        (2.0**15, 2.0**15, 2.0**16),
+        (2.0**16, 2.0**16, 2.0**16),
+        (2.0**16, 2.0**16, 2.0**17),
+    ]
