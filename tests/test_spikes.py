@@ -179,7 +179,7 @@ def test_the_windows_survive_a_checkpoint():
         (dict(loss_zscore=3.0, window=4, min_steps=8), "min_steps"),
         (dict(loss_zscore=math.inf), "loss_zscore"),
         (dict(loss_zscore=True), "loss_zscore"),
-        (dict(loss_zscore=3.0, window=4.0), "window"),
+        (dict(loss_zscore=3.0, window=200.0), "window"),
     ],
 )
 def test_a_rule_that_cannot_work_is_refused(kwargs, match):
@@ -238,6 +238,15 @@ def test_the_smallest_rules_are_accepted():
     # min_steps of 2.
     assert SkipIf(loss_zscore=0.5, window=2, min_steps=2).window == 2
     assert SkipIf(grad_norm_above=0.25).grad_norm_above == 0.25
+
+
+def test_the_windows_statistics_are_float64():
+    # Four losses of 1 and four of its float32 neighbour 1 + 2**-23: in float64 the mean is 1 + 2**-24 and
+    # the std 2**-24, so at z = 1 the threshold is 1 + 2**-23 exactly and that loss is not above it.
+    # (Summed in float32, the mean rounds to 1 and the same loss would be a spike.)
+    up = 1.0 + 2.0**-23
+    rule = SkipIf(loss_zscore=1.0, window=8, min_steps=8)
+    assert _skipped_by_loss([1.0, up] * 4 + [up, 1.0 + 2.0**-22], True, rule) == [False] * 9 + [True]
 
 
 def test_a_constant_loss_is_never_a_spike():
