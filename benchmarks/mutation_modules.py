@@ -64,14 +64,12 @@ MODULES: Dict[str, Module] = {
         ),
     ),
     "spikes": Module(("src/lossscale/spikes.py",), ("tests/test_spikes.py",)),
+    # Without the distributed telemetry test: given every telemetry function (the ranks reach them all),
+    # each surviving mutant paid a pool's start, and a run had done 86 of 289 mutants after 19 minutes.
+    # The reduction across ranks (metrics_with's group branch) is left to tests/test_distributed.py.
     "telemetry": Module(
         ("src/lossscale/telemetry.py",),
-        (
-            "tests/test_telemetry.py",
-            "tests/test_syncs.py",
-            "tests/test_distributed.py::test_telemetry_with_a_rank_holding_only_empty_shards",
-        ),
-        spawned=("lossscale.telemetry.*",),
+        ("tests/test_telemetry.py", "tests/test_syncs.py::test_telemetry_adds_no_sync"),
     ),
     "trace": Module(("src/lossscale/trace.py",), ("tests/test_trace.py", "tests/test_first_cause.py")),
     "upcast": Module(("src/lossscale/upcast.py",), ("tests/test_upcast.py", "tests/test_backward_upcast.py")),

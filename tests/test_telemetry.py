@@ -125,3 +125,26 @@ def test_the_logged_loss_scale_is_the_one_the_gradients_carried(kind):
         (2.0**16, 2.0**16, 2.0**16),
         (2.0**16, 2.0**16, 2.0**17),
     ]
+
+
+def test_a_resumed_run_samples_at_the_same_iterations():
+    # The sampling phase (the iteration count) is checkpointed: a scaler loaded from a checkpoint taken
+    # at iteration 4 of an every-3 telemetry samples at 6, as the run it resumes does.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = make_optimizer("sgd", model.parameters())
+
+    def iteration(scaler):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        return scaler.metrics().get("grad/step")
+
+    scaler = lossscale.GradScaler("cpu", telemetry=3)
+    assert [iteration(scaler) for _ in range(4)] == [0, 0, 0, 3]
+    saved = scaler.state_dict()
+    assert saved["telemetry_iteration"] == 4
+    resumed = lossscale.GradScaler("cpu", telemetry=3)
+    resumed.load_state_dict(saved)
+    assert [iteration(resumed) for _ in range(3)] == [None, None, 6]  # nothing sampled yet, then 6
+    assert [iteration(scaler) for _ in range(3)] == [3, 3, 6]
