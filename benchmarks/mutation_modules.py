@@ -69,7 +69,15 @@ MODULES: Dict[str, Module] = {
     # The reduction across ranks (metrics_with's group branch) is left to tests/test_distributed.py.
     "telemetry": Module(
         ("src/lossscale/telemetry.py",),
-        ("tests/test_telemetry.py", "tests/test_syncs.py::test_telemetry_adds_no_sync"),
+        (
+            "tests/test_telemetry.py",
+            "tests/test_syncs.py::test_telemetry_adds_no_sync",
+            "tests/test_bad_input.py",
+            "tests/test_checkpoint.py",
+            "tests/test_report.py",
+            "tests/test_integrations_loggers.py",
+            "tests/test_health.py",
+        ),
     ),
     "trace": Module(("src/lossscale/trace.py",), ("tests/test_trace.py", "tests/test_first_cause.py")),
     "upcast": Module(("src/lossscale/upcast.py",), ("tests/test_upcast.py", "tests/test_backward_upcast.py")),
