@@ -79,6 +79,17 @@ MODULES: Dict[str, Module] = {
             "tests/test_health.py",
         ),
     ),
+    # The same file against the distributed tests that run telemetry in their ranks (FSDP2 shards, a rank
+    # of empty shards): for a rerun of the survivors above (MUTATION_ONLY=), each paying a pool's start.
+    "telemetry-ranks": Module(
+        ("src/lossscale/telemetry.py",),
+        (
+            "tests/test_telemetry.py",
+            "tests/test_distributed.py::test_fsdp2_local_shard_inf_and_random_injections",
+            "tests/test_distributed.py::test_telemetry_with_a_rank_holding_only_empty_shards",
+        ),
+        spawned=("lossscale.telemetry.*",),
+    ),
     "trace": Module(("src/lossscale/trace.py",), ("tests/test_trace.py", "tests/test_first_cause.py")),
     "upcast": Module(("src/lossscale/upcast.py",), ("tests/test_upcast.py", "tests/test_backward_upcast.py")),
     "microbatches": Module(

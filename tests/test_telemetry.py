@@ -148,3 +148,82 @@ def test_a_resumed_run_samples_at_the_same_iterations():
     resumed.load_state_dict(saved)
     assert [iteration(resumed) for _ in range(3)] == [None, None, 6]  # nothing sampled yet, then 6
     assert [iteration(scaler) for _ in range(3)] == [3, 3, 6]
+
+
+def test_telemetry_arguments_refused_and_accepted():
+    for every in (2.5, True, 0):
+        with pytest.raises(ValueError, match="every"):
+            Telemetry(every=every)
+    assert Telemetry(reduce="sum").reduce == "sum" and Telemetry(reduce=None).reduce is None
+    for off in (None, False):  # telemetry off: no figures of the gradients
+        scaler = lossscale.GradScaler("cpu", telemetry=off)
+        assert scaler.telemetry is None
+
+
+def _direct(grads, fmt_dtype=torch.float16):
+    """flushed and amax of ``grads`` (the scaled gradients) measured by hand against FP16."""
+    g = torch.cat([t.detach().flatten() for t in grads]).double()
+    return int(((g.to(fmt_dtype) == 0) & (g != 0)).sum()), float(g.abs().max())
+
+
+@pytest.mark.parametrize("per", ["module", "param"])
+def test_per_module_and_per_parameter_figures_are_those_of_their_own_gradients(per):
+    # Nested names: a module's key is the parameter's name without its last part ("body.0"), a
+    # parameter's its whole name; each group's figures are its own scaled gradients'.
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model.head = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = lossscale.GradScaler("cpu", model=model, telemetry=dict(every=1, per=per), init_scale=2.0**-20)
+    scaler.scale(model.head(model.body(torch.randn(5, 4))).sum()).backward()
+    scaled = {n: p.grad.clone() for n, p in model.named_parameters()}
+    scaler.step(opt)
+    scaler.update()
+    m = scaler.metrics()
+    if per == "module":
+        groups = {k: [g for n, g in scaled.items() if n.rsplit(".", 1)[0] == k] for k in ("body.0", "body.2", "head")}
+    else:
+        groups = {n: [g] for n, g in scaled.items()}
+    assert sorted(k[len("grad/") : -len("/amax")] for k in m if k.endswith("/amax") and k != "grad/amax") == sorted(
+        groups
+    )
+    for key, grads in groups.items():
+        flushed, amax = _direct(grads)
+        assert (m[f"grad/{key}/flushed"], m[f"grad/{key}/amax"]) == (flushed, amax), key
+    flushed, amax = _direct(list(scaled.values()))
+    assert (m["grad/flushed"], m["grad/amax"]) == (flushed, amax) and flushed > 0  # 2**-20: some flush
+
+
+def test_two_optimizers_figures_are_over_both():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.0), torch.optim.SGD(b.parameters(), lr=0.0)
+    scaler = lossscale.GradScaler("cpu", telemetry=1, init_scale=2.0**-20)
+    scaler.scale(b(a(torch.randn(5, 4))).sum()).backward()
+    scaled = [p.grad.clone() for p in [*a.parameters(), *b.parameters()]]
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    scaler.update()
+    m = scaler.metrics()
+    flushed, amax = _direct(scaled)
+    assert (m["grad/flushed"], m["grad/amax"]) == (flushed, amax)
+    assert m["grad/numel"] == sum(g.numel() for g in scaled)
+
+
+def test_float64_gradients_are_left_out_with_one_warning_naming_their_dtype():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt = torch.optim.SGD([a, b], lr=0.0)
+    scaler = lossscale.GradScaler("cpu", telemetry=1)
+    assert scaler.metric_labels() == {}  # nothing sampled yet
+    with pytest.warns(UserWarning, match=r"lossscale telemetry: float64 gradients are left out") as caught:
+        for _ in range(2):
+            opt.zero_grad()
+            scaler.scale(a.sum() + b.sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert sum("telemetry" in str(w.message) for w in caught) == 1  # said once
+    m = scaler.metrics()
+    assert m["grad/numel"] == 3  # the float32 gradient only
+    assert scaler.metric_labels() == {"grad/measured": "float32 as fp16"}
