@@ -227,3 +227,36 @@ def test_float64_gradients_are_left_out_with_one_warning_naming_their_dtype():
     m = scaler.metrics()
     assert m["grad/numel"] == 3  # the float32 gradient only
     assert scaler.metric_labels() == {"grad/measured": "float32 as fp16"}
+
+
+def test_the_default_samples_every_100_iterations():
+    assert Telemetry().every == 100
+
+
+def test_the_measured_label_names_each_dtype():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt = torch.optim.SGD([a, b], lr=0.0)
+    scaler = lossscale.GradScaler("cpu", telemetry=1, allow_fp16=True)
+    scaler.scale(a.sum() + b.float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.metric_labels() == {"grad/measured": "float16 as stored, float32 as fp16"}
+
+
+def test_jsonl_logger_appends_reads_tensors_and_closes_idempotently(tmp_path):
+    path = tmp_path / "run.jsonl"
+    JsonlLogger(path).close()  # never opened: nothing to close
+    with JsonlLogger(path) as log:
+        log.log(0, {"x": torch.tensor(2.5)})
+    log = JsonlLogger(path, mode="a")
+    log.log(1, {"x": 1.0})
+    log.close()
+    log.log(2, {"x": 0.5})  # reopened, still appending
+    log.close()
+    log.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 0, "x": 2.5},
+        {"step": 1, "x": 1.0},
+        {"step": 2, "x": 0.5},
+    ]
