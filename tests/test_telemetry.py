@@ -260,3 +260,14 @@ def test_jsonl_logger_appends_reads_tensors_and_closes_idempotently(tmp_path):
         {"step": 1, "x": 1.0},
         {"step": 2, "x": 0.5},
     ]
+
+
+def test_the_telemetry_objects_own_metrics_are_the_scalers_gradient_figures():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = lossscale.GradScaler("cpu", telemetry=1)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    own = scaler.telemetry.metrics()
+    assert own and own == {k: v for k, v in scaler.metrics().items() if k.startswith("grad/")}
