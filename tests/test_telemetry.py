@@ -271,3 +271,28 @@ def test_the_telemetry_objects_own_metrics_are_the_scalers_gradient_figures():
     scaler.update()
     own = scaler.telemetry.metrics()
     assert own and own == {k: v for k, v in scaler.metrics().items() if k.startswith("grad/")}
+
+
+@pytest.mark.parametrize("per", [None, "param"])
+def test_bf16_telemetry_measures_against_bf16_and_a_float32_run_warns_nothing(per):
+    # Gradients at 2**-20 of a float32 model: FP16 flushes some of them, bf16 (8 exponent bits) none.
+    # A model whose gradients are all measurable gets no warning about left-out dtypes.
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = lossscale.GradScaler("cpu", model=model, telemetry=dict(every=1, fmt="bf16", per=per), init_scale=2.0**-20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(model(torch.randn(5, 4)).sum()).backward()
+        scaled = {n: p.grad.clone() for n, p in model.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        m = scaler.metrics()
+    assert _direct(scaled.values())[0] > 0  # FP16 would flush some
+    assert (m["grad/flushed"], m["grad/amax"]) == _direct(scaled.values(), torch.bfloat16) == (0, m["grad/amax"])
+    if per == "param":
+        for name, g in scaled.items():
+            assert m[f"grad/{name}/flushed"] == _direct([g], torch.bfloat16)[0] == 0, name
+    assert scaler.metric_labels() == {"grad/measured": "float32 as bf16"}
