@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The standing mutation score of the policy core (docs/testing.md), outside CI.
 #
-#   bash benchmarks/mutation.sh [REV]      # REV: the commit to measure (default HEAD)
+#   bash benchmarks/mutation.sh [REV]      # REV: the commit to measure (default HEAD): the policy core
+#   bash benchmarks/mutation.sh REV MODULE...   # other modules, one run for the named ones (spikes,
+#       # telemetry, distributed, scaler, ...: `python benchmarks/mutation_modules.py --list` names them,
+#       # their files and their tests); torchtitan and verl need their venvs active (envs/*/ci.sh DIR)
 #   MUTATION_EMPTY="tests/test_validate.py tests/test_keywords.py" bash benchmarks/mutation.sh   # without those tests
 #   MUTATION_ONLY=names.txt bash benchmarks/mutation.sh   # only the mutants named in names.txt (one a line,
 #                                                         # e.g. an earlier run's survivors.txt): reruns
@@ -19,6 +22,7 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     local repo rev commit work venv version=3.8.1 start
     repo="${MUTATION_REPO:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}"
     rev="${1:-HEAD}"
+    local modules=("${@:2}")  # none: setup.cfg's [mutmut] as committed (the policy core)
     work="${MUTATION_DIR:-/tmp/lossscale-mutation}"
     venv="${MUTATION_VENV:-/tmp/lossscale-mutmut-venv}"
     if ! "$venv/bin/mutmut" --version 2>/dev/null | grep -q "$version"; then
@@ -26,8 +30,13 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
         "$venv/bin/pip" install -q "mutmut==$version"
     fi
     # On every run, so that mutmut's venv sees the environment active now, not the one it was made in.
-    python -c 'import torch, pytest, hypothesis' \
-        || { echo "activate the project's virtual environment first (torch, pytest, hypothesis)" >&2; exit 2; }
+    if printf '%s\n' "${modules[@]}" | grep -q -x -E 'torchtitan|verl'; then  # their venvs: no hypothesis
+        python -c 'import torch, pytest' \
+            || { echo "activate the framework's virtual environment first (envs/*/ci.sh DIR)" >&2; exit 2; }
+    else
+        python -c 'import torch, pytest, hypothesis' \
+            || { echo "activate the project's virtual environment first (torch, pytest, hypothesis)" >&2; exit 2; }
+    fi
     python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
         > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-env.pth"
     # The spawned gloo ranks of the distributed tests run the mutant (they inherit MUTANT_UNDER_TEST
@@ -43,6 +52,10 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     commit="$(git -C "$repo" rev-parse --short "$rev")"  # now: the branch may move while this runs
     git -C "$repo" archive "$commit" | tar -x -C "$work"
     cp "$repo/setup.cfg" "$work/setup.cfg"
+    if [ ${#modules[@]} -gt 0 ]; then  # the copy's [mutmut] section: those modules and their tests
+        python "$repo/benchmarks/mutation_modules.py" "$work/setup.cfg" "${modules[@]}" || exit 2
+        echo "modules: ${modules[*]}"
+    fi
     local only=()
     if [ -n "${MUTATION_ONLY:-}" ]; then  # read before the cd below: the path may be relative
         # A process substitution's failure does not stop the script: check the file, then the names, so
@@ -60,7 +73,7 @@ main() {  # one function, read whole before it runs: editing this file mid-run c
     export LOSSSCALE_MUTMUT_HITS="$work/spawned-hits" PYTEST_PLUGINS=mutmut_spawned
     start=$(date +%s)
     "$venv/bin/mutmut" run --max-children 1 "${only[@]}" > mutmut-run.log 2>&1 || { tail -c 3000 mutmut-run.log; exit 1; }
-    echo "commit $commit, run time $(( $(date +%s) - start )) s"
+    echo "commit $commit${modules:+, modules ${modules[*]}}, run time $(( $(date +%s) - start )) s"
     "$venv/bin/mutmut" results --all true > results.txt
     if [ ${#only[@]} -gt 0 ]; then  # the named mutants only: the others were not run
         grep -F -f <(printf '%s:\n' "${only[@]}") results.txt > named.txt || true

@@ -19,7 +19,8 @@ mutmut's virtual environment and turns it on with ``LOSSSCALE_MUTMUT_HITS`` (a f
   the names in those files into mutmut's record of that test, just before mutmut reads it.
 
 Only the functions listed under ``spawned_functions`` in ``setup.cfg``'s ``[mutmut]`` section (as
-``module.Class.method`` or ``module.function``) are given the tests that reach them in the ranks: the
+``module.Class.method`` or ``module.function``, or ``module.*`` for every function of a module) are
+given the tests that reach them in the ranks: the
 ones with code only the ranks run (a reduction across ranks). The ranks run nearly the whole scaler,
 and a distributed test costs seconds before its first check (each of its ranks imports torch), so
 giving them every function would make each mutant of the policies pay that, for code the
@@ -96,8 +97,10 @@ def _merge_into_this_test(item) -> None:
         return
     state().duration_by_test[item.nodeid] = state().duration_by_test.get(item.nodeid, 0.0) + SPAWN_COST_S
     listed = _listed()
+    whole = tuple(entry[:-1] for entry in listed if entry.endswith(".*"))  # "module.*": all its functions
     for name in names:
-        if _readable(name) in listed:
+        readable = _readable(name)
+        if readable in listed or readable.startswith(whole):
             record_trampoline_hit(name)
 
 

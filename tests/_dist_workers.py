@@ -427,18 +427,21 @@ def pipeline(rank, world, steps: int, rate: float, seed: int = 0):
 ADAPTIVE_SHAPES = ([(8, 16), (16,)], [(16, 4), (4,)])  # rank -> the shapes of the parameters it owns
 
 
-def _adaptive_grads(rank: int, step: int, seed: int) -> list:
+def _adaptive_grads(rank: int, step: int, seed: int, spread: int = 3) -> list:
     """The unscaled gradients of ``rank``'s parameters at ``step`` (any rank can compute any rank's).
 
-    Their magnitude shrinks over training, and the ranks take turns (4 steps each) at being 3 binades
-    larger, so the global amax that a calibration or a growth window sees comes from either rank.
+    Their magnitude shrinks over training, and the ranks take turns (4 steps each) at being ``spread``
+    binades larger, so the global amax that a calibration or a growth window sees comes from either rank
+    (``spread=0``: the ranks' amax are alike, so their sum is in a higher binade than their max).
     """
     g = torch.Generator().manual_seed(seed * 7907 + step * 31 + rank)
-    exp = -4 - step // 8 + (3 if rank == (step // 4) % 2 else 0) + int(torch.randint(-1, 2, (), generator=g))
+    exp = -4 - step // 8 + (spread if rank == (step // 4) % 2 else 0) + int(torch.randint(-1, 2, (), generator=g))
     return [torch.randn(shape, generator=g) * 2.0**exp for shape in ADAPTIVE_SHAPES[rank]]
 
 
-def adaptive(rank, world, steps: int, rate: float, reduce: bool = True, optimizer: str = "sgd", seed: int = 0):
+def adaptive(
+    rank, world, steps: int, rate: float, reduce: bool = True, optimizer: str = "sgd", seed: int = 0, spread: int = 3
+):
     """policy="adaptive" without DDP: each rank owns different parameters with different gradient amax.
 
     The loss of rank r is sum(p * g_r) over its parameters, so its scaled gradients are exactly
@@ -472,7 +475,7 @@ def adaptive(rank, world, steps: int, rate: float, reduce: bool = True, optimize
     record = []
     for step in range(steps):
         plants = [("inf" if r == 1 else "") if step == 1 else _planted(r, step, rate, seed) for r in range(world)]
-        grads = [_adaptive_grads(r, step, seed) for r in range(world)]
+        grads = [_adaptive_grads(r, step, seed, spread) for r in range(world)]
         local_amax = [max(t.abs().max().item() for t in gs) for gs in grads]
         for params, o, s, gs, bad in (
             (mine, opt, scaler, grads[rank], plants[rank]),

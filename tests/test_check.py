@@ -182,3 +182,35 @@ def test_fp16_gradients_are_refused_all_named_and_counted():
     check = _check.GradientCheck(lambda p: None, process_group=None)
     with pytest.raises(ValueError, match=r"^3 parameter\(s\) have FP16 gradients \(param_groups\[0\]\[0\].*\[0\]\[2\]"):
         check.gather(opt, allow_half=False)
+
+
+@pytest.mark.parametrize("bad_in", ["first", "last"])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_two_host_decided_optimizers_an_overflow_in_either_skips_the_iteration(bad_in, unscale_first):
+    # Two optimizers at torch's defaults (for-loop on CPU: the host decides each skip). An inf in
+    # either one's gradients makes the iteration a skipped one for what asks after update():
+    # last_step_skipped, on_step's callback, and step_scheduler of the optimizer that overflowed (its
+    # LR stays). (Whether the other optimizer's scheduler steps is not what this test is about.)
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((2,), 2.0))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.AdamW([b], lr=0.1)
+    bad_opt = opt_a if bad_in == "first" else opt_b
+    sched = torch.optim.lr_scheduler.StepLR(bad_opt, step_size=1, gamma=0.5)
+    scaler = GradScaler("cpu")
+    taken = []
+    scaler.on_step(taken.append)
+    for step in range(3):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        scaler.scale(a.sum() * 2 + b.sum() * 3).backward()
+        if step == 1:
+            bad_opt.param_groups[0]["params"][0].grad[0] = math.inf
+        if unscale_first:
+            scaler.unscale_(opt_a)
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+        assert scaler.last_step_skipped is (step == 1), step
+        assert scaler.step_scheduler(sched) is (step != 1), step
+    assert taken == [True, False, True]
+    assert bad_opt.param_groups[0]["lr"] == 0.1 * 0.25
+    assert scaler.counters()["skipped_steps"] == 1

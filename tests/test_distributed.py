@@ -7,6 +7,7 @@ ranks visibly diverge.
 """
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -179,6 +180,27 @@ def test_adaptive_policy_reduces_the_global_amax_in_one_collective(run, optimize
     assert r0["counters"] == r1["counters"] == r0["ref_counters"] == r0["pure_counters"]
     assert r0["params_equal"] and r1["params_equal"]  # each rank's parameters: bitwise the reference's
     assert r0["consistency"] is None and r1["consistency"] is None
+
+
+@needs_gloo
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_adaptive_policy_takes_the_largest_amax_of_the_ranks_not_their_sum(run, optimizer):
+    # The ranks' amax are alike (same binade give or take one), so a sum of them lands a binade above
+    # their maximum at some steps: the scale must still be the single-process one, which sees the max.
+    r0, r1 = run("adaptive", steps=24, rate=0.0, optimizer=optimizer, spread=0)
+    rec0, rec1 = r0["record"], r1["record"]
+    sums_a_binade_up = [
+        s
+        for s, e in enumerate(rec0)
+        if not any(e["planted"])
+        and math.floor(math.log2(sum(e["local_amax"]))) > math.floor(math.log2(max(e["local_amax"])))
+    ]
+    assert len(sums_a_binade_up) >= 4, sums_a_binade_up  # the case this test is about does occur
+    for step, (a, b) in enumerate(zip(rec0, rec1)):
+        assert a["scale"] == b["scale"] == a["ref_scale"] == a["pure_scale"], (step, a["scale"], a["ref_scale"])
+        assert a["skipped"] == b["skipped"] == a["ref_skipped"], step
+    assert r0["counters"] == r1["counters"] == r0["ref_counters"]
+    assert r0["params_equal"] and r1["params_equal"]
 
 
 @needs_gloo

@@ -229,3 +229,32 @@ def test_logmax_matches_a_plain_restatement_of_the_rule(policy, seq):
         assert (s.x_hat, s.slow_x_hat, s.xsquared_hat) == (ref.x_hat, ref.slow, ref.xsq)
         assert (s.b1_correction, s.b2_correction) == (ref.b1c, ref.b2c)
         assert s.scale == ref.scale
+
+
+def _logmax_step(scaled_amax: float):
+    """One step of GradScaler(policy="logmax") at its defaults whose scaled gradients' max |g| is
+    ``scaled_amax`` exactly (0: every gradient zero, as when everything flushed); its state after."""
+    scaler = lossscale.GradScaler("cpu", policy="logmax")
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.01)
+    c = scaled_amax / scaler.get_scale()  # a power of two over a power of two: exact
+    scaler.scale((p * c).sum()).backward()
+    assert p.grad.abs().max().item() == scaled_amax  # what the check measures
+    scaler.step(opt)
+    scaler.update()
+    return scaler.state()
+
+
+def test_all_zero_gradients_count_as_fp16s_smallest_subnormal():
+    # Gradients that are all zero (everything flushed) are fed as the flush threshold at this scale:
+    # the largest value FP16 flushes is below its smallest subnormal, 2**-24, so the step counts as an
+    # amax of 2**-24 (scaled), no more and no less. In the pure rule and on the device alike.
+    p = LogMaxPolicy()
+    mid = p.update(p.update(p.init_state(), found_inf=False, amax=2.0**-3), found_inf=False, amax=2.0**-12)
+    zero = p.update(mid, found_inf=False, amax=0.0)
+    assert zero == p.update(mid, found_inf=False, amax=2.0**-24)
+    assert zero != p.update(mid, found_inf=False, amax=2.0**-23)
+    assert zero != p.update(mid, found_inf=False, amax=2.0**-25)
+    on_device = _logmax_step(0.0)
+    assert on_device == _logmax_step(2.0**-24)
+    assert on_device != _logmax_step(2.0**-23) and on_device != _logmax_step(2.0**-25)

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.distributed
 SEQ_LEN, BATCH, VOCAB, LOSS_CHUNKS = 32, 2, 2048, 2
 INFLOW_STEP, NAN_STEP, CHECKPOINT_STEP = 2, 4, 3  # the overflow, the non-finite loss, the saved step
 PP_MICROBATCHES, PP_STEPS = 2, 3  # pipeline parallel: microbatches per step; steps (INFLOW_STEP among them)
+ACCUMULATION = 2  # gradient-accumulation steps of the accumulation scenario
 EP_STEPS, EP_STARVED = 3, 7  # expert parallel: steps (INFLOW_STEP among them); the expert no token is routed to
 
 
@@ -84,10 +85,11 @@ def _components():
     return TinyTokenizer, TokenBatches
 
 
-def _config(folder: str, parallel: str = "fsdp"):
+def _config(folder: str, parallel: str = "fsdp", accumulation: int = 1):
     """torchtitan's llama3 debugmodel run (its config_registry.py), smaller, in FP16, checkpointing; FSDP2
     over the two ranks; with ``parallel="pipeline"`` two pipeline stages (one layer each), with
-    ``parallel="experts"`` torchtitan's DeepSeek-V3 debugmodel, expert parallel (no checkpointing in either)."""
+    ``parallel="experts"`` torchtitan's DeepSeek-V3 debugmodel, expert parallel (no checkpointing in either).
+    ``accumulation``: gradient-accumulation steps (torchtitan derives them from the global batch size)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
@@ -108,7 +110,12 @@ def _config(folder: str, parallel: str = "fsdp"):
         optimizer=default_adamw(lr=8e-4),  # AdamW, implementation "fused" (torchtitan's default)
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear"),
         training=TrainingConfig(
-            local_batch_size=BATCH, seq_len=SEQ_LEN, steps=10, disable_cuda_graphs=True, mixed_precision_param="float16"
+            local_batch_size=BATCH,
+            global_batch_size=BATCH * 2 * accumulation if accumulation > 1 else -1,  # 2: the data-parallel ranks
+            seq_len=SEQ_LEN,
+            steps=10,
+            disable_cuda_graphs=True,
+            mixed_precision_param="float16",
         ),
         parallelism=parallelism[parallel](),
         metrics=MetricsProcessor.Config(log_freq=1),
@@ -507,7 +514,55 @@ def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-SCENARIOS = {"train": train, "pipeline": pipeline, "experts": experts}
+def accumulation(rank, world, folder: str):
+    """FSDP2 with ACCUMULATION gradient-accumulation steps (forward_backward_step runs that many times per
+    step): at step 1 the scaled gradients' norm after the last micro-batch, by hand; at INFLOW_STEP an inf
+    planted in rank 1's gradient by the last micro-batch's backward only."""
+    import _torchtitan_cpu
+
+    _torchtitan_cpu.install()
+    os.environ["LOCAL_RANK"] = str(rank)
+    from torchtitan.trainer import Trainer
+
+    import lossscale.integrations.torchtitan as ls_torchtitan
+
+    trainer = Trainer(_config(folder, accumulation=ACCUMULATION))
+    _torchtitan_cpu.gloo_reductions(trainer)
+    step_now, calls, scaled_norm = {"n": 0}, Counter(), []
+    fwd_bwd = trainer.forward_backward_step
+
+    def planting(**kwargs):  # inside attach's wrapper: before it unscales after the last micro-batch
+        loss = fwd_bwd(**kwargs)
+        calls[step_now["n"]] += 1
+        last = calls[step_now["n"]] == ACCUMULATION
+        if last and step_now["n"] == 1:
+            grads = [p.grad for p in trainer.model_parts[0].parameters()]
+            scaled_norm.append(torch.nn.utils.get_total_norm(grads).full_tensor().item())
+        if last and step_now["n"] == INFLOW_STEP and rank == 1:
+            next(trainer.model_parts[0].parameters()).grad.to_local().view(-1)[0] = float("inf")
+        return loss
+
+    trainer.forward_backward_step = planting
+    scaler = ls_torchtitan.attach(trainer, init_scale=2.0**10, growth_interval=100)
+    recorder = trainer.metrics_processor.logger = _Recorder()
+    data = trainer.batch_generator(trainer.dataloader)
+    steps = []
+    for _ in range(INFLOW_STEP + 1):
+        trainer.step += 1
+        step_now["n"] = trainer.step
+        steps.append(_observed_step(trainer, scaler, data))
+    out = dict(
+        accumulation=trainer.gradient_accumulation_steps,
+        calls=[calls[n] for n in range(1, INFLOW_STEP + 2)],
+        steps=steps,
+        scaled_norm=scaled_norm,
+        logged=dict(recorder.scaler_and_loss()),
+    )
+    trainer.close()
+    return out
+
+
+SCENARIOS = {"train": train, "pipeline": pipeline, "experts": experts, "accumulation": accumulation}
 
 
 # ----------------------------------------------------------------------------------------- tests
@@ -593,6 +648,28 @@ def test_torchtitans_clip_sees_the_true_gradients(results):
         logged = dict(rank["logged"])
         assert logged[1]["scaler/loss_scale"] == 2.0**10 and len(rank["scaled_norm"]) == 1
         assert logged[1]["grad_norm"] == pytest.approx(rank["scaled_norm"][0] / 2.0**10, rel=1e-5)
+
+
+def test_with_gradient_accumulation_the_gradients_are_unscaled_after_the_last_micro_batch(tmp_path):
+    """torchtitan's clip sees the true accumulated gradients, and an overflow in the last micro-batch's
+    backward skips the step on both ranks (unscaled after the first, it would reach the weights)."""
+    from _dist_workers import WorkerPool
+
+    pool = WorkerPool(world_size=2, scenarios=__name__)
+    try:
+        ranks = pool.run("accumulation", timeout_s=240, folder=str(tmp_path))
+    finally:
+        pool.close()
+    for r in ranks:
+        assert r["accumulation"] == ACCUMULATION and r["calls"] == [ACCUMULATION] * (INFLOW_STEP + 1)
+        logged = r["logged"]
+        assert logged[1]["scaler/loss_scale"] == 2.0**10 and len(r["scaled_norm"]) == 1
+        assert logged[1]["grad_norm"] == pytest.approx(r["scaled_norm"][0] / 2.0**10, rel=1e-5)
+        for n, step in enumerate(r["steps"], start=1):
+            overflow = n == INFLOW_STEP
+            assert step["skipped"] == overflow and step["lr_held"] == overflow, n
+            assert step["unchanged"] == overflow and step["finite"], n
+        assert r["steps"][INFLOW_STEP - 1]["scale_after"] == 2.0**9
 
 
 def test_the_backward_is_scaled_a_too_large_scale_overflows_fp16(results):

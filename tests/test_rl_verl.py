@@ -261,7 +261,84 @@ def refusals(rank, world, model_dir):
     return out
 
 
-SCENARIOS = {"overflow": overflow, "stock": stock, "example": example, "refusals": refusals}
+# train_mini_batch's steps -> the loss factor of each of its two mini-batches
+MINI_PLAN = [[1.0, BLOW_UP], [BLOW_UP, 1.0], [BLOW_UP, BLOW_UP], [1.0, 1.0]]
+MINI_LENS = [(7, 5, 6, 8), (6, 8, 5, 7)]  # per rank: four sequences, two mini-batches of two
+
+
+def _mini_batch_data(rank, world, step):
+    """This rank's batch for verl's ``train_mini_batch``: four sequences in two mini-batches."""
+    from tensordict.tensorclass import NonTensorData
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lens = MINI_LENS[rank % len(MINI_LENS)]
+    ids = [torch.randint(1, 64, (n,), generator=g) for n in lens]
+    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    data = {
+        "input_ids": nested(ids),
+        "position_ids": nested([torch.arange(n) for n in lens]),
+        "loss_mask": nested([torch.ones(n, dtype=torch.long) for n in lens]),
+    }
+    meta = dict(
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+        max_token_len_per_gpu=64,
+        micro_batch_size_per_gpu=2,
+        temperature=1.0,
+        global_batch_size=2 * world,
+        pad_mode=DatasetPadMode.NO_PADDING,
+        pad_token_id=0,
+        num_mini_batch=2,
+        seed=step,
+    )
+    td = tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
+    tu.assign_non_tensor(td, global_token_num=NonTensorData([n for r in range(world) for n in MINI_LENS[r]]))
+    return td
+
+
+def mini_batches(rank, world, model_dir, strategy):
+    """verl's ``train_mini_batch`` (engine_workers.py:243: the LR scheduler steps after the last
+    mini-batch only) over MINI_PLAN, with lossscale attached: per call, which mini-batches were skipped
+    and how far the LR schedule advanced."""
+    from lossscale.integrations import verl as ls_verl
+
+    worker = _worker(model_dir, strategy)
+    scaler = ls_verl.attach(worker.engine, init_scale=INIT_SCALE)
+    train_batch, factors, skipped = worker.train_batch, [], []
+
+    def each_mini_batch(data):  # the loss factor of this mini-batch, and whether its step was skipped
+        worker.loss_fn.factor = factors.pop(0)
+        out = train_batch(data)
+        skipped.append(scaler.last_step_skipped)
+        return out
+
+    worker.train_batch = each_mini_batch
+    steps = []
+    for step, plan in enumerate(MINI_PLAN):
+        factors[:], skipped[:] = list(plan), []
+        before, lr_epoch = _snapshot(worker.engine), worker.engine.lr_scheduler.last_epoch
+        metrics = worker.train_mini_batch(_mini_batch_data(rank, world, step))["metrics"]
+        steps.append(
+            dict(
+                skipped=list(skipped),
+                logged=metrics["scaler/last_step_skipped"],
+                lr_stepped=worker.engine.lr_scheduler.last_epoch - lr_epoch,
+                unchanged=_same(before, _snapshot(worker.engine)),
+                finite=_finite(worker.engine),
+            )
+        )
+    return steps
+
+
+SCENARIOS = {
+    "overflow": overflow,
+    "stock": stock,
+    "example": example,
+    "refusals": refusals,
+    "mini_batches": mini_batches,
+}
 
 
 # --------------------------------------------------------------------------------- the tests
@@ -302,20 +379,20 @@ def test_overflow_is_skipped_lr_held_metrics_logged_scaler_checkpointed(pool, mo
     )
     for rank, r in enumerate(results):
         assert r["attached_twice"] and r["engine_scaler"] and r["scaler_device"] == "cpu"
-        assert r["reattached"] and r["after_reset"] == [1.0, 1.0]  # a new scaler after reset(), in training
+        assert r["reattached"] and r["after_reset"] == [[1.0], [1.0]]  # a new scaler after reset(), in training
         steps = r["steps"]
         skipped = [s["metrics"]["scaler/last_step_skipped"] for s in steps]
-        assert skipped == [[float(f != 1.0)] * 2 for f in PLAN]  # as verl logs it: a value per dp rank
+        assert skipped == [[[float(f != 1.0)]] * 2 for f in PLAN]  # as verl logs it: a list per dp rank
         for s, factor in zip(steps, PLAN):
             assert s["finite"]
             assert s["unchanged"] == (factor != 1.0)  # weights and optimizer state, bitwise
             assert s["lr_stepped"] == (factor == 1.0)  # the LR held on the skipped steps
         scales = [s["metrics"]["scaler/loss_scale"] for s in steps]
         # The overflow backs off; the NaN batch (a non-finite loss) keeps the scale.
-        assert scales == [[INIT_SCALE] * 2] * 2 + [[INIT_SCALE / 2] * 2] * 3
+        assert scales == [[[INIT_SCALE]] * 2] * 2 + [[[INIT_SCALE / 2]] * 2] * 3
         last = steps[-1]["metrics"]
-        assert last["scaler/skipped_steps"] == [2.0, 2.0] and last["scaler/bad_loss_steps"] == [1.0, 1.0]
-        assert last["scaler/health/verdict"] == [0.0, 0.0]  # healthy
+        assert last["scaler/skipped_steps"] == [[2.0], [2.0]] and last["scaler/bad_loss_steps"] == [[1.0], [1.0]]
+        assert last["scaler/health/verdict"] == [[0.0], [0.0]]  # healthy
         lrs = [s["metrics"]["lr"] for s in steps]
         assert lrs[2] == lrs[1] != lrs[3] == lrs[4]  # verl logs the LR in force
         assert f"lossscale_scaler_world_size_2_rank_{rank}.pt" in r["files"]
@@ -323,6 +400,19 @@ def test_overflow_is_skipped_lr_held_metrics_logged_scaler_checkpointed(pool, mo
         assert r["loaded_state"] == r["state"]  # every field, scale and tracker included
         assert r["loaded_tracker"] == r["tracker"] and r["state"]["scale"] == INIT_SCALE / 2
         assert r["lr_epochs"][0] == r["lr_epochs"][1] == PLAN.count(1.0)
+
+
+def test_the_lr_steps_when_any_mini_batch_of_the_call_stepped(pool, model_dir):
+    # verl steps the LR scheduler once, after the last mini-batch: it must advance when any mini-batch's
+    # optimizer step was taken (the last one skipped included), and hold only when every one was skipped.
+    results = pool.run("mini_batches", timeout_s=300, model_dir=model_dir, strategy="fsdp2")
+    for r in results:
+        assert [s["skipped"] for s in r] == [[f != 1.0 for f in plan] for plan in MINI_PLAN]
+        # as verl returns it: one flat list, a value per dp rank for each mini-batch in turn
+        assert [s["logged"] for s in r] == [[float(f != 1.0) for f in plan for _ in range(2)] for plan in MINI_PLAN]
+        assert [s["lr_stepped"] for s in r] == [int(1.0 in plan) for plan in MINI_PLAN]
+        assert [s["unchanged"] for s in r] == [1.0 not in plan for plan in MINI_PLAN]
+        assert all(s["finite"] for s in r)
 
 
 def test_stock_verl_applies_the_nan_step_and_its_checkpoint_loads_with_a_warning(pool, model_dir, tmp_path):
@@ -343,8 +433,8 @@ def test_stock_verl_applies_the_nan_step_and_its_checkpoint_loads_with_a_warning
 def test_the_example_trains_skips_and_resumes(pool, model_dir, tmp_path):
     r0, r1 = pool.run("example", timeout_s=300, model_dir=model_dir, checkpoint_dir=str(tmp_path / "ckpt"))
     for r in (r0, r1):
-        assert [rec["scaler/last_step_skipped"] for rec in r["records"]] == [[float(s == 2)] * 2 for s in range(4)]
-        assert [rec["scaler/loss_scale"][0] for rec in r["records"]] == [1024.0, 1024.0, 512.0, 512.0]
+        assert [rec["scaler/last_step_skipped"] for rec in r["records"]] == [[[float(s == 2)]] * 2 for s in range(4)]
+        assert [rec["scaler/loss_scale"][0] for rec in r["records"]] == [[1024.0], [1024.0], [512.0], [512.0]]
         assert r["resumed"] == r["saved"]
         assert r["classes"] == ["FP16ActorRolloutRefWorker", "FP16SFTTrainer"]
     assert len(r0["lines"]) == 5 and not r1["lines"]  # rank 0 logs

@@ -59,6 +59,38 @@ def test_skipped_step_leaves_parameters_and_optimizer_state_untouched(kind, bad)
     assert report[bad] and not report["nan" if bad == "inf" else "inf"]
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, fused=True),
+        lambda ps: torch.optim.Adam(ps, fused=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True),
+    ],
+    ids=["AdamW", "Adam", "SGD"],
+)
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_unscale_on_a_fused_optimizer_tells_inf_from_nan_and_names_the_parameter(make, bad):
+    # unscale_() before a fused optimizer's step (the clipping loop): the skip is decided on the device,
+    # and the report still says which kind of value and which parameter, as it does without unscale_.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = make(model.parameters())
+    scaler = lossscale.GradScaler("cpu")
+    scaler.name_parameters(model)
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    model[1].weight.grad[0, 0] = float(bad)
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped
+    counters = scaler.counters()
+    assert (counters["inf_steps"], counters["nan_steps"]) == ((1, 0) if bad == "inf" else (0, 1)), counters
+    report = scaler.overflow_report()
+    other = "nan" if bad == "inf" else "inf"
+    assert report[bad] == ["1.weight"] and report[other] == [], report
+    assert report["cause"].startswith(f"{'NaN' if bad == 'nan' else 'inf'} in the gradients (1.weight)"), report
+
+
 # 5% random faults keep the scale at its floor (2000 clean steps in a row never happen), so the
 # stuck warning fires by design here.
 @pytest.mark.filterwarnings("ignore:lossscale:RuntimeWarning")

@@ -177,6 +177,9 @@ def test_the_windows_survive_a_checkpoint():
         (dict(loss_zscore=-1.0), "loss_zscore"),
         (dict(loss_zscore=3.0, window=1), "window"),
         (dict(loss_zscore=3.0, window=4, min_steps=8), "min_steps"),
+        (dict(loss_zscore=math.inf), "loss_zscore"),
+        (dict(loss_zscore=True), "loss_zscore"),
+        (dict(loss_zscore=3.0, window=200.0), "window"),
     ],
 )
 def test_a_rule_that_cannot_work_is_refused(kwargs, match):
@@ -212,3 +215,201 @@ def test_a_spike_that_overflows_is_an_overflow_not_a_spike(fused):
     assert (c["spike_steps"], c["skipped_steps"], overflows) == (1, 1, 1), c  # step 5 a spike, 6 an overflow
     assert scaler.get_scale() == 2.0**7
     assert scaler.health().spike_steps == 1
+
+
+def _skipped_by_loss(losses, fused, rule):
+    """Which steps of a run whose loss (before scaling) is each of ``losses`` in turn the scaler skips:
+    a linear model whose loss is its weights times zero plus the value (finite zero gradients, any loss)."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lossscale.GradScaler("cpu", skip_if=rule)
+    skipped = []
+    for value in losses:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum() * 0.0 + value).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped)
+    return skipped
+
+
+CLEAN = [1.0, 1.2] * 4  # mean 1.1, population std 0.1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nan_loss_stays_out_of_the_window_and_a_later_spike_is_still_skipped(fused):
+    # A NaN loss is a bad loss (skipped, not a spike); a NaN in the window would make every later
+    # z-score test false, so no spike would ever be skipped again.
+    rule = SkipIf(loss_zscore=3.0, window=16, min_steps=4)
+    losses = CLEAN + [math.nan] + CLEAN[:2] + [50.0] + CLEAN[:2] + [60.0]
+    skipped = _skipped_by_loss(losses, fused, rule)
+    assert skipped == [not 1.0 <= x <= 1.2 for x in losses], skipped  # the NaN and both spikes
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_spike_stays_out_of_the_window(fused):
+    # Eight clean losses fill the window (mean 1.1, std 0.1: the threshold at z = 3 is 1.4). A spike
+    # of 100 is skipped; if it joined the window its mean and std would let 1.45 through. With only
+    # the clean losses in it, 1.45 is skipped too and 1.35 is taken (after which the window moves).
+    rule = SkipIf(loss_zscore=3.0, window=16, min_steps=4)
+    losses = CLEAN + [100.0, 1.45, 1.35]
+    assert _skipped_by_loss(losses, fused, rule) == [False] * 8 + [True, True, False]
+    # The same with the window full (a ring of 8 clean losses) and the spike landing where the next
+    # value would be written.
+    rule = SkipIf(loss_zscore=3.0, window=8, min_steps=4)
+    losses = CLEAN + CLEAN + [100.0, 1.45, 1.35]
+    assert _skipped_by_loss(losses, fused, rule) == [False] * 16 + [True, True, False]
+
+
+def test_the_smallest_rules_are_accepted():
+    # Every bound is the documented one: a z-score or norm bound above 0 (below 1 too), window and
+    # min_steps of 2.
+    assert SkipIf(loss_zscore=0.5, window=2, min_steps=2).window == 2
+    assert SkipIf(grad_norm_above=0.25).grad_norm_above == 0.25
+
+
+def test_the_windows_statistics_are_float64():
+    # Four losses of 1 and four of its float32 neighbour 1 + 2**-23: in float64 the mean is 1 + 2**-24 and
+    # the std 2**-24, so at z = 1 the threshold is 1 + 2**-23 exactly and that loss is not above it.
+    # (Summed in float32, the mean rounds to 1 and the same loss would be a spike.)
+    up = 1.0 + 2.0**-23
+    rule = SkipIf(loss_zscore=1.0, window=8, min_steps=8)
+    assert _skipped_by_loss([1.0, up] * 4 + [up, 1.0 + 2.0**-22], True, rule) == [False] * 9 + [True]
+
+
+def test_a_constant_loss_is_never_a_spike():
+    # A plateau: the window's std is 0 and every loss equals the mean, which is not above it.
+    assert _skipped_by_loss([1.0] * 12, True, SkipIf(loss_zscore=3.0, min_steps=4)) == [False] * 12
+
+
+def _skipped_by_norm(grads, fused, rule, clip=None):
+    """Which steps the scaler skips when the true gradient of a 2-element parameter is each of ``grads``
+    in turn (the loss is the parameter times it): the host path with unscale_ (SGD), or the fused
+    path without it (the norm of the scaled gradients over the scale); ``clip``: through clip_grad_norm_."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], fused=True) if fused else torch.optim.SGD([p], lr=0.1)
+    scaler = lossscale.GradScaler("cpu", skip_if=rule)
+    skipped = []
+    for g in grads:
+        opt.zero_grad()
+        scaler.scale((p * torch.tensor(g)).sum()).backward()
+        if clip is not None:
+            scaler.clip_grad_norm_(opt, clip)
+        elif not fused:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped)
+    return skipped
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_norm_bound_is_on_the_true_two_norm_and_a_norm_on_it_is_not_a_spike(fused):
+    # |(3, 4)| = 5 exactly; just above 5 is a spike. The scaled gradients carry 2**16: the bound is on
+    # the true norm, the scale divided out, whichever path judged it.
+    rule = SkipIf(grad_norm_above=5.0)
+    grads = [[3.0, 4.0], [3.0, 4.001], [0.3, 0.4], [300.0, 400.0]]
+    assert _skipped_by_norm(grads, fused, rule) == [False, True, False, True]
+
+
+def test_through_the_clip_the_norm_bound_is_on_the_norm_before_clipping():
+    rule = SkipIf(grad_norm_above=4.0)
+    assert _skipped_by_norm([[3.0, 4.0], [0.3, 0.4]], False, rule, clip=1.0) == [True, False]
+
+
+def test_a_norm_rule_with_no_gradient_skips_nothing():
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))  # q never gets a gradient
+    opt = torch.optim.SGD([q], lr=0.1)
+    scaler = lossscale.GradScaler("cpu", skip_if=SkipIf(grad_norm_above=1.0))
+    for _ in range(3):
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert not scaler.last_step_skipped
+    assert scaler.counters()["skipped_steps"] == 0
+
+
+def _spiky_scaler(rule):
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = lossscale.GradScaler("cpu", skip_if=rule)
+    for g in [1.0, 1.1, 0.9, 1.0, 1.1, 0.9, 50.0]:
+        opt.zero_grad()
+        scaler.scale((p * g).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    return p, opt, scaler
+
+
+def test_a_loaded_checkpoints_spike_count_is_there_before_the_first_step():
+    rule = SkipIf(grad_norm_zscore=3.0, min_steps=4)
+    _, _, scaler = _spiky_scaler(rule)
+    assert scaler.last_step_skipped
+    resumed = lossscale.GradScaler("cpu", skip_if=rule)
+    resumed.load_state_dict(scaler.state_dict())
+    assert resumed.counters()["spike_steps"] == scaler.counters()["spike_steps"] >= 1
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"norms": [0.0] * 128},  # keys missing
+        {"norms": [0.0] * 3, "losses": [0.0] * 128, "count": 0, "spikes": 0},  # one window's length
+        {"norms": [0.0] * 128, "losses": [0.0] * 3, "count": 0, "spikes": 0},
+    ],
+)
+def test_a_checkpoints_windows_that_do_not_fit_are_refused_at_load(entry):
+    rule = SkipIf(loss_zscore=3.0)
+    scaler = lossscale.GradScaler("cpu", skip_if=rule)
+    saved = scaler.state_dict()
+    saved["skip_if"] = [entry]
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match="skip_if"):
+        scaler.load_state_dict(saved)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copied_scaler_keeps_the_windows(how):
+    import copy
+    import pickle
+
+    rule = SkipIf(grad_norm_zscore=3.0, min_steps=4)
+    p, opt, scaler = _spiky_scaler(rule)
+    twin = pickle.loads(pickle.dumps(scaler)) if how == "pickle" else copy.deepcopy(scaler)
+    assert twin.state_dict()["skip_if"] == scaler.state_dict()["skip_if"]
+    assert twin.counters()["spike_steps"] == scaler.counters()["spike_steps"]
+    for g, spike in ((1.0, False), (40.0, True)):  # the copy judges against the clean window
+        opt.zero_grad()
+        twin.scale((p * g).sum()).backward()
+        twin.step(opt)
+        twin.update()
+        assert twin.last_step_skipped is spike
+
+
+def test_a_discarded_iteration_leaves_the_spike_rule_working():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = lossscale.GradScaler("cpu", skip_if=SkipIf(grad_norm_above=10.0))
+    scaler.scale((p * 100.0).sum()).backward()
+    scaler.unscale_(opt)  # judged a spike, then dropped
+    scaler.discard_iteration()
+    for g, spike in ((1.0, False), (100.0, True)):
+        opt.zero_grad()
+        scaler.scale((p * g).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.last_step_skipped is spike
+
+
+def test_without_skip_if_no_step_is_a_spike():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = lossscale.GradScaler("cpu")
+    for g in (1.0, 1e4):
+        opt.zero_grad()
+        scaler.scale((p * g).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert not scaler.last_step_skipped
+    assert "spike_steps" not in scaler.counters()

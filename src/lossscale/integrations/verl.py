@@ -38,7 +38,9 @@ at bf16 (transformer_impl.py:169, 1559), whatever the config says, so ``attach``
 * Metrics. Every ``engine.train_batch`` adds ``scaler.metrics()`` as ``scaler/<name>`` (``loss_scale``,
   ``skipped_steps``, ``last_step_skipped``, ...) and the run-health account's numbers
   (``scaler.health().metrics()``) as ``scaler/health/<name>`` to the metrics verl returns beside
-  ``grad_norm`` (workers/engine/base.py:129-131), so they reach verl's tracking loggers with the rest.
+  ``grad_norm`` (workers/engine/base.py:129-131), each a one-element list as verl's per-micro-batch
+  metrics are, so they reach verl's tracking loggers with the rest (``train_batch``: one list per
+  rank; ``train_mini_batch``: one flat list, a value per rank for each mini-batch in turn).
   Reading them syncs host and device twice per step; verl's step already syncs for ``grad_norm``.
 
 Tested with verl 0.9.1 and torch 2.13 on CPU (FSDP2 and FSDP1, two gloo ranks); see docs/how-to/verl.md.
@@ -173,7 +175,10 @@ def _reporting(engine, train_batch, state: _Attached):
         state.stepped_since_lr_step |= not scaler.last_step_skipped
         figures = {**scalars(scaler.metrics()), **scalars(scaler.health().metrics(prefix=""), "scaler/health/")}
         if engine.is_mp_src_rank_with_outputs():
-            outputs["metrics"].update(figures)
+            # Each a list of one value, the form of verl's own per-micro-batch metrics: the worker gathers
+            # it over the data-parallel ranks, and train_mini_batch flattens the gathered lists (a bare
+            # float there raises TypeError).
+            outputs["metrics"].update({k: [v] for k, v in figures.items()})
         return outputs
 
     wrapped.__doc__ = train_batch.__doc__
