@@ -363,3 +363,74 @@ def test_rescaling_twice_is_refused():
     with pytest.raises(RuntimeError, match="rescaled already"):
         lossscale.rescale(m, 4)
     r.undo()
+
+
+# ------------------------------------------------------------------ choosing c, and the audit's advice
+def _audit(m):
+    return lossscale.audit(m, lambda model, ids: model(ids, labels=ids).loss, IDS)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2"])
+def test_choose_rescale_takes_the_smallest_power_of_two_per_layer_and_the_audit_names_it(family):
+    m = overflowing(family)
+    report = _audit(m)
+    assert report.keep_fp32  # the FP16 forward overflows
+    choice = lossscale.choose_rescale(m, report)
+    layers = [f"model.layers.{i}" for i in range(2)] if family == "gemma3" else [f"transformer.h.{i}" for i in range(2)]
+    assert [r.name for r in choice.layers][1:] == layers
+    for r in choice.layers:
+        assert r.amax / r.factor * 2 <= 65504  # one binade of headroom left
+        assert r.factor == 1 or r.amax / (r.factor / 2) * 2 > 65504  # and no smaller power of two does it
+    assert choice.factor == max(r.factor for r in choice.layers) > 1
+    layer = report.modules[layers[1]].fp32_amax
+    assert choice.layers[2].amax >= layer  # the layer's output (the stream) is among what it reads
+    assert lossscale.choose_rescale(m, report, headroom_bits=4).factor == choice.factor * 8
+    advice = [n for n in report.notes if "lossscale.rescale(model, " in n]
+    assert advice == [next(n for n in advice if f"lossscale.rescale(model, {int(choice.factor)})" in n)]
+
+    lossscale.rescale(m, choice.factor)
+    again = _audit(m)
+    assert again.keep_fp32 == [] and again.forward_finite
+    assert not any("lossscale.rescale(model, " in n for n in again.notes)
+
+
+def test_choose_rescale_refuses_what_rescale_refuses():
+    with pytest.raises(ValueError, match="not a model rescale knows"):
+        lossscale.choose_rescale(PreNorm(), None)
+    with pytest.raises(TypeError, match="AuditReport"):
+        lossscale.choose_rescale(tiny("llama"), {"modules": {}})
+    with pytest.raises(ValueError, match="headroom_bits"):
+        lossscale.choose_rescale(tiny("llama"), None, headroom_bits=-1)
+
+
+# ------------------------------------------------------------------ inference export
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_writes_a_plain_checkpoint_that_computes_the_same_function(family, tmp_path):
+    m = tiny(family)
+    ref = m(IDS).logits
+    r = lossscale.rescale(m, 64)
+    r.export(str(tmp_path))
+    e = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    assert rescaling.in_force(e) is None and not e.config.tie_word_embeddings
+    y = e(IDS).logits
+    if family.startswith("gemma"):
+        # (1 + w) / c - 1 rounded to float32 in the post-norms: measured 1.4e-6 (Gemma 2), 2.2e-6 (Gemma 3).
+        assert 0 < (y - ref).abs().max() / ref.abs().max() < 1e-5
+    else:
+        assert torch.equal(y, ref)  # every fold is a power of two: bitwise
+    assert torch.equal(m(IDS).logits, ref)  # the rescaled model itself untouched by the export
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+def test_the_exported_checkpoint_runs_in_float16_where_the_original_overflows(family, tmp_path):
+    m = overflowing(family)
+    with torch.no_grad():
+        ref = m(IDS).logits
+        assert not m.half()(IDS).logits.isfinite().all()  # a float16 model: its forward overflows
+    m.float()
+    lossscale.rescale(m, 64).export(str(tmp_path))
+    e = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float16, attn_implementation="eager")
+    with torch.no_grad():
+        y = e.eval()(IDS).logits.float()
+    assert y.isfinite().all()
+    assert (y - ref).abs().max() / ref.abs().max() < 1e-2

@@ -479,7 +479,13 @@ def _folded_copy(model: torch.nn.Module, f: _Family, c: float) -> torch.nn.Modul
     tied = bool(getattr(config, "tie_word_embeddings", False))
     config.tie_word_embeddings = False
     out = type(model)(config)
-    out.load_state_dict(model.state_dict(), strict=False)  # tied heads: lm_head.weight is absent from it
+    # A tied head's weight is the embedding's: absent from the untied model's loaded keys, copied below.
+    missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
+        raise RuntimeError(
+            f"Rescaling.export: the model's weights do not fit a fresh {type(model).__name__} of its config "
+            f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})"
+        )
     base = out if type(out).__name__ == f.base_cls else getattr(out, f.base_attr)
     emb = getattr(base, f.embeddings[0][0])
     head = getattr(out, "lm_head", None)
@@ -654,7 +660,7 @@ class LayerNeed:
     """One row of ``RescaleChoice.layers``.
 
     Attributes:
-        name: the embedding (the base model's name, or ``"embedding"``) or a decoder layer's name.
+        name: the embedding writers' names (joined by ``", "``) or a decoder layer's name.
         amax: the largest ``|value|`` of the residual stream and its writers' outputs there, in the
             audit's FP32 forward.
         factor: the smallest power of two ``c`` with ``amax / c * 2**headroom_bits <= 65504``.
@@ -739,7 +745,7 @@ def choose_rescale(model: torch.nn.Module, report: Any, *, headroom_bits: int = 
     emb = [w.name for w in writers if not w.name.startswith(prefix + f.layers_attr + ".")]
     emb += [prefix + s for s in f.stream]
     a = amax(emb)
-    rows.append(LayerNeed(base_name or "embedding", a, _need(a, headroom_bits)))
+    rows.append(LayerNeed(", ".join(emb), a, _need(a, headroom_bits)))
     for lname in layer_names:
         names = [w.name for w in writers if w.name.startswith(lname + ".")] + [lname]
         a = amax(names)
@@ -749,15 +755,19 @@ def choose_rescale(model: torch.nn.Module, report: Any, *, headroom_bits: int = 
 
 def audit_advice(model: torch.nn.Module, report: Any) -> Optional[str]:
     """The audit's note naming this remedy, or None: when the FP16 forward overflows, the model is one
-    ``rescale`` knows, and a rescaling brings its residual stream within FP16 (one binade of headroom)."""
-    if not getattr(report, "keep_fp32", None) or _family_of(model) is None:
+    ``rescale`` knows, every module the audit would keep in FP32 writes the residual stream (or is a layer,
+    whose output is the stream), and a rescaling brings the stream within FP16 (one binade of headroom)."""
+    f = _family_of(model)
+    if not getattr(report, "keep_fp32", None) or f is None:
         return None
     try:
         choice = choose_rescale(model, report)
-    except (ValueError, TypeError):
+        writers, _readers, base_name, layers = _plan(model, f)
+    except (ValueError, TypeError, _Unproven):
         return None
-    if choice.factor == 1.0:
-        return None
+    stream = {w.name for w in writers} | set(layers) | {base_name}
+    if choice.factor == 1.0 or not set(report.keep_fp32) <= stream:
+        return None  # an overflow inside a branch: dividing the stream does not reach it
     return (
         f"the residual stream reaches {max(r.amax for r in choice.layers):.3g} in FP32: instead of keeping "
         f"modules in FP32, lossscale.rescale(model, {int(choice.factor)}) divides it by {_pow2(choice.factor)} "
