@@ -392,6 +392,9 @@ def test_choose_rescale_takes_the_smallest_power_of_two_per_layer_and_the_audit_
     again = _audit(m)
     assert again.keep_fp32 == [] and again.forward_finite
     assert not any("lossscale.rescale(model, " in n for n in again.notes)
+    assert f"audited with a rescaling in force: residual stream divided by 2^{int(math.log2(choice.factor))}" in (
+        "\n".join(again.notes)
+    )
 
 
 def test_choose_rescale_refuses_what_rescale_refuses():
@@ -434,3 +437,19 @@ def test_the_exported_checkpoint_runs_in_float16_where_the_original_overflows(fa
         y = e.eval()(IDS).logits.float()
     assert y.isfinite().all()
     assert (y - ref).abs().max() / ref.abs().max() < 1e-2
+
+
+# ------------------------------------------------------------------ visible in health()
+def test_health_says_which_rescaling_is_in_force():
+    m = overflowing("gemma3")
+    scaler = lossscale.GradScaler("cpu", init_scale=2.0**10)
+    assert scaler.health().rescaling is None
+    r = lossscale.rescale(m, 64)
+    _fp16_run(m, 2, scaler)
+    report = scaler.health()
+    line = "Gemma3ForCausalLM: residual stream divided by 2^6 (gemma3: 5 writers scaled, 5 norms' eps divided by 2^12), in force"
+    assert report.rescaling == (line,)
+    assert str(report).endswith(f"Residual stream rescaled (lossscale.rescale): {line}.")
+    assert "rescaling" not in report.metrics()
+    r.undo()
+    assert scaler.health().rescaling is None

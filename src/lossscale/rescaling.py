@@ -654,6 +654,18 @@ def in_force(model: torch.nn.Module) -> Optional[Rescaling]:
     return _IN_FORCE.get(model)
 
 
+def with_rescaling(report):
+    """``report`` (a ``HealthReport``) saying which rescalings are in force in this process: its
+    ``rescaling`` field (one line per rescaled model) and a sentence of its text; unchanged when none is."""
+    import dataclasses
+
+    lines = tuple(f"{type(m).__name__}: {r.describe()}" for m, r in list(_IN_FORCE.items()))
+    if not lines:
+        return report
+    text = report.text + " Residual stream rescaled (lossscale.rescale): " + "; ".join(lines) + "."
+    return dataclasses.replace(report, rescaling=lines, text=text)
+
+
 # ------------------------------------------------------------------ choosing c
 @dataclass(frozen=True)
 class LayerNeed:
@@ -756,7 +768,10 @@ def choose_rescale(model: torch.nn.Module, report: Any, *, headroom_bits: int = 
 def audit_advice(model: torch.nn.Module, report: Any) -> Optional[str]:
     """The audit's note naming this remedy, or None: when the FP16 forward overflows, the model is one
     ``rescale`` knows, every module the audit would keep in FP32 writes the residual stream (or is a layer,
-    whose output is the stream), and a rescaling brings the stream within FP16 (one binade of headroom)."""
+    whose output is the stream), and a rescaling brings the stream within FP16 (one binade of headroom).
+    On a rescaled model: the note says which rescaling is in force."""
+    if in_force(model) is not None:
+        return f"audited with a rescaling in force: {in_force(model).describe()}"
     f = _family_of(model)
     if not getattr(report, "keep_fp32", None) or f is None:
         return None
