@@ -108,7 +108,7 @@ KEEP_CAUSES = 3
 #: The verdicts, in order of concern; :meth:`HealthReport.metrics` gives the index as ``verdict``.
 VERDICTS = ("healthy", "recovering", "stuck")
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
-_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules", "backward_upcasts")
+_TEXT_FIELDS = ("verdict", "text", "causes", "upcast_modules", "backward_upcasts", "rescaling")
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,8 @@ class HealthReport:
         backward_upcasts: with ``on_backward_overflow="upcast"``, those of them kept for a backward that
             overflowed with the scale at 1 or below (or at its floor, if higher); else None.
         causes: ``(step, first cause)`` of the last few bad batches, with ``trace=True``.
+        rescaling: the residual-stream rescalings in force in this process (``lossscale.rescale``), one
+            line each; None when none is.
     """
 
     verdict: str
@@ -178,6 +180,7 @@ class HealthReport:
     upcast_modules: Optional[Tuple[str, ...]] = None
     backward_upcasts: Optional[Tuple[str, ...]] = None
     causes: Tuple[Tuple[int, str], ...] = ()
+    rescaling: Optional[Tuple[str, ...]] = None
 
     def __str__(self) -> str:
         return self.text
