@@ -429,8 +429,7 @@ def test_the_exported_checkpoint_runs_in_float16_where_the_original_overflows(fa
     m = overflowing(family)
     with torch.no_grad():
         ref = m(IDS).logits
-        assert not m.half()(IDS).logits.isfinite().all()  # a float16 model: its forward overflows
-    m.float()
+        assert not copy.deepcopy(m).half()(IDS).logits.isfinite().all()  # a float16 model: its forward overflows
     lossscale.rescale(m, 64).export(str(tmp_path))
     e = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float16, attn_implementation="eager")
     with torch.no_grad():
