@@ -452,3 +452,44 @@ def test_health_says_which_rescaling_is_in_force():
     assert "rescaling" not in report.metrics()
     r.undo()
     assert scaler.health().rescaling is None
+
+
+# ------------------------------------------------------------------ the benchmark and the how-to page
+ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+
+def _read(path):
+    with open(__import__("os").path.join(ROOT, path), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_the_benchmark_runs_end_to_end(tmp_path):
+    # A smoke run: one model, two steps, one pair. Nothing timed is asserted.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rescale", __import__("os").path.join(ROOT, "benchmarks", "bench_rescale.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        out = bench.main(["--families", "gpt2", "--steps", "2", "--pairs", "1", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    row = out["models"]["gpt2"]
+    assert row["fp32_exactness"] == {"logits_max_abs_diff": 0.0, "grads_max_abs_diff": 0.0}
+    assert row["variants"]["fp16"]["steps_taken"] == 0 and row["variants"]["rescale"]["steps_taken"] == 2
+    assert "| rescale |" in (tmp_path / "rescale.md").read_text()
+
+
+def test_the_how_to_page_quotes_the_committed_results():
+    import re
+
+    page, results = _read("docs/how-to/fp16-rescale.md"), _read("benchmarks/results/rescale.md")
+    lines = set(results.splitlines())
+    rows = [line for line in page.splitlines() if line.startswith("| ") and re.match(r"\| (fp16|clamp|upcast|rescale|fp32)", line)]
+    assert len(rows) >= 10 and all(row in lines for row in rows), [r for r in rows if r not in lines]
+    measured = page.split("## Clamp, FP32 upcast, rescale: measured")[1].split("## Other models")[0]
+    measured += page.split("**The loss scale.**")[1].split("## Clamp")[0]
+    for figure in re.findall(r"\b\d+(?:\.\d+)?(?:e-\d+)?%?|2\^\d+", measured):
+        if figure not in ("0", "1", "2", "20", "30", "64", "65504", "1000", "8", "32"):
+            assert figure in results, figure
