@@ -397,6 +397,18 @@ def test_choose_rescale_takes_the_smallest_power_of_two_per_layer_and_the_audit_
     )
 
 
+def test_the_audit_does_not_advise_rescaling_for_an_overflow_inside_a_branch():
+    m = overflowing("gemma3")
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.up_proj.weight.mul_(100.0)
+            layer.mlp.down_proj.weight.mul_(3.0e4)  # its own FP16 output overflows: dividing the stream cannot help
+    report = _audit(m)
+    assert any(n.endswith("mlp.down_proj") for n in report.keep_fp32)
+    assert lossscale.choose_rescale(m, report).factor > 1  # the stream is large too
+    assert not any("lossscale.rescale(model, " in n for n in report.notes)
+
+
 def test_choose_rescale_refuses_what_rescale_refuses():
     with pytest.raises(ValueError, match="not a model rescale knows"):
         lossscale.choose_rescale(PreNorm(), None)
