@@ -128,8 +128,7 @@ def iteration(m, opt, scaler, variant, ids):
     return loss
 
 
-def train(family, variant, ids, steps):
-    m, note = prepare(family, variant, ids)
+def train(m, variant, ids, steps):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     scaler = None if variant == "fp32" else lossscale.GradScaler("cpu")
     losses, taken = [], 0
@@ -138,7 +137,7 @@ def train(family, variant, ids, steps):
         losses.append(iteration(m, opt, scaler, variant, ids).item())
         taken += not torch.equal(before[0], next(iter(m.parameters())).detach())
     end_scale = None if scaler is None else scaler.get_scale()
-    return losses, taken, end_scale, note
+    return losses, taken, end_scale
 
 
 def saved_bytes(m, variant, ids) -> int:
@@ -156,16 +155,19 @@ def saved_bytes(m, variant, ids) -> int:
     return total[0]
 
 
-def timing(family, ids, pairs) -> Dict[str, float]:
-    """Median over interleaved pairs of ``t(variant) / t(fp16)``, each variant against its own fp16 twin."""
+def timing(prepared, ids, pairs) -> Dict[str, float]:
+    """Median over interleaved pairs of ``t(variant) / t(fp16)``, each variant against a run of ``fp16``."""
     models = {}
-    for v in VARIANTS:
-        m, _ = prepare(family, v, ids)
-        models[v] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), None if v == "fp32" else lossscale.GradScaler("cpu"))
-    for v in VARIANTS:  # warm-up
+    for v, m in prepared.items():
+        scaler = None if v == "fp32" else lossscale.GradScaler("cpu")
+        models[v] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), scaler)
+    # The noise floor: fp16 against a second copy of itself (an A/A pair).
+    twin = copy.deepcopy(prepared["fp16"])
+    models["fp16_twin"] = (twin, torch.optim.AdamW(twin.parameters(), lr=1e-3), lossscale.GradScaler("cpu"))
+    for v in models:  # warm-up
         for _ in range(2):
             iteration(*models[v], v, ids)
-    ratios: Dict[str, List[float]] = {v: [] for v in VARIANTS if v != "fp16"}
+    ratios: Dict[str, List[float]] = {v: [] for v in models if v != "fp16"}
     for _ in range(pairs):
         for v in ratios:
             t = []
@@ -253,13 +255,14 @@ def main(argv=None) -> dict:
         ref_model = overflowing(family)
         with torch.no_grad():
             ref = ref_model(ids).logits
-        ref_losses = train(family, "fp32", ids, args.steps)[0]
-        variants = {}
+        ref_losses = train(ref_model, "fp32", ids, args.steps)[0]
+        variants, prepared = {}, {}
         for v in VARIANTS:
             m, note = prepare(family, v, ids)
+            prepared[v] = m
             err = forward_error(m, v, ids, ref)
             mem = saved_bytes(m, v, ids)
-            losses, taken, end_scale, note = train(family, v, ids, args.steps)
+            losses, taken, end_scale = train(m, v, ids, args.steps)
             finite = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses) if math.isfinite(a)]
             variants[v] = {
                 "forward_rel_error": err,
@@ -271,7 +274,9 @@ def main(argv=None) -> dict:
                 "saved_bytes": mem,
                 **note,
             }
-        for v, ratio in timing(family, ids, args.pairs).items():
+        times = timing(prepared, ids, args.pairs)  # the trained models
+        row["time_noise_fp16_vs_fp16"] = times.pop("fp16_twin")
+        for v, ratio in times.items():
             variants[v]["time_ratio_vs_fp16"] = ratio
         for v in VARIANTS:
             variants[v]["saved_bytes_ratio_vs_fp16"] = variants[v]["saved_bytes"] / variants["fp16"]["saved_bytes"]
@@ -349,6 +354,7 @@ def markdown(r: dict) -> str:
         e = row["export"]
         out += [
             "",
+            f"Time noise: fp16 against a second copy of itself (the same pairs): {row['time_noise_fp16_vs_fp16']:.3g}.",
             f"Export (`Rescaling.export`, loaded by `AutoModelForCausalLM.from_pretrained`): float32 rel. diff "
             f"{_g(e['export_float32_rel_diff'])}; float16 rel. diff {_g(e['export_float16_rel_diff'])} (the "
             f"original in float16: {'finite' if e['original_float16_finite'] else 'not finite'}); the tiny model "

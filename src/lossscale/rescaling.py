@@ -172,11 +172,9 @@ _FAMILIES: Tuple[_Family, ...] = (
     ),
 )
 
-_CAUSAL = {"gemma3": "Gemma3ForCausalLM"}  # default: <prefix>ForCausalLM; GPT-2: GPT2LMHeadModel
-
-
 def _causal_cls(f: _Family) -> str:
-    return "GPT2LMHeadModel" if f.name == "gpt2" else _CAUSAL.get(f.name, f"{f.prefix}ForCausalLM")
+    """The class name of the family's language-model head: ``<prefix>ForCausalLM``, GPT-2's ``GPT2LMHeadModel``."""
+    return "GPT2LMHeadModel" if f.name == "gpt2" else f"{f.prefix}ForCausalLM"
 
 
 def _family_of(model: torch.nn.Module) -> Optional[_Family]:
@@ -238,8 +236,6 @@ def _plan(model: torch.nn.Module, f: _Family) -> Tuple[List[RescaleWriter], List
         if want == "Embedding":
             if type(m) is not torch.nn.Embedding or "forward" in vars(m):
                 raise _Unproven(f"{prefix}{attr} is {type(m).__name__}, not a plain Embedding")
-        elif f.name == "gemma2":
-            _exact(f, m, "Gemma2TextScaledWordEmbedding", prefix + attr)
         else:
             _exact(f, m, want, prefix + attr)
         writers.append(RescaleWriter(prefix + attr, how))
@@ -452,7 +448,8 @@ class Rescaling:
         did. Exact (a power of two times a weight) except Gemma's post-norms: their ``1 + weight`` form
         cannot hold a ``1/c`` exactly, so their weight becomes ``(1 + w) / c - 1``, rounded to the weight's
         dtype (the difference it makes is measured in the how-to page). A model rescaled with named
-        writers and readers cannot be exported (its config fields are not known): ``ValueError``.
+        writers and readers cannot be exported (its config fields are not known): ``ValueError``; an undone
+        rescaling: ``RuntimeError``.
 
         Host syncs: it copies the weights.
         """
@@ -461,6 +458,8 @@ class Rescaling:
                 "Rescaling.export: the rescaling was applied to named writers and readers, whose config fields "
                 "are not known; export needs one of the known families"
             )
+        if not self.in_force:
+            raise RuntimeError("Rescaling.export: this rescaling was undone; export before undo()")
         model = self._model()
         if model is None:
             raise RuntimeError("Rescaling.export: the model was garbage-collected")
@@ -591,7 +590,9 @@ def rescale(
         try:
             ws, rs, base_name, layers = _plan(model, f)
         except _Unproven as e:
-            raise ValueError(f"rescale: cannot prove that rescaling {type(model).__name__} preserves its function: {e}")
+            raise ValueError(
+                f"rescale: cannot prove that rescaling {type(model).__name__} preserves its function: {e}"
+            ) from None
         family = f.name
     else:
         ws, rs = _named(model, writers, readers)
@@ -741,7 +742,7 @@ def choose_rescale(model: torch.nn.Module, report: Any, *, headroom_bits: int = 
     try:
         writers, _readers, base_name, layer_names = _plan(model, f)
     except _Unproven as e:
-        raise ValueError(f"choose_rescale: {e}")
+        raise ValueError(f"choose_rescale: {e}") from None
     modules = getattr(report, "modules", None)
     if not isinstance(modules, dict):
         raise TypeError(f"choose_rescale: report must be a lossscale AuditReport, got {type(report).__name__}")
