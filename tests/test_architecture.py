@@ -71,6 +71,9 @@ def test_the_public_surface_is_pinned():
         "AuditReport",
         "keep_fp32",
         "check_setup",
+        "rescale",
+        "Rescaling",
+        "choose_rescale",
     ]
 
 

@@ -41,6 +41,9 @@ _LAZY = {
     "AuditReport": "auditing",
     "keep_fp32": "fp32",
     "check_setup": "setup_check",
+    "rescale": "rescaling",
+    "Rescaling": "rescaling",
+    "choose_rescale": "rescaling",
 }
 
 __all__ = [
@@ -73,6 +76,9 @@ __all__ = [
     "AuditReport",
     "keep_fp32",
     "check_setup",
+    "rescale",
+    "Rescaling",
+    "choose_rescale",
 ]
 
 

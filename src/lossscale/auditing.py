@@ -816,7 +816,7 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
         modules[name] = row
     fp32_bad = _minimal([n for n in fp32_read.order if fp32_read.nonfinite[n] and not fp32_read.nonfinite_input[n]])
     _write_verdicts(modules, rounds.found, already_kept, fp32_bad, hardware)
-    return AuditReport(
+    report = AuditReport(
         device=str(device),
         scale=S,
         scale_source=scale_source,
@@ -835,6 +835,13 @@ def audit(model: torch.nn.Module, loss_fn: Callable, batch, *, scale=None, max_r
         modules=modules,
         notes=notes,
     )
+    # Beside keep_fp32: where the residual stream is what overflows, rescaling it keeps every module in FP16.
+    from .rescaling import audit_advice
+
+    advice = audit_advice(model, report)
+    if advice is not None:
+        notes.append(advice)
+    return report
 
 
 def _shadow_pass(shadow, loss_fn, batch, device, given, notes):

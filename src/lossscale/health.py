@@ -119,7 +119,7 @@ HELD = 10
 #: The verdicts, in order of concern; :meth:`HealthReport.metrics` gives the index as ``verdict``.
 VERDICTS = ("healthy", "recovering", "stuck")
 #: The report's fields that are not numbers (left out of :meth:`HealthReport.metrics`).
-_TEXT_FIELDS = ("verdict", "text", "causes", "overflow_cause", "upcast_modules", "backward_upcasts")
+_TEXT_FIELDS = ("verdict", "text", "causes", "overflow_cause", "upcast_modules", "backward_upcasts", "rescaling")
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ class HealthReport:
         no_fp16: the scaler saw no FP16 work (an FP16 loss, activation or parameter, or FP16 autocast at
             ``scale()``) in its first ``lossscale.diagnosis.NO_FP16_STEPS`` (100) scaled steps, and warned:
             the run trains in FP32 or bf16.
+        rescaling: the residual-stream rescalings in force in this process (``lossscale.rescale``), one
+            line each; None when none is.
     """
 
     verdict: str
@@ -196,6 +198,7 @@ class HealthReport:
     causes: Tuple[Tuple[int, str], ...] = ()
     overflow_cause: Optional[Tuple[int, str]] = None
     no_fp16: bool = False
+    rescaling: Optional[Tuple[str, ...]] = None
 
     def __str__(self) -> str:
         return self.text

@@ -941,7 +941,7 @@ class GradScaler:
         self._learn_landed()
         state, before = (self._init_state, None) if self._t is None else self._t.read()
         sampled = self._telemetry is not None and self._telemetry.overall is not None
-        return self._health.report(
+        report = self._health.report(
             self._policy,
             state,
             before,
@@ -956,6 +956,9 @@ class GradScaler:
             no_fp16=self._fp16_watch.idle,
             **self._opt_in_counts(),
         )
+        from .rescaling import with_rescaling
+
+        return with_rescaling(report)  # which residual-stream rescaling is in force (lossscale.rescale), if any
 
     def overflow_report(self) -> Dict[str, Any]:
         """Why the last step was skipped, as a dict: ``"inf"``, ``"nan"`` (the parameters whose gradients
