@@ -54,9 +54,8 @@ import lossscale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from test_rescale import overflowing  # noqa: E402  (the tests' tiny models)
-
 import transformers  # noqa: E402
+from test_rescale import overflowing  # noqa: E402  (the tests' tiny models)
 
 VARIANTS = ("fp16", "clamp", "upcast", "rescale", "rescale_2^12", "fp32")
 CLAMP = 65504.0 - 1000.0
@@ -86,9 +85,9 @@ def prepare(family: str, variant: str, ids: torch.Tensor):
         note["flushed_frac_at_2^16"] = lossscale.audit(m, loss_fn, ids, scale=2.0**16).flushed_frac
         note["kept_fp32"] = list(report.keep_fp32)
         note["safe_scale"] = report.safe_scale
-        note["kept_params"] = sum(
-            p.numel() for n in report.keep_fp32 for p in m.get_submodule(n).parameters()
-        ) / sum(p.numel() for p in m.parameters())
+        note["kept_params"] = sum(p.numel() for n in report.keep_fp32 for p in m.get_submodule(n).parameters()) / sum(
+            p.numel() for p in m.parameters()
+        )
     elif variant.startswith("rescale"):
         report = lossscale.audit(m, loss_fn, ids)
         choice = lossscale.choose_rescale(m, report)
@@ -239,8 +238,7 @@ def main(argv=None) -> dict:
     transformers.logging.set_verbosity_error()
     ids = batch(args.seq, args.batch)
     results = {
-        "command": "python benchmarks/bench_rescale.py"
-        + ("" if argv is None or not argv else " " + " ".join(argv)),
+        "command": "python benchmarks/bench_rescale.py" + ("" if argv is None or not argv else " " + " ".join(argv)),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.machine(),

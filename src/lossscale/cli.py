@@ -146,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_demo(args) -> int:
     missing = _missing_demo_deps()
     if missing:
-        print(_DEMO_EXTRA_HINT.format(cmd="demo", missing=", ".join(missing), missing_args=" ".join(missing)), file=sys.stderr)
+        print(
+            _DEMO_EXTRA_HINT.format(cmd="demo", missing=", ".join(missing), missing_args=" ".join(missing)),
+            file=sys.stderr,
+        )
         return 2
     from .report.html import check_out_dir
 
@@ -168,7 +171,10 @@ def _cmd_demo(args) -> int:
 def _cmd_audit_demo(args) -> int:
     missing = _missing_demo_deps(need_sklearn=False)
     if missing:
-        print(_DEMO_EXTRA_HINT.format(cmd="audit-demo", missing=", ".join(missing), missing_args=" ".join(missing)), file=sys.stderr)
+        print(
+            _DEMO_EXTRA_HINT.format(cmd="audit-demo", missing=", ".join(missing), missing_args=" ".join(missing)),
+            file=sys.stderr,
+        )
         return 2
     from .report.html import check_out_dir
 
@@ -211,7 +217,10 @@ def _cmd_formats(args) -> int:
 def _cmd_report(args) -> int:
     missing = _missing_demo_deps(need_sklearn=False)
     if missing:
-        print(_DEMO_EXTRA_HINT.format(cmd="report", missing=", ".join(missing), missing_args=" ".join(missing)), file=sys.stderr)
+        print(
+            _DEMO_EXTRA_HINT.format(cmd="report", missing=", ".join(missing), missing_args=" ".join(missing)),
+            file=sys.stderr,
+        )
         return 2
     import warnings
 

@@ -172,6 +172,7 @@ _FAMILIES: Tuple[_Family, ...] = (
     ),
 )
 
+
 def _causal_cls(f: _Family) -> str:
     """The class name of the family's language-model head: ``<prefix>ForCausalLM``, GPT-2's ``GPT2LMHeadModel``."""
     return "GPT2LMHeadModel" if f.name == "gpt2" else f"{f.prefix}ForCausalLM"
