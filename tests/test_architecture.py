@@ -1,8 +1,9 @@
 """The structure's promises: a torch-free policy core, one code path on every device (the snapshots
-that feed the stuck check run on CPU as on CUDA), in-place state, a fused step and update that trace
-without a graph break, no import cycle, and the opt-in features loaded only when used. Sizes (lines,
-functions per iteration) are measured and reported (``benchmarks/count_iteration.py``,
-docs/architecture.md), never gated on: a budget shapes the code to the count."""
+that feed the stuck check run on CPU as on CUDA), in-place state, a fused iteration (unscale_ or
+clip_grad_norm_, step, update) that compiles whole and bitwise eager, no import cycle, and the opt-in
+features loaded only when used. Sizes (lines, functions per iteration) are measured and reported
+(``benchmarks/count_iteration.py``, docs/architecture.md), never gated on: a budget shapes the code to
+the count."""
 
 import math
 import subprocess
@@ -200,9 +201,10 @@ def test_device_type_decisions_live_in_three_named_places():
 # ------------------------------------------------------------------ compile-friendly
 class FusedSGD:
     """A minimal optimizer with torch's amp-scaling contract (reads grad_scale/found_inf, skips on
-    device): plain tensor ops, so dynamo can trace it. torch.optim's own fused optimizers are not
-    traced by ``torch._dynamo.explain`` (``SGD(fused=True).step()`` alone reports -1 graph breaks and
-    0 graphs, torch 2.13), so they cannot show whether the scaler's part breaks the graph."""
+    device): plain tensor ops, so dynamo can trace it. torch.optim's own fused optimizers do not compile
+    whole in torch 2.13 (every step calls ``torch._dynamo.graph_break()``, and the fused kernels are
+    wrapped in ``torch.compiler.disable``: test_torchs_fused_optimizer_step_alone_does_not_compile_whole),
+    so they cannot show whether the scaler's part breaks the graph."""
 
     _step_supports_amp_scaling = True
 
