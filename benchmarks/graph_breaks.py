@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "graph_breaks.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [
-        f"Graph breaks per iteration (unscale_/clip, step, update under torch.compile; torch {torch.__version__}, CPU).",
+        "Graph breaks per iteration (unscale_/clip, step, update under torch.compile; "
+        f"torch {torch.__version__}, CPU).",
         "Regenerate: python benchmarks/graph_breaks.py",
         "",
         "| path | scaler | graph breaks (dynamo's counter) | explain: graphs, breaks | fullgraph=True "
