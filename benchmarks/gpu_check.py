@@ -16,8 +16,13 @@ run cut short keeps what it measured):
    beside torch, for the same paths: the figure the CPU suite can only model.
 4. ``nan_batch``: fused AdamW through a NaN batch: the weights and optimizer state bitwise unchanged,
    the scale kept (the loss check).
-5. ``bench_iteration``: ``benchmarks/bench_iteration.py --device cuda``, the whole-iteration ratios.
-6. ``bench_beyond``: ``benchmarks/bench_beyond.py --device cuda``, what the opt-in features beyond
+5. ``cuda_graph`` (**never run yet**: written without a GPU): fused AdamW (``capturable=True``) at the
+   defaults, ``unscale_`` (or ``clip_grad_norm_``), ``step`` and ``update`` captured in one CUDA graph
+   and replayed over gradients with inf and NaN batches, bitwise the same scaler run eagerly (weights,
+   moments, step counts, scale, growth tracker, counters), no sync per replay; then ``check_stuck()``
+   and ``health()`` eagerly.
+6. ``bench_iteration``: ``benchmarks/bench_iteration.py --device cuda``, the whole-iteration ratios.
+7. ``bench_beyond``: ``benchmarks/bench_beyond.py --device cuda``, what the opt-in features beyond
    scaling cost (the micro-batch drop's read per micro-batch is a real stall there).
 
 Exit status 1 when a step failed. Without CUDA it exits 2 at once.
@@ -172,6 +177,100 @@ def step_nan_batch(quick):
     )
 
 
+def _graph_grads(params, k):
+    """Iteration ``k``'s (scaled) gradients: an inf at k % 8 == 3, a NaN at k % 8 == 7."""
+    g = torch.Generator().manual_seed(k)
+    out = [torch.randn(p.shape, generator=g).mul_(100.0).to(CUDA) for p in params]
+    if k % 4 == 3:
+        out[k % len(out)].view(-1)[0] = float("inf") if k % 8 == 3 else float("nan")
+    return out
+
+
+def _graph_side(clip: bool):
+    """A model, its fused AdamW (capturable, as CUDA-graph capture needs) and a default scaler, warmed
+    up eagerly on a side stream; the calls after the backward as one function."""
+    model = _model(2)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
+    scaler = lossscale.GradScaler("cuda", init_scale=2.0**16, growth_interval=2)
+    for p in params:
+        p.grad = torch.zeros_like(p)  # static gradient buffers, refilled before every replay
+    scaler.scale(torch.ones((), device=CUDA))
+
+    def after_backward():
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
+        else:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k in range(3):
+            for p, g in zip(params, _graph_grads(params, k)):
+                p.grad.copy_(g)
+            after_backward()
+    torch.cuda.current_stream().wait_stream(side)
+    return params, opt, scaler, after_backward
+
+
+def step_cuda_graph(quick):
+    """Never run yet (written without a GPU). The captured iteration against the same scaler eagerly."""
+    rows = {}
+    for name, clip in (("unscale_", False), ("clip_grad_norm_", True)):
+        eager = _graph_side(clip)
+        graphed = _graph_side(clip)
+        params_g, opt_g, scaler_g, after_g = graphed
+        graph = torch.cuda.CUDAGraph()
+        for p, g in zip(params_g, _graph_grads(params_g, 3)):
+            p.grad.copy_(g)
+        with torch.cuda.graph(graph):
+            after_g()
+        mismatches, syncs = [], 0
+        for k in range(3, 11 if quick else 19):  # capture ran nothing: both sides start at iteration 3
+            params_e, opt_e, scaler_e, after_e = eager
+            for p, g in zip(params_e, _graph_grads(params_e, k)):
+                p.grad.copy_(g)
+            after_e()
+            for p, g in zip(params_g, _graph_grads(params_g, k)):
+                p.grad.copy_(g)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    graph.replay()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs += sum("synchroniz" in str(w.message) for w in caught)
+            torch.cuda.synchronize()
+            same = [torch.equal(a, b) for a, b in zip(params_e, params_g)]
+            same += [
+                torch.equal(a, b)
+                for sa, sb in zip(opt_e.state.values(), opt_g.state.values())
+                for a, b in zip(sa.values(), sb.values())
+            ]
+            same += [torch.equal(scaler_e._t.scale, scaler_g._t.scale)]
+            same += [torch.equal(scaler_e._t.growth_tracker, scaler_g._t.growth_tracker)]
+            if not all(same):
+                mismatches.append(k)
+        scaler_g.check_stuck()  # the eager points a captured loop calls now and then (one sync each)
+        verdict = scaler_g.health().verdict
+        counters = (scaler_e.counters(), scaler_g.counters())
+        rows[name] = dict(
+            bitwise=not mismatches,
+            mismatched_iterations=mismatches,
+            syncs_in_replays=syncs,
+            counters_equal=counters[0] == counters[1],
+            counters=counters[1],
+            health=verdict,
+        )
+    ok = all(r["bitwise"] and r["counters_equal"] and r["syncs_in_replays"] == 0 for r in rows.values())
+    ok = ok and all(r["counters"]["skipped_steps"] >= 2 for r in rows.values())
+    return dict(ok=ok, never_run_before=True, rows=rows)
+
+
 def _bench(script: str, quick: bool, *extra: str):
     out = os.environ.get("GPU_CHECK_OUT", os.path.join(ROOT, "benchmarks", "results"))
     argv = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--device", "cuda", "--out", out, *extra]
@@ -195,6 +294,7 @@ STEPS = [
     ("syncs", step_syncs),
     ("kernels", step_kernels),
     ("nan_batch", step_nan_batch),
+    ("cuda_graph", step_cuda_graph),
     ("bench_iteration", step_bench_iteration),
     ("bench_beyond", step_bench_beyond),
 ]

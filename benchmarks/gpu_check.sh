@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_check.sh                 # results under $OUT (or benchmarks/results)
 # It runs benchmarks/gpu_check.py from this source tree (PYTHONPATH=src, no pip): the CUDA tests (when
 # pytest is there), the syncs torch's own detector sees per iteration on every path beside torch's, the
-# kernels the profiler counts per iteration beside torch's, a fused NaN batch, and bench_iteration on
-# the GPU. Every result goes to $OUT/gpu_check.json (rewritten after each step), a summary to stdout.
+# kernels the profiler counts per iteration beside torch's, a fused NaN batch, a fused AdamW iteration
+# (unscale_/clip_grad_norm_, step, update) captured in a CUDA graph and replayed bitwise against eager,
+# skips included (that step has never run yet: written without a GPU), and bench_iteration on the GPU. Every result goes to $OUT/gpu_check.json (rewritten after each step), a summary to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"

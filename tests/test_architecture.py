@@ -1,8 +1,9 @@
 """The structure's promises: a torch-free policy core, one code path on every device (the snapshots
-that feed the stuck check run on CPU as on CUDA), in-place state, a fused step and update that trace
-without a graph break, no import cycle, and the opt-in features loaded only when used. Sizes (lines,
-functions per iteration) are measured and reported (``benchmarks/count_iteration.py``,
-docs/architecture.md), never gated on: a budget shapes the code to the count."""
+that feed the stuck check run on CPU as on CUDA), in-place state, a fused iteration (unscale_ or
+clip_grad_norm_, step, update) that compiles whole and bitwise eager, no import cycle, and the opt-in
+features loaded only when used. Sizes (lines, functions per iteration) are measured and reported
+(``benchmarks/count_iteration.py``, docs/architecture.md), never gated on: a budget shapes the code to
+the count."""
 
 import math
 import subprocess
@@ -203,9 +204,10 @@ def test_device_type_decisions_live_in_three_named_places():
 # ------------------------------------------------------------------ compile-friendly
 class FusedSGD:
     """A minimal optimizer with torch's amp-scaling contract (reads grad_scale/found_inf, skips on
-    device): plain tensor ops, so dynamo can trace it. torch.optim's own fused optimizers are not
-    traced by ``torch._dynamo.explain`` (``SGD(fused=True).step()`` alone reports -1 graph breaks and
-    0 graphs, torch 2.13), so they cannot show whether the scaler's part breaks the graph."""
+    device): plain tensor ops, so dynamo can trace it. torch.optim's own fused optimizers do not compile
+    whole in torch 2.13 (every step calls ``torch._dynamo.graph_break()``, and the fused kernels are
+    wrapped in ``torch.compiler.disable``: test_torchs_fused_optimizer_step_alone_does_not_compile_whole),
+    so they cannot show whether the scaler's part breaks the graph."""
 
     _step_supports_amp_scaling = True
 
@@ -215,9 +217,11 @@ class FusedSGD:
 
     def step(self):
         # Skip exactly as torch's fused kernels do: only when found_inf == 1.0 (any other value steps).
+        # grad_scale None: the gradients are already unscaled (unscale_ or clip_grad_norm_ ran), as torch's.
         skip = self.found_inf == 1.0
         for p in self.param_groups[0]["params"]:
-            p.data.copy_(torch.where(skip, p.data, p.data - p.grad / self.grad_scale * self.lr))
+            grad = p.grad if self.grad_scale is None else p.grad / self.grad_scale
+            p.data.copy_(torch.where(skip, p.data, p.data - grad * self.lr))
 
 
 @pytest.mark.parametrize(
@@ -246,6 +250,107 @@ def test_a_fused_step_and_update_trace_without_graph_breaks(settings):
         explained = torch._dynamo.explain(iteration)()
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def _compiled_and_eager(after_backward, make_optimizer, settings=None, iterations=5, inf_at=3, **compile_kw):
+    """Weights, optimizer state, scaler state and counters after ``iterations`` of a tiny model, the
+    calls after the backward run eagerly and under ``torch.compile(**compile_kw)`` (the first iteration
+    eager: it creates the optimizer's state); iteration ``inf_at`` has an inf gradient."""
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = make_optimizer(model.parameters())
+        scaler = lossscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, **(settings or {}))
+        fn = torch.compile(after_backward, **compile_kw) if compiled else after_backward
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+        for i in range(iterations):
+            model.zero_grad()
+            scaler.scale(model(x).sum()).backward()
+            if i == inf_at:
+                model.weight.grad[0, 0] = math.inf
+            (fn if i else after_backward)(model, opt, scaler)
+        optimizer_state = [v for state in getattr(opt, "state", {}).values() for v in state.values()]
+        tensors = [p.detach().clone() for p in model.parameters()] + optimizer_state
+        results.append((tensors + [scaler._t.scale, scaler._t.growth_tracker], scaler.state_dict(), scaler.counters()))
+    (eager, eager_sd, eager_counts), (graphed, graphed_sd, graphed_counts) = results
+    assert len(eager) == len(graphed)
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b), (a, b)
+    assert eager_sd == graphed_sd
+    assert eager_counts == graphed_counts and graphed_counts["inf_steps"] == 1
+    return graphed_counts
+
+
+def _unscale_step_update(model, opt, scaler):
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+
+
+def _unscale_clip_step_update(model, opt, scaler):
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+
+
+def _own_clip_step_update(model, opt, scaler):
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize(
+    "after_backward",
+    [_unscale_step_update, _unscale_clip_step_update, _own_clip_step_update],
+    ids=["unscale_", "torch clip", "own clip"],
+)
+def test_a_fused_iteration_compiles_whole_and_matches_eager_bitwise_skips_included(after_backward):
+    """unscale_ (or clip_grad_norm_), step and update of a fused optimizer under
+    torch.compile(fullgraph=True): no graph break, and bitwise the eager run, an inf step skipped. The
+    stand-in optimizer: torch's own fused step does not compile whole (the next test)."""
+    # lr a power of two: inductor may fuse the stand-in's p - grad * lr into one rounding (an FMA), which
+    # rounds as eager's two only when the product is exact.
+    # A clip's norm compiled by inductor is not eager's bitwise (its reduction sums in another order:
+    # torch's own clip_grad_norm_ too), so the clips compile whole under aot_eager, which keeps eager's
+    # kernels; the step and update alone under inductor.
+    backend = "inductor" if after_backward is _unscale_step_update else "aot_eager"
+    counts = _compiled_and_eager(
+        after_backward, lambda params: FusedSGD(params, lr=0.125), fullgraph=True, backend=backend
+    )
+    assert counts["skipped_steps"] >= 1
+
+
+def test_torchs_fused_optimizer_step_alone_does_not_compile_whole():
+    """Why the test above uses a stand-in: in this torch, AdamW(fused=True).step() alone (no scaler)
+    breaks the graph twice over: every torch.optim step calls torch._dynamo.graph_break() (around
+    its no_grad), and the fused kernels are wrapped in torch.compiler.disable. When this fails, torch
+    compiles its fused step: run the test above on it."""
+    import torch._dynamo
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], fused=True)
+    opt.step()
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
+        torch.compile(opt.step, fullgraph=True)()
+
+
+def test_torchs_fused_adamw_under_compile_breaks_only_in_torch_optim_and_matches_eager():
+    """The real AdamW(fused=True) under torch.compile (graph breaks allowed): bitwise the eager run,
+    weights, moments, step counts, scale and tracker, an inf step skipped; every graph break is
+    torch.optim's own (its graph_break() and the disabled fused kernel), none the scaler's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _compiled_and_eager(_unscale_step_update, lambda params: torch.optim.AdamW(params, fused=True))
+    reasons = [reason.split("\n")[0] for reason in counters["graph_break"]]
+    assert reasons, "torch.optim's step breaks the graph in this torch"
+    torch_optims = ("Call to `torch._dynamo.graph_break()`", "Skip calling `torch.compiler.disable()`d function")
+    assert all(reason.startswith(torch_optims) for reason in reasons), reasons
 
 
 # ------------------------------------------------------------------ syncs
