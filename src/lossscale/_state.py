@@ -92,7 +92,8 @@ class TensorState:
         """:meth:`values` copied to host memory, as numbers in :meth:`host_values`' order."""
         out, start = [], 0
         for vector, end in zip(self._vectors, self._byte_ends):
-            out += host_bytes[start:end].view(vector.dtype).tolist()
+            # clone: a fresh buffer, aligned for the dtype (a slice's offset may not be); host memory only
+            out += host_bytes[start:end].clone().view(vector.dtype).tolist()
             start = end
         return out
 
