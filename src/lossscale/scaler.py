@@ -507,7 +507,9 @@ class GradScaler:
         if self._bad is None:
             batches = self._microbatches  # with bad_microbatch, the losses judge; every one dropped: bad
             losses = self._losses or ([] if batches is None or batches.kept else batches.dropped_losses)
-            bad = torch.zeros((), dtype=torch.bool, device=device) if not losses else None
+            # No loss to judge (loss_check=False, or a pipeline stage): the state's constant False (never
+            # written: every use below and in the check makes a new tensor), no operation.
+            bad = self._t.false if not losses else None
             for loss in losses:
                 finite = (torch.isfinite(loss) if loss.dim() == 0 else torch.isfinite(loss).all()).to(device)
                 bad = ~finite if bad is None else bad | ~finite
