@@ -83,8 +83,9 @@ def test_the_counters_are_one_vector_whose_elements_are_the_fields():
 
 
 def test_a_counter_at_its_limit_reaches_the_device_and_comes_back_exactly():
-    """The host reads the state through float64, exact below 2**53: check_state holds every int field
-    there. Kills: the limit off by one, an int field read back through float32."""
+    """The host reads each field in its own dtype (the state's bytes, no conversion); check_state holds
+    every int field below 2**53, as the checkpoint's limit. Kills: the limit off by one, an int field read
+    back through float32."""
     p = DynamicPolicy()
     s = p.init_state().replace(steps=2**53 - 1)
     p.check_state(s)
@@ -94,6 +95,27 @@ def test_a_counter_at_its_limit_reaches_the_device_and_comes_back_exactly():
     big = DynamicPolicy(growth_interval=2**31 - 1)
     s = big.init_state().replace(growth_tracker=2**31 - 2)
     assert TensorForm(big, s).to_state().growth_tracker == 2**31 - 2
+
+
+def test_the_device_copy_of_the_state_reads_back_every_field_exactly():
+    """What an accelerator's snapshot copies (:meth:`TensorState.values`: the vectors' bytes, uint8, no
+    float64) unpacks to every field exactly: a float64 field that float32 cannot hold, counters past
+    float32's and int32's exact range, an int32 tracker, the float32 scale and ``scale_before``. Kills: a
+    slice viewed at an unaligned offset, the vectors unpacked in another order, a value converted."""
+    from lossscale.policy import f32
+
+    for p, extra in (
+        (LogMaxPolicy(), dict(x_hat=0.1, slow_x_hat=-1 / 3, b2_correction=1 - 2**-40)),
+        (DynamicPolicy(growth_interval=2**31 - 1), dict(growth_tracker=2**31 - 2)),
+    ):
+        third = f32(1 / 3)  # a float32 field holds a float32 value
+        state = p.init_state().replace(steps=2**53 - 1, nan_steps=2**24 + 1, streak_start_scale=third, **extra)
+        t = TensorState(state, CPU)
+        packed = t.values()
+        assert packed.dtype == torch.uint8
+        values = t.unpack(packed.clone())
+        assert t.decode(values) == (state, state.scale)
+        assert t.read() == t.decode(values) and values == t.host_values()
 
 
 def test_read_gives_the_state_and_the_scale_the_last_update_ran_with():
