@@ -52,6 +52,8 @@ CONFIGS = {
     "bad_microbatch_drop": dict(bad_microbatch="drop"),
     "allow_fp16": dict(allow_fp16=True),
     "upcast": dict(on_forward_overflow="upcast", trace=True, model=True),
+    "backward_upcast": dict(on_backward_overflow="upcast", trace=True, model=True),
+    "hysteresis": dict(hysteresis=2),
     "static": dict(policy="static"),
     "adaptive": dict(policy="adaptive"),
     "logmax": dict(policy="logmax"),
