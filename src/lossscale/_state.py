@@ -39,8 +39,8 @@ class TensorState:
 
     The fields of one dtype live side by side in one vector (``t.scale`` is element 0 of the float32
     one, and so on), each field a 0-dim view of its element: so the host reads the whole state with one
-    ``cat`` of the vectors' bytes (:meth:`values`), and :attr:`counters`, the eight counters every state begins with, move in
-    one operation (:func:`lossscale.policy.count_tensor`).
+    ``cat`` of the vectors' bytes (:meth:`values`), and :attr:`counters`, the eight counters every state
+    begins with, move in one operation (:func:`lossscale.policy.count_tensor`).
     """
 
     def __init__(self, state: ScaleState, device: torch.device):
