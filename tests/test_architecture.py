@@ -181,23 +181,21 @@ def test_a_checkpoint_load_fills_the_state_in_place():
     assert scaler._get_scale_async() is scale is scaler._scale and scale.item() == 2.0**10
 
 
-def test_device_type_decisions_live_in_three_named_places():
+def test_device_type_decisions_live_in_named_places():
     # One code path on every device. Where a device type decides, it is one of: the read-only pass's
-    # kernel (measured per device type), the float32 inverse on devices without float64, and whether a
-    # snapshot needs pinned memory and an event. Nothing else in the core asks.
+    # kernel (measured per device type) and whether a snapshot needs pinned memory and an event. Nothing
+    # else in the core asks (the inverse scale is float32 everywhere: no float64 route to choose).
     import inspect
     import re
 
     from lossscale import _check, _state, adaptive, checkpoint, dynamic, logmax, policy, scaler, static
 
-    allowed = {"largest_magnitudes", "inverse", "Snapshot", "__init__"}
+    allowed = {"largest_magnitudes", "Snapshot", "__init__"}
     for module in (scaler, _check, _state, policy, dynamic, static, adaptive, logmax, checkpoint):
         source = inspect.getsource(module)
-        for m in re.finditer(r'== "cpu"|\.numpy\(\)|NO_FLOAT64', source):
+        for m in re.finditer(r'== "cpu"|\.numpy\(\)', source):
             owners = re.findall(r"\n(?:class|def|    def) (\w+)", source[: m.start()])
             line = source[: m.start()].rsplit("\n", 1)[-1] + source[m.start() :].split("\n", 1)[0]
-            if line.startswith("NO_FLOAT64 ="):
-                continue  # the set's definition
             assert owners and owners[-1] in allowed, (module.__name__, owners[-1:], line)
 
 

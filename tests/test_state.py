@@ -83,8 +83,9 @@ def test_the_counters_are_one_vector_whose_elements_are_the_fields():
 
 
 def test_a_counter_at_its_limit_reaches_the_device_and_comes_back_exactly():
-    """The host reads the state through float64, exact below 2**53: check_state holds every int field
-    there. Kills: the limit off by one, an int field read back through float32."""
+    """The host reads each field in its own dtype (the state's bytes, no conversion); check_state holds
+    every int field below 2**53, as the checkpoint's limit. Kills: the limit off by one, an int field read
+    back through float32."""
     p = DynamicPolicy()
     s = p.init_state().replace(steps=2**53 - 1)
     p.check_state(s)
@@ -94,6 +95,27 @@ def test_a_counter_at_its_limit_reaches_the_device_and_comes_back_exactly():
     big = DynamicPolicy(growth_interval=2**31 - 1)
     s = big.init_state().replace(growth_tracker=2**31 - 2)
     assert TensorForm(big, s).to_state().growth_tracker == 2**31 - 2
+
+
+def test_the_device_copy_of_the_state_reads_back_every_field_exactly():
+    """What an accelerator's snapshot copies (:meth:`TensorState.values`: the vectors' bytes, uint8, no
+    float64) unpacks to every field exactly: a float64 field that float32 cannot hold, counters past
+    float32's and int32's exact range, an int32 tracker, the float32 scale and ``scale_before``. Kills: a
+    slice viewed at an unaligned offset, the vectors unpacked in another order, a value converted."""
+    from lossscale.policy import f32
+
+    for p, extra in (
+        (LogMaxPolicy(), dict(x_hat=0.1, slow_x_hat=-1 / 3, b2_correction=1 - 2**-40)),
+        (DynamicPolicy(growth_interval=2**31 - 1), dict(growth_tracker=2**31 - 2)),
+    ):
+        third = f32(1 / 3)  # a float32 field holds a float32 value
+        state = p.init_state().replace(steps=2**53 - 1, nan_steps=2**24 + 1, streak_start_scale=third, **extra)
+        t = TensorState(state, CPU)
+        packed = t.values()
+        assert packed.dtype == torch.uint8
+        values = t.unpack(packed.clone())
+        assert t.decode(values) == (state, state.scale)
+        assert t.read() == t.decode(values) and values == t.host_values()
 
 
 def test_read_gives_the_state_and_the_scale_the_last_update_ran_with():
@@ -128,25 +150,30 @@ def test_a_device_state_is_not_pickled_but_the_scaler_is():
         pickle.dumps(TensorState(DynamicPolicy().init_state(), CPU))
 
 
+def _torchs_inverse(scale: torch.Tensor) -> torch.Tensor:
+    return scale.double().reciprocal().float()  # torch's GradScaler.unscale_: through float64
+
+
 @settings(max_examples=300, deadline=None)
-@given(bits=st.integers(min_value=0x00800000, max_value=0x7F7FFFFF))  # every normal positive float32
+@given(bits=st.integers(min_value=0x00000001, max_value=0x7F7FFFFF))  # every finite positive float32
 def test_the_inverse_is_torchs_bit_for_bit(bits):
-    """``unscale_`` multiplies by ``inverse(scale)``: torch's ``scale.double().reciprocal().float()``.
+    """``unscale_`` multiplies by ``inverse(scale)``, a float32 reciprocal, bitwise torch's float64 route.
     Kills: an inverse rounded otherwise than to nearest (truncated, or an approximate reciprocal), and a
     subnormal inverse (scales above 2**126) flushed to 0."""
     scale = torch.tensor(struct.unpack("<f", struct.pack("<I", bits))[0], dtype=torch.float32)
-    assert torch.equal(inverse(scale), scale.double().reciprocal().float())
-
-
-@pytest.mark.parametrize("k", [-126, -1, 0, 24, 126, 127])
-def test_a_device_without_float64_takes_the_float32_route_exact_for_powers_of_two(k, monkeypatch):
-    """MPS (and XPUs without float64) cannot run torch's float64 route; the float32 reciprocal is the
-    same value for a power of two (2**127: a subnormal inverse, kept). Tested on CPU by declaring it a
-    device without float64."""
-    from lossscale import _check
-
-    scale = torch.tensor(2.0**k, dtype=torch.float32)
-    expected = scale.double().reciprocal().float()
-    monkeypatch.setattr(_check, "NO_FLOAT64", {"cpu"})
     got = inverse(scale)
-    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert got.dtype == torch.float32 and torch.equal(got, _torchs_inverse(scale))
+
+
+def test_the_float32_inverse_is_torchs_over_every_binade_and_random_scales():
+    """Double rounding through float64 is innocuous for a float32 division, so the float32 reciprocal is
+    torch's value for every finite float32 scale: checked on every power of two (subnormal ones too), the
+    extremes, and a million random bit patterns over the whole range, in one vectorised comparison."""
+    gen = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(1, 0x7F800000, (1_000_000,), generator=gen, dtype=torch.int64)
+    powers = torch.tensor([2.0**k for k in range(-149, 128)], dtype=torch.float32)
+    edges = torch.tensor([1.0, 3.0, 1 / 3, 1e-45, 1.17549435e-38, 1.1754942e-38, 3.4028235e38, 8.507059e37])
+    scales = torch.cat([random_bits.to(torch.int32).view(torch.float32), powers, edges, -powers])
+    got = torch.stack([inverse(s) for s in scales[-600:]])  # the function itself, 0-dim as the scaler calls it
+    assert torch.equal(got, _torchs_inverse(scales[-600:]))
+    assert torch.equal(scales.reciprocal(), _torchs_inverse(scales))  # inverse is this, vectorised

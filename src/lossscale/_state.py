@@ -19,6 +19,7 @@ The host reads the state in two ways:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -33,12 +34,13 @@ DTYPES = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64, "i32":
 class TensorState:
     """A :class:`~lossscale.policy.ScaleState` (any subclass) held on ``device``, one 0-dim tensor per
     field (``t.scale``, ``t.steps``, ``t.growth_tracker``, ...), plus ``t.scale_before``: the scale the
-    last update ran with (float64; written by :func:`lossscale.policy.count_tensor`; not a state field).
+    last update ran with (float32, as the scale; written by :func:`lossscale.policy.count_tensor`; not a
+    state field).
 
     The fields of one dtype live side by side in one vector (``t.scale`` is element 0 of the float32
     one, and so on), each field a 0-dim view of its element: so the host reads the whole state with one
-    ``cat`` of a few vectors, and :attr:`counters`, the eight counters every state begins with, move in
-    one operation (:func:`lossscale.policy.count_tensor`).
+    ``cat`` of the vectors' bytes (:meth:`values`), and :attr:`counters`, the eight counters every state
+    begins with, move in one operation (:func:`lossscale.policy.count_tensor`).
     """
 
     def __init__(self, state: ScaleState, device: torch.device):
@@ -48,7 +50,7 @@ class TensorState:
         by_dtype: Dict[torch.dtype, List[str]] = {}
         for f in self._fields:
             by_dtype.setdefault(DTYPES[field_kind(f)], []).append(f.name)
-        by_dtype.setdefault(torch.float64, []).append("scale_before")
+        by_dtype.setdefault(torch.float32, []).append("scale_before")
         # torch.empty, then load_'s fills: on the device, no copy from host memory (no sync).
         vectors = {dtype: torch.empty(len(names), dtype=dtype, device=self.device) for dtype, names in by_dtype.items()}
         order = []
@@ -57,6 +59,7 @@ class TensorState:
                 setattr(self, name, vectors[dtype][i])
                 order.append(name)
         self._vectors = list(vectors.values())
+        self._byte_ends = list(itertools.accumulate(v.numel() * v.element_size() for v in self._vectors))
         # Where each field sits in values(): the vectors' elements, one vector after the other.
         self._position = {name: i for i, name in enumerate(order)}
         self._host_types = [(f.name, host_type(f), self._position[f.name]) for f in self._fields]
@@ -80,10 +83,19 @@ class TensorState:
         self.scale_before.fill_(state.scale)
 
     def values(self) -> torch.Tensor:
-        """Every field and ``scale_before`` as one float64 vector on the device: one ``cat`` of the
-        per-dtype vectors (it promotes each to float64, which ``scale_before``'s is), no sync. float64
-        holds each exactly: float32 values, int32 trackers, and counters up to 2**53."""
-        return torch.cat(self._vectors)
+        """Every field and ``scale_before`` as the bytes of the per-dtype vectors, one ``uint8`` vector on
+        the device: one ``cat`` of byte views, no sync, and no value converted (each dtype's bits as they
+        are, so every field reads back exactly, and no float64 is made). :meth:`unpack` reads it."""
+        return torch.cat([v.view(torch.uint8) for v in self._vectors])
+
+    def unpack(self, host_bytes: torch.Tensor) -> list:
+        """:meth:`values` copied to host memory, as numbers in :meth:`host_values`' order."""
+        out, start = [], 0
+        for vector, end in zip(self._vectors, self._byte_ends):
+            # clone: a fresh buffer, aligned for the dtype (a slice's offset may not be); host memory only
+            out += host_bytes[start:end].clone().view(vector.dtype).tolist()
+            start = end
+        return out
 
     def host_values(self) -> list:
         """:meth:`values` as numbers, for a state that lives in host memory (the CPU): read where it lies,
@@ -98,7 +110,7 @@ class TensorState:
     def read(self) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` now: one copy to the host, which waits for it (a sync). The copy is
         made even on the CPU, where it is a memcpy, so a sync counter sees the read there too."""
-        return self.decode(self.values().to("cpu", copy=True).tolist())
+        return self.decode(self.unpack(self.values().to("cpu", copy=True)))
 
     def __getstate__(self) -> Any:
         raise TypeError("a TensorState is not pickled: pickle the GradScaler, which stores its state as numbers.")
@@ -132,4 +144,4 @@ class Snapshot:
 
     def read(self) -> Tuple[ScaleState, float]:
         """``(state, scale_before)`` of the update this snapshot followed. Call once :meth:`landed`."""
-        return self._t.decode(self._host if self._event is None else self._host.tolist())
+        return self._t.decode(self._host if self._event is None else self._t.unpack(self._host))

@@ -11,7 +11,8 @@ One iteration (``docs/architecture.md`` draws it whole)::
                     snapshot of the state starts to the host, the landed ones feed health and the stuck check
 
 Configured like torch (``hysteresis=1, min_scale=None, max_scale=None, loss_check=False``) it is bitwise
-torch: the same float32 scale, check+unscale kernel, float64 inverse, update kernel and skip decisions.
+torch: the same float32 scale, check+unscale kernel, inverse (torch's float64 value, computed in float32),
+update kernel and skip decisions.
 Syncs per iteration: one with optimizers without amp-scaling support (torch's ``step()`` pays the same),
 none with fused ones (but ``SGD(fused=True)`` with momentum, on its first step). Reading the state
 (``get_scale()``, ``state()``, ``counters()``, ``health()``, ``state_dict()``) syncs once, as torch's
@@ -506,7 +507,9 @@ class GradScaler:
         if self._bad is None:
             batches = self._microbatches  # with bad_microbatch, the losses judge; every one dropped: bad
             losses = self._losses or ([] if batches is None or batches.kept else batches.dropped_losses)
-            bad = torch.zeros((), dtype=torch.bool, device=device) if not losses else None
+            # No loss to judge (loss_check=False, or a pipeline stage): the state's constant False (never
+            # written: every use below and in the check makes a new tensor), no operation.
+            bad = self._t.false if not losses else None
             for loss in losses:
                 finite = (torch.isfinite(loss) if loss.dim() == 0 else torch.isfinite(loss).all()).to(device)
                 bad = ~finite if bad is None else bad | ~finite
