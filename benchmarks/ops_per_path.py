@@ -125,8 +125,10 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=1))
     else:
         for r in result["rows"]:
-            print(f"{r['optimizer']:14s} {r['clip']:13s} torch {r['torch']:3d}  as torch {r['as torch']:3d}  "
-                  f"defaults {r['defaults']:3d}")
+            print(
+                f"{r['optimizer']:14s} {r['clip']:13s} torch {r['torch']:3d}  as torch {r['as torch']:3d}  "
+                f"defaults {r['defaults']:3d}"
+            )
     return 0
 
 

@@ -44,6 +44,7 @@ __all__ = [
 
 Groups = Dict[torch.device, Dict[torch.dtype, List[torch.Tensor]]]
 
+
 def inverse(scale: torch.Tensor) -> torch.Tensor:
     """``1/scale`` as float32, bitwise torch's ``scale.double().reciprocal().float()``, in one float32
     operation and no float64 tensor (devices without float64, MPS and some Intel XPUs, run it as any other).
