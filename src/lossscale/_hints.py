@@ -81,17 +81,15 @@ class Fp16Watch:
     run pays for it once; any other run, for its first iterations only.
     """
 
-    __slots__ = ("iterations", "seen", "blind", "idle")
+    __slots__ = ("iterations", "seen", "blind", "idle", "watching")
 
     def __init__(self) -> None:
         self.iterations = 0  # the scaled iterations looked at
         self.seen = False  # FP16 work seen
         self.blind = False  # some graph could not be seen into: no verdict
         self.idle = False  # NO_FP16_STEPS iterations without FP16, all seen into: warned
-
-    @property
-    def watching(self) -> bool:
-        return not self.seen and self.iterations < NO_FP16_STEPS
+        self.watching = True  # still looking: neither FP16 seen nor NO_FP16_STEPS iterations (an attribute,
+        # not a property: scale() reads it on every call, and an FP16 run should pay one read for it)
 
     def look(self, outputs: Any, first_of_iteration: bool) -> None:
         """Look at what ``scale()`` got (``first_of_iteration``: its first call since the last update);
@@ -102,9 +100,13 @@ class Fp16Watch:
         fp16 = None if tensor is None else _fp16_work(tensor)  # (a lazy iterable: nothing to see)
         self.seen = bool(fp16)
         self.blind = self.blind or fp16 is None
-        if self.seen or not first_of_iteration:
+        if self.seen:
+            self.watching = False
+            return
+        if not first_of_iteration:
             return
         self.iterations += 1
+        self.watching = self.iterations < NO_FP16_STEPS
         if self.iterations == NO_FP16_STEPS and not self.blind:
             self.idle = True
             warn(f"lossscale.GradScaler: {NO_FP16}. {NO_FP16_FIX} (Warned once.)")
