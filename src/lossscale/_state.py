@@ -88,8 +88,11 @@ class TensorState:
         are, so every field reads back exactly, and no float64 is made). :meth:`unpack` reads it."""
         return torch.cat([v.view(torch.uint8) for v in self._vectors])
 
-    def unpack(self, host_bytes: torch.Tensor) -> list:
-        """:meth:`values` copied to host memory, as numbers in :meth:`host_values`' order."""
+    def unpack(self, host_bytes) -> list:
+        """:meth:`values` copied to host memory (a uint8 tensor, or its bytes as a list of numbers, as a
+        transfer that carries other figures gives them back), as numbers in :meth:`host_values`' order."""
+        if not isinstance(host_bytes, torch.Tensor):
+            host_bytes = torch.tensor(host_bytes, dtype=torch.uint8)  # each byte 0..255: exact as any number
         out, start = [], 0
         for vector, end in zip(self._vectors, self._byte_ends):
             # clone: a fresh buffer, aligned for the dtype (a slice's offset may not be); host memory only

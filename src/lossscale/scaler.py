@@ -1069,7 +1069,7 @@ class GradScaler:
             group = self._check.group() if self._telemetry.wants_reduction() else None
             also = [self._t.values()] if self._enabled and self._t is not None else []
             figures, riding = self._telemetry.metrics_with(group=group, device=self.device, also=also)
-            state = self._t.decode(riding[0])[0] if also else self._init_state
+            state = self._t.decode(self._t.unpack(riding[0]))[0] if also else self._init_state
         out: Dict[str, Any] = {"loss_scale": state.scale if self._enabled else 1.0}
         if self._enabled:
             out.update(_counters(state), **self._opt_in_counts())
