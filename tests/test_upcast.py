@@ -131,8 +131,11 @@ def test_a_module_kept_that_still_overflows_is_named_as_not_an_fp16_problem():
 
 def test_bad_arguments_name_themselves():
     model, _ = overflowing_gpt2()
-    with pytest.raises(ValueError, match="needs trace=True"):
+    with pytest.raises(ValueError, match="on_forward_overflow='upcast' needs trace=True"):
         lossscale.GradScaler(model=model, on_forward_overflow="upcast")
+    for after in (True, 2.0):
+        with pytest.raises(ValueError, match=f"upcast_after={after!r} must be an int >= 1"):
+            lossscale.GradScaler(model=model, trace=True, on_forward_overflow="upcast", upcast_after=after)
     with pytest.raises(ValueError, match="on_forward_overflow='fp32'"):
         lossscale.GradScaler(model=model, trace=True, on_forward_overflow="fp32")
     with pytest.raises(ValueError, match="upcast_after=0"):
