@@ -84,6 +84,8 @@ def test_hooks_are_removed_and_a_tracer_pickles():
     blob = pickle.dumps(tracer)
     tracer.close()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    tracer.close()  # idempotent
+    lossscale.GradScaler(model=model, trace=True).close()  # the model can be traced again
     assert pickle.loads(blob).names == tracer.names
     with pytest.raises(ValueError, match="nn.Module"):
         Tracer(42)
