@@ -153,8 +153,9 @@ def test_a_top_level_module_that_still_overflows_says_to_lower_the_floor():
             scaler.update()
         caught += w
     assert kept_modules(model) == ["up"]
-    assert sum("no enclosing module is left" in str(m.message) and "min_scale=2**-24" in str(m.message) for m in caught) == 1
-    assert all(m.category is RuntimeWarning for m in caught if "no enclosing module is left" in str(m.message))
+    last = [m for m in caught if "no enclosing module is left" in str(m.message)]
+    assert len(last) == 1 and "GradScaler(min_scale=2**-24)" in str(last[0].message)
+    assert last[0].category is RuntimeWarning
     scaler.close()
 
 
@@ -176,6 +177,7 @@ def test_the_option_is_validated():
     scaler.close()
 
 
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint's policy replaces")  # init_scale 4.0: on purpose
 def test_a_checkpoints_upcast_entries_load_as_saved_and_bad_ones_are_refused_by_key():
     model = bench.Model(CFG)
     scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast", init_scale=2.0**10)
