@@ -212,8 +212,14 @@ def test_a_checkpoints_upcast_entries_load_as_saved_and_bad_ones_are_refused_by_
     twin.load_state_dict({**saved, "upcast_modules": ["block"], "upcast_backward": ["block"]})
     assert twin.state_dict()["upcast_modules"] == ["block"] and twin.counters()["upcasts"] == 1
     assert kept_modules(fresh_model) == [] and kept_modules(model) == ["block", "block.up"]
+    # Without the counts (only the modules saved), the modules are kept and the counts start at none.
+    third = lossscale.GradScaler(model=fresh_model, trace=True, on_backward_overflow="upcast", init_scale=4.0)
+    third.load_state_dict({k: v for k, v in saved.items() if not k.endswith("_seen")})
+    assert kept_modules(fresh_model) == ["block", "block.up"]
+    assert third.state_dict()["upcast_seen"] == {} and third.state_dict()["upcast_backward_seen"] == {}
     scaler.close()
     other.close()
+    third.close()
 
 
 def test_off_by_default_nothing_is_held():
