@@ -194,7 +194,7 @@ def test_a_checkpoints_upcast_entries_load_as_saved_and_bad_ones_are_refused_by_
         ("upcast_backward", "block"),
         ("upcast_seen", {"block": -1}),
         ("upcast_backward_seen", {"block.up": -1}),
-        ("upcast_modules", ["block", "block.nowhere"]),
+        ("upcast_modules", ["block.up", "block", "block.nowhere"]),
     ):
         with pytest.raises(ValueError, match=f"'{key}'=" if "nowhere" not in str(bad) else "block.nowhere"):
             scaler.load_state_dict({**saved, key: bad})
