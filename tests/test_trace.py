@@ -300,3 +300,21 @@ def test_a_finite_fp16_output_whose_sum_passes_the_fp16_range_is_no_overflow():
         model.weight.fill_(1.0)
         model.bias.zero_()
     assert _step_report(model, torch.full((2, 8), 25.0), fp16=True) == (None, False)
+
+
+def test_an_iteration_whose_forward_no_hook_saw_is_a_plain_step():
+    # The loss comes from a parameter, not through the model's forward: nothing traced, nothing named.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    reference = copy.deepcopy(model)  # no scaler: torch's own step
+    scaler = lossscale.GradScaler(model=model, trace=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference.weight.square().sum().backward()
+    ref_opt.step()
+    scaler.scale(model.weight.square().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped and scaler.overflow_report()["forward"] is None
+    assert torch.equal(model.weight, reference.weight)
+    scaler.close()
