@@ -154,3 +154,15 @@ def test_a_copy_keeps_the_account():
     for twin in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
         assert twin.counters()["upcasts"] == 1 and twin.health().upcast_modules == (name,)
     scaler.close()
+
+
+def test_the_backward_rule_alone_keeps_nothing_for_a_forward_overflow():
+    model, name = overflowing_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = lossscale.GradScaler("cpu", model=model, trace=True, on_backward_overflow="upcast", upcast_after=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, reports = _train(model, scaler, opt, steps=2)
+    assert [r["forward"] for r in reports] == [name, name]  # named, and skipped, but not kept
+    assert kept_modules(model) == [] and scaler.counters()["upcasts"] == 0
+    scaler.close()
