@@ -151,9 +151,11 @@ def test_a_top_level_module_that_still_overflows_says_to_lower_the_floor():
             scaler.scale(out.float().pow(2).sum() * 64).backward()
             scaler.step(opt)
             scaler.update()
-        caught += [str(m.message) for m in w]
+        caught += w
     assert kept_modules(model) == ["up"]
-    assert sum("no enclosing module is left" in m and "GradScaler(min_scale=2**-24)" in m for m in caught) == 1
+    last = [m for m in caught if "no enclosing module is left" in str(m.message)]
+    assert len(last) == 1 and "GradScaler(min_scale=2**-24)" in str(last[0].message)
+    assert last[0].category is RuntimeWarning
     scaler.close()
 
 
@@ -173,6 +175,51 @@ def test_the_option_is_validated():
     assert kept_modules(model) == []  # validated before anything changed
     assert copy.deepcopy(scaler)._upcast.backward  # a copy keeps the rule
     scaler.close()
+
+
+@pytest.mark.filterwarnings("ignore:lossscale. the checkpoint's policy replaces")  # init_scale 4.0: on purpose
+def test_a_checkpoints_upcast_entries_load_as_saved_and_bad_ones_are_refused_by_key():
+    model = bench.Model(CFG)
+    scaler = lossscale.GradScaler(model=model, trace=True, on_backward_overflow="upcast", init_scale=2.0**10)
+    other = lossscale.GradScaler(model=bench.Model(CFG), trace=True, on_backward_overflow="upcast", init_scale=4.0)
+    saved = {
+        **other.state_dict(),  # another scale: a refused load must not have taken it
+        "upcast_modules": ["block.up", "block"],
+        "upcast_seen": {"block.up": 0},  # a count of 0 is a count
+        "upcast_backward": ["block.up", "block"],
+        "upcast_backward_seen": {"block.up": 2},
+    }
+    for key, bad in (
+        ("upcast_modules", ["block", 3]),
+        ("upcast_backward", "block"),
+        ("upcast_seen", {"block": -1}),
+        ("upcast_backward_seen", {"block.up": -1}),
+        ("upcast_modules", ["block.up", "block", "block.nowhere"]),
+    ):
+        with pytest.raises(ValueError, match=f"'{key}'=" if "nowhere" not in str(bad) else "block.nowhere"):
+            scaler.load_state_dict({**saved, key: bad})
+        # refused before anything changed: the scale, the account, the model
+        assert scaler.get_scale() == 2.0**10 and scaler.state_dict()["upcast_modules"] == []
+        assert scaler.state_dict()["upcast_backward_seen"] == {} and kept_modules(model) == []
+    scaler.load_state_dict(saved)
+    assert kept_modules(model) == ["block", "block.up"] and scaler.get_scale() == 4.0
+    assert {k: scaler.state_dict()[k] for k in saved if k.startswith("upcast")} == {
+        k: v for k, v in saved.items() if k.startswith("upcast")
+    }
+    # A copy keeps the account, not the model: it loads a checkpoint as an account only.
+    twin = copy.deepcopy(scaler)
+    fresh_model = bench.Model(CFG)
+    twin.load_state_dict({**saved, "upcast_modules": ["block"], "upcast_backward": ["block"]})
+    assert twin.state_dict()["upcast_modules"] == ["block"] and twin.counters()["upcasts"] == 1
+    assert kept_modules(fresh_model) == [] and kept_modules(model) == ["block", "block.up"]
+    # Without the counts (only the modules saved), the modules are kept and the counts start at none.
+    third = lossscale.GradScaler(model=fresh_model, trace=True, on_backward_overflow="upcast", init_scale=4.0)
+    third.load_state_dict({k: v for k, v in saved.items() if not k.endswith("_seen")})
+    assert kept_modules(fresh_model) == ["block", "block.up"]
+    assert third.state_dict()["upcast_seen"] == {} and third.state_dict()["upcast_backward_seen"] == {}
+    scaler.close()
+    other.close()
+    third.close()
 
 
 def test_off_by_default_nothing_is_held():

@@ -76,6 +76,50 @@ def test_a_dropped_micro_batch_leaves_the_token_mean_over_the_others(optimizer):
     assert max((a - b).abs().max().item() for a, b in zip(by_count.parameters(), reference.parameters())) > 1e-4
 
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_kept_micro_batches_of_weight_0_give_a_taken_step_of_zero_gradients(optimizer):
+    # The kept micro-batches hold no tokens (weight 0, gradients zeros), the dropped one holds them all:
+    # nothing is left to renormalise, so the step is taken on zero gradients, as torch's optimizer takes it.
+    model = _model()
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    scaler = lossscale.GradScaler(bad_microbatch="drop", init_scale=2.0**10)
+    xs = [torch.empty(0, 8), _batches()[BAD], torch.empty(0, 8)]
+    for x in xs:
+        scaler.scale(_token_loss_sum(model, x) / TOKENS[BAD], weight=len(x)).backward()
+    scaler.step(opt)
+    scaler.update()
+    reference = _model()
+    ref_opt = OPTIMIZERS[optimizer](reference.parameters())
+    for p in reference.parameters():
+        p.grad = torch.zeros_like(p)
+    ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert not scaler.last_step_skipped and scaler.get_scale() == 2.0**10
+    assert scaler.counters()["dropped_weight"] == TOKENS[BAD] and scaler.counters()["dropped_microbatches"] == 1
+
+
+def test_a_weight_is_any_finite_share_at_least_0_and_an_integer_one_stays_exact():
+    model = _model()
+    scaler = lossscale.GradScaler(bad_microbatch="drop")
+    nan_loss = _token_loss_sum(model, _batches()[BAD])
+    for weight in (0, 2**53 + 1, torch.tensor(2**53 + 1)):
+        scaler.scale(nan_loss, weight=weight)  # accepted, and dropped
+    state = scaler.state_dict()
+    assert state["dropped_weight"] == 2**54 + 2 and type(state["dropped_weight"]) is int  # exact past 2**53
+    halves = lossscale.GradScaler(bad_microbatch="drop")
+    halves.scale(nan_loss, weight=0.5)  # a share below 1 is a share too
+    assert halves.counters()["dropped_weight"] == 0.5
+    for saved in (0, 0.5, 2**53 + 1):
+        fresh = lossscale.GradScaler(bad_microbatch="drop")
+        fresh.load_state_dict(dict(state, dropped_weight=saved))
+        value = fresh.counters()["dropped_weight"]
+        assert value == saved and type(value) is type(saved)
+    for saved in (True, math.inf, math.nan, -0.5, "3"):
+        with pytest.raises(ValueError, match="dropped_weight"):
+            fresh.load_state_dict(dict(state, dropped_weight=saved))
+        assert fresh.counters()["dropped_weight"] == 2**53 + 1  # refused before anything changed
+
+
 def test_nothing_dropped_leaves_the_arithmetic_untouched():
     xs = _batches(bad=())
     weighted, _ = _run("AdamW fused", xs)

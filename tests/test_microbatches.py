@@ -73,6 +73,19 @@ def test_a_dropped_micro_batch_leaves_the_step_over_the_others(optimizer, clip):
     assert scaler.get_scale() == ref_scaler.get_scale()  # the scale never saw the bad micro-batch
 
 
+@pytest.mark.parametrize("bad", [[0, 1, 3], [0, 2]], ids=["1 of 4 kept", "2 of 4 kept"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_one_or_half_of_the_micro_batches_kept_is_the_step_over_them_bitwise(optimizer, bad):
+    # Kept shares of 1/4 and 1/2 are powers of two: the renormalised step is the plain one, bit for bit.
+    xs = _batches(4, bad=bad)
+    dropped, scaler = _run("drop", optimizer, xs, divide_by=4)
+    good = [x for i, x in enumerate(xs) if i not in bad]
+    reference, ref_scaler = _run("skip", optimizer, good, divide_by=len(good))
+    assert all(torch.equal(a, b) for a, b in zip(dropped.parameters(), reference.parameters()))
+    assert scaler.counters()["skipped_steps"] == 0 and scaler.counters()["dropped_microbatches"] == 3 * len(bad)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+
+
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_zero_drops_without_renormalising_bitwise(optimizer):
     xs = _batches(4, bad=[0, 2])

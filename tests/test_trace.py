@@ -84,6 +84,8 @@ def test_hooks_are_removed_and_a_tracer_pickles():
     blob = pickle.dumps(tracer)
     tracer.close()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    tracer.close()  # idempotent
+    lossscale.GradScaler(model=model, trace=True).close()  # the model can be traced again
     assert pickle.loads(blob).names == tracer.names
     with pytest.raises(ValueError, match="nn.Module"):
         Tracer(42)
@@ -239,3 +241,80 @@ def test_a_tracer_nobody_holds_stops_tracing():
     for m in (model, restored, copied):
         m(torch.randn(4, 6))
         assert not _hooked(m)
+
+
+def _step_report(model, x, fp16=False):
+    """One step of torch's loop with a traced scaler: (the report's forward, whether the step was skipped)."""
+    scaler = lossscale.GradScaler(model=model, trace=True)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+        out = model(x)
+    out = out["y"] if isinstance(out, dict) else out
+    scaler.scale(out.float().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()["forward"], scaler.last_step_skipped
+    scaler.close()
+    return report
+
+
+def test_a_model_that_is_one_layer_is_named_by_its_type():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    x[0, 0] = math.inf
+    assert _step_report(torch.nn.Linear(6, 3), x) == ("Linear", True)
+
+
+class _DictOut(torch.nn.Module):
+    """A leaf whose output is a dict (as transformers' model outputs are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return {"y": x @ self.weight}
+
+
+class _DictModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = _DictOut(), torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.last(self.first(x)["y"])
+
+
+def test_a_non_finite_value_in_a_dict_output_names_its_module():
+    torch.manual_seed(0)
+    model = _DictModel()
+    with torch.no_grad():
+        model.first.weight[0, 0] = math.inf
+    assert _step_report(model, torch.randn(4, 6)) == ("first", True)
+
+
+def test_a_finite_fp16_output_whose_sum_passes_the_fp16_range_is_no_overflow():
+    # 512 values of 200 each: every one fits FP16, their sum (102400) does not; the check sums in float32.
+    model = torch.nn.Linear(8, 512)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+    assert _step_report(model, torch.full((2, 8), 25.0), fp16=True) == (None, False)
+
+
+def test_an_iteration_whose_forward_no_hook_saw_is_a_plain_step():
+    # The loss comes from a parameter, not through the model's forward: nothing traced, nothing named.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    reference = copy.deepcopy(model)  # no scaler: torch's own step
+    scaler = lossscale.GradScaler(model=model, trace=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference.weight.square().sum().backward()
+    ref_opt.step()
+    scaler.scale(model.weight.square().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped and scaler.overflow_report()["forward"] is None
+    assert torch.equal(model.weight, reference.weight)
+    scaler.close()

@@ -117,17 +117,25 @@ def test_a_module_kept_that_still_overflows_is_named_as_not_an_fp16_problem():
     scaler = _scaler(model, upcast_after=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train(model, scaler, opt, steps=3)
+        _train(model, scaler, opt, steps=2)  # kept on the first skip, named again on the second
     texts = [str(w.message) for w in caught]
     assert any("now runs in FP32" in t for t in texts)
-    assert any("non-finite again: not an FP16 range problem" in t for t in texts)
+    again = [w for w in caught if "non-finite again: not an FP16 range problem" in str(w.message)]
+    assert len(again) == 1 and again[0].category is RuntimeWarning
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        _train(model, scaler, opt, steps=2, start=2)  # named again twice more: said once is enough
+    assert not [w for w in later if "non-finite again" in str(w.message)]
     scaler.close()
 
 
 def test_bad_arguments_name_themselves():
     model, _ = overflowing_gpt2()
-    with pytest.raises(ValueError, match="needs trace=True"):
+    with pytest.raises(ValueError, match="on_forward_overflow='upcast' needs trace=True"):
         lossscale.GradScaler(model=model, on_forward_overflow="upcast")
+    for after in (True, 2.0):
+        with pytest.raises(ValueError, match=f"upcast_after={after!r} must be an int >= 1"):
+            lossscale.GradScaler(model=model, trace=True, on_forward_overflow="upcast", upcast_after=after)
     with pytest.raises(ValueError, match="on_forward_overflow='fp32'"):
         lossscale.GradScaler(model=model, trace=True, on_forward_overflow="fp32")
     with pytest.raises(ValueError, match="upcast_after=0"):
@@ -145,4 +153,16 @@ def test_a_copy_keeps_the_account():
         _train(model, scaler, opt, steps=2)
     for twin in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
         assert twin.counters()["upcasts"] == 1 and twin.health().upcast_modules == (name,)
+    scaler.close()
+
+
+def test_the_backward_rule_alone_keeps_nothing_for_a_forward_overflow():
+    model, name = overflowing_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = lossscale.GradScaler("cpu", model=model, trace=True, on_backward_overflow="upcast", upcast_after=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, reports = _train(model, scaler, opt, steps=2)
+    assert [r["forward"] for r in reports] == [name, name]  # named, and skipped, but not kept
+    assert kept_modules(model) == [] and scaler.counters()["upcasts"] == 0
     scaler.close()
