@@ -220,6 +220,19 @@ def _trainer_lr_before_step():
     transformers.Trainer._get_learning_rate(trainer)
 
 
+def _poisoned_steps(s, steps, value):
+    """``steps`` iterations of a tiny model under ``s`` whose gradients are all ``value`` (inf or NaN)."""
+    model = __import__("torch").nn.Linear(4, 2)
+    for _ in range(steps):
+        model, opt, loss = _loop(model)
+        opt.zero_grad()
+        s.scale(loss).backward()
+        for p in model.parameters():
+            p.grad.fill_(value)
+        s.step(opt)
+        s.update()
+
+
 def _stepped(s, opt, loss):
     s.scale(loss).backward()
     s.step(opt)
@@ -312,36 +325,15 @@ def _bf16():
 
 def _stuck():
     """Overflow at the floor: every gradient inf from the first step, with on_stuck='raise'."""
-    import torch
 
     def run():
-        model = torch.nn.Linear(4, 2)
-        s = _gs(on_stuck="raise", init_scale=2.0**-23)
-        for _ in range(4):
-            model, opt, loss = _loop(model)
-            opt.zero_grad()
-            s.scale(loss).backward()
-            for p in model.parameters():
-                p.grad.fill_(float("inf"))
-            s.step(opt)
-            s.update()
+        _poisoned_steps(_gs(on_stuck="raise", init_scale=2.0**-23), 4, float("inf"))
 
     return run
 
 
 def _nan_stuck():
-    import torch
-
-    model = torch.nn.Linear(4, 2)
-    s = _gs(on_stuck="raise", init_scale=2.0**-20)
-    for _ in range(8):
-        model, opt, loss = _loop(model)
-        opt.zero_grad()
-        s.scale(loss).backward()
-        for p in model.parameters():
-            p.grad.fill_(float("nan"))
-        s.step(opt)
-        s.update()
+    _poisoned_steps(_gs(on_stuck="raise", init_scale=2.0**-20), 8, float("nan"))
 
 
 def _backward_overflow_at_the_floor():
@@ -363,23 +355,11 @@ def _backward_overflow_at_the_floor():
 
 
 def _nan_at_the_floor():
-    import torch
-
-    model = torch.nn.Linear(4, 2)
-    s = _gs(on_stuck="raise", init_scale=2.0**-24)
-    for _ in range(3):
-        model, opt, loss = _loop(model)
-        opt.zero_grad()
-        s.scale(loss).backward()
-        for p in model.parameters():
-            p.grad.fill_(float("nan"))
-        s.step(opt)
-        s.update()
+    _poisoned_steps(_gs(on_stuck="raise", init_scale=2.0**-24), 3, float("nan"))
 
 
 def _scale_backs_off_to_zero():
     """torch's configuration (min_scale=None) and an overflow on every step: the scale halves to 0."""
-    model = __import__("torch").nn.Linear(4, 2)
     s = _gs(
         on_stuck="raise",
         loss_check=False,
@@ -388,14 +368,7 @@ def _scale_backs_off_to_zero():
         init_scale=2.0**-120,
         max_consecutive_skips=40,
     )
-    for _ in range(60):
-        model, opt, loss = _loop(model)
-        opt.zero_grad()
-        s.scale(loss).backward()
-        for p in model.parameters():
-            p.grad.fill_(float("inf"))
-        s.step(opt)
-        s.update()
+    _poisoned_steps(s, 60, float("inf"))
 
 
 def _bad_loss_streak():
