@@ -111,8 +111,10 @@ for line, source in todo:
 """
 
 
-@pytest.mark.parametrize("page", runnable_pages())
-def test_the_page_examples_run_on_cpu(page, tmp_path):
+def run_page(page: str, tmp_path) -> tuple:
+    """Run ``page``'s Python blocks as :data:`_RUNNER` does, in a fresh interpreter on the CPU, nothing
+    downloaded; return ``(stdout, {first line number: what that block printed})``. Fails the calling test,
+    with the output, if a block raises."""
     todo = [(line, src) for line, src in blocks(page) if not compile_only(src)]
     env = dict(
         os.environ,
@@ -134,6 +136,12 @@ def test_the_page_examples_run_on_cpu(page, tmp_path):
     )
     assert done.returncode == 0, f"{page}: an example failed\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     printed = {int(line): out for line, out in json.loads(printed_file.read_text(encoding="utf-8")).items()}
+    return done.stdout, printed
+
+
+@pytest.mark.parametrize("page", runnable_pages())
+def test_the_page_examples_run_on_cpu(page, tmp_path):
+    _, printed = run_page(page, tmp_path)
     for line, shown in shown_outputs(page).items():
         assert printed[line] == shown, f"{page}:{line}: the page shows\n{shown}\nbut the block prints\n{printed[line]}"
 

@@ -712,28 +712,14 @@ def test_a_lagging_device_drops_snapshots_and_the_account_still_adds_up(monkeypa
 
 def test_the_health_page_prints_what_it_quotes(tmp_path):
     """docs/how-to/health.md: each ```text block is, unwrapped, a line that the page's examples print."""
-    import json
     import os
     import re
-    import subprocess
-    import sys
 
-    from test_doc_examples import _RUNNER, ROOT, blocks, compile_only
+    from test_doc_examples import ROOT, run_page
 
     page = "docs/how-to/health.md"
-    todo = [(line, src) for line, src in blocks(page) if not compile_only(src)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(tmp_path / "printed.json")],
-        input=json.dumps([page, todo]),
-        text=True,
-        capture_output=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout.splitlines()
+    stdout, _ = run_page(page, tmp_path)
+    printed = stdout.splitlines()
     with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
         quoted = re.findall(r"^```text\n(.*?)^```", fh.read(), re.MULTILINE | re.DOTALL)
     assert len(quoted) == 3
