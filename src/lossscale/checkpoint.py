@@ -33,7 +33,7 @@ from typing import Any, Dict, Tuple
 from ._validate import plain_bool, plain_number
 from ._warnings import warn
 from .dynamic import DynamicPolicy
-from .policy import SMALLEST_SCALE, ScaleState, f32, field_kind, host_type, policy_types
+from .policy import ScaleState, f32, field_kind, host_type, policy_types
 
 __all__ = ["STATE_DICT_VERSION", "TORCH_KEYS", "to_dict", "load"]
 
@@ -199,7 +199,7 @@ def _load_torch(sd: Dict[str, Any], current) -> Tuple[Any, ScaleState]:
             f"state dict 'scale'={scale!r} must be >= 0 and below float32's 3.4e38, where the scale is kept."
         )
     lo, hi = current.min_scale, current.max_scale
-    if lo is not None and f32(scale) < SMALLEST_SCALE:  # where torch's unbounded backoff goes, on to 0
+    if f32(scale) < current.smallest_scale():  # below 2**-126, where torch's unbounded backoff goes, on to 0
         raise ValueError(
             f"state dict 'scale'={scale!r} is below float32's normal range (2**-126), where 1/scale is inf "
             f"and no step trains; this scaler has min_scale={lo!r}. To load it as torch's scaler does, build "
